@@ -1,0 +1,1 @@
+"""The `onebit` command line: parses, calls the library, prints. No engine logic here."""

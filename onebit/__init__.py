@@ -1,0 +1,15 @@
+"""onebit: run GGUF mixture-of-experts language models on unified-memory machines."""
+
+from .errors import OnebitError
+
+__version__ = "0.1.0"
+
+
+def load(path, backend: str = "numpy", n_ctx=None):
+    """Open a GGUF model; see `onebit.model.Model`."""
+    from .model import load as _load
+
+    return _load(path, backend=backend, n_ctx=n_ctx)
+
+
+__all__ = ["load", "OnebitError", "__version__"]

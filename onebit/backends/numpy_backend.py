@@ -1,0 +1,125 @@
+"""The numpy reference backend: float32 activations, weights dequantized per use.
+
+Every op here is the plain twin that faster backends are checked against. Weights stay in
+the file's memory map; a quantized matrix is dequantized when a matmul needs it and
+dropped afterwards, so the process never holds a float32 copy of the model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..gguf_file import GGUFFile, Tensor
+from ..quants import QTYPES
+
+
+def dequantize(t: Tensor, index=None) -> np.ndarray:
+    """float32 values of tensor `t` (or of `t.raw[index]`, e.g. one expert or some rows)."""
+    raw = t.raw if index is None else t.raw[index]
+    return QTYPES[t.qtype].dequantize(raw)
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    def __init__(self, gguf: GGUFFile):
+        self.gguf = gguf
+
+    # -- weights ------------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def weight(self, name: str) -> np.ndarray:
+        return dequantize(self.gguf.tensor(name))
+
+    def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """get_rows: [R] token ids -> [R, dim], dequantizing only the rows asked for."""
+        return dequantize(self.gguf.tensor(name), np.asarray(ids, dtype=np.int64))
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x: [R, in] @ W[out, in].T -> [R, out]."""
+        return x @ dequantize(self.gguf.tensor(name)).T
+
+    # -- elementwise and normalisation --------------------------------------------------
+
+    @staticmethod
+    def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        ms = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+        return (x / np.sqrt(ms + np.float32(eps))) * w
+
+    @staticmethod
+    def silu(x: np.ndarray) -> np.ndarray:
+        return x / (np.float32(1.0) + np.exp(-x))
+
+    @staticmethod
+    def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
+        """x: [R, H, D] rotated in its first n_rot dims by each row's position pos: [R]."""
+        inv_freq = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
+        ang = (pos.astype(np.float64) * scale)[:, None] * inv_freq[None, :]  # [R, n_rot/2]
+        cos = np.cos(ang).astype(np.float32)[:, None, :]  # [R, 1, n_rot/2]
+        sin = np.sin(ang).astype(np.float32)[:, None, :]
+        out = x.copy()
+        if neox:
+            half = n_rot // 2
+            a, b = x[..., :half], x[..., half:n_rot]
+            out[..., :half] = a * cos - b * sin
+            out[..., half:n_rot] = a * sin + b * cos
+        else:
+            a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+            out[..., 0:n_rot:2] = a * cos - b * sin
+            out[..., 1:n_rot:2] = a * sin + b * cos
+        return out
+
+    @staticmethod
+    def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+        e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+        return e / np.sum(e, axis=axis, keepdims=True)
+
+    # -- attention ----------------------------------------------------------------------
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        """Causal GQA attention.
+
+        q: [R, H, D] at positions q_pos; k: [S, Hkv, D], v: [S, Hkv, Dv] for positions 0..S-1.
+        Returns [R, H * Dv].
+        """
+        R, H, D = q.shape
+        S, Hkv, Dv = v.shape
+        group = H // Hkv
+        qg = q.reshape(R, Hkv, group, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
+        kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
+        scores = (qg @ kt[:, None]) * np.float32(1.0 / np.sqrt(D))  # [Hkv, G, R, S]
+        mask = np.arange(S)[None, :] > q_pos[:, None]  # [R, S]
+        scores = np.where(mask, np.float32(-np.inf), scores)
+        p = self.softmax(scores)
+        out = p @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, R, Dv]
+        return out.transpose(2, 0, 1, 3).reshape(R, H * Dv)
+
+    # -- mixture of experts -------------------------------------------------------------
+
+    def route(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Softmax over all experts, keep the top k. logits: [R, E] -> ids [R, k], weights [R, k]."""
+        probs = self.softmax(logits)
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [R, k]
+        w = np.take_along_axis(probs, ids, axis=-1)
+        if norm:
+            w = w / np.sum(w, axis=-1, keepdims=True)
+        return ids, w.astype(np.float32)
+
+    def experts(self, x: np.ndarray, prefix: str, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)).
+
+        x: [R, dim]; ids, weights: [R, k]. Expert e of `ffn_gate_exps` is raw[e]: [hidden, dim].
+        """
+        gate = self.gguf.tensor(f"{prefix}.ffn_gate_exps.weight")
+        up = self.gguf.tensor(f"{prefix}.ffn_up_exps.weight")
+        down = self.gguf.tensor(f"{prefix}.ffn_down_exps.weight")
+        out = np.zeros_like(x)
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)
+            xe = x[rows]  # [n, dim]
+            h = self.silu(xe @ dequantize(gate, int(e)).T) * (xe @ dequantize(up, int(e)).T)  # [n, hidden]
+            y = h @ dequantize(down, int(e)).T  # [n, dim]
+            out[rows] += y * weights[rows, slot][:, None]
+        return out

@@ -1,0 +1,118 @@
+"""The frozen model configuration, filled once from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ModelFileError, UnsupportedModelError
+from .gguf_file import GGUFFile
+
+# Sanity bounds: a header claiming more than this is corrupt, not a big model.
+MAX_DIM = 1 << 17
+MAX_LAYERS = 1024
+MAX_EXPERTS = 1 << 12
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    dim: int
+    hidden_dim: int  # dense FFN width (0 when every layer is MoE)
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # key/query width per head
+    head_dim_v: int  # value width per head
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    rope_neox: bool  # NeoX pairs (i, i + d/2) vs interleaved pairs (2i, 2i + 1)
+    rope_scale: float  # linear position scaling (1.0 = none)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_hidden_dim: int = 0
+    shared_expert_hidden_dim: int = 0
+    expert_weights_norm: bool = False  # renormalise the top-k routing weights to sum to 1
+    qk_norm: str = "none"  # "none" | "head" (per head, qwen3) | "full" (whole projection, olmoe)
+    attn_bias: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+
+def _int(g: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi: int = MAX_DIM) -> int:
+    v = g.get(key, default)
+    if v is None:
+        raise ModelFileError(f"{g.path}: metadata key {key!r} is missing")
+    if isinstance(v, np.ndarray):
+        if v.size == 0 or not np.all(v == v.flat[0]):
+            raise UnsupportedModelError(f"{g.path}: {key!r} varies per layer, which onebit does not support yet")
+        v = v.flat[0].item()
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is out of range ({lo}..{hi})")
+    return v
+
+
+def _float(g: GGUFFile, key: str, default: float) -> float:
+    v = g.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+        raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is not a number")
+    return float(v)
+
+
+def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", default_weights_norm=False) -> ModelConfig:
+    """Read the llama-family keys every supported architecture shares."""
+    a = g.architecture
+    dim = _int(g, f"{a}.embedding_length")
+    n_heads = _int(g, f"{a}.attention.head_count", hi=4096)
+    n_kv_heads = _int(g, f"{a}.attention.head_count_kv", n_heads, hi=4096)
+    if n_heads % n_kv_heads:
+        raise ModelFileError(f"{g.path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}")
+    head_dim = _int(g, f"{a}.attention.key_length", dim // n_heads if dim % n_heads == 0 else None)
+    head_dim_v = _int(g, f"{a}.attention.value_length", head_dim)
+    n_experts = _int(g, f"{a}.expert_count", 0, lo=0, hi=MAX_EXPERTS)
+    n_used = _int(g, f"{a}.expert_used_count", 0, lo=0, hi=MAX_EXPERTS)
+    if n_experts and not 1 <= n_used <= n_experts:
+        raise ModelFileError(f"{g.path}: expert_used_count {n_used} is not between 1 and expert_count {n_experts}")
+    tokens = g.get("tokenizer.ggml.tokens")
+    embd = g.tensor("token_embd.weight")
+    vocab = embd.shape[0]
+    if tokens is not None and len(tokens) > vocab:
+        raise ModelFileError(f"{g.path}: {len(tokens)} tokens but token_embd has only {vocab} rows")
+    scaling = g.get(f"{a}.rope.scaling.type", "none")
+    rope_scale = 1.0
+    if scaling == "linear":
+        rope_scale = 1.0 / _float(g, f"{a}.rope.scaling.factor", 1.0)
+    elif scaling not in ("none", None):
+        raise UnsupportedModelError(f"{g.path}: RoPE scaling {scaling!r} is not supported yet")
+    wnorm = g.get(f"{a}.expert_weights_norm", default_weights_norm)
+    return ModelConfig(
+        arch=a,
+        dim=dim,
+        hidden_dim=_int(g, f"{a}.feed_forward_length", 0, lo=0),
+        n_layers=_int(g, f"{a}.block_count", hi=MAX_LAYERS),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        vocab_size=vocab,
+        context_length=_int(g, f"{a}.context_length", 4096, hi=1 << 24),
+        norm_eps=_float(g, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=_float(g, f"{a}.rope.freq_base", 10000.0),
+        rope_dim=_int(g, f"{a}.rope.dimension_count", head_dim),
+        rope_neox=rope_neox,
+        rope_scale=rope_scale,
+        n_experts=n_experts,
+        n_experts_used=n_used,
+        # llama (Mixtral) and olmoe files give the expert width as feed_forward_length.
+        expert_hidden_dim=_int(g, f"{a}.expert_feed_forward_length", g.get(f"{a}.feed_forward_length", 0), lo=0),
+        shared_expert_hidden_dim=_int(g, f"{a}.expert_shared_feed_forward_length", 0, lo=0),
+        expert_weights_norm=bool(wnorm),
+        qk_norm=qk_norm,
+        attn_bias="blk.0.attn_q.bias" in g.tensors,
+    )

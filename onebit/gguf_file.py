@@ -1,0 +1,355 @@
+"""GGUF files: memory-mapped, validated, split-aware.
+
+Parsing is the `gguf` package's `GGUFReader`. Before it runs, `_scan_header` walks the
+header with a bound check on every length and count, because the reader trusts them: a
+mutated array length can make it loop for ~2**64 iterations or build huge lists. After
+it, every tensor is checked against the file's real size. Nothing here copies weights:
+`Tensor.raw` is a view into the file's memory map.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ModelFileError, UnsupportedModelError
+from .quants import QTYPES, type_name
+
+GGUF_MAGIC = b"GGUF"
+MAX_DIMS = 4
+MAX_KEY_LEN = 1 << 16
+MAX_NESTING = 4
+
+# GGUF value types: id -> (struct format, byte size); 8 = string, 9 = array.
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    qtype: int  # GGML type id
+    shape: tuple[int, ...]  # numpy order: rows..., row length last
+    raw: np.ndarray  # uint8 [*shape[:-1], row_bytes], a view into the file map
+    file: str
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+    @property
+    def n_bytes(self) -> int:
+        return int(self.raw.size)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over a bytes-like header."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.path = buf, 0, path
+        self.size = len(buf)
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ModelFileError(
+                f"{self.path}: truncated or corrupt GGUF header ({what} at byte {self.pos} runs past "
+                f"the end of the {self.size}-byte file)"
+            )
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = struct.unpack_from("<I", self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = struct.unpack_from("<Q", self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def skip(self, n: int, what: str) -> None:
+        self.need(n, what)
+        self.pos += n
+
+    def string(self, what: str, max_len: int | None = None) -> bytes:
+        n = self.u64(f"length of {what}")
+        if max_len is not None and n > max_len:
+            raise ModelFileError(f"{self.path}: corrupt GGUF header ({what} claims {n} bytes)")
+        self.need(n, what)
+        s = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return s
+
+
+def _scan_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> None:
+    if vtype in _SCALARS:
+        cur.skip(_SCALARS[vtype], f"value of {key!r}")
+    elif vtype == _STRING:
+        n = cur.u64(f"string length in {key!r}")
+        cur.skip(n, f"string in {key!r}")
+    elif vtype == _ARRAY:
+        if depth >= MAX_NESTING:
+            raise ModelFileError(f"{cur.path}: corrupt GGUF header (arrays nested too deep in {key!r})")
+        etype = cur.u32(f"array type of {key!r}")
+        count = cur.u64(f"array length of {key!r}")
+        if etype in _SCALARS:
+            cur.skip(count * _SCALARS[etype], f"array {key!r} of {count} items")
+        elif etype in (_STRING, _ARRAY):
+            # Every element takes at least 8 bytes, so a count the file cannot hold is corrupt.
+            if count * 8 > cur.size - cur.pos:
+                raise ModelFileError(f"{cur.path}: corrupt GGUF header (array {key!r} claims {count} items)")
+            for _ in range(count):
+                _scan_value(cur, etype, key, depth + 1)
+        else:
+            raise ModelFileError(f"{cur.path}: corrupt GGUF header (unknown array type {etype} in {key!r})")
+    else:
+        raise ModelFileError(f"{cur.path}: corrupt GGUF header (unknown value type {vtype} for {key!r})")
+
+
+def _scan_header(buf, path: str) -> list[tuple[str, int]]:
+    """Check every length, count and tensor extent in the header; return (tensor name, type id)."""
+    cur = _Cursor(buf, path)
+    cur.need(4, "magic")
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+    cur.pos = 4
+    version = cur.u32("version")
+    if version & 0xFFFF == 0 and version != 0:
+        raise ModelFileError(f"{path}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise ModelFileError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    # A key/value takes at least 8 + 1 + 4 + 1 bytes and a tensor entry at least 8 + 4 + 8 + 4 + 8.
+    if n_kv * 13 > cur.size or n_tensors * 32 > cur.size:
+        raise ModelFileError(
+            f"{path}: corrupt GGUF header ({n_kv} metadata entries / {n_tensors} tensors cannot fit in "
+            f"{cur.size} bytes)"
+        )
+    alignment = 32
+    for i in range(n_kv):
+        key = cur.string(f"key {i}", MAX_KEY_LEN).decode("utf-8", "replace")
+        vtype = cur.u32(f"type of {key!r}")
+        if key == "general.alignment":
+            if vtype != 4:
+                raise ModelFileError(f"{path}: general.alignment must be a uint32")
+            alignment = cur.u32("general.alignment")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise ModelFileError(f"{path}: general.alignment {alignment} is not a power of two")
+            continue
+        _scan_value(cur, vtype, key)
+    entries = []
+    for i in range(n_tensors):
+        name = cur.string(f"tensor name {i}", MAX_KEY_LEN).decode("utf-8", "replace")
+        n_dims = cur.u32(f"dimension count of {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
+        dims = [cur.u64(f"dimensions of tensor {name!r}") for _ in range(n_dims)]
+        type_id = cur.u32(f"type of tensor {name!r}")
+        offset = cur.u64(f"offset of tensor {name!r}")
+        entries.append((name, dims, type_id, offset))
+    data_start = (cur.pos + alignment - 1) // alignment * alignment
+    for name, dims, type_id, offset in entries:
+        q = QTYPES.get(type_id)
+        if q is None:
+            raise UnsupportedModelError(
+                f"{path}: tensor {name!r} has type {type_name(type_id)}, which onebit does not support "
+                f"(supported: {', '.join(sorted(c.name for c in QTYPES.values()))})"
+            )
+        if any(d == 0 for d in dims):
+            raise ModelFileError(f"{path}: tensor {name!r} has an empty dimension {dims}")
+        if dims[0] % q.block_size:
+            raise ModelFileError(
+                f"{path}: tensor {name!r} row length {dims[0]} is not a multiple of {q.name}'s block of {q.block_size}"
+            )
+        n_bytes = dims[0] // q.block_size * q.type_size
+        for d in dims[1:]:
+            n_bytes *= d  # Python ints: no overflow, and we stop as soon as it exceeds the file
+            if n_bytes > cur.size:
+                break
+        start = data_start + offset
+        if offset % alignment:
+            raise ModelFileError(f"{path}: tensor {name!r} data offset {offset} is not {alignment}-aligned")
+        if start + n_bytes > cur.size:
+            raise ModelFileError(
+                f"{path}: tensor {name!r} ({q.name}, dims {dims}) needs bytes up to {start + n_bytes} but the "
+                f"file has {cur.size}: the file is truncated or corrupt"
+            )
+    return [(name, type_id) for name, _, type_id, _ in entries]
+
+
+def _field_value(field) -> Any:
+    from gguf import GGUFValueType
+
+    t0 = field.types[0]
+    if t0 == GGUFValueType.ARRAY:
+        if len(field.types) < 2:  # empty array
+            return []
+        if field.types[1] == GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+        if field.types[1] == GGUFValueType.ARRAY:
+            return field.contents()
+        if not field.data:
+            return np.zeros(0)
+        return np.concatenate([field.parts[i] for i in field.data]).astype(field.parts[field.data[0]].dtype.newbyteorder("="))
+    if t0 == GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    v = field.parts[field.data[0]][0]
+    return v.item()
+
+
+def _split_paths(path: Path) -> list[Path]:
+    m = _SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    if count < 1 or count > 9999:
+        raise ModelFileError(f"{path}: bad split file name")
+    paths = [path.with_name(f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ModelFileError(f"{path}: split model is missing part(s): {', '.join(missing)}")
+    return paths
+
+
+class GGUFFile:
+    """One model: metadata from the first part, tensors from every part of a split file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        p = Path(path)
+        if not p.exists():
+            raise ModelFileError(f"{path}: no such file")
+        if not p.is_file():
+            raise ModelFileError(f"{path}: not a regular file")
+        self.paths = [str(x) for x in _split_paths(p)]
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, Tensor] = {}
+        self.file_bytes = 0
+        for i, part in enumerate(self.paths):
+            meta, tensors = self._read_part(part)
+            if i == 0:
+                self.metadata = meta
+            for t in tensors:
+                if t.name in self.tensors:
+                    raise ModelFileError(f"{part}: tensor {t.name!r} appears in more than one split part")
+                self.tensors[t.name] = t
+        count = self.metadata.get("split.count")
+        if count is not None and int(count) != len(self.paths):
+            raise ModelFileError(
+                f"{self.path}: file says it is split into {count} parts but {len(self.paths)} were found; "
+                "pass the first part (*-00001-of-0000N.gguf) with all parts beside it"
+            )
+
+    def _read_part(self, path: str) -> tuple[dict[str, Any], list[Tensor]]:
+        from gguf import GGUFReader
+
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                if size == 0:
+                    raise ModelFileError(f"{path}: empty file, not a GGUF model")
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                    infos = _scan_header(buf, path)
+        except PermissionError as e:
+            raise ModelFileError(f"{path}: cannot read file ({e.strerror})") from None
+        except IsADirectoryError:
+            raise ModelFileError(f"{path}: is a directory, not a GGUF file") from None
+        except OSError as e:
+            raise ModelFileError(f"{path}: cannot read file ({e.strerror or e})") from None
+        self.file_bytes += size
+        try:
+            reader = GGUFReader(path, "r")
+        except ModelFileError:
+            raise
+        except (ValueError, KeyError, IndexError, UnicodeDecodeError, OverflowError) as e:
+            raise ModelFileError(f"{path}: corrupt GGUF header ({e})") from None
+        except Exception as e:  # unknown tensor type ids surface here as ValueError subclasses and others
+            raise ModelFileError(f"{path}: cannot parse GGUF header ({type(e).__name__}: {e})") from None
+        meta = {}
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            try:
+                meta[key] = _field_value(field)
+            except Exception as e:
+                raise ModelFileError(f"{path}: corrupt metadata value for {key!r} ({e})") from None
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = [self._tensor(path, reader, rt, data, size) for rt in reader.tensors]
+        return meta, tensors
+
+    @staticmethod
+    def _tensor(path, reader, rt, data, size) -> Tensor:
+        name = rt.name
+        type_id = int(rt.tensor_type)
+        q = QTYPES.get(type_id)
+        if q is None:
+            raise UnsupportedModelError(
+                f"{path}: tensor {name!r} has type {type_name(type_id)}, which onebit does not support "
+                f"(supported: {', '.join(sorted(c.name for c in QTYPES.values()))})"
+            )
+        dims = [int(d) for d in rt.field.parts[3]]  # ggml order: row length first
+        if any(d <= 0 for d in dims):
+            raise ModelFileError(f"{path}: tensor {name!r} has an empty or negative dimension {dims}")
+        if dims[0] % q.block_size:
+            raise ModelFileError(
+                f"{path}: tensor {name!r} row length {dims[0]} is not a multiple of {q.name}'s block of {q.block_size}"
+            )
+        row_bytes = dims[0] // q.block_size * q.type_size
+        n_rows = 1
+        for d in dims[1:]:
+            n_rows *= d
+        n_bytes = row_bytes * n_rows
+        start = reader.data_offset + int(rt.field.parts[5][0])
+        if start % reader.alignment:
+            raise ModelFileError(f"{path}: tensor {name!r} data offset {start} is not {reader.alignment}-aligned")
+        if n_bytes > size or start + n_bytes > size:
+            raise ModelFileError(
+                f"{path}: tensor {name!r} ({q.name}, shape {dims}) needs bytes {start}..{start + n_bytes} but the "
+                f"file has {size}: the file is truncated or corrupt"
+            )
+        shape = tuple(reversed(dims))
+        raw = data[start : start + n_bytes].reshape(*shape[:-1], row_bytes)
+        return Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path)
+
+    # -- conveniences -----------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelFileError(f"{self.path}: metadata has no general.architecture")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise ModelFileError(f"{self.path}: metadata key {key!r} is missing")
+        return self.metadata[key]
+
+    def tensor(self, name: str) -> Tensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
+        return t
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Metadata of a GGUF file (first part of a split model) as plain Python values."""
+    return GGUFFile(path).metadata

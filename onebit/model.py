@@ -1,0 +1,104 @@
+"""The public model object: tokenizer, chat template, network and backend in one place."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from .backends import make_backend
+from .chat_template import render_chat
+from .errors import UsageError
+from .generate import GenerationResponse, stream_generate
+from .gguf_file import GGUFFile
+from .models import model_class
+from .sample import make_logits_processors, make_sampler
+from .tokenizer import Tokenizer
+
+DEFAULT_CONTEXT = 4096
+
+
+class Model:
+    def __init__(self, path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None):
+        self.path = str(path)
+        self.gguf = GGUFFile(path)
+        self.be = make_backend(backend, self.gguf)
+        self.net = model_class(self.gguf.architecture, self.path)(self.gguf, self.be)
+        self.cfg = self.net.cfg
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
+        if n_ctx is not None and n_ctx < 1:
+            raise UsageError(f"context length must be >= 1, got {n_ctx}")
+        self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, self.cfg.context_length)
+        self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
+
+    # -- text -------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        tok = self.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos, eos_token=eos, source=self.path)
+
+    def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a rendered conversation; BOS is added only if the template did not write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        ids = self.tokenize(text, add_special=False, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    # -- compute ----------------------------------------------------------------------
+
+    def new_cache(self):
+        return self.net.make_cache()
+
+    def logits(self, ids: Sequence[int], chunk: int = 256) -> np.ndarray:
+        """Teacher-forced logits at every position from an empty context: [len(ids), vocab] float32."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self._check_ids(ids)
+        cache = self.new_cache()
+        out = [self.net.forward(ids[s : s + chunk], cache) for s in range(0, len(ids), chunk)]
+        if not out:
+            return np.zeros((0, self.cfg.vocab_size), np.float32)
+        return np.concatenate(out).astype(np.float32, copy=False)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
+            raise UsageError(f"token ids must be in [0, {self.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+
+    def generate(
+        self, prompt: str | Sequence[int] | list[dict], max_tokens: int = 256, temperature: float = 0.0,
+        top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+        seed: Optional[int] = None, stop: Sequence[str] = (), cache=None,
+    ) -> Iterator[GenerationResponse]:
+        """Yield GenerationResponse pieces. `prompt` is text, token ids, or chat messages (rendered
+        with the model's chat template)."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            ids = self.chat_tokens(list(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+            self._check_ids(np.asarray(ids, dtype=np.int64))
+        if not ids:
+            raise UsageError("the prompt is empty: give at least one token")
+        if max_tokens < 0:
+            raise UsageError(f"max tokens must be >= 0, got {max_tokens}")
+        sampler = make_sampler(temperature, top_p, min_p, top_k, seed)
+        procs = make_logits_processors(repetition_penalty)
+        yield from stream_generate(self, ids, max_tokens=max_tokens, sampler=sampler, processors=procs,
+                                   stop=stop, cache=cache)
+
+
+def load(path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None) -> Model:
+    """Open a GGUF model (memory-mapped) on the given backend."""
+    return Model(path, backend=backend, n_ctx=n_ctx)

@@ -1,0 +1,26 @@
+"""Architectures, one file each, found by GGUF `general.architecture` name."""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import UnsupportedModelError
+
+# GGUF architecture name -> module under onebit.models
+ARCHITECTURES = {
+    "qwen3moe": "qwen3moe",
+    "qwen2moe": "qwen2moe",
+    "olmoe": "olmoe",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def model_class(arch: str, source: str):
+    module = ARCHITECTURES.get(arch)
+    if module is None:
+        raise UnsupportedModelError(
+            f"{source}: architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return importlib.import_module(f"{__name__}.{module}").Model

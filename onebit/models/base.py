@@ -1,0 +1,34 @@
+"""What every architecture file shares: construction, tensor checks, positions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache import KVCache, cache_offset, make_cache
+from ..config import ModelConfig
+from . import blocks
+
+
+class TransformerLM:
+    """A decoder over one sequence. Subclasses give `config()` and a top-to-bottom `forward()`."""
+
+    def __init__(self, gguf, backend):
+        self.gguf = gguf
+        self.be = backend
+        self.cfg: ModelConfig = self.config(gguf)
+        blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf, self.layer_has_moe))
+
+    @staticmethod
+    def config(gguf) -> ModelConfig:
+        raise NotImplementedError
+
+    def layer_has_moe(self, layer: int) -> bool:
+        return self.cfg.is_moe
+
+    def make_cache(self) -> list[KVCache]:
+        return make_cache(self.cfg)
+
+    @staticmethod
+    def positions(cache: list[KVCache], n: int) -> np.ndarray:
+        start = cache_offset(cache)
+        return np.arange(start, start + n, dtype=np.int64)  # [R]
