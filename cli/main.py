@@ -1,23 +1,32 @@
-"""`onebit` entry point (typer)."""
+"""`onebit` entry point (typer). Parses, calls the library, prints."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
 
 from onebit import __version__
-from onebit.errors import OnebitError
+from onebit.errors import OnebitError, UsageError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Run GGUF mixture-of-experts models.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Run GGUF mixture-of-experts language models.")
 
 
-def _fail(msg: str, code: int) -> None:
-    typer.echo(f"onebit: error: {msg}", err=True)
-    raise typer.Exit(code)
+def default_model_path() -> str:
+    from importlib.resources import files
+
+    return str(files("onebit") / "data" / "default.gguf")
+
+
+def _load(model: Optional[str], backend: str, ctx: Optional[int] = None):
+    import onebit
+
+    return onebit.load(model or default_model_path(), backend=backend, n_ctx=ctx)
 
 
 def _version(value: bool) -> None:
@@ -33,46 +42,184 @@ def root(
     pass
 
 
+# -- shared options ---------------------------------------------------------------------
+
+MODEL_ARG = typer.Argument(None, help="GGUF model file (default: the small model shipped with onebit).")
+MODEL_OPT = typer.Option(None, "--model", "-m", help="GGUF model file (default: the shipped model).")
+BACKEND = typer.Option("numpy", "--backend", help="Compute backend.")
+CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(model's, 4096)).")
+
+
 @app.command()
 def generate(
-    model: str = typer.Option(..., "--model", "-m", help="GGUF model file."),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (raw, no chat template)."),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-n", help="Tokens to generate at most."),
+    model: Optional[str] = MODEL_OPT,
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One prompt."),
+    input: Optional[str] = typer.Option(None, "--input", "-i",
+                                        help="Prompts file: JSONL ({id, prompt} or {id, messages}) or text, "
+                                             "one per line; '-' for stdin."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Results JSONL (appended; reruns resume)."),
+    input_format: str = typer.Option("auto", "--format", help="Input format: auto, jsonl or text."),
+    on_error: str = typer.Option("skip", "--on-error", help="A bad input line: skip it or stop."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template to prompts."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for chat-formatted prompts."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min-p x the best one."),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Repetition penalty (1 = off)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed (per prompt: seed and id)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    backend: str = typer.Option("numpy", "--backend", help="Compute backend."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with text and tokens."),
+    backend: str = BACKEND,
+    ctx: Optional[int] = CTX,
+    as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
 ) -> None:
-    """Generate text from a prompt."""
-    import onebit
+    """Generate from one prompt, or from a file of prompts into a JSONL file."""
+    from onebit import batch
 
-    m = onebit.load(model, backend=backend)
-    if not prompt:
-        raise OnebitError("the prompt is empty")
-    text, tokens, last = [], [], None
-    for r in m.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop):
-        text.append(r.text)
-        if r.token is not None:
-            tokens.append(r.token)
-        if not as_json:
-            sys.stdout.write(r.text)
-            sys.stdout.flush()
-        last = r
-    if as_json:
-        out = {
-            "text": "".join(text), "tokens": tokens, "finish_reason": last.finish_reason,
-            "prompt_tokens": last.prompt_tokens, "generation_tokens": last.generation_tokens,
-            "prompt_tps": round(last.prompt_tps, 3), "generation_tps": round(last.generation_tps, 3),
-        }
-        typer.echo(json.dumps(out, ensure_ascii=False))
+    if (prompt is None) == (input is None):
+        raise UsageError("give exactly one of --prompt or --input")
+    if on_error not in ("skip", "stop"):
+        raise UsageError(f"--on-error must be skip or stop, got {on_error!r}")
+    if prompt is not None and not prompt.strip():
+        raise UsageError("the prompt is empty")
+    out_f = None
+    if output is not None:
+        try:
+            out_f = open(output, "a", encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"{output}: cannot write the output file ({e.strerror})") from None
+    m = _load(model, backend, ctx)
+    chat = not raw and m.chat_template is not None
+    gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+               repetition_penalty=repeat_penalty, stop=stop)
+    if input is None:
+        item = batch.PromptItem("1", 1, prompt=prompt)
+        if out_f is not None or as_json:
+            rec = batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen)
+            if out_f is not None:
+                batch.append_result(out_f, rec)
+            if as_json or out_f is None:
+                typer.echo(json.dumps(rec, ensure_ascii=False))
+            return
+        _stream_one(m, item, chat, system, seed, gen)
+        return
+    _run_batch(m, input, input_format, out_f, output, on_error, chat, system, seed, gen)
+
+
+def _stream_one(m, item, chat, system, seed, gen) -> None:
+    from onebit import batch
+
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
+    for r in m.generate(msgs if chat else item.prompt, seed=batch.prompt_seed(seed, item.id), **gen):
+        sys.stdout.write(r.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _run_batch(m, input, input_format, out_f, output, on_error, chat, system, seed, gen) -> None:
+    from tqdm import tqdm
+
+    from onebit import batch
+
+    if out_f is None:
+        raise UsageError("--input needs --output FILE.jsonl for the results")
+    out_f.close()
+    done = batch.completed_ids(output)
+    total = None
+    if input == "-":
+        stream = sys.stdin.buffer
     else:
-        sys.stdout.write("\n")
+        try:
+            stream = open(input, "rb")
+            total = sum(1 for line in stream if line.strip())
+            stream.seek(0)
+        except OSError as e:
+            raise UsageError(f"{input}: cannot read the prompts file ({e.strerror})") from None
+    failed = 0
+    with open(output, "a", encoding="utf-8") as out, tqdm(total=total, unit="prompt", file=sys.stderr,
+                                                           disable=None, dynamic_ncols=True) as bar:
+        for item in batch.read_prompts(stream, input_format, input):
+            if isinstance(item, batch.BadLine):
+                failed += 1
+                msg = f"{input}:{item.line}: {item.reason}"
+                if on_error == "stop":
+                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + output + ")")
+                tqdm.write(f"onebit: warning: {msg} (skipped)", file=sys.stderr)
+                bar.update(1)
+                continue
+            if item.id in done:
+                bar.update(1)
+                continue
+            rec = batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen)
+            batch.append_result(out, rec)
+            done.add(item.id)
+            bar.update(1)
+    if failed:
+        typer.echo(f"onebit: {failed} input line(s) skipped", err=True)
+
+
+@app.command()
+def info(
+    model: Optional[str] = MODEL_ARG,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Describe a model: architecture, parameters, experts, types, tokenizer."""
+    from onebit.gguf_file import GGUFFile
+    from onebit.info import format_info, model_info
+    from onebit.models import model_class
+
+    path = model or default_model_path()
+    g = GGUFFile(path)
+    cfg = model_class(g.architecture, path).config(g)
+    data = model_info(g, cfg)
+    typer.echo(json.dumps(data, indent=2) if as_json else format_info(data))
+
+
+@app.command()
+def chat(
+    model: Optional[str] = MODEL_ARG,
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply in tokens."),
+    temperature: float = typer.Option(0.7, "--temperature", "--temp"),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    min_p: float = typer.Option(0.05, "--min-p"),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    backend: str = BACKEND,
+    ctx: Optional[int] = CTX,
+) -> None:
+    """Chat in the terminal. /help lists the commands."""
+    from .chat_repl import run_chat
+
+    m = _load(model, backend, ctx)
+    run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+             min_p=min_p, repetition_penalty=repeat_penalty, seed=seed)
+
+
+@app.command()
+def bench(
+    model: Optional[str] = MODEL_ARG,
+    prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="Prompt length to time."),
+    gen_tokens: int = typer.Option(32, "--gen-tokens", help="Decode steps to time."),
+    runs: int = typer.Option(3, "--runs", help="Runs; the median is reported."),
+    backend: str = BACKEND,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Prompt and decode tok/s on this machine (median of runs)."""
+    from onebit.bench import run_bench
+
+    if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
+        raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
+    m = _load(model, backend)
+    res = run_bench(m, prompt_tokens, gen_tokens, runs)
+    if as_json:
+        typer.echo(json.dumps(res, indent=2))
+    else:
+        typer.echo(f"model    {res['model']}\nbackend  {res['backend']}")
+        typer.echo(f"prompt   {res['prompt_tokens']} tokens: {res['prompt_tps']:.1f} tok/s (median of {runs})")
+        typer.echo(f"decode   {res['gen_tokens']} tokens: {res['decode_tps']:.1f} tok/s (median of {runs})")
 
 
 def main() -> None:
@@ -83,23 +230,22 @@ def main() -> None:
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        typer.echo("onebit: interrupted", err=True)
+        sys.stderr.write("onebit: interrupted\n")
         sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
     except Exception as e:  # click usage errors and anything unexpected: one line, no traceback
         import click
 
-        if isinstance(e, click.exceptions.UsageError):
-            e.show()
-            sys.exit(2)
         if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+            _print_error(e.format_message(), 2 if isinstance(e, click.exceptions.UsageError) else e.exit_code)
         if os.environ.get("ONEBIT_DEBUG"):
             raise
         _print_error(f"internal error: {type(e).__name__}: {e} (set ONEBIT_DEBUG=1 for a traceback)", 1)
 
 
 def _print_error(msg: str, code: int) -> None:
+    msg = " ".join(msg.split())
     sys.stderr.write(f"onebit: error: {msg}\n")
     sys.exit(code)
 

@@ -18,8 +18,8 @@ class GenerationResponse:
     finish_reason: Optional[str]  # None while running; then "stop" or "length"
     prompt_tokens: int
     generation_tokens: int
-    prompt_time: float  # seconds spent on the prompt
-    generation_time: float  # seconds spent decoding
+    prompt_time: float  # seconds until the first token (prompt pass + first sample)
+    generation_time: float  # seconds after the first token
 
     @property
     def prompt_tps(self) -> float:
@@ -27,15 +27,18 @@ class GenerationResponse:
 
     @property
     def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time > 0 else 0.0
+        # The first token comes out of the prompt pass; decode speed counts the ones after it.
+        n = self.generation_tokens - 1
+        return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
 
 
 def generate_step(
     net, prompt: Sequence[int], cache, sampler: Sampler, processors: Sequence[LogitsProcessor] = (),
-    prefill_chunk: int = 256, hook=None,
+    prefill_chunk: int = 256, hook=None, history: Sequence[int] = (),
 ) -> Iterator[int]:
-    """Yield sampled tokens forever; the caller decides when to stop. The cache holds the context."""
-    tokens = list(prompt)
+    """Yield sampled tokens forever; the caller decides when to stop. The cache holds the context
+    (`history`: tokens already in the cache before `prompt`, seen by the logits processors)."""
+    tokens = list(history) + list(prompt)
     ids = np.asarray(prompt, dtype=np.int64)
     logits = None
     for start in range(0, len(ids), prefill_chunk):
@@ -73,18 +76,20 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
 def stream_generate(
     model, prompt_ids: Sequence[int], *, max_tokens: int, sampler: Sampler,
     processors: Sequence[LogitsProcessor] = (), stop: Sequence[str] = (), cache=None, hook=None,
+    prompt_prefix: Sequence[int] = (),
 ) -> Iterator[GenerationResponse]:
-    """Yield text pieces as tokens arrive; stops on EOS, a stop string, max_tokens or a full context."""
+    """Yield text pieces as tokens arrive; stops on EOS, a stop string, max_tokens or a full context.
+    `prompt_prefix`: tokens the given cache already holds, in front of `prompt_ids`."""
     cache = model.new_cache() if cache is None else cache
     ctx = model.context_length
-    n_prompt = len(prompt_ids)
+    n_prompt = len(prompt_prefix) + len(prompt_ids)
     decoder = model.tokenizer.stream()
     t0 = time.perf_counter()
     t_prompt = 0.0
     pending = ""  # decoded text not yet emitted (held back for stop strings)
     n_gen = 0
     finish = None
-    steps = generate_step(model.net, prompt_ids, cache, sampler, processors, hook=hook)
+    steps = generate_step(model.net, prompt_ids, cache, sampler, processors, hook=hook, history=prompt_prefix)
     if max_tokens <= 0 or n_prompt >= ctx:
         finish = "length"
     while finish is None:

@@ -1,0 +1,128 @@
+"""The terminal side of `onebit chat`: read lines, stream replies, handle Ctrl-C and /commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HELP = """commands:
+  /help    this help
+  /reset   forget the conversation
+  /stats   speed and memory of the last reply
+  /quit    leave (also Ctrl-D, or Ctrl-C twice)
+multi-line input: end a line with \\ to continue it, or wrap a block in lines of \"\"\"
+Ctrl-C while a reply streams stops the reply."""
+
+
+def _colour() -> bool:
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+class Style:
+    def __init__(self, on: bool):
+        self.dim = "\033[2m" if on else ""
+        self.bold = "\033[1m" if on else ""
+        self.reset = "\033[0m" if on else ""
+
+
+def read_message(prompt: str) -> str:
+    """One user message; raises EOFError / KeyboardInterrupt as input() does."""
+    line = input(prompt)
+    if line.strip() == '"""':
+        lines = []
+        while True:
+            nxt = input("... ")
+            if nxt.strip() == '"""':
+                return "\n".join(lines)
+            lines.append(nxt)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = input("... ")
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def format_stats(session) -> str:
+    import psutil
+
+    s = session.last
+    rss = psutil.Process().memory_info().rss
+    lines = [
+        f"last reply: {s.generation_tokens} tokens, finish: {s.finish_reason or '-'}",
+        f"prompt: {s.prompt_tokens} tokens ({s.prompt_tokens_computed} computed, "
+        f"{s.prompt_tokens - s.prompt_tokens_computed} from cache) in {s.prompt_time:.2f} s, {s.prompt_tps:.1f} tok/s",
+        f"decode: {s.generation_time:.2f} s, {s.generation_tps:.1f} tok/s",
+        f"conversation: {len(session.cached)} tokens in context of {session.model.context_length}, "
+        f"{session.total_generated} tokens generated in total",
+        f"memory: {rss / 2**20:.1f} MiB resident; model file {session.model.gguf.file_bytes / 2**20:.1f} MiB (mapped)",
+        "experts: all resident (no streaming pool)",
+    ]
+    return "\n".join(lines)
+
+
+def run_chat(model, system=None, **settings) -> None:
+    from onebit.chat import ChatSession
+    from onebit.errors import OnebitError
+
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    st = Style(_colour())
+    session = ChatSession(model, system=system, **settings)
+    name = model.gguf.get("general.name") or os.path.basename(model.path)
+    print(f"{st.bold}onebit chat{st.reset} {st.dim}- {name} ({model.cfg.arch}, {model.be.name} backend). "
+          f"/help for commands, /quit to leave.{st.reset}")
+    interrupts = 0
+    while True:
+        try:
+            text = read_message(f"{st.bold}> {st.reset}")
+            interrupts = 0
+        except EOFError:
+            print()
+            return
+        except KeyboardInterrupt:
+            interrupts += 1
+            if interrupts >= 2:
+                print()
+                return
+            print(f"\n{st.dim}(Ctrl-C again or /quit to leave){st.reset}")
+            continue
+        cmd = text.strip()
+        if not cmd:
+            continue
+        if cmd in ("/quit", "/exit", "/q"):
+            return
+        if cmd == "/help":
+            print(HELP)
+            continue
+        if cmd == "/reset":
+            session.reset()
+            print(f"{st.dim}(conversation cleared){st.reset}")
+            continue
+        if cmd == "/stats":
+            print(format_stats(session))
+            continue
+        if cmd.startswith("/") and " " not in cmd:
+            print(f"{st.dim}unknown command {cmd}; /help lists them{st.reset}")
+            continue
+        try:
+            replies = session.send(text)
+            first = True
+            for r in replies:
+                if first and session.last.dropped_turns:
+                    print(f"{st.dim}(context full: dropped the {session.last.dropped_turns} oldest "
+                          f"exchange(s)){st.reset}")
+                first = False
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+            if session.last.finish_reason == "length":
+                sys.stdout.write(f"\n{st.dim}(reply cut at --max-tokens or the context limit){st.reset}")
+            sys.stdout.write("\n")
+        except KeyboardInterrupt:
+            replies.close()
+            sys.stdout.write(f"\n{st.dim}(reply stopped){st.reset}\n")
+        except OnebitError as e:
+            session.history[:] = [m for m in session.history if m.get("content")]
+            print(f"onebit: error: {e}", file=sys.stderr)

@@ -1,0 +1,51 @@
+"""`onebit bench`: prompt and decode speed of one model on this machine (medians of runs)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from .sample import make_sampler
+
+BENCH_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Python's standard library offers json, os, re and "
+    "many other modules for everyday work. "
+)
+
+
+def bench_prompt(model, n: int) -> list[int]:
+    ids = model.tokenize(BENCH_TEXT, add_special=False)
+    reps = n // max(len(ids), 1) + 1
+    return (ids * reps)[:n]
+
+
+def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
+    prompt = np.asarray(bench_prompt(model, prompt_tokens), dtype=np.int64)
+    greedy = make_sampler(0.0)
+    pp, tg = [], []
+    for _ in range(runs):
+        cache = model.new_cache()
+        t0 = time.perf_counter()
+        logits = None
+        for s in range(0, len(prompt), 256):
+            logits = model.net.forward(prompt[s : s + 256], cache, last_only=True)
+        pp.append(len(prompt) / (time.perf_counter() - t0))
+        tok = greedy(logits[-1])
+        t0 = time.perf_counter()
+        for _ in range(gen_tokens):  # fixed count: EOS does not end a benchmark
+            logits = model.net.forward(np.asarray([tok], dtype=np.int64), cache, last_only=True)
+            tok = greedy(logits[-1])
+        tg.append(gen_tokens / (time.perf_counter() - t0))
+    return {
+        "model": model.path,
+        "backend": model.be.name,
+        "prompt_tokens": len(prompt),
+        "gen_tokens": gen_tokens,
+        "runs": runs,
+        "prompt_tps": statistics.median(pp),
+        "decode_tps": statistics.median(tg),
+        "prompt_tps_runs": pp,
+        "decode_tps_runs": tg,
+    }

@@ -1,0 +1,123 @@
+"""A chat conversation over one model: history, prefix reuse of the KV cache, context limits.
+
+Each turn renders the whole conversation with the chat template, keeps the longest prefix
+already in the cache, and feeds only the rest. When the conversation no longer fits the
+context, the oldest turns are dropped (the system message stays) and the caller is told.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from .cache import trim_cache
+from .errors import UsageError
+from .generate import GenerationResponse, stream_generate
+from .sample import make_logits_processors, make_sampler
+
+
+@dataclass
+class TurnStats:
+    prompt_tokens: int = 0  # tokens in the rendered conversation
+    prompt_tokens_computed: int = 0  # tokens actually run (the rest came from the cache)
+    generation_tokens: int = 0
+    prompt_time: float = 0.0
+    generation_time: float = 0.0
+    finish_reason: Optional[str] = None
+    dropped_turns: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens_computed / self.prompt_time if self.prompt_time > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_time if self.generation_time > 0 else 0.0
+
+
+class ChatSession:
+    def __init__(self, model, system: Optional[str] = None, max_tokens: int = 512, temperature: float = 0.7,
+                 top_k: int = 0, top_p: float = 0.95, min_p: float = 0.05, repetition_penalty: float = 1.0,
+                 seed: Optional[int] = None):
+        self.model = model
+        self.system = system
+        self.max_tokens = max_tokens
+        self.sampler = make_sampler(temperature, top_p, min_p, top_k, seed)
+        self.processors = make_logits_processors(repetition_penalty)
+        self.history: list[dict[str, str]] = []
+        self.cache = model.new_cache()
+        self.cached: list[int] = []  # the tokens whose K/V the cache holds, in order
+        self.last = TurnStats()
+        self.total_generated = 0
+
+    def reset(self) -> None:
+        self.history.clear()
+        trim_cache(self.cache, len(self.cached))
+        self.cached = []
+
+    def messages(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+
+    def _fit(self) -> tuple[list[int], int]:
+        """Tokens of the conversation, dropping the oldest turns until it fits with room to reply."""
+        ctx = self.model.context_length
+        room = min(self.max_tokens, max(ctx // 4, 1))
+        dropped = 0
+        while True:
+            ids = self.model.chat_tokens(self.messages())
+            if len(ids) + room <= ctx or len(self.history) <= 1:
+                break
+            # drop the oldest user turn and the reply that followed it
+            del self.history[:2 if len(self.history) > 2 else 1]
+            dropped += 1
+        if len(ids) >= ctx:
+            raise UsageError(f"the message is {len(ids)} tokens, longer than the {ctx}-token context")
+        return ids, dropped
+
+    def send(self, text: str) -> Iterator[GenerationResponse]:
+        """Add a user message and stream the reply. If the caller stops early (Ctrl-C), the partial
+        reply is kept in the history and the cache stays consistent."""
+        if not text.strip():
+            raise UsageError("empty message")
+        self.history.append({"role": "user", "content": text})
+        ids, dropped = self._fit()
+        common = 0
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # always run at least one token to get logits
+        trim_cache(self.cache, len(self.cached) - common)
+        self.cached = ids[:common]
+        stats = TurnStats(prompt_tokens=len(ids), prompt_tokens_computed=len(ids) - common, dropped_turns=dropped)
+        self.last = stats
+        reply: list[str] = []
+        generated: list[int] = []
+        self.history.append({"role": "assistant", "content": ""})
+        t0 = time.perf_counter()
+        try:
+            for r in stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
+                                     processors=self.processors, cache=self.cache, prompt_prefix=ids[:common]):
+                reply.append(r.text)
+                self.history[-1]["content"] = "".join(reply)
+                if r.token is not None:
+                    generated.append(r.token)
+                stats.prompt_time = r.prompt_time
+                stats.generation_time = r.generation_time
+                stats.generation_tokens = r.generation_tokens
+                stats.finish_reason = r.finish_reason
+                yield r
+        finally:
+            if stats.finish_reason is None:
+                stats.finish_reason = "interrupted"
+                stats.generation_time = max(time.perf_counter() - t0 - stats.prompt_time, 0.0)
+            self.total_generated += stats.generation_tokens
+            self._settle(ids + generated)
+
+    def _settle(self, fed: list[int]) -> None:
+        """Make every layer's cache agree on one length after a turn (or an interrupted step)."""
+        n = min(c.offset for c in self.cache) if self.cache else 0
+        for c in self.cache:
+            c.trim(c.offset - n)
+        self.cached = fed[:n]

@@ -1,0 +1,81 @@
+"""The `onebit` command as a user runs it: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import fixture_path
+from ggufedit import rewrite
+
+MODEL = str(fixture_path("qwen3moe-f32.gguf"))
+
+
+def onebit(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "onebit.cli.main", *args], capture_output=True, text=True,
+                          input=input, timeout=300)
+
+
+def assert_one_line_error(r, code=2):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_version():
+    r = onebit("--version")
+    assert r.returncode == 0 and r.stdout.startswith("onebit ")
+
+
+def test_generate_json():
+    r = onebit("generate", "--model", MODEL, "--prompt", "The json module", "--max-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "tokens"} and isinstance(out["text"], str)
+    assert 1 <= len(out["tokens"]) <= 5 and out["generation_tokens"] >= len(out["tokens"])
+
+
+def test_generate_is_deterministic_with_seed():
+    args = ["generate", "--model", MODEL, "--prompt", "Hello", "--max-tokens", "6", "--temperature", "0.9",
+            "--seed", "3", "--json"]
+    a, b = onebit(*args), onebit(*args)
+    assert a.returncode == 0 and json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
+
+
+def test_missing_model():
+    line = assert_one_line_error(onebit("generate", "--model", "/nonexistent.gguf", "--prompt", "x"))
+    assert "/nonexistent.gguf" in line and "no such file" in line
+
+
+def test_corrupt_model(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(fixture_path("qwen3moe-f32.gguf").read_bytes()[:5000])
+    line = assert_one_line_error(onebit("generate", "--model", str(bad), "--prompt", "x"))
+    assert str(bad) in line
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("hello")
+    line = assert_one_line_error(onebit("generate", "--model", str(bad), "--prompt", "x"))
+    assert "not a GGUF file" in line
+
+
+def test_unknown_arch(tmp_path):
+    bad = rewrite(fixture_path("qwen3-f32.gguf"), tmp_path / "m.gguf", arch="mamba9")
+    line = assert_one_line_error(onebit("generate", "--model", str(bad), "--prompt", "x"))
+    assert "mamba9" in line
+
+
+@pytest.mark.parametrize("opt", [["--temperature", "-1"], ["--top-p", "0"], ["--max-tokens", "-3"]])
+def test_bad_options(opt):
+    assert_one_line_error(onebit("generate", "--model", MODEL, "--prompt", "x", *opt))
+
+
+def test_empty_prompt():
+    line = assert_one_line_error(onebit("generate", "--model", MODEL, "--prompt", ""))
+    assert "empty" in line

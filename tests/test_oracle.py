@@ -1,0 +1,63 @@
+"""Invariant 1: our logits match independent implementations on the same weights.
+
+References were recorded by tools/make_fixtures.py: HF transformers (f32 files) and
+llama.cpp's CPU backend (every file), teacher-forced at every position.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onebit
+from conftest import FIXTURES, cosine_rows
+
+REFS = sorted(FIXTURES.glob("*.ref.npz"))
+HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
+
+
+def test_fixtures_present():
+    assert len(REFS) >= 18, "oracle fixtures missing: run tools/make_fixtures.py"
+    arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
+    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3"}
+
+
+def _run(ref_path):
+    model = onebit.load(ref_path.with_name(ref_path.name.replace(".ref.npz", ".gguf")))
+    ref = np.load(ref_path)
+    tokens = ref["tokens"].astype(np.int64)
+    margins = []  # per position: smallest gap, over MoE layers, between the k-th and (k+1)-th router logit
+
+    def hook(layer, ids, logits):
+        k = model.cfg.n_experts_used
+        top = -np.sort(-logits, axis=-1)
+        margins.append(top[:, k - 1] - top[:, k] if k < logits.shape[1] else np.full(len(logits), np.inf))
+
+    logits = model.net.forward(tokens, model.new_cache(), hook=hook)
+    margin = np.min(margins, axis=0) if margins else np.full(len(tokens), np.inf)
+    return model, ref, logits, margin
+
+
+@pytest.mark.parametrize("ref_path", HF_REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
+def test_f32_matches_transformers(ref_path):
+    model, ref, logits, margin = _run(ref_path)
+    hf = ref["logits_hf"]
+    assert logits.shape == hf.shape
+    cos = cosine_rows(logits, hf)
+    maxdiff = np.abs(logits - hf).max(axis=1)
+    ok = (cos >= 0.99999) & (maxdiff <= 1e-2)
+    bad = np.nonzero(~ok)[0]
+    detail = ", ".join(f"pos {i}: cos {cos[i]:.6f} maxdiff {maxdiff[i]:.3g} router margin {margin[i]:.2e}" for i in bad)
+    assert ok.mean() >= 0.97, f"{ref_path.name}: {len(bad)}/{len(ok)} positions outside the bar: {detail}"
+
+
+@pytest.mark.parametrize("ref_path", REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
+def test_matches_llama_cpp(ref_path):
+    model, ref, logits, margin = _run(ref_path)
+    ll = ref["logits_llama"]
+    assert logits.shape == ll.shape
+    cos = cosine_rows(logits, ll)
+    ok = cos >= 0.999
+    bad = np.nonzero(~ok)[0]
+    detail = ", ".join(f"pos {i}: cos {cos[i]:.5f} router margin {margin[i]:.2e}" for i in bad)
+    assert ok.mean() >= 0.95, f"{ref_path.name}: {len(bad)}/{len(ok)} positions below cosine 0.999: {detail}"
