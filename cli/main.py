@@ -83,6 +83,7 @@ def generate(
         raise UsageError(f"--on-error must be skip or stop, got {on_error!r}")
     if prompt is not None and not prompt.strip():
         raise UsageError("the prompt is empty")
+    _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     out_f = None
     if output is not None:
         try:
@@ -105,6 +106,16 @@ def generate(
         _stream_one(m, item, chat, system, seed, gen)
         return
     _run_batch(m, input, input_format, out_f, output, on_error, chat, system, seed, gen)
+
+
+def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty) -> None:
+    """Refuse bad settings before spending time on loading the model."""
+    from onebit.sample import make_logits_processors, make_sampler
+
+    if max_tokens < 0:
+        raise UsageError(f"--max-tokens must be >= 0, got {max_tokens}")
+    make_sampler(temperature, top_p, min_p, top_k)
+    make_logits_processors(repeat_penalty)
 
 
 def _stream_one(m, item, chat, system, seed, gen) -> None:
@@ -193,6 +204,7 @@ def chat(
     """Chat in the terminal. /help lists the commands."""
     from .chat_repl import run_chat
 
+    _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     m = _load(model, backend, ctx)
     run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed)

@@ -100,9 +100,9 @@ def stream_generate(
         n_gen += 1
         if tok in model.tokenizer.stop_ids:
             finish = "stop"
-            pending += decoder.flush() if hasattr(decoder, "flush") else ""
+            pending += decoder.flush()
             break
-        pending += decoder.add(tok)
+        pending += decoder.push(tok)
         cut, hit = _stop_cut(pending, stop)
         if hit:
             pending = pending[:cut]

@@ -8,7 +8,6 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from .backends import make_backend
-from .chat_template import render_chat
 from .errors import UsageError
 from .generate import GenerationResponse, stream_generate
 from .gguf_file import GGUFFile
@@ -41,6 +40,8 @@ class Model:
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from .chat_template import render_chat
+
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""

@@ -51,7 +51,21 @@ def test_f32_matches_transformers(ref_path):
     assert ok.mean() >= 0.97, f"{ref_path.name}: {len(bad)}/{len(ok)} positions outside the bar: {detail}"
 
 
-@pytest.mark.parametrize("ref_path", REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
+# Measured: at 48 positions these fall 1-2 positions short of the bar (cosines 0.988-0.9989 at
+# 3-4 positions). test_quantized_difference_is_llama_cpp_activation_rounding shows the cause:
+# llama.cpp rounds activations to Q8_K for these types; modelling that gives cosine >= 0.9999.
+BELOW_BAR = {"q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0"}
+
+
+def _llama_param(p):
+    name = p.name.replace(".ref.npz", "")
+    if name in BELOW_BAR:
+        reason = "llama.cpp's Q8_K activation rounding moves 3-4 of 48 positions below cosine 0.999"
+        return pytest.param(p, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))
+    return pytest.param(p, id=name)
+
+
+@pytest.mark.parametrize("ref_path", [_llama_param(p) for p in REFS])
 def test_matches_llama_cpp(ref_path):
     model, ref, logits, margin = _run(ref_path)
     ll = ref["logits_llama"]
@@ -61,3 +75,20 @@ def test_matches_llama_cpp(ref_path):
     bad = np.nonzero(~ok)[0]
     detail = ", ".join(f"pos {i}: cos {cos[i]:.5f} router margin {margin[i]:.2e}" for i in bad)
     assert ok.mean() >= 0.95, f"{ref_path.name}: {len(bad)}/{len(ok)} positions below cosine 0.999: {detail}"
+
+
+# Files whose big matrices llama.cpp multiplies against Q8_K-rounded activations.
+Q8K_REFS = [p for p in REFS if any(t in p.name for t in ("Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0"))]
+
+
+@pytest.mark.parametrize("ref_path", Q8K_REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
+def test_quantized_difference_is_llama_cpp_activation_rounding(ref_path):
+    """With llama.cpp's activation rounding modelled, quantized files agree far more closely:
+    the weights we decode are the weights llama.cpp uses."""
+    from llamacpp_numerics import LlamaCppRoundingBackend
+
+    model = onebit.load(ref_path.with_name(ref_path.name.replace(".ref.npz", ".gguf")))
+    model.net.be = LlamaCppRoundingBackend(model.gguf)
+    ref = np.load(ref_path)
+    cos = cosine_rows(model.logits(ref["tokens"].astype(np.int64)), ref["logits_llama"])
+    assert np.median(cos) >= 0.9999 and (cos >= 0.999).mean() >= 0.95, (np.median(cos), np.sort(cos)[:4])
