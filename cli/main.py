@@ -188,6 +188,34 @@ def info(
 
 
 @app.command()
+def plan(
+    model: Optional[str] = MODEL_ARG,
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length to plan the KV cache for "
+                                                          "(default: the model's)."),
+    layers: str = typer.Option("", "--layers", help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9."),
+    slots: str = typer.Option("auto", "--slots", help="Expert slots: a number, or auto (what fits)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
+    reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
+    verify_rows: int = typer.Option(8, "--verify-rows", help="Rows verified at once by speculative decoding."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Dry run of the memory plan: what is resident, how many expert slots fit, and whether it fits.
+    Exit 0 if it fits, 1 if not, 2 on bad input. Allocates nothing."""
+    from onebit.gguf_file import GGUFFile
+    from onebit.memory.budget import detect_budget
+    from onebit.memory.plan import make_plan
+    from onebit.models import model_class
+
+    path = model or default_model_path()
+    b = detect_budget(budget, reserve)
+    g = GGUFFile(path)
+    cfg = model_class(g.architecture, path).config(g)
+    p = make_plan(g, cfg, b, ctx=ctx, layers=layers, slots=slots, verify_rows=verify_rows)
+    typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
+    raise typer.Exit(0 if p.fits else 1)
+
+
+@app.command()
 def chat(
     model: Optional[str] = MODEL_ARG,
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
@@ -236,7 +264,8 @@ def bench(
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # click returns an Exit's code in this mode
+        sys.exit(rc if isinstance(rc, int) else 0)
     except OnebitError as e:
         _print_error(str(e), e.exit_code)
     except typer.Exit as e:

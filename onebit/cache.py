@@ -64,3 +64,8 @@ def trim_cache(cache: list[KVCache], n: int) -> None:
 
 def cache_offset(cache: list[KVCache]) -> int:
     return cache[0].offset if cache else 0
+
+
+def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4) -> int:
+    """Bytes of every layer's keys and values for n_ctx positions."""
+    return cfg.n_layers * n_ctx * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes

@@ -25,6 +25,20 @@ class NumpyBackend:
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
 
+    # -- memory -------------------------------------------------------------------------
+
+    @staticmethod
+    def scratch_bytes(cfg, rows: int, n_ctx: int, largest_matrix: int, all_logits: bool = False) -> int:
+        """Peak transient bytes of one forward over `rows` rows: activations, attention scores
+        over n_ctx keys, the dequantized copy of the largest matrix (`largest_matrix` elements:
+        weights are dequantized per use), and logits."""
+        H, Hkv, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v
+        ffn = max(cfg.hidden_dim, cfg.expert_hidden_dim * max(cfg.n_experts_used, 1), cfg.shared_expert_hidden_dim)
+        act = rows * (4 * cfg.dim + H * D + 2 * Hkv * (D + Dv) + H * Dv + 3 * ffn + cfg.n_experts)
+        scores = 3 * H * rows * n_ctx  # scores, mask select, probabilities
+        logits = (rows if all_logits else 1) * cfg.vocab_size
+        return 4 * (act + scores + logits + largest_matrix)
+
     # -- weights ------------------------------------------------------------------------
 
     def has(self, name: str) -> bool:

@@ -1,0 +1,245 @@
+"""The memory plan: every byte the engine will hold, from the GGUF header alone.
+
+Modules report their own needs (the KV cache, the backend's scratch); this is the one place
+that adds them up, fits expert slots into what is left, and says whether the whole fits.
+Nothing here allocates.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from onebit.backends.numpy_backend import NumpyBackend
+from onebit.cache import kv_cache_bytes
+from onebit.config import ModelConfig
+from onebit.errors import UsageError
+from onebit.gguf_file import GGUFFile
+
+from .budget import Budget, format_bytes
+
+EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+PREFILL_ROWS = 256  # rows per prefill chunk (onebit.generate's default)
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
+
+
+def parse_layers(spec: str, n_layers: int) -> list[int]:
+    """'1,2,5-9,47' -> sorted layer indices; every one must be a layer of the model."""
+    out: set[int] = set()
+    if spec is None or not spec.strip():
+        return []
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise UsageError(f"bad --layers item {part!r}: use numbers and ranges like 1,2,5-9,47")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise UsageError(f"bad --layers range {part!r}: the end is before the start")
+        if hi >= n_layers:
+            raise UsageError(f"--layers {part!r} is out of range: the model has layers 0-{n_layers - 1}")
+        out.update(range(lo, hi + 1))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    """Experts whose three parts have the same byte size share slots."""
+
+    expert_bytes: int
+    types: tuple[str, str, str]
+    layers: tuple[int, ...]
+    experts: int  # experts of this class in the whole model
+
+
+@dataclass
+class PlanItem:
+    component: str
+    bytes: int
+    detail: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    budget: Budget
+    items: list[PlanItem]
+    classes: list[SizeClass]
+    slots: list[int]  # per size class
+    min_slots: int
+    all_experts: int
+    ctx: int
+    layers: list[int]
+    verify_rows: int
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget.bytes and sum(self.slots) >= self.min_slots
+
+    @property
+    def streaming(self) -> bool:
+        return sum(self.slots) < self.all_experts
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "budget_bytes": self.budget.bytes,
+            "budget_source": self.budget.source,
+            "total_bytes": self.total,
+            "fits": self.fits,
+            "streaming": self.streaming,
+            "ctx": self.ctx,
+            "predicted_layers": self.layers,
+            "verify_rows": self.verify_rows,
+            "slots": sum(self.slots),
+            "min_slots": self.min_slots,
+            "all_experts": self.all_experts,
+            "size_classes": [
+                {"expert_bytes": c.expert_bytes, "types": list(c.types), "layers": list(c.layers),
+                 "experts": c.experts, "slots": n}
+                for c, n in zip(self.classes, self.slots)
+            ],
+            "items": [{"component": i.component, "bytes": i.bytes, "detail": i.detail} for i in self.items],
+            "advice": self.advice,
+        }
+
+    def table(self) -> str:
+        b = self.budget.bytes
+        w = max(len(i.component) for i in self.items)
+        lines = [f"model   {self.model}", f"budget  {format_bytes(b)} ({self.budget.source})", ""]
+        lines.append(f"{'component':<{w}}  {'bytes':>12}  {'share':>6}  detail")
+        for i in self.items:
+            share = f"{100 * i.bytes / b:5.1f}%" if b else "   -  "
+            lines.append(f"{i.component:<{w}}  {format_bytes(i.bytes):>12}  {share:>6}  {i.detail}")
+        lines.append(f"{'total':<{w}}  {format_bytes(self.total):>12}  "
+                     f"{(100 * self.total / b if b else 0):5.1f}%")
+        lines.append("")
+        mode = (f"streaming, {sum(self.slots)} of {self.all_experts} experts in slots" if self.streaming
+                else f"all {self.all_experts} resident" if self.all_experts else "none (dense model)")
+        lines.append(f"experts {mode}")
+        if self.fits:
+            lines.append(f"verdict FITS: {format_bytes(self.total)} of {format_bytes(b)}")
+        else:
+            lines.append(f"verdict DOES NOT FIT: needs {format_bytes(self.total)}, budget {format_bytes(b)}")
+            lines += [f"  - {a}" for a in self.advice]
+        return "\n".join(lines)
+
+
+def size_classes(g: GGUFFile) -> list[SizeClass]:
+    per_layer: dict[int, dict[str, tuple[int, str, int]]] = {}
+    for t in g.tensors.values():
+        m = _EXPERT_RE.match(t.name)
+        if m:
+            per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (t.n_bytes // t.shape[0], t.type_name, t.shape[0])
+    groups: dict[tuple, list[int]] = {}
+    counts: dict[tuple, int] = {}
+    for layer, parts in sorted(per_layer.items()):
+        if set(parts) != set(EXPERT_PARTS):
+            continue
+        key = (sum(parts[p][0] for p in EXPERT_PARTS), tuple(parts[p][1] for p in EXPERT_PARTS))
+        groups.setdefault(key, []).append(layer)
+        counts[key] = counts.get(key, 0) + parts["ffn_gate_exps"][2]
+    return [SizeClass(k[0], k[1], tuple(v), counts[k]) for k, v in sorted(groups.items(), key=lambda kv: kv[1][0])]
+
+
+def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
+              slots: str | int = "auto", verify_rows: int = 8, kv_elem_bytes: int = 4) -> MemoryPlan:
+    ctx = cfg.context_length if ctx is None else ctx
+    if ctx < 1 or ctx > cfg.context_length:
+        raise UsageError(f"--ctx {ctx} is out of range: the model supports 1-{cfg.context_length}")
+    if verify_rows < 1:
+        raise UsageError(f"verify rows must be >= 1, got {verify_rows}")
+    predicted = parse_layers(layers, cfg.n_layers)
+    classes = size_classes(g)
+    expert_names = {t for t in g.tensors if _EXPERT_RE.match(t)}
+    resident = [t for t in g.tensors.values() if t.name not in expert_names]
+    by_type: dict[str, int] = {}
+    for t in resident:
+        by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
+    largest = max([t.n_elements for t in resident] + [t.n_elements // t.shape[0] for t in g.tensors.values()
+                                                       if t.name in expert_names])
+    items = [PlanItem("resident weights", sum(by_type.values()),
+                      ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])))]
+    items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes),
+                          f"{ctx} tokens x {cfg.n_layers} layers"))
+    items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
+                          f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
+    per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0) + kv_cache_bytes(cfg, 1, kv_elem_bytes) // cfg.n_layers
+    items.append(PlanItem("predicted-layer scratch", per_pred * len(predicted),
+                          f"{len(predicted)} layer(s) x {format_bytes(per_pred)}" if predicted else "no --layers"))
+    items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
+                          f"{verify_rows} rows"))
+    fixed = sum(i.bytes for i in items)
+    all_experts = sum(c.experts for c in classes)
+    k = max(cfg.n_experts_used, 1)
+    min_slots = k * len(classes)  # one layer's top-k in each size class
+    advice: list[str] = []
+    if classes:
+        if slots == "auto" or slots is None:
+            left = max(budget.bytes - fixed, 0)
+            counts = _fit_slots(classes, left, k)
+        else:
+            try:
+                n = int(slots)
+            except ValueError:
+                raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
+            if n < min_slots:
+                raise UsageError(f"--slots {n} is below the minimum of {min_slots} "
+                                 f"(top-{k} experts of one layer{' per size class' if len(classes) > 1 else ''})")
+            counts = _split_slots(classes, min(n, all_experts), k)
+        counts = [min(c, cl.experts) for c, cl in zip(counts, classes)]
+        slot_bytes = sum(n * c.expert_bytes for n, c in zip(counts, classes))
+        detail = ", ".join(f"{n} x {format_bytes(c.expert_bytes)} ({'/'.join(c.types)})" for n, c in zip(counts, classes))
+        items.append(PlanItem("expert slots", slot_bytes, detail))
+    else:
+        counts = []
+    plan = MemoryPlan(g.path, budget, items, classes, counts, min_slots if classes else 0, all_experts, ctx,
+                      predicted, verify_rows, advice)
+    if not plan.fits:
+        over = plan.total - budget.bytes
+        if classes and sum(counts) > min_slots and slots not in ("auto", None):
+            advice.append(f"use fewer expert slots (--slots {min_slots} is the minimum; each costs "
+                          f"{format_bytes(classes[0].expert_bytes)})")
+        if ctx > 512:
+            advice.append(f"use a shorter context (--ctx): the KV cache costs {format_bytes(items[1].bytes)}")
+        if predicted:
+            advice.append(f"predict fewer layers (--layers): {format_bytes(items[3].bytes)}")
+        if fixed > budget.bytes:
+            advice.append(f"the resident part alone needs {format_bytes(fixed)}: more memory is needed "
+                          f"(short by {format_bytes(over)})")
+    return plan
+
+
+def _split_slots(classes: list[SizeClass], n: int, floor: int = 1) -> list[int]:
+    """n slots shared among size classes in proportion to their experts, each at least `floor`."""
+    total = sum(c.experts for c in classes)
+    counts = [min(max(n * c.experts // total, floor), c.experts) for c in classes]
+    i = 0
+    while sum(counts) < n:
+        if counts[i % len(classes)] < classes[i % len(classes)].experts:
+            counts[i % len(classes)] += 1
+        i += 1
+    return counts
+
+
+def _fit_slots(classes: list[SizeClass], left: int, floor: int) -> list[int]:
+    """The most slots (split in proportion to each class's experts) whose bytes fit in `left`;
+    the minimum (`floor` per class) when not even that fits, so the plan reports the shortfall."""
+    total = sum(c.experts for c in classes)
+    lo, hi = floor * len(classes), total
+    cost = lambda n: sum(k * c.expert_bytes for k, c in zip(_split_slots(classes, n, floor), classes))
+    if cost(lo) > left:
+        return _split_slots(classes, lo, floor)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(mid) <= left:
+            lo = mid
+        else:
+            hi = mid - 1
+    return _split_slots(classes, lo, floor)
