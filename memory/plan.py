@@ -14,7 +14,7 @@ from typing import Optional
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.cache import kv_cache_bytes
 from onebit.config import ModelConfig
-from onebit.errors import UsageError
+from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import GGUFFile
 
 from .budget import Budget, format_bytes
@@ -22,6 +22,18 @@ from .budget import Budget, format_bytes
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 PREFILL_ROWS = 256  # rows per prefill chunk (onebit.generate's default)
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
+
+
+class PlanError(OnebitError):
+    """The memory plan does not fit the budget: refused before anything is loaded."""
+
+    exit_code = 1
+
+    def __init__(self, plan: "MemoryPlan"):
+        self.plan = plan
+        advice = "; ".join(plan.advice) or "raise --budget"
+        super().__init__(f"{plan.model}: the memory plan needs {format_bytes(plan.total)} but the budget is "
+                         f"{format_bytes(plan.budget.bytes)} ({plan.budget.source}): {advice}")
 
 
 def parse_layers(spec: str, n_layers: int) -> list[int]:

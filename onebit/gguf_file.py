@@ -41,6 +41,7 @@ class Tensor:
     shape: tuple[int, ...]  # numpy order: rows..., row length last
     raw: np.ndarray  # uint8 [*shape[:-1], row_bytes], a view into the file map
     file: str
+    offset: int = 0  # byte offset of the data in `file`
 
     @property
     def type_name(self) -> str:
@@ -324,7 +325,7 @@ class GGUFFile:
             )
         shape = tuple(reversed(dims))
         raw = data[start : start + n_bytes].reshape(*shape[:-1], row_bytes)
-        return Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path)
+        return Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path, offset=start)
 
     # -- conveniences -----------------------------------------------------------------
 

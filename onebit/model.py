@@ -19,17 +19,59 @@ DEFAULT_CONTEXT = 4096
 
 
 class Model:
-    def __init__(self, path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None):
+    def __init__(self, path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,
+                 slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global"):
         self.path = str(path)
         self.gguf = GGUFFile(path)
-        self.be = make_backend(backend, self.gguf)
-        self.net = model_class(self.gguf.architecture, self.path)(self.gguf, self.be)
-        self.cfg = self.net.cfg
-        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
+        cls = model_class(self.gguf.architecture, self.path)
+        cfg = cls.config(self.gguf)
         if n_ctx is not None and n_ctx < 1:
             raise UsageError(f"context length must be >= 1, got {n_ctx}")
-        self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, self.cfg.context_length)
+        self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, cfg.context_length)
+        self.pool = None
+        self.plan = None
+        if slots is not None or budget is not None:
+            self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
+        else:
+            self.be = make_backend(backend, self.gguf)
+        self.net = cls(self.gguf, self.be)
+        self.cfg = self.net.cfg
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
+
+    def _planned_backend(self, backend, cfg, slots, budget, policy):
+        """Plan memory first; refuse a plan that does not fit; stream experts when slots < all."""
+        from .backends.streaming import StreamingNumpyBackend
+        from .memory.budget import detect_budget
+        from .memory.plan import PlanError, make_plan
+        from .memory.pool import ExpertPool
+
+        self.plan = make_plan(self.gguf, cfg, detect_budget(budget), ctx=self.context_length,
+                              slots="auto" if slots is None else slots)
+        if not self.plan.fits:
+            raise PlanError(self.plan)
+        if not self.plan.streaming:
+            return make_backend(backend, self.gguf)
+        if backend != "numpy":
+            raise UsageError(f"expert streaming is not available on the {backend} backend yet")
+        self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
+        self._copy_resident()
+        return StreamingNumpyBackend(self.gguf, self.pool)
+
+    def _copy_resident(self) -> None:
+        """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
+        that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map."""
+        import dataclasses
+
+        from .memory.plan import EXPERT_PARTS
+
+        for name, t in list(self.gguf.tensors.items()):
+            if not any(f".{p}." in name for p in EXPERT_PARTS):
+                self.gguf.tensors[name] = dataclasses.replace(t, raw=np.array(t.raw))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     # -- text -------------------------------------------------------------------------
 
@@ -100,6 +142,9 @@ class Model:
                                    stop=stop, cache=cache)
 
 
-def load(path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None) -> Model:
-    """Open a GGUF model (memory-mapped) on the given backend."""
-    return Model(path, backend=backend, n_ctx=n_ctx)
+def load(path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,
+         slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global") -> Model:
+    """Open a GGUF model (memory-mapped) on the given backend. With `slots` (a number or "auto")
+    or `budget`, memory is planned first and routed experts stream through a slot pool when
+    fewer slots than experts fit."""
+    return Model(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy)

@@ -126,14 +126,17 @@ class NumpyBackend:
 
         x: [R, dim]; ids, weights: [R, k]. Expert e of `ffn_gate_exps` is raw[e]: [hidden, dim].
         """
-        gate = self.gguf.tensor(f"{prefix}.ffn_gate_exps.weight")
-        up = self.gguf.tensor(f"{prefix}.ffn_up_exps.weight")
-        down = self.gguf.tensor(f"{prefix}.ffn_down_exps.weight")
+        parts = [self.gguf.tensor(f"{prefix}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
         out = np.zeros_like(x)
         for e in np.unique(ids):
-            rows, slot = np.nonzero(ids == e)
-            xe = x[rows]  # [n, dim]
-            h = self.silu(xe @ dequantize(gate, int(e)).T) * (xe @ dequantize(up, int(e)).T)  # [n, hidden]
-            y = h @ dequantize(down, int(e)).T  # [n, dim]
-            out[rows] += y * weights[rows, slot][:, None]
+            self.expert_ffn(out, x, ids, weights, int(e), parts, [t.raw[int(e)] for t in parts])
         return out
+
+    def expert_ffn(self, out, x, ids, weights, e: int, parts, raws) -> None:
+        """out[rows routed to e] += weight * down(silu(gate(x)) * up(x)), with expert e's raw
+        gate/up/down bytes `raws` (from the file map, or from a streaming pool's slot)."""
+        gate, up, down = (QTYPES[t.qtype].dequantize(r) for t, r in zip(parts, raws))
+        rows, slot = np.nonzero(ids == e)
+        xe = x[rows]  # [n, dim]
+        h = self.silu(xe @ gate.T) * (xe @ up.T)  # [n, hidden]
+        out[rows] += (h @ down.T) * weights[rows, slot][:, None]  # [n, dim]

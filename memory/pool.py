@@ -1,0 +1,387 @@
+"""The expert slot pool: routed experts live in a fixed number of slots, read from the file on demand.
+
+Slots come in size classes (experts whose gate/up/down parts have the same byte sizes); each
+class holds one buffer per part, `[n_slots, part_bytes]`, so a kernel can index slot i
+directly. One LRU order across all layers decides evictions by default ("global");
+"layer" splits each class's slots evenly among its layers. Reads run on a few reader
+threads, demand reads ahead of prefetches, with O_DIRECT where the filesystem allows it
+(pread plus POSIX_FADV_DONTNEED otherwise, so the page cache does not hold a second copy).
+
+API: `acquire(layer, experts)` blocks until resident and pins; `release(layer, experts)`;
+`prefetch(layer, experts)` only queues. `stats` counts hits, prefetch hits, demand misses,
+wasted prefetches, bytes read and stall time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import mmap
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+
+from onebit.errors import ModelFileError, OnebitError, UsageError
+
+from .plan import EXPERT_PARTS, SizeClass
+
+ALIGN = 4096
+DEMAND, PREFETCH = 0, 1
+
+
+class StreamReadError(OnebitError):
+    """The model file could not be read while streaming experts (I/O error, truncation)."""
+
+    exit_code = 1
+
+
+@dataclass
+class PoolStats:
+    hits: int = 0  # acquire found the expert resident (not counting prefetch hits)
+    prefetch_hits: int = 0  # acquire found it resident or in flight thanks to a prefetch
+    demand_misses: int = 0  # acquire had to read it
+    prefetches: int = 0  # prefetch reads issued
+    wasted_prefetches: int = 0  # prefetched experts evicted before any acquire used them
+    bytes_read: int = 0
+    stall_seconds: float = 0.0  # time acquire spent waiting for reads
+    acquires: int = 0
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        total = self.hits + self.prefetch_hits + self.demand_misses
+        d["hit_rate"] = (self.hits + self.prefetch_hits) / total if total else 0.0
+        return d
+
+
+@dataclass
+class _Slot:
+    cls: int
+    index: int
+    key: Optional[tuple[int, int]] = None  # (layer, expert)
+    pins: int = 0
+    ready: threading.Event = field(default_factory=threading.Event)
+    prefetched: bool = False  # loaded by a prefetch and not yet acquired
+    error: Optional[BaseException] = None
+
+
+class _Source:
+    """Where one expert part lives in the file: offset of expert 0 and bytes per expert."""
+
+    def __init__(self, tensor):
+        self.file = tensor.file
+        self.offset = tensor.offset
+        self.nbytes = tensor.n_bytes // tensor.shape[0]
+        self.n_experts = tensor.shape[0]
+
+
+class _Reader:
+    """Positioned reads, O_DIRECT when the filesystem takes it, into aligned bounce buffers."""
+
+    def __init__(self, path: str, direct: bool):
+        self.path = path
+        self.direct = False
+        self.fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.direct = True
+            except OSError:
+                self.fd = -1
+        if self.fd < 0:
+            try:
+                self.fd = os.open(path, os.O_RDONLY)
+            except OSError as e:
+                raise ModelFileError(f"{path}: cannot open for streaming ({e.strerror})") from None
+        self._local = threading.local()
+
+    def _bounce(self, n: int) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = mmap.mmap(-1, max(n, ALIGN))  # anonymous maps are page aligned
+            self._local.buf = buf
+        return buf
+
+    def read_into(self, dst: np.ndarray, offset: int) -> int:
+        n = dst.nbytes
+        if self.direct:
+            start = offset // ALIGN * ALIGN
+            end = (offset + n + ALIGN - 1) // ALIGN * ALIGN
+            buf = self._bounce(end - start)
+            view = memoryview(buf)[: end - start]
+            try:
+                got = os.preadv(self.fd, [view], start)
+            except OSError as e:
+                if e.errno == 22:  # EINVAL: this filesystem refuses O_DIRECT after all
+                    self._reopen_buffered()
+                    return self.read_into(dst, offset)
+                raise
+            if got < offset + n - start:
+                raise StreamReadError(f"{self.path}: file ended early while reading experts (truncated?)")
+            dst[...] = np.frombuffer(buf, np.uint8, n, offset - start).reshape(dst.shape)
+            return end - start
+        got = os.preadv(self.fd, [memoryview(dst.reshape(-1))], offset)
+        if got < n:
+            raise StreamReadError(f"{self.path}: file ended early while reading experts (truncated?)")
+        try:
+            os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError):
+            pass
+        return n
+
+    def _reopen_buffered(self) -> None:
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.direct = False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ExpertPool:
+    def __init__(self, gguf, classes: list[SizeClass], slots: list[int], policy: str = "global",
+                 readers: int = 2, direct: bool = True):
+        if policy not in ("global", "layer"):
+            raise UsageError(f"unknown pool policy {policy!r} (global or layer)")
+        if len(slots) != len(classes):
+            raise UsageError("one slot count per size class is needed")
+        self.policy = policy
+        self.classes = classes
+        self.class_of_layer = {layer: i for i, c in enumerate(classes) for layer in c.layers}
+        self.sources = {
+            (layer, part): _Source(gguf.tensor(f"blk.{layer}.{part}.weight"))
+            for c in classes for layer in c.layers for part in EXPERT_PARTS
+        }
+        self.part_shapes = {}
+        self.buffers: list[dict[str, np.ndarray]] = []
+        self.slots: list[list[_Slot]] = []
+        for ci, (c, n) in enumerate(zip(classes, slots)):
+            if n < 1:
+                raise UsageError(f"size class {ci} needs at least one slot")
+            layer0 = c.layers[0]
+            bufs = {}
+            for part in EXPERT_PARTS:
+                t = gguf.tensor(f"blk.{layer0}.{part}.weight")
+                bufs[part] = np.zeros((n, *t.raw.shape[1:]), np.uint8)  # [slots, rows, row_bytes]
+            self.buffers.append(bufs)
+            self.slots.append([_Slot(ci, i) for i in range(n)])
+        self.where: dict[tuple[int, int], _Slot] = {}
+        self.lru: list[OrderedDict] = [OrderedDict() for _ in classes]  # unpinned slots, oldest first
+        for ci, ss in enumerate(self.slots):
+            for s in ss:
+                self.lru[ci][id(s)] = s
+        self.stats = PoolStats()
+        self.lock = threading.Condition()
+        self.readers = {}
+        for (layer, part), src in self.sources.items():
+            if src.file not in self.readers:
+                self.readers[src.file] = _Reader(src.file, direct)
+        self.queue: list = []
+        self.in_flight = 0
+        self.seq = itertools.count()
+        self.closed = False
+        self.threads = [threading.Thread(target=self._work, daemon=True, name=f"expert-reader-{i}")
+                        for i in range(max(1, readers))]
+        for t in self.threads:
+            t.start()
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def n_slots(self) -> int:
+        return sum(len(s) for s in self.slots)
+
+    def capacity(self, layer: int) -> int:
+        """How many experts of `layer` can be pinned at once."""
+        return len(self._partition(layer, self.class_of_layer[layer]))
+
+    def acquire(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """Block until every expert is resident; pin them; return their slot indices."""
+        experts = [int(e) for e in experts]
+        if len(set(experts)) > self.capacity(layer):
+            raise UsageError(f"layer {layer} asks for {len(set(experts))} experts at once but only "
+                             f"{self.capacity(layer)} slots are available to it")
+        t0 = time.perf_counter()
+        waits = []
+        with self.lock:
+            self._check_open()
+            self.stats.acquires += 1
+            out = []
+            for e in experts:
+                key = (layer, e)
+                s = self.where.get(key)
+                if s is not None:
+                    if s.prefetched:
+                        self.stats.prefetch_hits += 1
+                        s.prefetched = False
+                    else:
+                        self.stats.hits += 1
+                    self._pin(s)
+                else:
+                    self.stats.demand_misses += 1
+                    s = self._claim(layer, key, DEMAND)
+                    self._pin(s)
+                waits.append(s)
+                out.append(s.index)
+        for s in waits:
+            if not s.ready.is_set():
+                s.ready.wait()
+            if s.error is not None:
+                with self.lock:
+                    for w in waits:
+                        w.pins -= 1
+                        if w.pins == 0:
+                            self.lru[w.cls][id(w)] = w
+                    self.lock.notify_all()
+                raise s.error
+        self.stats.stall_seconds += time.perf_counter() - t0
+        return out
+
+    def release(self, layer: int, experts: Iterable[int]) -> None:
+        with self.lock:
+            for e in experts:
+                s = self.where.get((layer, int(e)))
+                if s is not None and s.pins > 0:
+                    s.pins -= 1
+                    if s.pins == 0:
+                        self.lru[s.cls][id(s)] = s
+            self.lock.notify_all()
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
+        """Queue reads for experts not resident; never blocks, never evicts pinned slots."""
+        with self.lock:
+            if self.closed:
+                return
+            for e in experts:
+                key = (layer, int(e))
+                if key in self.where:
+                    continue
+                ci = self.class_of_layer[layer]
+                if not self.lru[ci]:
+                    return  # everything pinned: a prefetch must not wait
+                self._claim(layer, key, PREFETCH)
+                self.stats.prefetches += 1
+
+    def drain(self, timeout: float = 30) -> None:
+        """Wait until no read is queued or in flight."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while (self.queue or self.in_flight) and time.monotonic() < deadline:
+                self.lock.wait(timeout=0.1)
+
+    def slot_view(self, layer: int, slot: int, part: str) -> np.ndarray:
+        """The raw bytes of `part` in slot `slot` of layer's class: [rows, row_bytes]."""
+        return self.buffers[self.class_of_layer[layer]][part][slot]
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
+        for t in self.threads:
+            t.join(timeout=5)
+        for r in self.readers.values():
+            r.close()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for bufs in self.buffers for b in bufs.values())
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_open(self):
+        if self.closed:
+            raise UsageError("the expert pool is closed")
+
+    def _pin(self, s: _Slot) -> None:
+        if s.pins == 0:
+            self.lru[s.cls].pop(id(s), None)
+        s.pins += 1
+
+    def _partition(self, layer: int, ci: int) -> range:
+        """Slot indices a layer may use: all of its class (global) or its fixed share (layer)."""
+        n = len(self.slots[ci])
+        if self.policy == "global":
+            return range(n)
+        layers = self.classes[ci].layers
+        q = max(n // len(layers), 1)
+        j = layers.index(layer) % max(n // q, 1)
+        return range(j * q, min((j + 1) * q, n))
+
+    def _victim(self, layer: int, ci: int) -> _Slot:
+        """The least recently used unpinned slot this layer may use; waits while all are pinned
+        (a reader thread holds them), and gives up after a minute rather than hang."""
+        part = self._partition(layer, ci)
+        deadline = time.monotonic() + 60
+        while True:
+            for s in self.lru[ci].values():
+                if s.index in part:
+                    return s
+            if time.monotonic() > deadline:
+                raise StreamReadError("every expert slot stayed pinned for a minute: use more slots (--slots)")
+            self.lock.wait(timeout=1)
+            self._check_open()
+
+    def _claim(self, layer: int, key: tuple[int, int], priority: int) -> _Slot:
+        ci = self.class_of_layer[layer]
+        s = self._victim(layer, ci)
+        self.lru[ci].pop(id(s), None)
+        if s.key is not None:
+            if s.prefetched:
+                self.stats.wasted_prefetches += 1
+            del self.where[s.key]
+        s.key = key
+        s.ready = threading.Event()
+        s.error = None
+        s.prefetched = priority == PREFETCH
+        self.where[key] = s
+        if priority == PREFETCH:
+            self.lru[ci][id(s)] = s  # unpinned, but most recently used
+        heapq.heappush(self.queue, (priority, next(self.seq), s, key))
+        self.lock.notify_all()
+        return s
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                while not self.queue and not self.closed:
+                    self.lock.wait()
+                if self.closed:
+                    return
+                _, _, s, key = heapq.heappop(self.queue)
+                if s.key != key:  # evicted before its read started
+                    continue
+                # Demand reads bypass queued prefetches; pin while reading so it is not reused.
+                if s.pins == 0:
+                    self.lru[s.cls].pop(id(s), None)
+                s.pins += 1
+                self.in_flight += 1
+            layer, e = key
+            err = None
+            n = 0
+            try:
+                for part in EXPERT_PARTS:
+                    src = self.sources[(layer, part)]
+                    dst = self.buffers[s.cls][part][s.index]
+                    n += self.readers[src.file].read_into(dst, src.offset + e * src.nbytes)
+            except StreamReadError as ex:
+                err = ex
+            except OSError as ex:
+                err = StreamReadError(f"{src.file}: read error while streaming experts ({ex.strerror or ex})")
+            with self.lock:
+                self.stats.bytes_read += n
+                self.in_flight -= 1
+                s.error = err
+                s.pins -= 1
+                if s.pins == 0:
+                    self.lru[s.cls][id(s)] = s
+                if err is not None and s.key == key:
+                    del self.where[key]
+                    s.key = None
+                s.ready.set()
+                self.lock.notify_all()

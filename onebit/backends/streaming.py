@@ -1,0 +1,38 @@
+"""Streamed experts on the numpy backend: each MoE layer's routed experts come from a slot pool.
+
+Only where the expert bytes come from changes; the arithmetic is the resident path's, in
+the same order, so the output is bit-identical to fully resident (invariant 3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .numpy_backend import NumpyBackend
+
+PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+class StreamingNumpyBackend(NumpyBackend):
+    name = "numpy"
+
+    def __init__(self, gguf, pool):
+        super().__init__(gguf)
+        self.pool = pool
+
+    def experts(self, x: np.ndarray, prefix: str, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        layer = int(prefix.split(".")[1])
+        parts = [self.gguf.tensor(f"{prefix}.{p}.weight") for p in PARTS]
+        out = np.zeros_like(x)
+        experts = [int(e) for e in np.unique(ids)]
+        cap = self.pool.capacity(layer)
+        for start in range(0, len(experts), cap):  # a prefill may route to more experts than fit
+            group = experts[start : start + cap]
+            slots = self.pool.acquire(layer, group)
+            try:
+                for e, slot in zip(group, slots):
+                    raws = [self.pool.slot_view(layer, slot, p) for p in PARTS]
+                    self.expert_ffn(out, x, ids, weights, e, parts, raws)
+            finally:
+                self.pool.release(layer, group)
+        return out

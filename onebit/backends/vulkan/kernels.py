@@ -1,0 +1,295 @@
+"""The compiled shaders in `spv/`, one method per kernel, recording into a `Sequence`.
+
+Methods take device slices and shapes, check what the shaders assume (row lengths in whole
+blocks, 16-byte aligned rows), split work that exceeds a device limit (bindings larger than
+maxStorageBufferRange are `Part`s of a `DeviceTensor`; grids wider than
+maxComputeWorkGroupCount fold into a second dimension), pack push constants and record.
+`ops.VulkanOps` wraps them numpy-in / numpy-out for the tests; `reference` has the twins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from importlib import resources
+from typing import Optional, Sequence as Seq
+
+import numpy as np
+
+from ...quants import QTYPES
+from .device import Buffer, Device, Pipeline, Sequence, Slice, VulkanKernelError
+
+# Weights per shader block where it differs from the GGML block: float rows are read in runs of 16.
+SHADER_QK = {"F32": 16, "F16": 16, "BF16": 16}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q1_0", "TQ1_0", "TQ2_0")
+
+MAX_EXPERTS = 1024  # softmax_topk.comp keeps one row of logits in shared memory
+MAX_TOPK = 32
+ATTN_MAX_D = 256  # attn.comp: q in shared memory
+ATTN_DV_PER_THREAD = 4
+
+
+QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
+
+
+def shader_qk(type_name: str) -> int:
+    return SHADER_QK.get(type_name, QTYPES_BY_NAME[type_name].block_size)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Outer rows (2-D) or experts (3-D) [start, start + count) of a tensor, in one binding."""
+
+    slice: Slice
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A weight tensor on the device, in its file's quantized layout. shape: numpy order."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    parts: tuple[Part, ...]
+
+    @property
+    def ncols(self) -> int:
+        return self.shape[-1]
+
+
+def split_rows(n_outer: int, outer_bytes: int, limit: int) -> list[tuple[int, int]]:
+    """[start, count) runs of whole outer rows/experts, each at most `limit` bytes."""
+    if outer_bytes > limit:
+        raise VulkanKernelError(f"one row of {outer_bytes} bytes exceeds the device's binding limit of {limit} bytes")
+    per = max(1, limit // max(outer_bytes, 1))
+    return [(s, min(per, n_outer - s)) for s in range(0, n_outer, per)]
+
+
+class WeightStore:
+    """Weights in a few large allocations, laid out before anything is allocated.
+
+    `add()` plans where each tensor's parts go; `commit()` allocates the chunks and copies
+    every tensor from its memory map into them (one memcpy each on unified memory)."""
+
+    def __init__(self, dev: Device, max_part_bytes: Optional[int] = None, chunk_bytes: Optional[int] = None):
+        info = dev.info
+        self.dev = dev
+        self.align = max(16, info.min_storage_buffer_offset_alignment)
+        self.part_limit = min(max_part_bytes or info.max_storage_buffer_range, info.max_storage_buffer_range)
+        self.part_limit -= self.part_limit % self.align
+        self.chunk_limit = min(chunk_bytes or (1 << 30), info.max_memory_allocation_size)
+        self._pending: list[tuple[str, str, tuple, np.ndarray, list[tuple[int, int, int, int]]]] = []
+        self._chunk_sizes: list[int] = []
+        self.buffers: list[Buffer] = []
+
+    def _place(self, nbytes: int) -> tuple[int, int]:
+        if nbytes > self.chunk_limit:
+            raise VulkanKernelError(f"a {nbytes}-byte part does not fit one allocation ({self.chunk_limit} bytes)")
+        if not self._chunk_sizes or self._chunk_sizes[-1] + nbytes > self.chunk_limit:
+            self._chunk_sizes.append(0)
+        off = self._chunk_sizes[-1]
+        self._chunk_sizes[-1] = off + (nbytes + self.align - 1) // self.align * self.align
+        return len(self._chunk_sizes) - 1, off
+
+    def add(self, name: str, raw: np.ndarray, type_name: str, shape: Seq[int]) -> int:
+        """Plan tensor `name` (raw: uint8 [*shape[:-1], row_bytes]); returns its index."""
+        raw = raw.reshape(-1, raw.shape[-1]) if raw.ndim == 1 else raw
+        n_outer = raw.shape[0]
+        outer_bytes = raw[0].nbytes if n_outer else 0
+        parts = []
+        for start, count in split_rows(n_outer, outer_bytes, self.part_limit):
+            chunk, off = self._place(count * outer_bytes)
+            parts.append((chunk, off, start, count))
+        self._pending.append((name, type_name, tuple(shape), raw, parts))
+        return len(self._pending) - 1
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(self._chunk_sizes)
+
+    def commit(self) -> list[DeviceTensor]:
+        self.buffers = [self.dev.buffer(size) for size in self._chunk_sizes]
+        out = []
+        for name, type_name, shape, raw, parts in self._pending:
+            outer_bytes = raw[0].nbytes if raw.shape[0] else 0
+            dparts = []
+            for chunk, off, start, count in parts:
+                buf = self.buffers[chunk]
+                buf.write(raw[start : start + count], off)
+                dparts.append(Part(buf.slice(off, max(count * outer_bytes, 16)), start, count))
+            out.append(DeviceTensor(name, type_name, shape, tuple(dparts)))
+        self._pending = []
+        return out
+
+
+def _push(fmt: str, *values) -> bytes:
+    return struct.pack("<" + fmt, *values)
+
+
+class Kernels:
+    """Pipelines for one device, and a recording method per kernel."""
+
+    def __init__(self, dev: Device, reduce: Optional[str] = None):
+        self.dev = dev
+        self.reduce = reduce or ("subgroup" if dev.info.subgroup_arithmetic else "shmem")
+        self._spv: dict[str, bytes] = {}
+        self._manifest = json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())["variants"]
+        # Workgroup sizes and rows per workgroup (specialization constants).
+        self.mv_wg, self.mv_rows = 32, 2
+        self.wg = 64
+
+    # -- pipelines ------------------------------------------------------------------------
+
+    def spirv(self, variant: str) -> bytes:
+        code = self._spv.get(variant)
+        if code is None:
+            if variant not in self._manifest:
+                raise VulkanKernelError(f"kernel {variant}: no such shader variant in the package (rebuild with shaders/build.py)")
+            try:
+                code = (resources.files(__package__) / "spv" / f"{variant}.spv").read_bytes()
+            except OSError as e:
+                raise VulkanKernelError(f"kernel {variant}: its SPIR-V is missing from the package ({e})") from e
+            self._spv[variant] = code
+        return code
+
+    def pipeline(self, variant: str, n_bindings: int, spec: Seq[int | float] = ()) -> Pipeline:
+        return self.dev.pipeline(variant, self.spirv(variant), n_bindings, spec)
+
+    def _grid(self, n: int) -> tuple[int, int]:
+        """Fold n workgroups into (x, y) under maxComputeWorkGroupCount; kernels use flat_group()."""
+        mx = self.dev.info.max_workgroup_count[0]
+        if n <= mx:
+            return max(n, 1), 1
+        return mx, math.ceil(n / mx)
+
+    @staticmethod
+    def _check_rows(kernel: str, type_name: str, ncols: int, *strides: int) -> None:
+        if type_name not in SUPPORTED_TYPES:
+            raise VulkanKernelError(f"kernel {kernel}: weight type {type_name} has no shader")
+        qk = shader_qk(type_name)
+        if ncols % qk:
+            raise VulkanKernelError(f"kernel {kernel}_{type_name}: row length {ncols} is not a multiple of {qk}")
+        if any(s % 4 for s in strides):
+            raise VulkanKernelError(f"kernel {kernel}_{type_name}: row strides {strides} must be multiples of 4 floats")
+
+    # -- matrix products ------------------------------------------------------------------
+
+    def mul_mv(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
+               accumulate: bool = False) -> None:
+        """y[r, :] (+)= W @ x[r, :] for r < n_rows; W: [out, in]."""
+        self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
+        p = self.pipeline(f"mul_mv_{w.type_name}_{self.reduce}", 3, (self.mv_wg, self.mv_rows))
+        for part in w.parts:
+            gx, gy = self._grid(math.ceil(part.count / self.mv_rows))
+            push = _push("10I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0)
+            seq.dispatch(p, (part.slice, x, y), push, (gx, gy, n_rows), writes=(2,))
+
+    def mul_mm(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
+               accumulate: bool = False) -> None:
+        """Tiled y[r, :] (+)= W @ x[r, :] for r < n_rows (prefill)."""
+        self._check_rows("mul_mm", w.type_name, w.ncols, x_stride)
+        p = self.pipeline(f"mul_mm_{w.type_name}", 3)
+        for part in w.parts:
+            push = _push("7I", w.ncols, part.count, part.start, n_rows, x_stride, y_stride, int(accumulate))
+            seq.dispatch(p, (part.slice, x, y), push, (math.ceil(part.count / 32), math.ceil(n_rows / 32), 1), writes=(2,))
+
+    def mul_mv_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
+                  k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
+                  accumulate: bool = False) -> None:
+        """Expert mat-vec; W: [n_experts, out, in], ids/wts: [n_tokens, k] on the device.
+
+        mode "slots":    y[t*k + s, :] = W[ids[t, s]] @ x[t, s]
+        mode "weighted": same, times wts[t, s] (the routing weight fused)
+        mode "sum":      y[t, :] (+)= sum_s wts[t, s] * W[ids[t, s]] @ x[t, s]
+        x[t, s] starts at t * x_stride + s * x_slot_stride (x_slot_stride 0: shared by all slots).
+        """
+        self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
+        flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
+        p = self.pipeline(f"mul_mv_id_{w.type_name}_{self.reduce}", 5, (self.mv_wg, self.mv_rows))
+        nrows = w.shape[1]
+        gx, gy = self._grid(math.ceil(nrows / self.mv_rows))
+        gz = n_tokens if mode == "sum" else n_tokens * k
+        for i, part in enumerate(w.parts):
+            acc = int(mode == "sum" and (accumulate or i > 0))
+            push = _push("10I", w.ncols, nrows, 0, x_stride, y_stride, flags | acc, k, x_slot_stride, part.start, part.count)
+            seq.dispatch(p, (part.slice, x, y, ids, wts), push, (gx, gy, gz), writes=(2,))
+
+    # -- lookups and elementwise --------------------------------------------------------------
+
+    def get_rows(self, seq: Sequence, w: DeviceTensor, ids: Slice, out: Slice, n_ids: int, out_stride: int) -> None:
+        """out[r, :] = dequantized W[ids[r], :]."""
+        self._check_rows("get_rows", w.type_name, w.ncols, out_stride)
+        p = self.pipeline(f"get_rows_{w.type_name}", 3, (self.wg,))
+        gx = math.ceil(w.ncols // 4 / self.wg)
+        for part in w.parts:
+            push = _push("4I", w.ncols, part.count, part.start, out_stride)
+            seq.dispatch(p, (part.slice, ids, out), push, (gx, n_ids, 1), writes=(2,))
+
+    def elementwise(self, seq: Sequence, op: str, a: Slice, b: Optional[Slice], out: Slice, n: int,
+                    nb: Optional[int] = None) -> None:
+        """out = a + b | a * b | silu(a) | silu(a) * b over n floats (b repeats every nb)."""
+        p = self.pipeline(op, 3, (256,))
+        gx, gy = self._grid(math.ceil(n / 256))
+        seq.dispatch(p, (a, b if b is not None else a, out), _push("2I", n, nb or n), (gx, gy, 1), writes=(2,))
+
+    def rms_norm(self, seq: Sequence, x: Slice, w: Optional[Slice], out: Slice, n_rows: int, n: int, eps: float,
+                 x_stride: Optional[int] = None, out_stride: Optional[int] = None) -> None:
+        p = self.pipeline("rms_norm", 3, (self.wg,))
+        gx, gy = self._grid(n_rows)
+        push = _push("3IfI", n, x_stride or n, out_stride or n, eps, int(w is not None))
+        seq.dispatch(p, (x, w if w is not None else x, out), push, (gx, gy, 1), writes=(2,))
+
+    def rope(self, seq: Sequence, x: Slice, pos: Slice, out: Slice, n_rows: int, n_heads: int, head_dim: int,
+             n_rot: int, theta: float, neox: bool, scale: float = 1.0, x_stride: Optional[int] = None,
+             out_stride: Optional[int] = None) -> None:
+        if head_dim % 2 or n_rot % 2 or n_rot > head_dim:
+            raise VulkanKernelError(f"kernel rope: n_rot {n_rot} / head_dim {head_dim} must be even, n_rot <= head_dim")
+        p = self.pipeline("rope", 3, (self.wg,))
+        row = n_heads * head_dim
+        push = _push("5I2fI", n_heads, head_dim, n_rot, x_stride or row, out_stride or row, math.log2(theta), scale, int(neox))
+        seq.dispatch(p, (x, pos, out), push, (math.ceil(n_heads * head_dim // 2 / self.wg), n_rows, 1), writes=(2,))
+
+    def softmax_topk(self, seq: Sequence, logits: Slice, ids: Slice, wts: Slice, n_rows: int, n_experts: int, k: int,
+                     norm: bool, stride: Optional[int] = None) -> None:
+        if n_experts > MAX_EXPERTS or not 0 < k <= min(MAX_TOPK, n_experts):
+            raise VulkanKernelError(f"kernel softmax_topk: {n_experts} experts / top {k} outside its limits "
+                                    f"({MAX_EXPERTS} experts, top {MAX_TOPK})")
+        p = self.pipeline("softmax_topk", 3, (self.wg,))
+        gx, gy = self._grid(n_rows)
+        seq.dispatch(p, (logits, ids, wts), _push("4I", n_experts, k, stride or n_experts, int(norm)), (gx, gy, 1),
+                     writes=(1, 2))
+
+    def argmax(self, seq: Sequence, x: Slice, out: Slice, n_rows: int, n: int, stride: Optional[int] = None) -> None:
+        p = self.pipeline("argmax", 2, (self.wg,))
+        gx, gy = self._grid(n_rows)
+        seq.dispatch(p, (x, out), _push("2I", n, stride or n), (gx, gy, 1), writes=(1,))
+
+    def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
+                  n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int) -> None:
+        """Causal GQA attention of rows at positions pos[r] over cached positions 0..n_kv-1.
+        q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv]; out: [R, H * Dv]."""
+        if head_dim > ATTN_MAX_D or head_dim_v > ATTN_DV_PER_THREAD * self.wg or n_heads % n_kv_heads:
+            raise VulkanKernelError(f"kernel attn: head dims {head_dim}/{head_dim_v}, heads {n_heads}/{n_kv_heads} "
+                                    "outside its limits")
+        p = self.pipeline("attn", 5, (self.wg,))
+        push = _push("9If", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
+                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim))
+        seq.dispatch(p, (q, k, v, pos, out), push, (n_heads, n_rows, 1), writes=(4,))
+
+    def set_rows(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int,
+                 src_stride: Optional[int] = None, dst_stride: Optional[int] = None) -> None:
+        """dst[pos[r], :n] = src[r, :n] (K/V into the cache at device-side positions)."""
+        p = self.pipeline("set_rows", 3, (self.wg,))
+        seq.dispatch(p, (src, pos, dst), _push("3I", n, src_stride or n, dst_stride or n),
+                     (math.ceil(n / self.wg), n_rows, 1), writes=(2,))
+
+    def copy(self, seq: Sequence, src: Slice, dst: Slice) -> None:
+        """dst = src with a shader (16-byte words); vkCmdCopyBuffer is `seq.copy`."""
+        n = src.size // 16
+        p = self.pipeline("copy", 2, (256,))
+        gx, gy = self._grid(math.ceil(n / 256))
+        seq.dispatch(p, (src, dst), _push("I", n), (gx, gy, 1), writes=(1,))

@@ -1,0 +1,164 @@
+"""Each Vulkan kernel numpy-in / numpy-out, with the same signature as its twin in `reference`.
+
+Inputs are uploaded to fresh buffers, outputs are allocated poisoned (NaN, or -1 for ids) so
+an element a kernel forgot to write fails the comparison, one sequence is recorded and run,
+and everything is freed again. This is the test harness and the bench's way in; the backend
+keeps its tensors on the device instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .device import Buffer, Device, Slice, default_device
+from .kernels import DeviceTensor, Kernels, WeightStore
+
+
+class VulkanOps:
+    def __init__(self, dev: Optional[Device] = None, reduce: Optional[str] = None, max_part_bytes: Optional[int] = None):
+        """max_part_bytes: bind weights in parts of at most this many bytes (tests use it to
+        exercise the split that tensors larger than maxStorageBufferRange need)."""
+        self.dev = dev or default_device()
+        self.k = Kernels(self.dev, reduce)
+        self.max_part_bytes = max_part_bytes
+        self._temps: list[Buffer] = []
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    def _in(self, a: np.ndarray, dtype=np.float32) -> Slice:
+        a = np.ascontiguousarray(a, dtype=dtype)
+        buf = self.dev.buffer(a.nbytes)
+        buf.write(a)
+        self._temps.append(buf)
+        return buf.slice(0, max(a.nbytes, 16))
+
+    def _out(self, shape, dtype=np.float32) -> tuple[Slice, tuple, np.dtype]:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        buf = self.dev.buffer(n)
+        poison = np.full(int(np.prod(shape)), np.nan if dtype.kind == "f" else -1, dtype)
+        buf.write(poison)
+        self._temps.append(buf)
+        return buf.slice(0, max(n, 16)), tuple(shape), dtype
+
+    def _weights(self, w_raw: np.ndarray, type_name: str, shape) -> DeviceTensor:
+        store = WeightStore(self.dev, self.max_part_bytes)
+        store.add("w", w_raw, type_name, shape)
+        (t,) = store.commit()
+        self._temps.extend(store.buffers)
+        return t
+
+    def _run(self, record, *outs):
+        seq = self.dev.sequence()
+        try:
+            record(seq)
+            seq.run()
+            res = tuple(o[0].buffer.read(o[2], o[1], o[0].offset) for o in outs)
+        finally:
+            seq.close()
+            for b in self._temps:
+                b.destroy()
+            self._temps = []
+        return res[0] if len(res) == 1 else res
+
+    @staticmethod
+    def _shape(w_raw: np.ndarray, type_name: str) -> tuple[int, ...]:
+        from .kernels import QTYPES_BY_NAME
+
+        cls = QTYPES_BY_NAME[type_name]
+        return (*w_raw.shape[:-1], w_raw.shape[-1] // cls.type_size * cls.block_size)
+
+    # -- kernels (signatures as in reference.py) ---------------------------------------------
+
+    def mul_mv(self, w_raw: np.ndarray, type_name: str, x: np.ndarray) -> np.ndarray:
+        shape = self._shape(w_raw, type_name)
+        R, n_in = x.shape
+        w = self._weights(w_raw, type_name, shape)
+        xs, y = self._in(x), self._out((R, shape[0]))
+        return self._run(lambda s: self.k.mul_mv(s, w, xs, y[0], R, n_in, shape[0]), y)
+
+    def mul_mm(self, w_raw: np.ndarray, type_name: str, x: np.ndarray) -> np.ndarray:
+        shape = self._shape(w_raw, type_name)
+        R, n_in = x.shape
+        w = self._weights(w_raw, type_name, shape)
+        xs, y = self._in(x), self._out((R, shape[0]))
+        return self._run(lambda s: self.k.mul_mm(s, w, xs, y[0], R, n_in, shape[0]), y)
+
+    def mul_mv_id(self, w_raw: np.ndarray, type_name: str, x: np.ndarray, ids: np.ndarray,
+                  wts: Optional[np.ndarray] = None, mode: str = "slots") -> np.ndarray:
+        shape = self._shape(w_raw, type_name)  # [E, out, in]
+        R, k = ids.shape
+        n_in = shape[-1]
+        w = self._weights(w_raw, type_name, shape)
+        xs = self._in(x)
+        x_stride, x_slot = (n_in, 0) if x.ndim == 2 else (k * n_in, n_in)
+        ids_s = self._in(ids, np.int32)
+        wts_s = self._in(wts if wts is not None else np.ones((R, k), np.float32))
+        y = self._out((R, shape[1]) if mode == "sum" else (R, k, shape[1]))
+        return self._run(lambda s: self.k.mul_mv_id(s, w, xs, y[0], ids_s, wts_s, R, k, x_stride, x_slot, shape[1],
+                                                    mode), y)
+
+    def get_rows(self, w_raw: np.ndarray, type_name: str, ids: np.ndarray) -> np.ndarray:
+        shape = self._shape(w_raw, type_name)
+        w = self._weights(w_raw, type_name, shape)
+        ids_s = self._in(ids, np.int32)
+        out = self._out((len(ids), shape[-1]))
+        return self._run(lambda s: self.k.get_rows(s, w, ids_s, out[0], len(ids), shape[-1]), out)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        n = x.shape[-1]
+        rows = x.size // n
+        xs, ws, out = self._in(x), self._in(w), self._out(x.shape)
+        return self._run(lambda s: self.k.rms_norm(s, xs, ws, out[0], rows, n, eps), out)
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
+        R, H, D = x.shape
+        xs, ps, out = self._in(x), self._in(pos, np.int32), self._out(x.shape)
+        return self._run(lambda s: self.k.rope(s, xs, ps, out[0], R, H, D, n_rot, theta, neox, scale), out)
+
+    def router(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+        R, E = logits.shape
+        ls = self._in(logits)
+        ids, wts = self._out((R, k), np.int32), self._out((R, k))
+        return self._run(lambda s: self.k.softmax_topk(s, ls, ids[0], wts[0], R, E, k, norm), ids, wts)
+
+    def _binary(self, op: str, a: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
+        a_s = self._in(a)
+        b_s = self._in(b) if b is not None else None
+        out = self._out(a.shape)
+        nb = b.size if b is not None else None
+        return self._run(lambda s: self.k.elementwise(s, op, a_s, b_s, out[0], a.size, nb), out)
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._binary("add", a, b)
+
+    def mul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._binary("mul", a, b)
+
+    def silu(self, a: np.ndarray) -> np.ndarray:
+        return self._binary("silu", a, None)
+
+    def swiglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._binary("swiglu", a, b)
+
+    def argmax(self, x: np.ndarray) -> np.ndarray:
+        n = x.shape[-1]
+        rows = x.size // n
+        xs, out = self._in(x), self._out(x.shape[:-1], np.int32)
+        return self._run(lambda s: self.k.argmax(s, xs, out[0], rows, n), out)
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+        R, H, D = q.shape
+        S, Hkv, Dv = v.shape
+        qs, ks, vs, ps = self._in(q), self._in(k), self._in(v), self._in(q_pos, np.int32)
+        out = self._out((R, H * Dv))
+        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S), out)
+
+    def set_rows(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        n = int(np.prod(dst.shape[1:]))
+        d = self._in(dst)  # not poisoned: rows not in pos must keep their values
+        out = (d, dst.shape, np.dtype(np.float32))
+        ss, ps = self._in(src), self._in(pos, np.int32)
+        return self._run(lambda s: self.k.set_rows(s, ss, ps, d, len(pos), n), out)

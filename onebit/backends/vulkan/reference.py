@@ -1,0 +1,121 @@
+"""The numpy twins of the Vulkan kernels: same signatures as `ops.VulkanOps`, float32 maths.
+
+Where the numpy backend already has the op, the twin is that op, so the kernels are held to
+the same reference the model graph uses.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ...quants import QTYPES
+from ..numpy_backend import NumpyBackend
+
+_NP = NumpyBackend(None)
+_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
+
+
+def dequantize(w_raw: np.ndarray, type_name: str) -> np.ndarray:
+    return _BY_NAME[type_name].dequantize(w_raw)
+
+
+def mul_mv(w_raw: np.ndarray, type_name: str, x: np.ndarray) -> np.ndarray:
+    """x: [R, in] @ W[out, in].T -> [R, out]; W in its quantized layout [out, row_bytes]."""
+    return x @ dequantize(w_raw, type_name).T
+
+
+def mul_mm(w_raw: np.ndarray, type_name: str, x: np.ndarray) -> np.ndarray:
+    return mul_mv(w_raw, type_name, x)
+
+
+def mul_mv_id(w_raw: np.ndarray, type_name: str, x: np.ndarray, ids: np.ndarray,
+              wts: Optional[np.ndarray] = None, mode: str = "slots") -> np.ndarray:
+    """W: [E, out, row_bytes]; x: [R, in] (every slot) or [R, k, in]; ids, wts: [R, k].
+    "slots" -> [R, k, out]; "weighted" -> [R, k, out] times wts; "sum" -> [R, out]."""
+    R, k = ids.shape
+    xs = np.broadcast_to(x[:, None, :], (R, k, x.shape[-1])) if x.ndim == 2 else x
+    out = np.stack([
+        np.stack([dequantize(w_raw[ids[r, s]], type_name) @ xs[r, s] for s in range(k)]) for r in range(R)
+    ]).astype(np.float32)  # [R, k, out]
+    if mode == "slots":
+        return out
+    out = out * wts[:, :, None]
+    return out if mode == "weighted" else out.sum(axis=1)
+
+
+def get_rows(w_raw: np.ndarray, type_name: str, ids: np.ndarray) -> np.ndarray:
+    return dequantize(w_raw[np.asarray(ids, dtype=np.int64)], type_name)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return _NP.rms_norm(x, w, eps)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
+    return _NP.rope(x, pos, n_rot, theta, neox, scale)
+
+
+def router(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    return _NP.route(logits, k, norm)
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a + b
+
+
+def mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a * b
+
+
+def silu(a: np.ndarray) -> np.ndarray:
+    return _NP.silu(a)
+
+
+def swiglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _NP.silu(a) * b
+
+
+def argmax(x: np.ndarray) -> np.ndarray:
+    return np.argmax(x, axis=-1)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+    return _NP.attention(q, k, v, q_pos)
+
+
+def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    out = dst.copy()
+    out[pos] = src
+    return out
+
+
+# Byte offsets of the f16 scales in each block type; random bytes elsewhere are all valid.
+_F16_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q1_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "TQ1_0": (52,), "TQ2_0": (64,)}
+
+
+def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random weights in `type_name`'s layout: uint8 [*shape[:-1], row_bytes].
+
+    Float types come from normal values; block types are random bytes (every quant bit
+    pattern, every packed scale) with sane f16 scales (and E8M0 exponents for MXFP4), so the
+    dequantized values stay finite and O(1)."""
+    cls = _BY_NAME[type_name]
+    lead, n = tuple(shape[:-1]), shape[-1]
+    if type_name in ("F32", "F16", "BF16"):
+        f = rng.standard_normal(shape).astype(np.float32)
+        if type_name == "F16":
+            f = f.astype(np.float16)
+        elif type_name == "BF16":
+            f = (f.view(np.uint32) >> 16).astype(np.uint16)
+        return f.view(np.uint8).reshape(*lead, -1)
+    nb = int(np.prod(shape)) // cls.block_size
+    raw = rng.integers(0, 256, (nb, cls.type_size), dtype=np.uint8)
+    if type_name == "MXFP4":
+        raw[:, 0] = rng.integers(120, 128, nb)  # 2^-8 .. 2^-1
+    for off in _F16_SCALES.get(type_name, ()):
+        d = rng.uniform(0.002, 0.05, nb) * rng.choice([-1.0, 1.0], nb)
+        raw[:, off : off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return raw.reshape(*lead, n // cls.block_size * cls.type_size)

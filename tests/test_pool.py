@@ -1,0 +1,114 @@
+"""The expert pool and streamed inference: bit-identical to resident at every slot count."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onebit
+from conftest import fixture_path
+from onebit.errors import UsageError
+from onebit.gguf_file import GGUFFile
+from onebit.memory.plan import size_classes
+from onebit.memory.pool import ExpertPool, StreamReadError
+
+Q4K = "q3moe256-Q4_K_M.gguf"
+
+
+def decode_logits(model, prompt, n):
+    """Greedy decode n tokens one at a time; return every step's logits."""
+    cache = model.new_cache()
+    out = [model.net.forward(prompt, cache)]
+    tok = int(out[-1][-1].argmax())
+    for _ in range(n):
+        out.append(model.net.forward(np.array([tok]), cache))
+        tok = int(out[-1][-1].argmax())
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("name,slot_counts", [(Q4K, [4, 5, 7]), ("qwen3moe-f32.gguf", [2, 3, 8, 15]),
+                                              ("qwen2moe-f32.gguf", [2, 9]), ("mixtral-f32.gguf", [2, 5])])
+@pytest.mark.parametrize("policy", ["global", "layer"])
+def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy):
+    path = fixture_path(name)
+    prompt = np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:12].astype(np.int64)
+    ref = decode_logits(onebit.load(path), prompt, 10)
+    for slots in slot_counts:
+        m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy)
+        assert m.pool is not None and m.pool.n_slots == slots
+        got = decode_logits(m, prompt, 10)
+        st = m.pool.stats
+        m.close()
+        assert np.array_equal(got, ref), f"{name} slots={slots} policy={policy}"
+        assert st.demand_misses > 0 and st.bytes_read > 0
+
+
+def make_pool(slots, **kw):
+    g = GGUFFile(fixture_path("qwen3moe-f32.gguf"))
+    classes = size_classes(g)
+    return g, ExpertPool(g, classes, [slots], **kw)
+
+
+def test_lru_hits_misses_and_bytes():
+    g, pool = make_pool(3)
+    try:
+        raw = g.tensor("blk.0.ffn_gate_exps.weight").raw
+        slots = pool.acquire(0, [1, 2])
+        assert np.array_equal(pool.slot_view(0, slots[0], "ffn_gate_exps"), raw[1])
+        pool.release(0, [1, 2])
+        pool.acquire(1, [5])
+        pool.release(1, [5])
+        pool.acquire(0, [1])  # hit
+        pool.release(0, [1])
+        pool.acquire(1, [6])  # evicts the least recently used: (0, 2)
+        pool.release(1, [6])
+        assert set(pool.where) == {(0, 1), (1, 5), (1, 6)}
+        s = pool.stats
+        assert (s.hits, s.demand_misses) == (1, 4)
+        per_expert = sum(g.tensor(f"blk.0.ffn_{p}_exps.weight").n_bytes // 8 for p in ("gate", "up", "down"))
+        assert s.bytes_read >= 4 * per_expert
+    finally:
+        pool.close()
+
+
+def test_prefetch_hit_and_waste():
+    _, pool = make_pool(2)
+    try:
+        pool.prefetch(0, [3])
+        pool.acquire(0, [3])  # resident or in flight: a prefetch hit
+        pool.release(0, [3])
+        pool.prefetch(1, [4])
+        pool.drain()
+        pool.acquire(0, [5])  # evicts... the LRU of {(0,3), (1,4)}: (0,3)
+        pool.release(0, [5])
+        pool.acquire(0, [6])  # evicts the never-used prefetch (1,4): wasted
+        pool.release(0, [6])
+        s = pool.stats
+        assert s.prefetch_hits == 1 and s.prefetches == 2 and s.wasted_prefetches == 1
+    finally:
+        pool.close()
+
+
+def test_more_experts_than_slots_is_refused():
+    _, pool = make_pool(2)
+    try:
+        with pytest.raises(UsageError, match="only 2 slots"):
+            pool.acquire(0, [1, 2, 3])
+    finally:
+        pool.close()
+
+
+def test_file_truncated_while_streaming(tmp_path):
+    src = fixture_path("qwen3moe-f32.gguf")
+    path = tmp_path / "m.gguf"
+    path.write_bytes(src.read_bytes())
+    m = onebit.load(path, slots=2, budget="1GiB")
+    try:
+        g = m.gguf
+        cut = g.tensor("blk.1.ffn_down_exps.weight").offset
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        with pytest.raises(StreamReadError, match="ended early"):
+            m.logits(np.arange(8))
+    finally:
+        m.close()
