@@ -23,10 +23,36 @@ def default_model_path() -> str:
     return str(files("onebit") / "data" / "default.gguf")
 
 
-def _load(model: Optional[str], backend: str, ctx: Optional[int] = None):
+def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
+          budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None):
     import onebit
 
-    return onebit.load(model or default_model_path(), backend=backend, n_ctx=ctx)
+    if slots is not None and slots != "auto":
+        try:
+            slots = int(slots)
+        except ValueError:
+            raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
+    m = onebit.load(model or default_model_path(), backend=backend, n_ctx=ctx, slots=slots, budget=budget,
+                    pool_policy=policy)
+    if trace is not None:
+        from onebit.moe.trace import TraceWriter
+
+        m.hook = TraceWriter(trace, m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
+    return m
+
+
+def _finish(m, stats: bool) -> None:
+    """At exit: close the trace and print expert-pool stats when asked."""
+    if m.hook is not None and hasattr(m.hook, "close"):
+        m.hook.close()
+    if stats:
+        if m.pool is None:
+            typer.echo("stats: all experts resident (no streaming pool)", err=True)
+        else:
+            d = m.pool.stats.to_dict()
+            typer.echo("stats: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in d.items()) + f", slots {m.pool.n_slots}", err=True)
+    m.close()
 
 
 def _version(value: bool) -> None:
@@ -47,6 +73,12 @@ def root(
 MODEL_ARG = typer.Argument(None, help="GGUF model file (default: the small model shipped with onebit).")
 MODEL_OPT = typer.Option(None, "--model", "-m", help="GGUF model file (default: the shipped model).")
 BACKEND = typer.Option("numpy", "--backend", help="Compute backend.")
+SLOTS = typer.Option(None, "--slots", help="Expert slots: a number or auto; fewer than all experts streams them "
+                                          "from the file.")
+BUDGET = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (plans memory; refuses what won't fit).")
+POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: global (one LRU) or layer.")
+STATS = typer.Option(False, "--stats", help="Print expert-pool stats at exit.")
+TRACE = typer.Option(None, "--trace", help="Record every token's routed experts to this JSONL file.")
 CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(model's, 4096)).")
 
 
@@ -72,6 +104,11 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     backend: str = BACKEND,
     ctx: Optional[int] = CTX,
+    slots: Optional[str] = SLOTS,
+    budget: Optional[str] = BUDGET,
+    pool_policy: str = POLICY,
+    stats: bool = STATS,
+    trace: Optional[str] = TRACE,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
@@ -90,10 +127,19 @@ def generate(
             out_f = open(output, "a", encoding="utf-8")
         except OSError as e:
             raise UsageError(f"{output}: cannot write the output file ({e.strerror})") from None
-    m = _load(model, backend, ctx)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace)
+    try:
+        _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json,
+                  dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repeat_penalty, stop=stop))
+    finally:
+        _finish(m, stats)
+
+
+def _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json, gen) -> None:
+    from onebit import batch
+
     chat = not raw and m.chat_template is not None
-    gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-               repetition_penalty=repeat_penalty, stop=stop)
     if input is None:
         item = batch.PromptItem("1", 1, prompt=prompt)
         if out_f is not None or as_json:
@@ -228,14 +274,22 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed"),
     backend: str = BACKEND,
     ctx: Optional[int] = CTX,
+    slots: Optional[str] = SLOTS,
+    budget: Optional[str] = BUDGET,
+    pool_policy: str = POLICY,
+    stats: bool = STATS,
+    trace: Optional[str] = TRACE,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
     from .chat_repl import run_chat
 
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
-    m = _load(model, backend, ctx)
-    run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-             min_p=min_p, repetition_penalty=repeat_penalty, seed=seed)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace)
+    try:
+        run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 min_p=min_p, repetition_penalty=repeat_penalty, seed=seed)
+    finally:
+        _finish(m, stats)
 
 
 @app.command()
@@ -260,6 +314,35 @@ def bench(
         typer.echo(f"model    {res['model']}\nbackend  {res['backend']}")
         typer.echo(f"prompt   {res['prompt_tokens']} tokens: {res['prompt_tps']:.1f} tok/s (median of {runs})")
         typer.echo(f"decode   {res['gen_tokens']} tokens: {res['decode_tps']:.1f} tok/s (median of {runs})")
+
+
+@app.command("cache-sim")
+def cache_sim(
+    trace: str = typer.Argument(..., help="Routing trace from --trace."),
+    slots: list[int] = typer.Option(..., "--slots", help="Pool size in experts (repeatable)."),
+    policy: list[str] = typer.Option([], "--policy", help="Policies to replay (default: all)."),
+    decay: float = typer.Option(0.95, "--decay", help="Per-token decay of global-lfu counts."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Replay a routing trace through expert-cache policies and print hit rates (decode tokens)."""
+    from onebit.moe.cachesim import POLICIES, format_table, simulate
+    from onebit.moe.trace import read_trace
+
+    t = read_trace(trace)
+    results = []
+    for n in slots:
+        for p in policy or POLICIES:
+            try:
+                results.append(simulate(t, p, n, decay))
+            except UsageError:
+                if policy:  # asked for by name: say why it cannot run
+                    raise
+    decode_tokens = len({a.token for a in t.accesses if a.decode})
+    if as_json:
+        typer.echo(json.dumps([{"policy": r.policy, "slots": r.slots, "hit_rate": r.hit_rate, "hits": r.hits,
+                                "accesses": r.accesses} for r in results], indent=2))
+    else:
+        typer.echo(format_table(results, decode_tokens))
 
 
 def main() -> None:

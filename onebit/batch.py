@@ -136,13 +136,16 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
         prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
     else:
         prompt = item.prompt
-    pieces, last = [], None
+    pieces, tokens, last = [], [], None
     for r in model.generate(prompt, seed=prompt_seed(seed, item.id), **gen):
         pieces.append(r.text)
+        if r.token is not None:
+            tokens.append(r.token)
         last = r
     return {
         "id": item.id,
         "text": "".join(pieces),
+        "tokens": tokens,
         "prompt_tokens": last.prompt_tokens,
         "generation_tokens": last.generation_tokens,
         "finish_reason": last.finish_reason,

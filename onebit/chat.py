@@ -98,7 +98,8 @@ class ChatSession:
         t0 = time.perf_counter()
         try:
             for r in stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
-                                     processors=self.processors, cache=self.cache, prompt_prefix=ids[:common]):
+                                     processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
+                                     hook=self.model.hook):
                 reply.append(r.text)
                 self.history[-1]["content"] = "".join(reply)
                 if r.token is not None:

@@ -41,6 +41,8 @@ def generate_step(
     tokens = list(history) + list(prompt)
     ids = np.asarray(prompt, dtype=np.int64)
     logits = None
+    if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens
+        hook.phase = "prompt"
     for start in range(0, len(ids), prefill_chunk):
         chunk = ids[start : start + prefill_chunk]
         logits = net.forward(chunk, cache, hook=hook, last_only=True)  # [1, vocab]
@@ -51,6 +53,8 @@ def generate_step(
         tok = sampler(row)
         tokens.append(tok)
         yield tok
+        if hasattr(hook, "phase"):
+            hook.phase = "decode"
         logits = net.forward(np.asarray([tok], dtype=np.int64), cache, hook=hook, last_only=True)
 
 

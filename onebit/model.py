@@ -30,6 +30,7 @@ class Model:
         self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, cfg.context_length)
         self.pool = None
         self.plan = None
+        self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
         if slots is not None or budget is not None:
             self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
         else:
@@ -109,7 +110,7 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64)
         self._check_ids(ids)
         cache = self.new_cache()
-        out = [self.net.forward(ids[s : s + chunk], cache) for s in range(0, len(ids), chunk)]
+        out = [self.net.forward(ids[s : s + chunk], cache, hook=self.hook) for s in range(0, len(ids), chunk)]
         if not out:
             return np.zeros((0, self.cfg.vocab_size), np.float32)
         return np.concatenate(out).astype(np.float32, copy=False)
@@ -121,7 +122,7 @@ class Model:
     def generate(
         self, prompt: str | Sequence[int] | list[dict], max_tokens: int = 256, temperature: float = 0.0,
         top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-        seed: Optional[int] = None, stop: Sequence[str] = (), cache=None,
+        seed: Optional[int] = None, stop: Sequence[str] = (), cache=None, hook=None,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces. `prompt` is text, token ids, or chat messages (rendered
         with the model's chat template)."""
@@ -139,7 +140,7 @@ class Model:
         sampler = make_sampler(temperature, top_p, min_p, top_k, seed)
         procs = make_logits_processors(repetition_penalty)
         yield from stream_generate(self, ids, max_tokens=max_tokens, sampler=sampler, processors=procs,
-                                   stop=stop, cache=cache)
+                                   stop=stop, cache=cache, hook=hook if hook is not None else self.hook)
 
 
 def load(path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,

@@ -1,0 +1,1 @@
+"""MoE routing: traces, cache-policy simulation (and, later, routing prediction)."""
