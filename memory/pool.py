@@ -169,6 +169,7 @@ class ExpertPool:
             for part in EXPERT_PARTS:
                 t = gguf.tensor(f"blk.{layer0}.{part}.weight")
                 bufs[part] = np.zeros((n, *t.raw.shape[1:]), np.uint8)  # [slots, rows, row_bytes]
+                bufs[part].fill(0)  # touch every page now: the plan counts the slots as used
             self.buffers.append(bufs)
             self.slots.append([_Slot(ci, i) for i in range(n)])
         self.where: dict[tuple[int, int], _Slot] = {}

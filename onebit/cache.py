@@ -10,9 +10,13 @@ class KVCache:
 
     step = 256
 
-    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int):
-        self.keys = np.zeros((0, n_kv_heads, head_dim), np.float32)  # [cap, Hkv, D]
-        self.values = np.zeros((0, n_kv_heads, head_dim_v), np.float32)
+    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0):
+        # capacity > 0: allocate (and touch) it all now, as the memory plan counted it
+        self.keys = np.zeros((capacity, n_kv_heads, head_dim), np.float32)  # [cap, Hkv, D]
+        self.values = np.zeros((capacity, n_kv_heads, head_dim_v), np.float32)
+        if capacity:
+            self.keys.fill(0)
+            self.values.fill(0)
         self.offset = 0
 
     def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,8 +57,8 @@ def _grow(a: np.ndarray, cap: int) -> np.ndarray:
     return out
 
 
-def make_cache(cfg) -> list[KVCache]:
-    return [KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v) for _ in range(cfg.n_layers)]
+def make_cache(cfg, capacity: int = 0) -> list[KVCache]:
+    return [KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity) for _ in range(cfg.n_layers)]
 
 
 def trim_cache(cache: list[KVCache], n: int) -> None:

@@ -96,7 +96,10 @@ def stream_generate(
     steps = generate_step(model.net, prompt_ids, cache, sampler, processors, hook=hook, history=prompt_prefix)
     if max_tokens <= 0 or n_prompt >= ctx:
         finish = "length"
+    guard = getattr(model, "guard", None)
     while finish is None:
+        if guard is not None:
+            guard.check()
         tok = next(steps)
         if n_gen == 0:
             t_prompt = time.perf_counter() - t0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -31,6 +32,9 @@ class Model:
         self.pool = None
         self.plan = None
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
+        from .memory.guard import MemoryGuard
+
+        self.guard = MemoryGuard()  # checked every generated token
         if slots is not None or budget is not None:
             self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
         else:
@@ -66,9 +70,15 @@ class Model:
 
         from .memory.plan import EXPERT_PARTS
 
-        for name, t in list(self.gguf.tensors.items()):
-            if not any(f".{p}." in name for p in EXPERT_PARTS):
-                self.gguf.tensors[name] = dataclasses.replace(t, raw=np.array(t.raw))
+        from tqdm import tqdm
+
+        resident = [t for name, t in self.gguf.tensors.items() if not any(f".{p}." in name for p in EXPERT_PARTS)]
+        total = sum(t.n_bytes for t in resident)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
+                  disable=True if total < (256 << 20) else None) as bar:
+            for t in resident:
+                self.gguf.tensors[t.name] = dataclasses.replace(t, raw=np.array(t.raw))
+                bar.update(t.n_bytes)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -103,7 +113,8 @@ class Model:
     # -- compute ----------------------------------------------------------------------
 
     def new_cache(self):
-        return self.net.make_cache()
+        # Under a memory plan the KV cache is allocated up front, as planned.
+        return self.net.make_cache(self.context_length if self.plan is not None else 0)
 
     def logits(self, ids: Sequence[int], chunk: int = 256) -> np.ndarray:
         """Teacher-forced logits at every position from an empty context: [len(ids), vocab] float32."""

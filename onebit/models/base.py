@@ -25,8 +25,8 @@ class TransformerLM:
     def layer_has_moe(self, layer: int) -> bool:
         return self.cfg.is_moe
 
-    def make_cache(self) -> list[KVCache]:
-        return make_cache(self.cfg)
+    def make_cache(self, capacity: int = 0) -> list[KVCache]:
+        return make_cache(self.cfg, capacity)
 
     @staticmethod
     def positions(cache: list[KVCache], n: int) -> np.ndarray:
