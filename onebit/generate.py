@@ -97,6 +97,7 @@ def stream_generate(
     if max_tokens <= 0 or n_prompt >= ctx:
         finish = "length"
     guard = getattr(model, "guard", None)
+    final_tok = None  # the last token, when it ends generation but belongs to the output
     while finish is None:
         if guard is not None:
             guard.check()
@@ -113,13 +114,14 @@ def stream_generate(
         cut, hit = _stop_cut(pending, stop)
         if hit:
             pending = pending[:cut]
-            finish = "stop"
+            finish, final_tok = "stop", tok
             break
         if n_gen >= max_tokens or n_prompt + n_gen >= ctx:
-            finish = "length"
+            finish, final_tok = "length", tok
+            pending += decoder.flush()
             break
         text, pending = pending[:cut], pending[cut:]
         yield GenerationResponse(text, tok, None, n_prompt, n_gen, t_prompt, time.perf_counter() - t1)
     steps.close()
     gen_time = time.perf_counter() - t1 if n_gen else 0.0
-    yield GenerationResponse(pending, None, finish, n_prompt, n_gen, t_prompt, gen_time)
+    yield GenerationResponse(pending, final_tok, finish, n_prompt, n_gen, t_prompt, gen_time)
