@@ -75,6 +75,7 @@ def test_prefetch_hit_and_waste():
     _, pool = make_pool(2)
     try:
         pool.prefetch(0, [3])
+        pool.drain()
         pool.acquire(0, [3])  # resident or in flight: a prefetch hit
         pool.release(0, [3])
         pool.prefetch(1, [4])
