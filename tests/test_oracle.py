@@ -92,3 +92,18 @@ def test_quantized_difference_is_llama_cpp_activation_rounding(ref_path):
     ref = np.load(ref_path)
     cos = cosine_rows(model.logits(ref["tokens"].astype(np.int64)), ref["logits_llama"])
     assert np.median(cos) >= 0.9999 and (cos >= 0.999).mean() >= 0.95, (np.median(cos), np.sort(cos)[:4])
+
+
+DEQUANT_REFS = [p for p in REFS if "logits_hf_dequant" in np.load(p).files]
+
+
+@pytest.mark.parametrize("ref_path", DEQUANT_REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
+def test_quantized_matches_transformers_on_dequantized_weights(ref_path):
+    """HF transformers run on the file's weights as dequantized by the gguf package: our f32
+    forward over quantized weights must meet the f32 bar against it."""
+    model, ref, logits, margin = _run(ref_path)
+    hf = ref["logits_hf_dequant"]
+    cos = cosine_rows(logits, hf)
+    maxdiff = np.abs(logits - hf).max(axis=1)
+    ok = (cos >= 0.99999) & (maxdiff <= 1e-2)
+    assert ok.mean() >= 0.97, [(i, cos[i], maxdiff[i], margin[i]) for i in np.nonzero(~ok)[0]]
