@@ -1,0 +1,51 @@
+"""`onebit info` and `onebit bench`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+
+from conftest import fixture_path
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "onebit.cli.main", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_counts_parameters_like_gguf():
+    path = fixture_path("qwen2moe-f32.gguf")
+    r = run("info", str(path), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    reader = gguf.GGUFReader(str(path))
+    total = sum(int(t.n_elements) for t in reader.tensors)
+    experts = sum(int(t.n_elements) for t in reader.tensors if "_exps." in t.name)
+    assert info["parameters"] == total
+    assert info["active_parameters"] == total - experts + experts * 2 // 8  # top-2 of 8
+    assert info["architecture"] == "qwen2moe" and info["experts"] == 8 and info["experts_used"] == 2
+    assert info["shared_expert_hidden_dim"] == 64 and info["chat_template"] is True
+    assert info["types"]["F32"]["bytes"] == sum(int(t.n_bytes) for t in reader.tensors)
+    text = run("info", str(path))
+    assert text.returncode == 0 and "qwen2moe" in text.stdout and "active per token" in text.stdout
+
+
+def test_info_types_of_a_quantized_file():
+    info = json.loads(run("info", str(fixture_path("q3moe256-Q4_K_M.gguf")), "--json").stdout)
+    assert set(info["types"]) == {"Q4_K", "Q6_K", "F32"}
+
+
+def test_bench_json():
+    r = run("bench", str(fixture_path("qwen3moe-f32.gguf")), "--prompt-tokens", "16", "--gen-tokens", "4",
+            "--runs", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["prompt_tokens"] == 16 and res["gen_tokens"] == 4 and len(res["decode_tps_runs"]) == 2
+    assert res["prompt_tps"] > 0 and res["decode_tps"] > 0
+
+
+def test_info_missing_file():
+    r = run("info", "/no/such.gguf")
+    assert r.returncode == 2 and r.stderr.startswith("onebit: error:") and "Traceback" not in r.stderr
