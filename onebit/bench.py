@@ -22,6 +22,11 @@ def bench_prompt(model, n: int) -> list[int]:
 
 
 def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
+    if prompt_tokens + gen_tokens > model.context_length:
+        from .errors import UsageError
+
+        raise UsageError(f"{prompt_tokens} prompt + {gen_tokens} decode tokens exceed the "
+                         f"{model.context_length}-token context")
     prompt = np.asarray(bench_prompt(model, prompt_tokens), dtype=np.int64)
     greedy = make_sampler(0.0)
     pp, tg = [], []

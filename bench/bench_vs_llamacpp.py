@@ -1,0 +1,104 @@
+"""Decode and prompt speed of onebit against llama.cpp on the same GGUF, in one run.
+
+    python bench/bench_vs_llamacpp.py MODEL.gguf [MODEL2.gguf ...] [--llama-cpp DIR] [--runs 3]
+
+llama.cpp comes from tools/build_llama_cpp.sh (its Python binding over the built library;
+CPU backend, 2 threads). Runs alternate onebit / llama.cpp (ABAB...) and the table gives
+medians and the ratio onebit / llama.cpp. Greedy decoding of the same prompt tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import onebit
+
+
+def llama_binding(root: Path):
+    lib = next(iter(sorted(root.rglob("libllama.so"))), None)
+    if lib is None:
+        sys.exit(f"no libllama.so under {root}: run tools/build_llama_cpp.sh {root}")
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib.parent)
+    sdist = next(iter(sorted(root.rglob("llama_cpp/__init__.py"))), None)
+    if sdist is None:
+        sys.exit(f"no llama_cpp Python binding under {root}")
+    sys.path.insert(0, str(sdist.parent.parent))
+    import llama_cpp
+
+    # llama.cpp's CPU weight repacking uses AMX where the CPU has it; this sandbox does not
+    # grant AMX state and the process dies, so repacking is off (as in tools/make_fixtures.py).
+    low = llama_cpp.llama_cpp
+    default_params = low.llama_model_default_params
+
+    def params_without_repack():
+        p = default_params()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params_without_repack
+    return llama_cpp
+
+
+def time_onebit(model, prompt, n):
+    cache = model.new_cache()
+    t0 = time.perf_counter()
+    logits = model.net.forward(np.asarray(prompt), cache, last_only=True)
+    pp = len(prompt) / (time.perf_counter() - t0)
+    tok = int(logits[-1].argmax())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tok = int(model.net.forward(np.array([tok]), cache, last_only=True)[-1].argmax())
+    return pp, n / (time.perf_counter() - t0)
+
+
+def time_llama(llm, prompt, n):
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    pp = len(prompt) / (time.perf_counter() - t0)
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    return pp, n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--llama-cpp", default=".llama-cpp", type=Path)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=32)
+    args = ap.parse_args()
+    llama_cpp = llama_binding(args.llama_cpp)
+    print(f"{'model':<34} {'onebit pp':>10} {'llama pp':>10} {'ratio':>6} {'onebit tg':>10} {'llama tg':>10} {'ratio':>6}")
+    for path in args.models:
+        ob = onebit.load(path, n_ctx=512)
+        prompt = (ob.tokenize("The json module encodes and decodes JSON. ", add_special=False) * 64)[: args.prompt_tokens]
+        llm = llama_cpp.Llama(path, n_ctx=512, n_threads=2, n_batch=512, logits_all=True, verbose=False)
+        a_pp, a_tg, b_pp, b_tg = [], [], [], []
+        for _ in range(args.runs):
+            pp, tg = time_onebit(ob, prompt, args.gen_tokens)
+            a_pp.append(pp)
+            a_tg.append(tg)
+            pp, tg = time_llama(llm, prompt, args.gen_tokens)
+            b_pp.append(pp)
+            b_tg.append(tg)
+        m = statistics.median
+        print(f"{Path(path).name:<34} {m(a_pp):>10.1f} {m(b_pp):>10.1f} {m(a_pp) / m(b_pp):>6.2f} "
+              f"{m(a_tg):>10.1f} {m(b_tg):>10.1f} {m(a_tg) / m(b_tg):>6.2f}")
+    print("tok/s, medians of", args.runs, "alternating runs; ratio = onebit / llama.cpp "
+          "(CPU backend, 2 threads, weight repacking off)")
+
+
+if __name__ == "__main__":
+    main()
