@@ -60,6 +60,9 @@ def _strftime_now(fmt: str) -> str:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
             separators: Any = None, sort_keys: bool = False) -> str:
     # HF's override: Jinja's own tojson HTML-escapes and always sorts keys.
+    width = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
+    if width > 64:  # each nesting level repeats it on every line
+        raise _TooBig(f"tojson indent {width} is too large")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
                       separators=separators, sort_keys=sort_keys)
 
@@ -174,8 +177,8 @@ def _check_percent(fmt: str, args: Any, limit: int) -> None:
 
 def _guard_filters(env: _Env) -> None:
     """Wrap the built-in filters that can blow a short input up into a huge output."""
-    center, indent, fmt, wordwrap, replace = (
-        env.filters[k] for k in ("center", "indent", "format", "wordwrap", "replace"))
+    center, indent, fmt, wordwrap, replace, batch, slice_ = (
+        env.filters[k] for k in ("center", "indent", "format", "wordwrap", "replace", "batch", "slice"))
 
     def g_center(value, width=80):
         _check(int(width), _limit())
@@ -201,10 +204,19 @@ def _guard_filters(env: _Env) -> None:
         _check_str_method(str(s), "replace", (str(old), str(new)), {}, _limit())
         return replace(eval_ctx, s, old, new, count)
 
+    def g_batch(value, linecount, fill_with=None):
+        if fill_with is not None:  # pads the last batch up to linecount items
+            _check(int(linecount), _limit())
+        return batch(value, linecount, fill_with)
+
+    def g_slice(value, slices, fill_with=None):  # makes `slices` lists, however short value is
+        _check(int(slices), _limit())
+        return slice_(value, slices, fill_with)
+
     g_wordwrap.jinja_pass_arg = wordwrap.jinja_pass_arg  # type: ignore[attr-defined]
     g_replace.jinja_pass_arg = replace.jinja_pass_arg  # type: ignore[attr-defined]
-    env.filters.update(center=g_center, indent=g_indent, format=g_format,
-                       wordwrap=g_wordwrap, replace=g_replace)
+    env.filters.update(center=g_center, indent=g_indent, format=g_format, wordwrap=g_wordwrap,
+                       replace=g_replace, batch=g_batch, slice=g_slice)
 
 
 @lru_cache(maxsize=1)
