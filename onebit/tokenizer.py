@@ -12,6 +12,12 @@ which llama.cpp (src/llama-vocab.cpp) differs from HF's own tokenizer.json pipel
   a whole word is a token;
 - BOS/EOS, end-of-generation tokens and decoding (leading-space strip, `clean_spaces`) follow
   llama.cpp's defaults and its token-text heuristics.
+
+Known gaps: characters first assigned in Unicode 16 (Oniguruma knows them, llama.cpp's 15.1
+tables do not) can split differently; SentencePiece vocabularies whose tokens share scores
+merge ties in a different order (a warning is logged); the Kimi-K2, AFMoE, tiny_aya,
+superbpe and whitespace pre-tokenizers (custom code in llama.cpp) and the bert, t5, rwkv and
+plamo2 models are refused.
 """
 
 from __future__ import annotations
@@ -132,6 +138,12 @@ _DEEPSEEK_LLM_LETTERS = (
 )
 _DEEPSEEK_LLM_PUNCT = "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002&&\\S]+"
 _BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
+_YOUTU_CJK = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b"
+              "\uff0c\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+")
+# llama.cpp folds \p{Lu}, \p{Ll}, ... into one letter class here, so every letter is both cases.
+_YOUTU = (r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]*[\p{L}\p{M}]+" + _CONTRACTIONS + "?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+[\p{L}\p{M}]*" + _CONTRACTIONS + "?"
+          r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,9 @@ _PRE: dict[str, _Pre] = {
     "minimax-m2": _Pre((_GPT4O,), **_NO_CLEAN),
     "solar-open": _Pre((_QWEN2,), **_NO_CLEAN),
     "mellum2": _STARCODER,
+    "youtu": _Pre((_YOUTU_CJK, _YOUTU), ignore_merges=True, **_NO_CLEAN),
+    "chameleon": _Pre(("<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\t\n]|    |  )",
+                       r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]", _GPT2), add_bos=True, **_NO_CLEAN),
 }
 _ALIASES = {
     "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3", "falcon-h1": "llama3",
@@ -611,7 +626,7 @@ class Tokenizer:
             raise UsageError(f"encode() takes text as str, not {type(text).__name__}")
         try:
             text.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates: what a UTF-8 reader would see
+        except UnicodeEncodeError:  # lone surrogates have no UTF-8 form: they become "?"
             text = text.encode("utf-8", "replace").decode("utf-8")
         ids: list[int] = []
         if add_special and self.add_bos:
@@ -673,10 +688,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of `ids`, as llama.cpp's llama_detokenize(remove_special=skip_special,
-        unparse_special=not skip_special): control tokens are shown unless skipped, a leading
-        BOS/EOS is dropped when skipping, the first token loses one leading space when the
-        model adds a space prefix, and BPE models with clean_spaces tidy spaces before
-        punctuation."""
+        unparse_special=not skip_special): control tokens are shown unless skipped; skipping
+        also drops a leading BOS and a trailing EOS; the first token loses one leading space
+        when the model adds a space prefix (not after a BOS); and tokenizers with clean_spaces
+        drop spaces before punctuation."""
         ids = [self._check_id(int(t)) for t in ids]
         remove_space = self.add_space_prefix
         if skip_special and self.add_bos and ids and ids[0] == self.bos_id:
