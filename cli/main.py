@@ -24,9 +24,14 @@ def default_model_path() -> str:
 
 
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
-          budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None):
+          budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
+          device: Optional[str] = None):
     import onebit
 
+    if device is not None:
+        from onebit.backends.vulkan.device import DEVICE_ENV
+
+        os.environ[DEVICE_ENV] = device
     if slots is not None and slots != "auto":
         try:
             slots = int(slots)
@@ -72,10 +77,12 @@ def root(
 
 MODEL_ARG = typer.Argument(None, help="GGUF model file (default: the small model shipped with onebit).")
 MODEL_OPT = typer.Option(None, "--model", "-m", help="GGUF model file (default: the shipped model).")
-BACKEND = typer.Option("numpy", "--backend", help="Compute backend.")
+BACKEND = typer.Option("numpy", "--backend", help="Compute backend: numpy or vulkan (falls back to numpy, "
+                                                   "with a warning, where Vulkan is unusable).")
 SLOTS = typer.Option(None, "--slots", help="Expert slots: a number or auto; fewer than all experts streams them "
                                           "from the file.")
 BUDGET = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (plans memory; refuses what won't fit).")
+DEVICE = typer.Option(None, "--device", help="Vulkan device: index or name substring (see onebit info --device).")
 POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: global (one LRU) or layer.")
 STATS = typer.Option(False, "--stats", help="Print expert-pool stats at exit.")
 TRACE = typer.Option(None, "--trace", help="Record every token's routed experts to this JSONL file.")
@@ -109,6 +116,7 @@ def generate(
     pool_policy: str = POLICY,
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
+    device: Optional[str] = DEVICE,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
@@ -127,7 +135,7 @@ def generate(
             out_f = open(output, "a", encoding="utf-8")
         except OSError as e:
             raise UsageError(f"{output}: cannot write the output file ({e.strerror})") from None
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
     try:
         _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json,
                   dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -219,9 +227,16 @@ def _run_batch(m, input, input_format, out_f, output, on_error, chat, system, se
 @app.command()
 def info(
     model: Optional[str] = MODEL_ARG,
+    device: bool = typer.Option(False, "--device", help="List the Vulkan devices instead: name, heaps, limits."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Describe a model: architecture, parameters, experts, types, tokenizer."""
+    if device:
+        from onebit.backends.vulkan.device import list_devices
+
+        for d in list_devices():
+            typer.echo(d.describe() + "\n")
+        return
     from onebit.gguf_file import GGUFFile
     from onebit.info import format_info, model_info
     from onebit.models import model_class
@@ -279,12 +294,13 @@ def chat(
     pool_policy: str = POLICY,
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
+    device: Optional[str] = DEVICE,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
     from .chat_repl import run_chat
 
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
     try:
         run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  min_p=min_p, repetition_penalty=repeat_penalty, seed=seed)
@@ -299,6 +315,7 @@ def bench(
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="Decode steps to time."),
     runs: int = typer.Option(3, "--runs", help="Runs; the median is reported."),
     backend: str = BACKEND,
+    device: Optional[str] = DEVICE,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Prompt and decode tok/s on this machine (median of runs)."""
@@ -306,7 +323,7 @@ def bench(
 
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
-    m = _load(model, backend)
+    m = _load(model, backend, device=device)
     res = run_bench(m, prompt_tokens, gen_tokens, runs)
     if as_json:
         typer.echo(json.dumps(res, indent=2))

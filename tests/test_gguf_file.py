@@ -211,3 +211,31 @@ def test_fuzz_mutated_header(small, tmp_path, data):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     assert peak < 32 << 20
+
+
+def _reader_value(field):
+    """A metadata value as the gguf package's reader decodes it."""
+    v = field.contents()
+    if isinstance(v, list) and v and not isinstance(v[0], (str, list)):
+        return np.asarray(v)
+    return v
+
+
+@pytest.mark.parametrize("path", sorted((__import__("conftest").FIXTURES).glob("*.gguf")), ids=lambda p: p.name)
+def test_parser_agrees_with_gguf_reader(path):
+    ours = GGUFFile(path)
+    ref = gguf.GGUFReader(str(path))
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+    assert sorted(keys) == sorted(ours.metadata)
+    for k in keys:
+        a, b = ours.metadata[k], _reader_value(ref.fields[k])
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b)
+        else:
+            assert a == b, k
+    assert [t.name for t in ref.tensors] == list(ours.tensors)
+    for rt in ref.tensors:
+        t = ours.tensors[rt.name]
+        assert t.qtype == int(rt.tensor_type) and t.offset == int(rt.data_offset)
+        assert t.n_bytes == int(rt.n_bytes) and t.n_elements == int(rt.n_elements)
+        np.testing.assert_array_equal(t.raw.reshape(-1), np.asarray(rt.data).reshape(-1).view(np.uint8))

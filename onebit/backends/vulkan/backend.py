@@ -24,10 +24,6 @@ from .kernels import SUPPORTED_TYPES, DeviceTensor, Kernels, WeightStore, shader
 
 log = logging.getLogger(__name__)
 
-# Decode-sized batches use the mat-vec kernel; larger ones the tiled mat-mat.
-MAT_VEC_MAX_ROWS = 4
-
-
 class VulkanBackend:
     name = "vulkan"
 
@@ -53,7 +49,8 @@ class VulkanBackend:
         self.weight_bytes = store.planned_bytes
         self.tensors: dict[str, DeviceTensor] = dict(zip(names, store.commit()))
         self._store = store
-        log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20, self.dev.info.name)
+        log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20,
+                 self.dev.info.name)
 
     def _fallback(self, what: str, why: str) -> None:
         if what not in self._warned:
@@ -127,8 +124,7 @@ class VulkanBackend:
             xs = x[r0 : r0 + step]
             n = xs.shape[0]
             x_s, y_s = self._put(0, xs), self._tmp(1, n * n_out * 4)
-            mul = self.k.mul_mv if n <= MAT_VEC_MAX_ROWS else self.k.mul_mm
-            self._run(lambda seq: mul(seq, t, x_s, y_s, n, n_in, n_out))
+            self._run(lambda seq: self.k.matmul(seq, t, x_s, y_s, n, n_in, n_out))
             out[r0 : r0 + n] = self._get(y_s, (n, n_out))
         return out
 
@@ -146,7 +142,8 @@ class VulkanBackend:
         self._run(lambda seq: self.k.elementwise(seq, "silu", x_s, None, o_s, x.size))
         return self._get(o_s, x.shape)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool,
+             scale: float = 1.0) -> np.ndarray:
         R, H, D = x.shape
         x_s, p_s, o_s = self._put(0, x), self._put(1, pos, np.int32), self._tmp(2, x.size * 4)
         self._run(lambda seq: self.k.rope(seq, x_s, p_s, o_s, R, H, D, n_rot, theta, neox, scale))

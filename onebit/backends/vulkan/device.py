@@ -177,16 +177,21 @@ class _Instance:
         return cls._instance
 
 
+def _struct(vk, ctype: str, stype: str, **fields):
+    """A zeroed C struct `ctype` with sType VK_STRUCTURE_TYPE_<stype> (for pNext chains)."""
+    return vk.ffi.new(f"{ctype}*", {"sType": getattr(vk, f"VK_STRUCTURE_TYPE_{stype}"), **fields})
+
+
 def _query(vk, pd, index: int) -> DeviceInfo:
     ffi = vk.ffi
-    subgroup = ffi.new("VkPhysicalDeviceSubgroupProperties*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES})
-    props2 = ffi.new("VkPhysicalDeviceProperties2*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, "pNext": subgroup})
+    subgroup = _struct(vk, "VkPhysicalDeviceSubgroupProperties", "PHYSICAL_DEVICE_SUBGROUP_PROPERTIES")
+    props2 = _struct(vk, "VkPhysicalDeviceProperties2", "PHYSICAL_DEVICE_PROPERTIES_2", pNext=subgroup)
     vk.lib.vkGetPhysicalDeviceProperties2(pd, props2)
     p = props2.properties
     lim = p.limits
-    f11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES})
-    f12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, "pNext": f11})
-    feats = ffi.new("VkPhysicalDeviceFeatures2*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": f12})
+    f11 = _struct(vk, "VkPhysicalDeviceVulkan11Features", "PHYSICAL_DEVICE_VULKAN_1_1_FEATURES")
+    f12 = _struct(vk, "VkPhysicalDeviceVulkan12Features", "PHYSICAL_DEVICE_VULKAN_1_2_FEATURES", pNext=f11)
+    feats = _struct(vk, "VkPhysicalDeviceFeatures2", "PHYSICAL_DEVICE_FEATURES_2", pNext=f12)
     if p.apiVersion >= vk.VK_MAKE_VERSION(1, 2, 0):
         vk.lib.vkGetPhysicalDeviceFeatures2(pd, feats)
     mem = ffi.new("VkPhysicalDeviceMemoryProperties*")
@@ -235,9 +240,8 @@ def _query(vk, pd, index: int) -> DeviceInfo:
 
 
 def _max_allocation(vk, pd) -> int:
-    ffi = vk.ffi
-    m3 = ffi.new("VkPhysicalDeviceMaintenance3Properties*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES})
-    props2 = ffi.new("VkPhysicalDeviceProperties2*", {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, "pNext": m3})
+    m3 = _struct(vk, "VkPhysicalDeviceMaintenance3Properties", "PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES")
+    props2 = _struct(vk, "VkPhysicalDeviceProperties2", "PHYSICAL_DEVICE_PROPERTIES_2", pNext=m3)
     vk.lib.vkGetPhysicalDeviceProperties2(pd, props2)
     return int(m3.maxMemoryAllocationSize)
 
@@ -399,7 +403,8 @@ class Pipeline:
         # Specialization constants: ids 0.., each 4 bytes (uint, or float when given a float).
         data = b"".join(struct.pack("<f" if isinstance(v, float) else "<I", v) for v in spec)
         self._spec_data = ffi.new("char[]", data or b"\0")
-        entries = ffi.new("VkSpecializationMapEntry[]", [{"constantID": i, "offset": 4 * i, "size": 4} for i in range(len(spec))] or 1)
+        entries = ffi.new("VkSpecializationMapEntry[]",
+                          [{"constantID": i, "offset": 4 * i, "size": 4} for i in range(len(spec))] or 1)
         spec_info = ffi.new("VkSpecializationInfo*", {
             "mapEntryCount": len(spec), "pMapEntries": entries, "dataSize": len(data), "pData": self._spec_data,
         })
@@ -466,19 +471,20 @@ class Sequence:
         if self._cmd is not None:
             raise RuntimeError("sequence already recorded")
         if len(bindings) != pipeline.n_bindings:
-            raise ValueError(f"kernel {pipeline.name} takes {pipeline.n_bindings} bindings, got {len(bindings)}")
+            raise VulkanKernelError(f"kernel {pipeline.name} takes {pipeline.n_bindings} bindings, got {len(bindings)}")
         if len(push) > PUSH_CONSTANT_BYTES:
-            raise ValueError(f"kernel {pipeline.name}: {len(push)} bytes of push constants")
+            raise VulkanKernelError(f"kernel {pipeline.name}: {len(push)} bytes of push constants")
         lim = self.dev.info.max_workgroup_count
         g = tuple(int(x) for x in groups) + (1,) * (3 - len(groups))
         if any(x < 1 or x > m for x, m in zip(g, lim)):
-            raise ValueError(f"kernel {pipeline.name}: workgroup count {g} outside 1..{lim}")
+            raise VulkanKernelError(f"kernel {pipeline.name}: workgroup count {g} outside 1..{lim}")
         rng = self.dev.info.max_storage_buffer_range
         for s in bindings:
             if s.size > rng:
-                raise ValueError(f"kernel {pipeline.name}: binding of {s.size} bytes exceeds maxStorageBufferRange {rng}")
+                raise VulkanKernelError(f"kernel {pipeline.name}: a binding of {s.size} bytes exceeds "
+                                        f"maxStorageBufferRange ({rng})")
             if s.offset % self.dev.info.min_storage_buffer_offset_alignment:
-                raise ValueError(f"kernel {pipeline.name}: binding offset {s.offset} is not aligned")
+                raise VulkanKernelError(f"kernel {pipeline.name}: binding offset {s.offset} is not aligned")
         self.ops.append(_Dispatch(pipeline, tuple(bindings), bytes(push), g, tuple(writes)))
 
     def copy(self, src: Slice, dst: Slice) -> None:
@@ -494,7 +500,8 @@ class Sequence:
         dispatches = [op for op in self.ops if isinstance(op, _Dispatch)]
         n_desc = sum(op.pipeline.n_bindings for op in dispatches)
         if dispatches:
-            size = ffi.new("VkDescriptorPoolSize*", {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": max(n_desc, 1)})
+            size = ffi.new("VkDescriptorPoolSize*",
+                           {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": max(n_desc, 1)})
             pinfo = ffi.new("VkDescriptorPoolCreateInfo*", {
                 "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, "maxSets": len(dispatches),
                 "poolSizeCount": 1, "pPoolSizes": size,
@@ -518,6 +525,17 @@ class Sequence:
             | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
         })
         stages = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+        # On entry: the host's writes since the last run, and that run's device writes (a
+        # replayed sequence reads what it wrote before), are visible to the first dispatch.
+        entry = ffi.new("VkMemoryBarrier*", {
+            "sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+            "srcAccessMask": vk.VK_ACCESS_HOST_WRITE_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+            | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+            "dstAccessMask": vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+            | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+        })
+        lib.vkCmdPipelineBarrier(self._cmd, stages | vk.VK_PIPELINE_STAGE_HOST_BIT, stages, 0, 1, entry, 0, ffi.NULL,
+                                 0, ffi.NULL)
         written: list[Slice] = []  # since the last barrier
         read: list[Slice] = []
         bound = None
@@ -537,7 +555,8 @@ class Sequence:
             written += op_writes
             read += op_reads
             if isinstance(op, _Copy):
-                region = ffi.new("VkBufferCopy*", {"srcOffset": op.src.offset, "dstOffset": op.dst.offset, "size": op.src.size})
+                region = ffi.new("VkBufferCopy*",
+                                 {"srcOffset": op.src.offset, "dstOffset": op.dst.offset, "size": op.src.size})
                 lib.vkCmdCopyBuffer(self._cmd, op.src.buffer.handle, op.dst.buffer.handle, 1, region)
                 continue
             p = op.pipeline
@@ -628,12 +647,10 @@ class Device:
             "sType": vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO, "queueFamilyIndex": self.queue_family,
             "queueCount": 1, "pQueuePriorities": prio,
         })
-        f11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
-            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, "storageBuffer16BitAccess": 1,
-        })
-        f12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
-            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, "pNext": f11, "storageBuffer8BitAccess": 1,
-        })
+        f11 = _struct(vk, "VkPhysicalDeviceVulkan11Features", "PHYSICAL_DEVICE_VULKAN_1_1_FEATURES",
+                      storageBuffer16BitAccess=1)
+        f12 = _struct(vk, "VkPhysicalDeviceVulkan12Features", "PHYSICAL_DEVICE_VULKAN_1_2_FEATURES", pNext=f11,
+                      storageBuffer8BitAccess=1)
         dinfo = ffi.new("VkDeviceCreateInfo*", {
             "sType": vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, "pNext": f12, "queueCreateInfoCount": 1,
             "pQueueCreateInfos": qinfo,
@@ -648,7 +665,8 @@ class Device:
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO, queueFamilyIndex=self.queue_family,
             flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
         ), None)
-        self.fence = vk.vkCreateFence(self.handle, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO), None)
+        fence_info = vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO)
+        self.fence = vk.vkCreateFence(self.handle, fence_info, None)
         self._fence_ptr = ffi.new("VkFence*", self.fence)
         self._buffers: set[Buffer] = set()
         self._pipelines: dict[tuple, Pipeline] = {}

@@ -23,12 +23,14 @@ from .device import Buffer, Device, Pipeline, Sequence, Slice, VulkanKernelError
 
 # Weights per shader block where it differs from the GGML block: float rows are read in runs of 16.
 SHADER_QK = {"F32": 16, "F16": 16, "BF16": 16}
+# Units (runs of weights sharing one scale) per shader block: QK / QU in shaders/dequant.glsl.
+UNITS_PER_BLOCK = {"Q1_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "TQ1_0": 16, "TQ2_0": 8}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q1_0", "TQ1_0", "TQ2_0")
 
 MAX_EXPERTS = 1024  # softmax_topk.comp keeps one row of logits in shared memory
 MAX_TOPK = 32
-ATTN_MAX_D = 256  # attn.comp: q in shared memory
-ATTN_DV_PER_THREAD = 4
+ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
+ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 
 
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
@@ -61,10 +63,11 @@ class DeviceTensor:
         return self.shape[-1]
 
 
-def split_rows(n_outer: int, outer_bytes: int, limit: int) -> list[tuple[int, int]]:
+def split_rows(n_outer: int, outer_bytes: int, limit: int, name: str = "tensor") -> list[tuple[int, int]]:
     """[start, count) runs of whole outer rows/experts, each at most `limit` bytes."""
     if outer_bytes > limit:
-        raise VulkanKernelError(f"one row of {outer_bytes} bytes exceeds the device's binding limit of {limit} bytes")
+        raise VulkanKernelError(f"{name}: one row/expert of {outer_bytes} bytes exceeds the device's binding limit "
+                                f"of {limit} bytes (maxStorageBufferRange)")
     per = max(1, limit // max(outer_bytes, 1))
     return [(s, min(per, n_outer - s)) for s in range(0, n_outer, per)]
 
@@ -101,7 +104,7 @@ class WeightStore:
         n_outer = raw.shape[0]
         outer_bytes = raw[0].nbytes if n_outer else 0
         parts = []
-        for start, count in split_rows(n_outer, outer_bytes, self.part_limit):
+        for start, count in split_rows(n_outer, outer_bytes, self.part_limit, name):
             chunk, off = self._place(count * outer_bytes)
             parts.append((chunk, off, start, count))
         self._pending.append((name, type_name, tuple(shape), raw, parts))
@@ -126,6 +129,13 @@ class WeightStore:
         return out
 
 
+def default_reduce(info) -> str:
+    """How mat-vec splits rows on this device (see shaders/mul_mv.comp)."""
+    if info.type == "cpu":
+        return "none"
+    return "subgroup" if info.subgroup_arithmetic else "shmem"
+
+
 def _push(fmt: str, *values) -> bytes:
     return struct.pack("<" + fmt, *values)
 
@@ -135,11 +145,23 @@ class Kernels:
 
     def __init__(self, dev: Device, reduce: Optional[str] = None):
         self.dev = dev
-        self.reduce = reduce or ("subgroup" if dev.info.subgroup_arithmetic else "shmem")
+        self.reduce = reduce or default_reduce(dev.info)
         self._spv: dict[str, bytes] = {}
         self._manifest = json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())["variants"]
-        # Workgroup sizes and rows per workgroup (specialization constants).
-        self.mv_wg, self.mv_rows = 32, 2
+        # Mat-vec shape (specialization constants). A CPU device (lanes are SIMD slots, every
+        # lane's load costs the same) wants one subgroup per workgroup and many rows per thread,
+        # so each x load serves them all; a GPU wants threads along k and a few rows per group.
+        if self.reduce == "none":
+            self.mv_wg, self.mv_rows = max(dev.info.subgroup_size, 4), 8
+        else:
+            self.mv_wg, self.mv_rows = max(32, min(dev.info.subgroup_size, 64)), 2
+        # Thread-per-row mat-vec unrolls rows x units of a block; past ~32 copies of the
+        # dequantizer, LLVM (lavapipe) compiles for many seconds for little gain.
+        self.mv_unrolled = 32
+        # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
+        # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
+        # memory and barriers are slow there), so it is always used.
+        self.mv_max_rows = 1 << 30 if dev.info.type == "cpu" else 4
         self.wg = 64
 
     # -- pipelines ------------------------------------------------------------------------
@@ -148,7 +170,8 @@ class Kernels:
         code = self._spv.get(variant)
         if code is None:
             if variant not in self._manifest:
-                raise VulkanKernelError(f"kernel {variant}: no such shader variant in the package (rebuild with shaders/build.py)")
+                raise VulkanKernelError(f"kernel {variant}: no such shader variant in the package "
+                                        "(rebuild with shaders/build.py)")
             try:
                 code = (resources.files(__package__) / "spv" / f"{variant}.spv").read_bytes()
             except OSError as e:
@@ -178,13 +201,27 @@ class Kernels:
 
     # -- matrix products ------------------------------------------------------------------
 
+    def _mv_rows(self, type_name: str) -> int:
+        if self.reduce != "none":
+            return self.mv_rows
+        return max(2, min(self.mv_rows, self.mv_unrolled // UNITS_PER_BLOCK.get(type_name, 1)))
+
+    def _mv_rows_per_group(self, type_name: str) -> int:
+        return self._mv_rows(type_name) * (self.mv_wg if self.reduce == "none" else 1)
+
+    def matmul(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
+               accumulate: bool = False) -> None:
+        """y[r, :] (+)= W @ x[r, :], with mat-vec or the tiled mat-mat, whichever suits n_rows here."""
+        mul = self.mul_mv if n_rows <= self.mv_max_rows else self.mul_mm
+        mul(seq, w, x, y, n_rows, x_stride, y_stride, accumulate)
+
     def mul_mv(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
                accumulate: bool = False) -> None:
         """y[r, :] (+)= W @ x[r, :] for r < n_rows; W: [out, in]."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
-        p = self.pipeline(f"mul_mv_{w.type_name}_{self.reduce}", 3, (self.mv_wg, self.mv_rows))
+        p = self.pipeline(f"mul_mv_{w.type_name}_{self.reduce}", 3, (self.mv_wg, self._mv_rows(w.type_name)))
         for part in w.parts:
-            gx, gy = self._grid(math.ceil(part.count / self.mv_rows))
+            gx, gy = self._grid(math.ceil(part.count / self._mv_rows_per_group(w.type_name)))
             push = _push("10I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0)
             seq.dispatch(p, (part.slice, x, y), push, (gx, gy, n_rows), writes=(2,))
 
@@ -195,7 +232,8 @@ class Kernels:
         p = self.pipeline(f"mul_mm_{w.type_name}", 3)
         for part in w.parts:
             push = _push("7I", w.ncols, part.count, part.start, n_rows, x_stride, y_stride, int(accumulate))
-            seq.dispatch(p, (part.slice, x, y), push, (math.ceil(part.count / 32), math.ceil(n_rows / 32), 1), writes=(2,))
+            groups = (math.ceil(part.count / 32), math.ceil(n_rows / 32), 1)  # 32 x 32 output tiles
+            seq.dispatch(p, (part.slice, x, y), push, groups, writes=(2,))
 
     def mul_mv_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
                   k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
@@ -209,13 +247,14 @@ class Kernels:
         """
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
-        p = self.pipeline(f"mul_mv_id_{w.type_name}_{self.reduce}", 5, (self.mv_wg, self.mv_rows))
+        p = self.pipeline(f"mul_mv_id_{w.type_name}_{self.reduce}", 5, (self.mv_wg, self._mv_rows(w.type_name)))
         nrows = w.shape[1]
-        gx, gy = self._grid(math.ceil(nrows / self.mv_rows))
+        gx, gy = self._grid(math.ceil(nrows / self._mv_rows_per_group(w.type_name)))
         gz = n_tokens if mode == "sum" else n_tokens * k
         for i, part in enumerate(w.parts):
             acc = int(mode == "sum" and (accumulate or i > 0))
-            push = _push("10I", w.ncols, nrows, 0, x_stride, y_stride, flags | acc, k, x_slot_stride, part.start, part.count)
+            push = _push("10I", w.ncols, nrows, 0, x_stride, y_stride, flags | acc, k, x_slot_stride, part.start,
+                         part.count)
             seq.dispatch(p, (part.slice, x, y, ids, wts), push, (gx, gy, gz), writes=(2,))
 
     # -- lookups and elementwise --------------------------------------------------------------
@@ -250,7 +289,8 @@ class Kernels:
             raise VulkanKernelError(f"kernel rope: n_rot {n_rot} / head_dim {head_dim} must be even, n_rot <= head_dim")
         p = self.pipeline("rope", 3, (self.wg,))
         row = n_heads * head_dim
-        push = _push("5I2fI", n_heads, head_dim, n_rot, x_stride or row, out_stride or row, math.log2(theta), scale, int(neox))
+        push = _push("5I2fI", n_heads, head_dim, n_rot, x_stride or row, out_stride or row, math.log2(theta), scale,
+                     int(neox))
         seq.dispatch(p, (x, pos, out), push, (math.ceil(n_heads * head_dim // 2 / self.wg), n_rows, 1), writes=(2,))
 
     def softmax_topk(self, seq: Sequence, logits: Slice, ids: Slice, wts: Slice, n_rows: int, n_experts: int, k: int,
@@ -272,10 +312,16 @@ class Kernels:
                   n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int) -> None:
         """Causal GQA attention of rows at positions pos[r] over cached positions 0..n_kv-1.
         q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv]; out: [R, H * Dv]."""
-        if head_dim > ATTN_MAX_D or head_dim_v > ATTN_DV_PER_THREAD * self.wg or n_heads % n_kv_heads:
+        cpu = self.reduce == "none"
+        max_dv = ATTN_MAX_D if cpu else ATTN_DV_PER_THREAD * self.wg
+        bad_dims = head_dim > ATTN_MAX_D or head_dim_v > max_dv or (cpu and (head_dim | head_dim_v) % 4)
+        if bad_dims or n_heads % n_kv_heads:
             raise VulkanKernelError(f"kernel attn: head dims {head_dim}/{head_dim_v}, heads {n_heads}/{n_kv_heads} "
                                     "outside its limits")
-        p = self.pipeline("attn", 5, (self.wg,))
+        if cpu:  # one subgroup per workgroup; head dims are specialization constants
+            p = self.pipeline("attn_none", 5, (self.dev.info.subgroup_size, head_dim, head_dim_v))
+        else:
+            p = self.pipeline("attn", 5, (self.wg,))
         push = _push("9If", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
                      n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim))
         seq.dispatch(p, (q, k, v, pos, out), push, (n_heads, n_rows, 1), writes=(4,))

@@ -17,7 +17,8 @@ from .kernels import DeviceTensor, Kernels, WeightStore
 
 
 class VulkanOps:
-    def __init__(self, dev: Optional[Device] = None, reduce: Optional[str] = None, max_part_bytes: Optional[int] = None):
+    def __init__(self, dev: Optional[Device] = None, reduce: Optional[str] = None,
+                 max_part_bytes: Optional[int] = None):
         """max_part_bytes: bind weights in parts of at most this many bytes (tests use it to
         exercise the split that tensors larger than maxStorageBufferRange need)."""
         self.dev = dev or default_device()
@@ -113,7 +114,8 @@ class VulkanOps:
         xs, ws, out = self._in(x), self._in(w), self._out(x.shape)
         return self._run(lambda s: self.k.rms_norm(s, xs, ws, out[0], rows, n, eps), out)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
+    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool,
+             scale: float = 1.0) -> np.ndarray:
         R, H, D = x.shape
         xs, ps, out = self._in(x), self._in(pos, np.int32), self._out(x.shape)
         return self._run(lambda s: self.k.rope(s, xs, ps, out[0], R, H, D, n_rot, theta, neox, scale), out)

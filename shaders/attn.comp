@@ -1,0 +1,178 @@
+#version 450
+// Causal GQA attention over the KV cache, for decode (one row) and prefill (rows at pos[r]).
+//   q: [R, H, D]   k: [S, Hkv, D]   v: [S, Hkv, Dv]   out: [R, H * Dv]
+// One workgroup per (head, row). Two ways to split it:
+// - default (GPUs): keys in chunks of CH positions, scores in shared memory, an online softmax
+//   across chunks; each thread owns output dims tid + WG * j.
+// - REDUCE_NONE (CPU devices): each thread owns keys tid + WG * j with its own running max, sum
+//   and output row (registers, no barriers in the loop); the threads' states merge at the end.
+//   Best with one subgroup per workgroup: on lavapipe a lane is a SIMD slot, and per-lane state
+//   beyond the vector registers spills on every key.
+#include "common.glsl"
+
+layout(local_size_x_id = 0) in;
+#define CH 256u
+#define MAX_D 256u
+#define DV_PER_THREAD 4u
+
+layout(binding = 0, std430) readonly buffer Q { float q[]; };
+layout(binding = 1, std430) readonly buffer K { float kc[]; };
+layout(binding = 2, std430) readonly buffer V { float vc[]; };
+layout(binding = 1, std430) readonly buffer K4 { vec4 k4[]; };
+layout(binding = 2, std430) readonly buffer V4 { vec4 v4[]; };
+layout(binding = 3, std430) readonly buffer Pos { int pos[]; };
+layout(binding = 4, std430) writeonly buffer Out { float o[]; };
+
+layout(push_constant) uniform Push {
+    uint n_heads;
+    uint n_kv_heads;
+    uint head_dim;     // D
+    uint head_dim_v;   // Dv
+    uint n_kv;         // S: cached positions
+    uint q_stride;     // floats between rows of q
+    uint k_stride;     // floats between positions of k
+    uint v_stride;     // floats between positions of v
+    uint out_stride;   // floats between rows of out
+    float scale;       // 1 / sqrt(D)
+} pc;
+
+#include "reduce.glsl"
+
+#ifdef REDUCE_NONE
+// Head dims are specialization constants here, so the per-dim loops unroll and q and the
+// output row live in registers.
+layout(constant_id = 1) const uint HD = 128u;   // head_dim
+layout(constant_id = 2) const uint HDV = 128u;  // head_dim_v
+#define DC 32u  // output dims merged per round
+shared float merge[DC * gl_WorkGroupSize.x];
+
+void main() {
+    const uint h = gl_WorkGroupID.x;
+    const uint r = gl_WorkGroupID.y;
+    const uint tid = gl_LocalInvocationID.x;
+    const uint WG = gl_WorkGroupSize.x;
+    const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
+    const uint n_valid = min(pc.n_kv, uint(pos[r]) + 1u);
+    vec4 qv[HD / 4u];
+    [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
+        const uint qb = r * pc.q_stride + h * HD + 4u * d;
+        qv[d] = vec4(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]) * pc.scale;
+    }
+    float m = -1.0 / 0.0;
+    float l = 0.0;
+    vec4 acc[HDV / 4u];
+    [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+        acc[d] = vec4(0.0);
+    }
+    for (uint j = tid; j < n_valid; j += WG) {
+        const uint kb = (j * pc.k_stride + kvh * HD) / 4u;
+        float s = 0.0;
+        [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
+            s += dot(qv[d], k4[kb + d]);
+        }
+        if (s > m) {  // a new running max: rescale what was summed so far
+            const float c = exp(m - s);
+            l *= c;
+            [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                acc[d] *= c;
+            }
+            m = s;
+        }
+        const float p = exp(s - m);
+        l += p;
+        const uint vb = (j * pc.v_stride + kvh * HDV) / 4u;
+        [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+            acc[d] += p * v4[vb + d];
+        }
+    }
+    const float mx = wg_max(m);
+    const float f = m == -1.0 / 0.0 ? 0.0 : exp(m - mx);  // threads with no keys add nothing
+    const float total = wg_sum(l * f);
+    [[unroll]] for (uint d0 = 0u; d0 < HDV; d0 += DC) {
+        [[unroll]] for (uint c = 0u; c < DC; c += 4u) {
+            const vec4 a = d0 + c < HDV ? acc[(d0 + c) / 4u] * f : vec4(0.0);
+            merge[c * WG + tid] = a.x;
+            merge[(c + 1u) * WG + tid] = a.y;
+            merge[(c + 2u) * WG + tid] = a.z;
+            merge[(c + 3u) * WG + tid] = a.w;
+        }
+        barrier();
+        for (uint c = tid; c < DC && d0 + c < HDV; c += WG) {
+            float v = 0.0;
+            for (uint i = 0u; i < WG; i++) {
+                v += merge[c * WG + i];
+            }
+            o[r * pc.out_stride + h * HDV + d0 + c] = v / total;
+        }
+        barrier();
+    }
+}
+
+#else
+shared float qs[MAX_D];
+shared float sc[CH];
+
+void main() {
+    const uint h = gl_WorkGroupID.x;
+    const uint r = gl_WorkGroupID.y;
+    const uint tid = gl_LocalInvocationID.x;
+    const uint WG = gl_WorkGroupSize.x;
+    const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
+    const uint n_valid = min(pc.n_kv, uint(pos[r]) + 1u);
+    const uint D = pc.head_dim;
+    for (uint d = tid; d < D; d += WG) {
+        qs[d] = q[r * pc.q_stride + h * D + d];
+    }
+    barrier();
+    float m = -1.0 / 0.0;
+    float l = 0.0;
+    float acc[DV_PER_THREAD];
+    [[unroll]] for (uint j = 0u; j < DV_PER_THREAD; j++) {
+        acc[j] = 0.0;
+    }
+    for (uint c0 = 0u; c0 < n_valid; c0 += CH) {
+        const uint cn = min(CH, n_valid - c0);
+        float cmax = -1.0 / 0.0;
+        for (uint j = tid; j < cn; j += WG) {
+            const uint kb = (c0 + j) * pc.k_stride + kvh * D;
+            float dotv = 0.0;
+            for (uint d = 0u; d < D; d++) {
+                dotv += qs[d] * kc[kb + d];
+            }
+            dotv *= pc.scale;
+            sc[j] = dotv;
+            cmax = max(cmax, dotv);
+        }
+        cmax = wg_max(cmax);
+        const float m_new = max(m, cmax);
+        const float alpha = exp(m - m_new);  // 0 on the first chunk (m = -inf)
+        float psum = 0.0;
+        for (uint j = tid; j < cn; j += WG) {
+            const float p = exp(sc[j] - m_new);
+            sc[j] = p;
+            psum += p;
+        }
+        psum = wg_sum(psum);  // its barriers also publish sc
+        l = l * alpha + psum;
+        [[unroll]] for (uint jd = 0u; jd < DV_PER_THREAD; jd++) {
+            const uint d = tid + WG * jd;
+            if (d < pc.head_dim_v) {
+                float a = acc[jd] * alpha;
+                const uint vb = c0 * pc.v_stride + kvh * pc.head_dim_v + d;
+                for (uint j = 0u; j < cn; j++) {
+                    a += sc[j] * vc[vb + j * pc.v_stride];
+                }
+                acc[jd] = a;
+            }
+        }
+        m = m_new;
+        barrier();
+    }
+    [[unroll]] for (uint jd = 0u; jd < DV_PER_THREAD; jd++) {
+        const uint d = tid + WG * jd;
+        if (d < pc.head_dim_v) {
+            o[r * pc.out_stride + h * pc.head_dim_v + d] = acc[jd] / l;
+        }
+    }
+}
+#endif

@@ -1,0 +1,31 @@
+#version 450
+// get_rows (embedding lookup): out[r, :] = dequantized W[ids[r], :], ids read on the device.
+// The binding holds rows [row0, row0 + nrows); ids outside it are left to another dispatch.
+#include "common.glsl"
+#include "types.glsl"
+#include "dequant.glsl"
+
+layout(local_size_x_id = 0) in;
+
+layout(binding = 1, std430) readonly buffer Ids { int ids[]; };
+layout(binding = 2, std430) writeonly buffer Out { vec4 out4[]; };
+
+layout(push_constant) uniform Push {
+    uint ncols;       // weights per row
+    uint nrows;       // rows in this binding part
+    uint row0;        // first row in this part
+    uint out_stride;  // floats between output rows (multiple of 4)
+} pc;
+
+void main() {
+    const uint gi = gl_GlobalInvocationID.x;
+    const uint r = gl_WorkGroupID.y;
+    if (gi * 4u >= pc.ncols) {
+        return;
+    }
+    const int id = ids[r] - int(pc.row0);
+    if (id < 0 || id >= int(pc.nrows)) {
+        return;
+    }
+    out4[(r * pc.out_stride) / 4u + gi] = dequant4_at(uint(id) * (pc.ncols / QK), gi * 4u);
+}

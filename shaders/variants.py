@@ -1,0 +1,67 @@
+"""The one table of shader variants: every .spv the package ships is a row here.
+
+A variant is a .comp source compiled with some -D defines. Names follow llama.cpp's habit,
+`<op>[_id]_<TYPE>[_<reduce>]`, e.g. `mul_mv_id_Q4_K_subgroup`. `shaders/build.py` compiles
+them; `onebit/backends/vulkan/kernels.py` looks them up by the same names.
+
+This file is also imported by tests/test_vulkan_shaders.py (to check the shipped SPIR-V is
+not stale), so it uses only the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+SHADER_DIR = Path(__file__).resolve().parent
+SPV_DIR = SHADER_DIR.parent / "onebit" / "backends" / "vulkan" / "spv"
+
+# Flags every variant is compiled with; part of each variant's hash.
+GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
+
+# Weight types with a dequantizer in dequant.glsl (GGML names, as in onebit/quants.py).
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q1_0", "TQ1_0", "TQ2_0")
+# How mat-vec splits a row: threads share a row and sum their partial dots with subgroupAdd
+# ("subgroup") or a tree in shared memory ("shmem", for devices without subgroup arithmetic);
+# or each thread owns whole rows ("none": CPU devices, where lanes are SIMD slots).
+REDUCE_MODES = ("subgroup", "shmem", "none")
+ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    source: str  # a .comp file in shaders/
+    defines: tuple[tuple[str, str], ...] = ()
+
+    def glslc_args(self) -> list[str]:
+        return [*GLSLC_FLAGS, *(f"-D{k}={v}" if v else f"-D{k}" for k, v in self.defines)]
+
+    def source_hash(self) -> str:
+        """sha256 over the flags, the defines, the .comp and every shared .glsl include."""
+        h = hashlib.sha256()
+        h.update(repr((GLSLC_FLAGS, self.source, self.defines)).encode())
+        for path in [SHADER_DIR / self.source, *sorted(SHADER_DIR.glob("*.glsl"))]:
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        return h.hexdigest()
+
+
+def variants() -> list[Variant]:
+    out: list[Variant] = []
+    for t in WEIGHT_TYPES:
+        ty = (f"TYPE_{t}", "")
+        for red in REDUCE_MODES:
+            rd = {"subgroup": (("REDUCE_SUBGROUP", ""),), "shmem": (), "none": (("REDUCE_NONE", ""),)}[red]
+            out.append(Variant(f"mul_mv_{t}_{red}", "mul_mv.comp", (ty, *rd)))
+            out.append(Variant(f"mul_mv_id_{t}_{red}", "mul_mv.comp", (ty, ("MUL_ID", ""), *rd)))
+        out.append(Variant(f"mul_mm_{t}", "mul_mm.comp", (ty,)))
+        out.append(Variant(f"get_rows_{t}", "get_rows.comp", (ty,)))
+    for op in ELEMENTWISE_OPS:
+        out.append(Variant(op, "elementwise.comp", ((f"OP_{op.upper()}", ""),)))
+    # attention: threads split each key chunk (GPUs), or each thread owns keys (CPU devices)
+    out.append(Variant("attn", "attn.comp"))
+    out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
+    for name in ("rms_norm", "rope", "softmax_topk", "argmax", "set_rows", "copy"):
+        out.append(Variant(name, f"{name}.comp"))
+    return out

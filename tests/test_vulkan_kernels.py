@@ -1,0 +1,225 @@
+"""Every Vulkan kernel against its numpy twin (onebit/backends/vulkan/reference.py).
+
+Fresh random data each run (the seed is in every failure message); outputs are poisoned with
+NaN (or -1 for ids) before the kernel runs, so an element it never writes fails. Runs on
+whatever device open_device() picks: lavapipe here and in CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from onebit.backends.vulkan import reference as ref
+from onebit.backends.vulkan.device import VulkanKernelError
+from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, shader_qk
+from onebit.backends.vulkan.ops import VulkanOps
+
+REDUCE_MODES = ("none", "subgroup", "shmem")
+
+# Relative tolerance (of the largest |reference| value) per weight type. Both sides dequantize
+# to the same float32 weights; what differs is the order of float32 sums, so every type gets
+# the same bound, a few hundred ulps of the output's scale.
+TOL = {t: 2e-5 for t in SUPPORTED_TYPES}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return VulkanOps()
+
+
+# Mat-vec is built three ways (shaders/variants.py REDUCE_MODES): "none" (thread per row, the
+# default on CPU devices such as lavapipe), "subgroup" (the default on GPUs) and "shmem" (GPUs
+# without subgroup arithmetic). All run here, whatever the device would pick.
+@pytest.fixture(scope="module")
+def ops_by_reduce():
+    return {mode: VulkanOps(reduce=mode) for mode in REDUCE_MODES}
+
+
+class SeededRng:
+    """A numpy Generator that remembers its seed, for the failure message."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._gen = np.random.default_rng(seed)
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+
+@pytest.fixture
+def rng():
+    return SeededRng(int.from_bytes(os.urandom(4), "little"))
+
+
+def close(got, want, rng, tol=2e-5, what=""):
+    scale = float(np.abs(want).max()) if np.size(want) else 1.0
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=f"{what} (seed {rng.seed})")
+
+
+def n_in(type_name: str, blocks: int = 2) -> int:
+    return max(shader_qk(type_name), 32) * blocks
+
+
+# -- matrix products, every weight type --------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_mul_mv_decode(ops_by_reduce, rng, type_name, reduce):
+    w = ref.random_blocks(type_name, (37, n_in(type_name)), rng)  # 37 rows: not a multiple of the rows per workgroup
+    x = rng.standard_normal((1, n_in(type_name))).astype(np.float32)
+    close(ops_by_reduce[reduce].mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name],
+          f"mul_mv {type_name} {reduce}")
+
+
+@pytest.mark.parametrize("reduce", REDUCE_MODES)
+def test_mul_mv_several_rows(ops_by_reduce, rng, reduce):
+    w = ref.random_blocks("Q5_K", (70, 512), rng)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    close(ops_by_reduce[reduce].mul_mv(w, "Q5_K", x), ref.mul_mv(w, "Q5_K", x), rng, TOL["Q5_K"], f"mul_mv {reduce}")
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_mul_mm_prefill(ops, rng, type_name):
+    w = ref.random_blocks(type_name, (45, n_in(type_name)), rng)  # partial 32x32 tiles both ways
+    x = rng.standard_normal((35, n_in(type_name))).astype(np.float32)
+    close(ops.mul_mm(w, type_name, x), ref.mul_mm(w, type_name, x), rng, TOL[type_name], f"mul_mm {type_name}")
+
+
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_get_rows(ops, rng, type_name):
+    w = ref.random_blocks(type_name, (20, n_in(type_name)), rng)
+    ids = rng.integers(0, 20, 5)
+    # one multiply-add per weight: equal up to the rounding of a fused multiply-add
+    close(ops.get_rows(w, type_name, ids), ref.get_rows(w, type_name, ids), rng, 1e-6, f"get_rows {type_name}")
+
+
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_mul_mv_id_fused_weighted_sum(ops_by_reduce, rng, type_name, reduce):
+    """The down projection: per-slot inputs, routing weights fused, summed over the k experts."""
+    E, out, k, R = 5, 24, 2, 3
+    w = ref.random_blocks(type_name, (E, out, n_in(type_name)), rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
+    wts = rng.random((R, k)).astype(np.float32)
+    x = rng.standard_normal((R, k, n_in(type_name))).astype(np.float32)
+    got = ops_by_reduce[reduce].mul_mv_id(w, type_name, x, ids, wts, "sum")
+    want = ref.mul_mv_id(w, type_name, x, ids, wts, "sum")
+    close(got, want, rng, TOL[type_name], f"mul_mv_id sum {type_name} {reduce}")
+
+
+@pytest.mark.parametrize("reduce", REDUCE_MODES)
+@pytest.mark.parametrize("mode", ["slots", "weighted"])
+def test_mul_mv_id_per_slot(ops_by_reduce, rng, mode, reduce):
+    """Gate/up: one x row shared by every slot, output [R, k, out]."""
+    E, out, k, R = 6, 40, 3, 2
+    w = ref.random_blocks("Q4_K", (E, out, 256), rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
+    wts = rng.random((R, k)).astype(np.float32)
+    x = rng.standard_normal((R, 256)).astype(np.float32)
+    close(ops_by_reduce[reduce].mul_mv_id(w, "Q4_K", x, ids, wts, mode), ref.mul_mv_id(w, "Q4_K", x, ids, wts, mode),
+          rng, TOL["Q4_K"], f"mul_mv_id {mode} {reduce}")
+
+
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])
+def test_weights_bound_in_parts(rng, reduce):
+    """Tensors larger than maxStorageBufferRange are bound in parts (here: tiny parts)."""
+    ops = VulkanOps(reduce=reduce, max_part_bytes=4 * 210)  # 4 rows of one Q6_K block per binding
+    w = ref.random_blocks("Q6_K", (21, 256), rng)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    close(ops.mul_mv(w, "Q6_K", x), ref.mul_mv(w, "Q6_K", x), rng, TOL["Q6_K"], "mul_mv parts")
+    close(ops.mul_mm(w, "Q6_K", x), ref.mul_mm(w, "Q6_K", x), rng, TOL["Q6_K"], "mul_mm parts")
+    ids = np.array([20, 0, 7, 4, 13])
+    close(ops.get_rows(w, "Q6_K", ids), ref.get_rows(w, "Q6_K", ids), rng, 1e-6, "get_rows parts")
+    ops = VulkanOps(reduce=reduce, max_part_bytes=2 * 8 * 144)  # two Q4_K experts of 8 rows per binding
+    E, k, R = 5, 2, 4
+    we = ref.random_blocks("Q4_K", (E, 8, 256), rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
+    wts = rng.random((R, k)).astype(np.float32)
+    xe = rng.standard_normal((R, k, 256)).astype(np.float32)
+    for mode in ("slots", "sum"):
+        close(ops.mul_mv_id(we, "Q4_K", xe, ids, wts, mode), ref.mul_mv_id(we, "Q4_K", xe, ids, wts, mode), rng,
+              TOL["Q4_K"], f"mul_mv_id parts {mode}")
+
+
+def test_row_length_must_be_whole_blocks(ops, rng):
+    w = ref.random_blocks("F32", (4, 24), rng)  # 24 is not a multiple of 16
+    with pytest.raises(VulkanKernelError, match="mul_mv_F32.*multiple of 16"):
+        ops.mul_mv(w, "F32", np.zeros((1, 24), np.float32))
+
+
+# -- the rest of the step --------------------------------------------------------------------
+
+
+def test_rms_norm(ops, rng):
+    x = rng.standard_normal((5, 96)).astype(np.float32) * 3
+    w = rng.standard_normal(96).astype(np.float32)
+    close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rng, 1e-5, "rms_norm")
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot", [64, 32])
+def test_rope(ops, rng, neox, n_rot):
+    x = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    pos = np.array([0, 9, 300])
+    # float32 angles (pos * theta^(-2i/n)) against numpy's float64: error grows with position
+    close(ops.rope(x, pos, n_rot, 10000.0, neox, 0.5), ref.rope(x, pos, n_rot, 10000.0, neox, 0.5), rng, 5e-5,
+          f"rope neox={neox} n_rot={n_rot}")
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_router_softmax_topk(ops, rng, norm):
+    logits = rng.standard_normal((6, 60)).astype(np.float32)
+    ids, w = ops.router(logits, 4, norm)
+    want_ids, want_w = ref.router(logits, 4, norm)
+    np.testing.assert_array_equal(ids, want_ids, err_msg=f"seed {rng.seed}")
+    close(w, want_w, rng, 1e-5, "router weights")
+
+
+def test_router_ties_pick_the_lower_expert(ops, rng):
+    logits = np.zeros((1, 8), np.float32)
+    logits[0, [2, 5, 6]] = 1.0
+    ids, _ = ops.router(logits, 2, True)
+    np.testing.assert_array_equal(ids, ref.router(logits, 2, True)[0])
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "swiglu"])
+def test_binary(ops, rng, op):
+    a = rng.standard_normal((3, 100)).astype(np.float32)
+    b = rng.standard_normal((3, 100)).astype(np.float32)
+    close(getattr(ops, op)(a, b), getattr(ref, op)(a, b), rng, 1e-6, op)
+
+
+def test_silu(ops, rng):
+    a = rng.standard_normal((7, 33)).astype(np.float32) * 4
+    close(ops.silu(a), ref.silu(a), rng, 1e-6, "silu")
+
+
+def test_argmax(ops, rng):
+    x = rng.standard_normal((4, 1000)).astype(np.float32)
+    x[1, [17, 400]] = 10.0  # a tie: the lower index wins
+    np.testing.assert_array_equal(ops.argmax(x), ref.argmax(x), err_msg=f"seed {rng.seed}")
+
+
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])  # thread per key (CPU) / threads per chunk (GPU)
+@pytest.mark.parametrize("S,R,Dv", [(1, 1, 64), (37, 1, 64), (600, 1, 64), (40, 6, 64), (50, 3, 32)])
+def test_attention_gqa(ops_by_reduce, rng, S, R, Dv, reduce):
+    """Decode (R = 1) over caches shorter and longer than one chunk, causal prefill rows, and
+    value heads narrower than key heads."""
+    H, Hkv, D = 8, 2, 64
+    q = rng.standard_normal((R, H, D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv, Dv)).astype(np.float32)
+    pos = np.arange(S - R, S)
+    close(ops_by_reduce[reduce].attention(q, k, v, pos), ref.attention(q, k, v, pos), rng, 1e-5,
+          f"attention S={S} R={R} Dv={Dv} {reduce}")
+
+
+def test_set_rows(ops, rng):
+    dst = rng.standard_normal((10, 2, 8)).astype(np.float32)
+    src = rng.standard_normal((2, 2, 8)).astype(np.float32)
+    pos = np.array([3, 7])
+    np.testing.assert_array_equal(ops.set_rows(dst, src, pos), ref.set_rows(dst, src, pos))
