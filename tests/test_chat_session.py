@@ -1,0 +1,59 @@
+"""ChatSession: prefix reuse is exact, context overflow drops old turns, interrupts keep state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import onebit
+from conftest import fixture_path
+from onebit.chat import ChatSession
+from onebit.errors import UsageError
+
+MODEL = fixture_path("qwen3moe-f32.gguf")
+
+
+def test_second_turn_reuses_the_cache_and_matches_a_fresh_run():
+    m = onebit.load(MODEL)
+    s = ChatSession(m, temperature=0.0, max_tokens=6)
+    first = "".join(r.text for r in s.send("What does json.dumps do?"))
+    second = "".join(r.text for r in s.send("And json.loads?"))
+    assert s.last.prompt_tokens_computed < s.last.prompt_tokens  # the first turn came from the cache
+    fresh = ChatSession(onebit.load(MODEL), temperature=0.0, max_tokens=6)
+    fresh.history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": first}]
+    again = "".join(r.text for r in fresh.send("And json.loads?"))
+    assert again == second
+    assert fresh.last.prompt_tokens_computed == fresh.last.prompt_tokens  # nothing cached
+
+
+def test_context_overflow_drops_oldest_turns():
+    m = onebit.load(MODEL, n_ctx=96)
+    s = ChatSession(m, temperature=0.0, max_tokens=8, system="Be brief.")
+    dropped = 0
+    for i in range(8):
+        list(s.send(f"Question number {i} about the os module and its functions?"))
+        dropped += s.last.dropped_turns
+        assert len(s.cached) <= 96
+    assert dropped > 0
+    assert s.messages()[0]["role"] == "system"
+
+
+def test_message_longer_than_context_is_refused():
+    s = ChatSession(onebit.load(MODEL, n_ctx=32), temperature=0.0)
+    with pytest.raises(UsageError, match="longer than"):
+        list(s.send("word " * 200))
+
+
+def test_interrupted_reply_keeps_a_consistent_cache():
+    m = onebit.load(MODEL)
+    s = ChatSession(m, temperature=0.0, max_tokens=50)
+    gen = s.send("Tell me about os.path")
+    for i, _ in enumerate(gen):
+        if i == 3:
+            break
+    gen.close()  # what Ctrl-C does in the terminal
+    assert s.last.finish_reason == "interrupted"
+    offsets = {c.offset for c in s.cache}
+    assert len(offsets) == 1 and offsets.pop() == len(s.cached)
+    reply = "".join(r.text for r in s.send("Go on"))  # the session keeps working
+    assert isinstance(reply, str) and s.last.finish_reason in ("stop", "length")
