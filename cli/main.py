@@ -128,6 +128,12 @@ def generate(
         raise UsageError(f"--on-error must be skip or stop, got {on_error!r}")
     if prompt is not None and not prompt.strip():
         raise UsageError("the prompt is empty")
+    for name, text in (("--prompt", prompt), ("--system", system)):
+        if text is not None:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UsageError(f"{name} is not valid UTF-8 text") from None
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     out_f = None
     if output is not None:

@@ -79,3 +79,9 @@ def test_bad_options(opt):
 def test_empty_prompt():
     line = assert_one_line_error(onebit("generate", "--model", MODEL, "--prompt", ""))
     assert "empty" in line
+
+
+def test_non_utf8_prompt():
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "generate", "--model", MODEL, "--prompt", b"abc\xff"],
+                       capture_output=True, timeout=120)
+    assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
