@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -146,7 +146,10 @@ class _Reader:
 
 class ExpertPool:
     def __init__(self, gguf, classes: list[SizeClass], slots: list[int], policy: str = "global",
-                 readers: int = 2, direct: bool = True):
+                 readers: int = 2, direct: bool = True,
+                 allocate: Optional[Callable[[tuple], np.ndarray]] = None):
+        """allocate(shape) -> a writable uint8 array of that shape for one part's slots (e.g. a
+        mapped device buffer a kernel reads, see vulkan.backend.SlotArrays); numpy memory if None."""
         if policy not in ("global", "layer"):
             raise UsageError(f"unknown pool policy {policy!r} (global or layer)")
         if len(slots) != len(classes):
@@ -168,7 +171,11 @@ class ExpertPool:
             bufs = {}
             for part in EXPERT_PARTS:
                 t = gguf.tensor(f"blk.{layer0}.{part}.weight")
-                bufs[part] = np.zeros((n, *t.raw.shape[1:]), np.uint8)  # [slots, rows, row_bytes]
+                shape = (n, *t.raw.shape[1:])  # [slots, rows, row_bytes]
+                bufs[part] = np.zeros(shape, np.uint8) if allocate is None else allocate(shape)
+                if bufs[part].shape != shape or bufs[part].dtype != np.uint8:
+                    raise UsageError(f"slot allocator returned {bufs[part].dtype} {bufs[part].shape}, "
+                                     f"wanted uint8 {shape}")
                 bufs[part].fill(0)  # touch every page now: the plan counts the slots as used
             self.buffers.append(bufs)
             self.slots.append([_Slot(ci, i) for i in range(n)])

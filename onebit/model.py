@@ -57,7 +57,18 @@ class Model:
             raise PlanError(self.plan)
         if not self.plan.streaming:
             return make_backend(backend, self.gguf)
-        if backend != "numpy":
+        if backend == "vulkan":  # slots in mapped device buffers the expert kernels read
+            from .backends.vulkan.device import VulkanUnavailableError
+
+            try:
+                from .backends.vulkan.streaming import StreamingVulkanBackend
+
+                be = StreamingVulkanBackend.create(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
+                self.pool = be.pool
+                return be
+            except VulkanUnavailableError as e:  # as make_backend does: say so, stream on numpy
+                sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
+        elif backend != "numpy":
             raise UsageError(f"expert streaming is not available on the {backend} backend yet")
         self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
         self._copy_resident()

@@ -38,7 +38,7 @@ class VulkanBackend:
         store = WeightStore(self.dev)
         names = []
         for name, t in gguf.tensors.items():
-            if len(t.shape) < 2:
+            if len(t.shape) < 2 or self._streamed(name):
                 continue
             type_name = t.type_name
             if type_name not in SUPPORTED_TYPES or t.shape[-1] % shader_qk(type_name):
@@ -51,6 +51,10 @@ class VulkanBackend:
         self._store = store
         log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20,
                  self.dev.info.name)
+
+    def _streamed(self, name: str) -> bool:
+        """Tensors not uploaded at load (StreamingVulkanBackend: the routed experts)."""
+        return False
 
     def _fallback(self, what: str, why: str) -> None:
         if what not in self._warned:
@@ -177,6 +181,12 @@ class VulkanBackend:
         if gate is None or up is None or down is None:
             self._fallback(prefix + " experts", "no device copy")
             return self._np.experts(x, prefix, ids, weights)
+        return self._expert_ffn(gate, up, down, x, ids, weights)
+
+    def _expert_ffn(self, gate: DeviceTensor, up: DeviceTensor, down: DeviceTensor, x: np.ndarray, ids: np.ndarray,
+                    weights: np.ndarray) -> np.ndarray:
+        """The expert FFN as one sequence; ids index the first axis of gate/up/down (expert ids for
+        resident tensors, slot ids for slot buffers)."""
         R, dim = x.shape
         k = ids.shape[1]
         F = gate.shape[1]
