@@ -17,6 +17,9 @@ class TransformerLM:
         self.be = backend
         self.cfg: ModelConfig = self.config(gguf)
         blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf, self.layer_has_moe))
+        attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: the recorded decode step
+        if attach is not None:
+            attach(self)
 
     @staticmethod
     def config(gguf) -> ModelConfig:
@@ -26,7 +29,9 @@ class TransformerLM:
         return self.cfg.is_moe
 
     def make_cache(self, capacity: int = 0) -> list[KVCache]:
-        return make_cache(self.cfg, capacity)
+        device_cache = getattr(self.be, "make_cache", None)  # the backend's own (device memory)
+        cache = device_cache(self, capacity) if device_cache is not None else None
+        return cache if cache is not None else make_cache(self.cfg, capacity)
 
     @staticmethod
     def positions(cache: list[KVCache], n: int) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 `device` is the Vulkan layer, `kernels` runs the compiled shaders in `spv/` (built from
 `shaders/` at the repository root), `reference` holds their numpy twins, and `backend` is
-`VulkanBackend`, the same interface as `NumpyBackend`.
+`VulkanBackend`, the same interface as `NumpyBackend`; `graph` records the whole one-row decode
+step into one command buffer that is replayed per token.
 """
 
 from .device import (

@@ -1,10 +1,14 @@
 """`VulkanBackend`: the NumpyBackend interface, computed by the Vulkan kernels.
 
 Weights are uploaded once, at load, in their quantized layout (one memcpy per tensor from the
-GGUF memory map on unified memory). Activations still travel to the host between ops at this
-stage: every method takes and returns numpy arrays, so the model graphs in onebit/models run
-unchanged. The expert FFN (gate, up, SwiGLU, down with the routing weights fused and summed)
-is one recorded sequence with no host round trip inside it.
+GGUF memory map on unified memory). The methods below take and return numpy arrays, so the
+model graphs in onebit/models run unchanged over them (prefill, steps with a hook, and any
+model the recorded step does not cover); the expert FFN (gate, up, SwiGLU, down with the
+routing weights fused and summed) is one recorded sequence with no host round trip inside it.
+
+One-row decode of a resident model skips all that: `attach_model` routes it to graph.py's
+`DecodeGraph`, the whole step recorded once into one command buffer and replayed per token,
+and `make_cache` puts the KV cache in device memory that both paths read and write.
 
 Anything the kernels cannot take (a weight type without a shader, a row length that is not
 whole blocks) runs on the numpy reference instead, and says so once in the log.
@@ -49,6 +53,11 @@ class VulkanBackend:
         self.weight_bytes = store.planned_bytes
         self.tensors: dict[str, DeviceTensor] = dict(zip(names, store.commit()))
         self._store = store
+        # The decode step as one recorded command buffer (graph.py), for resident models.
+        self.use_graph = type(self)._streamed is VulkanBackend._streamed  # streamed experts: layer by layer
+        self.graph_recordings = 0
+        self._graph_consts = None
+        self._graphs = None
         log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20,
                  self.dev.info.name)
 
@@ -60,6 +69,47 @@ class VulkanBackend:
         if what not in self._warned:
             self._warned.add(what)
             log.warning("vulkan: %s runs on numpy (%s)", what, why)
+
+    # -- the recorded decode step (graph.py) ------------------------------------------------
+
+    def _graph_runner(self):
+        if self._graphs is None:
+            from .graph import GraphRunner
+
+            self._graphs = GraphRunner(self)
+        return self._graphs
+
+    def graph_consts(self):
+        if self._graph_consts is None:
+            from .graph import GraphConsts
+
+            self._graph_consts = GraphConsts(self)
+        return self._graph_consts
+
+    def make_cache(self, model, capacity: int = 0):
+        """KV caches in device memory (so the recorded step and the per-op path share them), or
+        None where the model cannot use the recorded step (the caller makes host caches)."""
+        if not self.use_graph:
+            return None
+        return self._graph_runner().make_cache(model, capacity)
+
+    def attach_model(self, model) -> None:
+        """Route one-row forwards without a hook through the recorded decode step."""
+        if not self.use_graph:
+            return
+        per_op = model.forward
+        runner = self._graph_runner()
+
+        def forward(ids, cache, hook=None, last_only=False):
+            if hook is None and len(ids) == 1 and self.use_graph:
+                logits = runner.forward_one(model, int(ids[0]), cache)
+                if logits is not None:
+                    return logits
+            return per_op(ids, cache, hook=hook, last_only=last_only)
+
+        forward.__doc__ = per_op.__doc__
+        forward.per_op = per_op
+        model.forward = forward
 
     # -- scratch buffers, reused across calls -----------------------------------------------
 
@@ -205,6 +255,12 @@ class VulkanBackend:
         return self._get(y_s, (R, dim))
 
     def close(self) -> None:
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
+        if self._graph_consts is not None:
+            self._graph_consts.close()
+            self._graph_consts = None
         for b in self._scratch:
             if b is not None:
                 b.destroy()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq
 
@@ -594,6 +595,11 @@ class Sequence:
         _check(vk, lib.vkEndCommandBuffer(self._cmd), "vkEndCommandBuffer")
         self._cmd_ptr = ffi.new("VkCommandBuffer*", self._cmd)
 
+    def record(self) -> None:
+        """Record the command buffer now (else the first `run()` does); ops are fixed after this."""
+        if self._cmd is None:
+            self._record()
+
     def run(self) -> None:
         """Submit (recording first if needed) and wait until the device is done."""
         if self._cmd is None:
@@ -669,6 +675,8 @@ class Device:
         self.fence = vk.vkCreateFence(self.handle, fence_info, None)
         self._fence_ptr = ffi.new("VkFence*", self.fence)
         self._buffers: set[Buffer] = set()
+        self.wait_s = 0.0  # time spent waiting on the fence (host time = wall time - this)
+        self.n_submits = 0
         self._pipelines: dict[tuple, Pipeline] = {}
         self._closed = False
         log.info("Vulkan device: %s (%s)", info.name, info.type)
@@ -747,7 +755,10 @@ class Device:
         res = lib.vkQueueSubmit(self.queue, 1, submit, self.fence)
         if res != vk.VK_SUCCESS:
             raise VulkanKernelError(f"submitting {what} failed (VkResult {res})")
+        t0 = time.perf_counter()
         res = lib.vkWaitForFences(self.handle, 1, self._fence_ptr, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
+        self.wait_s += time.perf_counter() - t0
+        self.n_submits += 1
         if res != vk.VK_SUCCESS:
             raise VulkanKernelError(f"waiting for {what} failed (VkResult {res}; device lost?)")
 
