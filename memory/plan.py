@@ -223,8 +223,8 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         if predicted:
             advice.append(f"predict fewer layers (--layers): {format_bytes(items[3].bytes)}")
         if fixed > budget.bytes:
-            advice.append(f"the resident part alone needs {format_bytes(fixed)}: more memory is needed "
-                          f"(short by {format_bytes(over)})")
+            advice.append(f"everything but the expert slots needs {format_bytes(fixed)}: more memory is needed "
+                          f"(with these slots the plan is short by {format_bytes(over)})")
     return plan
 
 

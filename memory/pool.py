@@ -220,10 +220,10 @@ class ExpertPool:
         with self.lock:
             self._check_open()
             self.stats.acquires += 1
-            out = []
+            # Pin the resident experts first, so a miss below cannot evict one of them.
+            got: dict[int, _Slot] = {}
             for e in experts:
-                key = (layer, e)
-                s = self.where.get(key)
+                s = self.where.get((layer, e))
                 if s is not None:
                     if s.prefetched:
                         self.stats.prefetch_hits += 1
@@ -231,12 +231,15 @@ class ExpertPool:
                     else:
                         self.stats.hits += 1
                     self._pin(s)
-                else:
+                    got[e] = s
+            for e in experts:
+                if e not in got:
                     self.stats.demand_misses += 1
-                    s = self._claim(layer, key, DEMAND)
+                    s = self._claim(layer, (layer, e), DEMAND)
                     self._pin(s)
-                waits.append(s)
-                out.append(s.index)
+                    got[e] = s
+            waits = [got[e] for e in experts]
+            out = [s.index for s in waits]
         for s in waits:
             if not s.ready.is_set():
                 s.ready.wait()

@@ -113,3 +113,18 @@ def test_file_truncated_while_streaming(tmp_path):
             m.logits(np.arange(8))
     finally:
         m.close()
+
+
+def test_acquire_pins_hits_before_claiming_misses():
+    """A miss must not evict an expert the same acquire is about to use."""
+    _, pool = make_pool(4)
+    try:
+        for e in (1, 2, 3, 4):  # 1 is the least recently used
+            pool.acquire(0, [e])
+            pool.release(0, [e])
+        pool.acquire(0, [0, 1])
+        pool.release(0, [0, 1])
+        assert (pool.stats.hits, pool.stats.demand_misses) == (1, 5)
+        assert set(pool.where) == {(0, 0), (0, 1), (0, 3), (0, 4)}  # LRU evicted 2, not 1
+    finally:
+        pool.close()
