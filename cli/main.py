@@ -264,6 +264,9 @@ def plan(
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
     verify_rows: int = typer.Option(8, "--verify-rows", help="Rows verified at once by speculative decoding."),
+    backend: str = typer.Option("numpy", "--backend", help="numpy, or vulkan to include the device's heap and "
+                                                           "limits in the budget."),
+    device: Optional[str] = DEVICE,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Dry run of the memory plan: what is resident, how many expert slots fit, and whether it fits.
@@ -274,7 +277,14 @@ def plan(
     from onebit.models import model_class
 
     path = model or default_model_path()
-    b = detect_budget(budget, reserve)
+    limits = {}
+    if backend == "vulkan":
+        from onebit.memory.budget import vulkan_limits
+
+        limits = vulkan_limits(device)
+    elif backend != "numpy":
+        raise UsageError(f"unknown backend {backend!r} (numpy or vulkan)")
+    b = detect_budget(budget, reserve, **limits)
     g = GGUFFile(path)
     cfg = model_class(g.architecture, path).config(g)
     p = make_plan(g, cfg, b, ctx=ctx, layers=layers, slots=slots, verify_rows=verify_rows)

@@ -82,12 +82,22 @@ def detect_budget(override: Optional[str | int] = None, reserve: Optional[str | 
         if b <= 0:
             raise UsageError(f"the budget must be positive, got {override!r}")
         return Budget(b, "--budget", available, cg, device_heap, 0, max_allocation, max_storage_range)
-    candidates = {"available memory": available}
+    # The reserve is the OS's share of system memory; a device heap is used as it is.
+    candidates = {f"available memory minus {format_bytes(res)} reserve": max(available - res, 0)}
     if cg is not None:
-        candidates["cgroup limit"] = cg
+        candidates[f"cgroup limit left minus {format_bytes(res)} reserve"] = max(cg - res, 0)
     if device_heap is not None:
-        candidates["Vulkan heap budget"] = device_heap
+        candidates["Vulkan device heap"] = device_heap
     source = min(candidates, key=candidates.get)
-    usable = max(candidates[source] - res, 0)
-    return Budget(usable, f"{source} minus {format_bytes(res)} reserve", available, cg, device_heap, res,
-                  max_allocation, max_storage_range)
+    return Budget(candidates[source], source, available, cg, device_heap, res, max_allocation, max_storage_range)
+
+
+def vulkan_limits(selector: Optional[str] = None) -> dict:
+    """The chosen Vulkan device's memory: its largest device-local heap (the heap budget where
+    the driver reports no live budget), largest allocation and largest storage-buffer binding."""
+    from onebit.backends.vulkan.device import choose_device, list_devices
+
+    d = choose_device(list_devices(), selector)
+    heaps = [h.size for h in d.heaps if h.device_local] or [h.size for h in d.heaps]
+    return {"device_heap": max(heaps), "max_allocation": d.max_memory_allocation_size,
+            "max_storage_range": d.max_storage_buffer_range}

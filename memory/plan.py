@@ -103,6 +103,9 @@ class MemoryPlan:
             "model": self.model,
             "budget_bytes": self.budget.bytes,
             "budget_source": self.budget.source,
+            "device_heap_bytes": self.budget.device_heap,
+            "max_allocation_bytes": self.budget.max_allocation,
+            "max_storage_range_bytes": self.budget.max_storage_range,
             "total_bytes": self.total,
             "fits": self.fits,
             "streaming": self.streaming,
@@ -124,7 +127,11 @@ class MemoryPlan:
     def table(self) -> str:
         b = self.budget.bytes
         w = max(len(i.component) for i in self.items)
-        lines = [f"model   {self.model}", f"budget  {format_bytes(b)} ({self.budget.source})", ""]
+        lines = [f"model   {self.model}", f"budget  {format_bytes(b)} ({self.budget.source})"]
+        if self.budget.max_allocation:
+            lines.append(f"device  largest allocation {format_bytes(self.budget.max_allocation)}, largest binding "
+                         f"{format_bytes(self.budget.max_storage_range)}")
+        lines.append("")
         lines.append(f"{'component':<{w}}  {'bytes':>12}  {'share':>6}  detail")
         for i in self.items:
             share = f"{100 * i.bytes / b:5.1f}%" if b else "   -  "

@@ -51,7 +51,16 @@ class Model:
         from .memory.plan import PlanError, make_plan
         from .memory.pool import ExpertPool
 
-        self.plan = make_plan(self.gguf, cfg, detect_budget(budget), ctx=self.context_length,
+        limits = {}
+        if backend == "vulkan":
+            from .backends.vulkan.device import VulkanUnavailableError
+            from .memory.budget import vulkan_limits
+
+            try:
+                limits = vulkan_limits()
+            except VulkanUnavailableError:
+                pass  # the backend falls back to numpy below, with its own warning
+        self.plan = make_plan(self.gguf, cfg, detect_budget(budget, **limits), ctx=self.context_length,
                               slots="auto" if slots is None else slots)
         if not self.plan.fits:
             raise PlanError(self.plan)

@@ -102,3 +102,20 @@ def test_cli_exit_codes():
     for bad in (["--layers", "0-9"], ["--slots", "1"], ["--budget", "lots"], ["--ctx", "0"]):
         r = run_plan(m, *bad)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, (bad, r.stderr)
+
+
+def test_budget_detection_takes_the_smallest_source():
+    from onebit.memory.budget import detect_budget
+
+    b = detect_budget(reserve="1GiB", device_heap=1 << 20, max_allocation=1 << 19, max_storage_range=1 << 18)
+    assert b.bytes == 1 << 20 and b.source == "Vulkan device heap" and b.max_allocation == 1 << 19
+    big = detect_budget(reserve="0", device_heap=1 << 60)
+    assert big.bytes <= big.available and "available memory" in big.source
+    assert detect_budget("3GiB").bytes == 3 << 30
+
+
+def test_plan_with_vulkan_limits():
+    r = run_plan(str(fixture_path(Q4K)), "--backend", "vulkan", "--ctx", "256", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["device_heap_bytes"] > 0 and d["max_storage_range_bytes"] > 0
