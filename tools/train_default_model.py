@@ -8,8 +8,9 @@ on the same text. Stages, each resumable from what the previous one left in --wo
 
   data      build the conversations (train / held-out split by object), train the tokenizer,
             tokenize and save the token streams;
-  train     train with the auxiliary load-balancing loss, checkpointing every --ckpt-every
-            steps and logging step, train loss and held-out loss to training_log.csv;
+  train     train (data-parallel over --procs CPU processes) with a per-layer load-balancing
+            loss for a --minutes budget, checkpointing every --ckpt-every steps and logging
+            step, train loss, load and held-out loss to tools/default_model/training_log.csv;
   export    measure expert load balance, save the HF model, convert it with llama.cpp's
             convert_hf_to_gguf.py, quantize to Q8_0 with llama-quantize, sanity-check the
             GGUF with llama.cpp (greedy answers), and write tools/default_model/README.md.
@@ -1190,7 +1191,7 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, default=REPO_ROOT / ".llama-cpp",
                     help="tools/build_llama_cpp.sh output dir (or the extracted sdist)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--minutes", type=float, default=28.0,
+    ap.add_argument("--minutes", type=float, default=30.0,
                     help="training wall-time budget; 0 = train for --steps instead")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
