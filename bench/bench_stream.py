@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import onebit
+from onebit.gguf_file import is_expert_tensor
 from onebit.memory.budget import format_bytes
 
 
@@ -45,7 +46,7 @@ def main() -> None:
     cfg = resident.cfg
     prompt = np.array(resident.tokenize("The json module encodes Python objects as JSON text."), dtype=np.int64)
     all_experts = cfg.n_experts * cfg.n_layers
-    per_expert = sum(t.n_bytes // t.shape[0] for n, t in resident.gguf.tensors.items() if "_exps." in n) / cfg.n_layers
+    per_expert = sum(t.n_bytes // t.shape[0] for n, t in resident.gguf.tensors.items() if is_expert_tensor(n)) / cfg.n_layers
     print(f"model {args.model}: {cfg.n_layers} layers x {cfg.n_experts} experts, top-{cfg.n_experts_used}, "
           f"{format_bytes(per_expert)} per expert; {args.tokens} decode tokens, median of {args.runs} runs")
     print(f"{'resident':>9} {'slots':>6} {'tok/s':>8} {'vs all':>7} {'read/tok':>10} {'min/tok':>10} "
@@ -65,7 +66,6 @@ def main() -> None:
                 stalls.append(0)
                 hits.append(1.0)
                 continue
-            before = m.pool.stats.bytes_read, m.pool.stats.stall_seconds
             cache = m.new_cache()
             m.net.forward(prompt, cache, last_only=True)  # the prompt warms the pool
             warm = m.pool.stats.bytes_read, m.pool.stats.stall_seconds, m.pool.stats.hits, m.pool.stats.demand_misses
@@ -82,7 +82,6 @@ def main() -> None:
             h, mi = st.hits - warm[2], st.demand_misses - warm[3]
             hits.append(h / (h + mi) if h + mi else 0.0)
             m.close()
-            del before
         med = statistics.median
         print(f"{frac:>8.0%} {slots:>6} {med(stream_tps):>8.2f} {med(stream_tps) / med(ref_tps):>7.2f} "
               f"{format_bytes(med(reads)):>10} {format_bytes(min_per_tok):>10} {1000 * med(stalls):>8.2f}ms "

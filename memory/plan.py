@@ -15,11 +15,10 @@ from onebit.backends.numpy_backend import NumpyBackend
 from onebit.cache import kv_cache_bytes
 from onebit.config import ModelConfig
 from onebit.errors import OnebitError, UsageError
-from onebit.gguf_file import GGUFFile
+from onebit.gguf_file import EXPERT_PARTS, GGUFFile
 
 from .budget import Budget, format_bytes
 
-EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 PREFILL_ROWS = 256  # rows per prefill chunk (onebit.generate's default)
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 

@@ -32,6 +32,14 @@ MAX_NESTING = 4
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 
+# Routed-expert tensors: [n_expert, rows, cols] per layer, streamed by the expert pool.
+EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def is_expert_tensor(name: str) -> bool:
+    return any(f".{p}." in name for p in EXPERT_PARTS)
+
+
 _SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 

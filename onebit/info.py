@@ -6,9 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from .config import ModelConfig
-from .gguf_file import GGUFFile
-
-EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+from .gguf_file import GGUFFile, is_expert_tensor
 
 
 def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
@@ -20,7 +18,7 @@ def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
         row["bytes"] += t.n_bytes
         row["params"] += t.n_elements
         total += t.n_elements
-        if any(part in t.name for part in EXPERT_PARTS):
+        if is_expert_tensor(t.name):
             expert_params += t.n_elements
     # Active per token: everything but the routed experts, plus k of E experts in each MoE layer.
     active = total - expert_params

@@ -39,7 +39,7 @@ class Model:
             self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
         else:
             self.be = make_backend(backend, self.gguf)
-        self.net = cls(self.gguf, self.be)
+        self.net = cls(self.gguf, self.be, cfg)
         self.cfg = self.net.cfg
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
@@ -88,11 +88,11 @@ class Model:
         that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map."""
         import dataclasses
 
-        from .memory.plan import EXPERT_PARTS
-
         from tqdm import tqdm
 
-        resident = [t for name, t in self.gguf.tensors.items() if not any(f".{p}." in name for p in EXPERT_PARTS)]
+        from .gguf_file import is_expert_tensor
+
+        resident = [t for name, t in self.gguf.tensors.items() if not is_expert_tensor(name)]
         total = sum(t.n_bytes for t in resident)
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
                   disable=True if total < (256 << 20) else None) as bar:

@@ -20,14 +20,7 @@ CASES = [("q3moe256-Q4_K_M.gguf", [4, 6, 7]), ("qwen3moe-f32.gguf", [2, 8, 15])]
 _resident: dict[str, np.ndarray] = {}
 
 
-def decode_logits(model, prompt, n):
-    cache = model.new_cache()
-    out = [model.net.forward(prompt, cache)]
-    tok = int(out[-1][-1].argmax())
-    for _ in range(n):
-        out.append(model.net.forward(np.array([tok]), cache))
-        tok = int(out[-1][-1].argmax())
-    return np.concatenate(out)
+from test_pool import decode_logits  # noqa: E402  (greedy decode, every step's logits)
 
 
 def _prompt(path):

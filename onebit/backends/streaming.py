@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..gguf_file import EXPERT_PARTS as PARTS
 from .numpy_backend import NumpyBackend
-
-PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 class StreamingNumpyBackend(NumpyBackend):

@@ -12,10 +12,10 @@ from . import blocks
 class TransformerLM:
     """A decoder over one sequence. Subclasses give `config()` and a top-to-bottom `forward()`."""
 
-    def __init__(self, gguf, backend):
+    def __init__(self, gguf, backend, cfg: ModelConfig | None = None):
         self.gguf = gguf
         self.be = backend
-        self.cfg: ModelConfig = self.config(gguf)
+        self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
         blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf, self.layer_has_moe))
         attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: the recorded decode step
         if attach is not None:
