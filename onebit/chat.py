@@ -33,7 +33,9 @@ class TurnStats:
 
     @property
     def generation_tps(self) -> float:
-        return self.generation_tokens / self.generation_time if self.generation_time > 0 else 0.0
+        # Same convention as GenerationResponse: the first token belongs to the prompt pass.
+        n = self.generation_tokens - 1
+        return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
 
 
 class ChatSession:
