@@ -1,4 +1,11 @@
-"""Per-layer KV cache with trim / snapshot / restore (speculative decoding rolls back)."""
+"""Caches typed per layer, held by the `Cache` of one sequence, which also holds the position.
+
+A layer's cache is the state its mixer keeps between forward passes: `KVCache` for attention
+(keys and values by position). Every layer cache says whether it can `trim` (drop the last
+positions in place) and gives a `snapshot` / `restore` of its state; speculative decoding and
+chat prefix reuse roll back through `Cache.trim`, or through snapshot / restore where a
+layer cannot trim.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +13,43 @@ import numpy as np
 
 
 class KVCache:
-    """Keys and values of one attention layer for one sequence, grown in steps."""
+    """Keys and values of one attention layer, by position, grown in steps.
+
+    Positions past the sequence's length are never read, so trimming is free: the sequence
+    moves its position back and later writes overwrite what was there."""
 
     step = 256
+    can_trim = True
 
     def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0):
         # capacity > 0: allocate (and touch) it all now, as the memory plan counted it
         self.keys = np.zeros((capacity, n_kv_heads, head_dim), np.float32)  # [cap, Hkv, D]
-        self.values = np.zeros((capacity, n_kv_heads, head_dim_v), np.float32)
+        self.values = np.zeros((capacity, n_kv_heads, head_dim_v), np.float32)  # [cap, Hkv, Dv]
         if capacity:
             self.keys.fill(0)
             self.values.fill(0)
-        self.offset = 0
 
-    def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Append k: [R, Hkv, D], v: [R, Hkv, Dv]; return all keys/values so far: [S, Hkv, *]."""
-        n = self.offset + k.shape[0]
+    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return every
+        key and value up to the last of them: [start + R, Hkv, *]."""
+        n = start + k.shape[0]
         if n > self.keys.shape[0]:
             cap = (n + self.step - 1) // self.step * self.step
             self.keys = _grow(self.keys, cap)
             self.values = _grow(self.values, cap)
-        self.keys[self.offset : n] = k
-        self.values[self.offset : n] = v
-        self.offset = n
+        self.keys[start:n] = k
+        self.values[start:n] = v
         return self.keys[:n], self.values[:n]
 
-    def trim(self, n: int) -> int:
-        """Drop the last n positions; returns how many were dropped."""
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
+    def trim(self, length: int) -> None:
+        """The sequence is now `length` positions long (nothing to do: see the class note)."""
 
-    def snapshot(self):
-        return self.offset, self.keys[: self.offset].copy(), self.values[: self.offset].copy()
+    def snapshot(self, length: int):
+        return self.keys[:length].copy(), self.values[:length].copy()
 
     def restore(self, state) -> None:
-        offset, k, v = state
-        self.offset = 0
-        if offset:
-            self.update_and_fetch(k, v)
+        k, v = state
+        self.write(0, k, v)
 
     @property
     def nbytes(self) -> int:
@@ -57,17 +62,51 @@ def _grow(a: np.ndarray, cap: int) -> np.ndarray:
     return out
 
 
-def make_cache(cfg, capacity: int = 0) -> list[KVCache]:
-    return [KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity) for _ in range(cfg.n_layers)]
+class Cache:
+    """One sequence: a cache per layer, and `offset`, the number of positions it holds."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.offset = 0
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int):
+        return self.layers[layer]
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def can_trim(self) -> bool:
+        return all(c.can_trim for c in self.layers)
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions (fewer if it holds fewer); returns how many were dropped."""
+        n = max(0, min(self.offset, n))
+        if n and not self.can_trim:
+            raise ValueError("this cache cannot trim: restore a snapshot instead")
+        self.offset -= n
+        for c in self.layers:
+            c.trim(self.offset)
+        return n
+
+    def snapshot(self):
+        return self.offset, [c.snapshot(self.offset) for c in self.layers]
+
+    def restore(self, state) -> None:
+        self.offset, layers = state
+        for c, s in zip(self.layers, layers):
+            c.restore(s)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)
 
 
-def trim_cache(cache: list[KVCache], n: int) -> None:
-    for c in cache:
-        c.trim(n)
-
-
-def cache_offset(cache: list[KVCache]) -> int:
-    return cache[0].offset if cache else 0
+def make_cache(cfg, capacity: int = 0) -> Cache:
+    return Cache([KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity) for _ in range(cfg.n_layers)])
 
 
 def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4) -> int:

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from .cache import trim_cache
 from .errors import UsageError
 from .generate import GenerationResponse, stream_generate
 from .sample import make_logits_processors, make_sampler
@@ -55,7 +54,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history.clear()
-        trim_cache(self.cache, len(self.cached))
+        self.cache.trim(len(self.cached))
         self.cached = []
 
     def messages(self) -> list[dict[str, str]]:
@@ -90,7 +89,7 @@ class ChatSession:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # always run at least one token to get logits
-        trim_cache(self.cache, len(self.cached) - common)
+        self.cache.trim(len(self.cached) - common)
         self.cached = ids[:common]
         stats = TurnStats(prompt_tokens=len(ids), prompt_tokens_computed=len(ids) - common, dropped_turns=dropped)
         self.last = stats
@@ -119,8 +118,6 @@ class ChatSession:
             self._settle(ids + generated)
 
     def _settle(self, fed: list[int]) -> None:
-        """Make every layer's cache agree on one length after a turn (or an interrupted step)."""
-        n = min(c.offset for c in self.cache) if self.cache else 0
-        for c in self.cache:
-            c.trim(c.offset - n)
-        self.cached = fed[:n]
+        """Record which tokens the cache holds after a turn (an interrupted step adds none: the
+        sequence's length moves only when a forward pass completes)."""
+        self.cached = fed[: self.cache.offset]

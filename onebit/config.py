@@ -44,6 +44,10 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s FFN is routed experts (else a dense SwiGLU)."""
+        return self.is_moe
+
 
 def _int(g: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi: int = MAX_DIM) -> int:
     v = g.get(key, default)

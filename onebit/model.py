@@ -39,7 +39,17 @@ class Model:
             self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
         else:
             self.be = make_backend(backend, self.gguf)
-        self.net = cls(self.gguf, self.be, cfg)
+        try:
+            self.net = cls(self.gguf, self.be, cfg)
+        except Exception as e:
+            from .backends.vulkan.device import VulkanUnavailableError
+
+            if not isinstance(e, VulkanUnavailableError):
+                raise
+            sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
+            self.be.close()
+            self.be = self._numpy_backend()
+            self.net = cls(self.gguf, self.be, cfg)
         self.cfg = self.net.cfg
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
@@ -79,6 +89,20 @@ class Model:
                 sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
         elif backend != "numpy":
             raise UsageError(f"expert streaming is not available on the {backend} backend yet")
+        self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
+        self._copy_resident()
+        return StreamingNumpyBackend(self.gguf, self.pool)
+
+    def _numpy_backend(self):
+        """The numpy twin of the backend that was planned (streaming through a pool if it was)."""
+        from .backends.numpy_backend import NumpyBackend
+
+        if self.pool is None:
+            return NumpyBackend(self.gguf)
+        from .backends.streaming import StreamingNumpyBackend
+        from .memory.pool import ExpertPool
+
+        policy = self.pool.policy
         self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
         self._copy_resident()
         return StreamingNumpyBackend(self.gguf, self.pool)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..gguf_file import GGUFFile, Tensor
+from ..gguf_file import EXPERT_PARTS, GGUFFile, Tensor
 from ..quants import QTYPES
 
 
@@ -24,6 +24,15 @@ class NumpyBackend:
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
+
+    def close(self) -> None:
+        """Nothing to free: weights stay in the file's memory map."""
+
+    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
+        """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
+        logits = model.schedule(EagerStep(self, model.cfg, ids, cache, hook), last_only)
+        cache.offset += len(ids)
+        return logits
 
     # -- memory -------------------------------------------------------------------------
 
@@ -121,12 +130,12 @@ class NumpyBackend:
             w = w / np.sum(w, axis=-1, keepdims=True)
         return ids, w.astype(np.float32)
 
-    def experts(self, x: np.ndarray, prefix: str, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)).
 
         x: [R, dim]; ids, weights: [R, k]. Expert e of `ffn_gate_exps` is raw[e]: [hidden, dim].
         """
-        parts = [self.gguf.tensor(f"{prefix}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+        parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         out = np.zeros_like(x)
         for e in np.unique(ids):
             self.expert_ffn(out, x, ids, weights, int(e), parts, [t.raw[int(e)] for t in parts])
@@ -140,3 +149,65 @@ class NumpyBackend:
         xe = x[rows]  # [n, dim]
         h = self.silu(xe @ gate.T) * (xe @ up.T)  # [n, hidden]
         out[rows] += (h @ down.T) * weights[rows, slot][:, None]  # [n, dim]
+
+
+class EagerStep:
+    """The ops of a model schedule (models/blocks.py), each run at once on numpy arrays, for
+    token ids [R] at the cache's next positions."""
+
+    def __init__(self, be: NumpyBackend, cfg, ids: np.ndarray, cache, hook=None):
+        self.be, self.cfg, self.ids, self.cache, self.hook = be, cfg, ids, cache, hook
+        self.start = cache.offset
+        self.pos = np.arange(self.start, self.start + len(ids), dtype=np.int64)  # [R]
+        self.tensor_names = be.gguf.tensors
+
+    def embed(self, name: str) -> np.ndarray:
+        return self.be.embed(name, self.ids)  # [R, dim]
+
+    def norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
+        return self.be.rms_norm(x, self.be.weight(name), eps)
+
+    def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
+        y = self.be.linear(x, name)
+        return y + self.be.weight(bias) if bias is not None else y
+
+    @staticmethod
+    def view(x: np.ndarray, shape) -> np.ndarray:
+        return x.reshape(x.shape[0], *shape)
+
+    def rope(self, x: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float) -> np.ndarray:
+        return self.be.rope(x, self.pos, n_rot, theta, neox, scale)
+
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        keys, values = self.cache[layer].write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        return self.be.attention(q, keys, values, self.pos)  # [R, H*Dv]
+
+    @staticmethod
+    def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a + b
+
+    def swiglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self.be.silu(a) * b
+
+    def route(self, logits: np.ndarray, k: int, norm: bool):
+        return self.be.route(logits, k, norm)
+
+    def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray) -> None:
+        if self.hook is not None:
+            self.hook(layer, ids, logits)
+
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        return self.be.experts(x, layer, ids, weights)
+
+    def shared_expert(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """qwen2moe's always-on expert, scaled per row by a sigmoid gate."""
+        p = f"blk.{layer}"
+        h = self.swiglu(self.linear(x, f"{p}.ffn_gate_shexp.weight"), self.linear(x, f"{p}.ffn_up_shexp.weight"))
+        y = self.linear(h, f"{p}.ffn_down_shexp.weight")  # [R, dim]
+        w = self.be.weight(f"{p}.ffn_gate_inp_shexp.weight").reshape(-1, 1)  # [dim, 1]
+        gate = x @ w  # [R, 1]
+        return y / (np.float32(1.0) + np.exp(-gate))
+
+    @staticmethod
+    def last_row(x: np.ndarray) -> np.ndarray:
+        return x[-1:]

@@ -19,9 +19,8 @@ class StreamingNumpyBackend(NumpyBackend):
         super().__init__(gguf)
         self.pool = pool
 
-    def experts(self, x: np.ndarray, prefix: str, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        layer = int(prefix.split(".")[1])
-        parts = [self.gguf.tensor(f"{prefix}.{p}.weight") for p in PARTS]
+    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in PARTS]
         out = np.zeros_like(x)
         experts = [int(e) for e in np.unique(ids)]
         cap = self.pool.capacity(layer)

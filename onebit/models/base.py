@@ -1,23 +1,25 @@
-"""What every architecture file shares: construction, tensor checks, positions."""
+"""What every architecture shares: construction, tensor checks, and the forward pass, which
+runs the architecture's per-layer schedule on whichever backend holds the model."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..cache import KVCache, cache_offset, make_cache
+from ..cache import Cache, make_cache
 from ..config import ModelConfig
 from . import blocks
 
 
 class TransformerLM:
-    """A decoder over one sequence. Subclasses give `config()` and a top-to-bottom `forward()`."""
+    """A decoder over one sequence. An architecture file gives `config()` (its metadata mapping)
+    and, where the shared `blocks.decoder_layer` does not fit, its own `layer()`."""
 
     def __init__(self, gguf, backend, cfg: ModelConfig | None = None):
         self.gguf = gguf
         self.be = backend
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
-        blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf, self.layer_has_moe))
-        attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: the recorded decode step
+        blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf))
+        attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
         if attach is not None:
             attach(self)
 
@@ -25,15 +27,24 @@ class TransformerLM:
     def config(gguf) -> ModelConfig:
         raise NotImplementedError
 
-    def layer_has_moe(self, layer: int) -> bool:
-        return self.cfg.is_moe
+    def layer(self, g, i: int, x):
+        """Layer i of the schedule, as block calls on the running step `g`."""
+        return blocks.decoder_layer(g, self.cfg, i, x)
 
-    def make_cache(self, capacity: int = 0) -> list[KVCache]:
+    def schedule(self, g, last_only: bool = False):
+        """The whole forward pass as ops on `g`: embedding, every layer, the output head."""
+        x = g.embed("token_embd.weight")  # [R, dim]
+        for i in range(self.cfg.n_layers):
+            x = self.layer(g, i, x)
+        if last_only:
+            x = g.last_row(x)  # [1, dim]
+        return blocks.output_head(g, self.cfg, x)  # [R, vocab]
+
+    def make_cache(self, capacity: int = 0) -> Cache:
         device_cache = getattr(self.be, "make_cache", None)  # the backend's own (device memory)
-        cache = device_cache(self, capacity) if device_cache is not None else None
-        return cache if cache is not None else make_cache(self.cfg, capacity)
+        return device_cache(self.cfg, capacity) if device_cache is not None else make_cache(self.cfg, capacity)
 
-    @staticmethod
-    def positions(cache: list[KVCache], n: int) -> np.ndarray:
-        start = cache_offset(cache)
-        return np.arange(start, start + n, dtype=np.int64)  # [R]
+    def forward(self, ids, cache: Cache, hook=None, last_only: bool = False) -> np.ndarray:
+        """Logits [R, vocab] (or [1, vocab]: the last row) for token ids [R] at the cache's next
+        positions; the cache then holds them too. `hook` is called at every MoE pause point."""
+        return self.be.forward(self, np.asarray(ids, dtype=np.int64), cache, hook=hook, last_only=last_only)

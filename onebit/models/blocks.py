@@ -1,85 +1,92 @@
-"""Blocks shared by the architectures: attention, dense FFN, MoE FFN, output head.
+"""Blocks shared by the architectures, written once over the ops every backend gives.
 
-Each block takes the backend `be`, the config, the layer index and rows x: [R, dim] of one
-sequence at positions `pos`: [R]. Tensor names are the GGUF names.
+A block takes `g`, the running step (`NumpyBackend` runs each op at once on arrays; the
+Vulkan backend records each op into command buffers and runs them later), the config, the
+layer index and x: [R, dim], R rows of one sequence at consecutive positions. The ops:
+
+    embed(name)               get_rows of the step's token ids from a table -> [R, dim]
+    norm(x, name, eps)        RMS norm over the last axis, times weight `name`
+    linear(x, name, bias)     x @ W.T (+ bias): [R, in] -> [R, out]
+    view(x, shape)            the same values in another shape
+    rope(x, n_rot, theta, neox, scale)   x: [R, H, D] rotated at the rows' positions
+    attention(layer, q, k, v) store k, v in the layer's cache; causal GQA over it -> [R, H * Dv]
+    add(a, b), swiglu(a, b)   a + b, silu(a) * b
+    route(logits, k, norm)    softmax top-k -> ids [R, k], weights [R, k]
+    pause(layer, ids, logits) the pause point: the host may act before the layer's experts run
+    experts(layer, x, ids, w) the routed experts' SwiGLU FFN, weighted and summed -> [R, dim]
+    shared_expert(layer, x)   the sigmoid-gated shared expert -> [R, dim]
+    last_row(x)               x[-1:]
+
+Tensor names are the GGUF names.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
-import numpy as np
-
-from ..cache import KVCache
 from ..config import ModelConfig
 from ..errors import ModelFileError
 
-# Called between the router and the experts of MoE layer `layer`: hook(layer, ids [R, k], logits [R, E]).
-ExpertHook = Callable[[int, np.ndarray, np.ndarray], None]
+# Called at the pause point of MoE layer `layer`: hook(layer, ids [R, k], logits [R, E]).
+ExpertHook = Callable[[int, "np.ndarray", "np.ndarray"], None]
 
 
-def norm(be, x: np.ndarray, name: str, eps: float) -> np.ndarray:
-    return be.rms_norm(x, be.weight(name), eps)
-
-
-def linear(be, x: np.ndarray, name: str, bias: bool = False) -> np.ndarray:
-    y = be.linear(x, f"{name}.weight")
-    if bias and be.has(f"{name}.bias"):
-        y = y + be.weight(f"{name}.bias")
-    return y
-
-
-def attention(be, cfg: ModelConfig, layer: int, x: np.ndarray, cache: KVCache, pos: np.ndarray) -> np.ndarray:
+def attention(g, cfg: ModelConfig, layer: int, x):
     p = f"blk.{layer}"
-    R = x.shape[0]
-    q = linear(be, x, f"{p}.attn_q", cfg.attn_bias)  # [R, H*D]
-    k = linear(be, x, f"{p}.attn_k", cfg.attn_bias)  # [R, Hkv*D]
-    v = linear(be, x, f"{p}.attn_v", cfg.attn_bias)  # [R, Hkv*Dv]
+
+    def bias(n: str):
+        name = f"{p}.attn_{n}.bias"
+        return name if cfg.attn_bias and name in g.tensor_names else None
+
+    q = g.linear(x, f"{p}.attn_q.weight", bias("q"))  # [R, H*D]
+    k = g.linear(x, f"{p}.attn_k.weight", bias("k"))  # [R, Hkv*D]
+    v = g.linear(x, f"{p}.attn_v.weight", bias("v"))  # [R, Hkv*Dv]
     if cfg.qk_norm == "full":  # olmoe: one norm over the whole projection
-        q = norm(be, q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
-        k = norm(be, k, f"{p}.attn_k_norm.weight", cfg.norm_eps)
-    q = q.reshape(R, cfg.n_heads, cfg.head_dim)  # [R, H, D]
-    k = k.reshape(R, cfg.n_kv_heads, cfg.head_dim)  # [R, Hkv, D]
-    v = v.reshape(R, cfg.n_kv_heads, cfg.head_dim_v)  # [R, Hkv, Dv]
+        q = g.norm(q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
+        k = g.norm(k, f"{p}.attn_k_norm.weight", cfg.norm_eps)
+    q = g.view(q, (cfg.n_heads, cfg.head_dim))  # [R, H, D]
+    k = g.view(k, (cfg.n_kv_heads, cfg.head_dim))  # [R, Hkv, D]
+    v = g.view(v, (cfg.n_kv_heads, cfg.head_dim_v))  # [R, Hkv, Dv]
     if cfg.qk_norm == "head":  # qwen3: a norm per head
-        q = norm(be, q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
-        k = norm(be, k, f"{p}.attn_k_norm.weight", cfg.norm_eps)
-    q = be.rope(q, pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-    k = be.rope(k, pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-    keys, values = cache.update_and_fetch(k, v)  # [S, Hkv, D], [S, Hkv, Dv]
-    o = be.attention(q, keys, values, pos)  # [R, H*Dv]
-    return linear(be, o, f"{p}.attn_output")
+        q = g.norm(q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
+        k = g.norm(k, f"{p}.attn_k_norm.weight", cfg.norm_eps)
+    q = g.rope(q, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
+    k = g.rope(k, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
+    o = g.attention(layer, q, k, v)  # [R, H*Dv]
+    return g.linear(o, f"{p}.attn_output.weight")  # [R, dim]
 
 
-def dense_ffn(be, layer: int, x: np.ndarray) -> np.ndarray:
+def dense_ffn(g, layer: int, x):
     p = f"blk.{layer}"
-    h = be.silu(linear(be, x, f"{p}.ffn_gate")) * linear(be, x, f"{p}.ffn_up")  # [R, hidden]
-    return linear(be, h, f"{p}.ffn_down")
+    h = g.swiglu(g.linear(x, f"{p}.ffn_gate.weight"), g.linear(x, f"{p}.ffn_up.weight"))  # [R, hidden]
+    return g.linear(h, f"{p}.ffn_down.weight")
 
 
-def moe_ffn(be, cfg: ModelConfig, layer: int, x: np.ndarray, hook: Optional[ExpertHook]) -> np.ndarray:
+def moe_ffn(g, cfg: ModelConfig, layer: int, x):
+    logits = g.linear(x, f"blk.{layer}.ffn_gate_inp.weight")  # [R, E]
+    ids, weights = g.route(logits, cfg.n_experts_used, cfg.expert_weights_norm)  # [R, k]
+    g.pause(layer, ids, logits)
+    return g.experts(layer, x, ids, weights)  # [R, dim]
+
+
+def decoder_layer(g, cfg: ModelConfig, layer: int, x):
+    """Pre-norm block: x + mixer(norm(x)), then + FFN(norm): routed experts (+ a shared expert)
+    on MoE layers, a dense SwiGLU elsewhere."""
     p = f"blk.{layer}"
-    logits = linear(be, x, f"{p}.ffn_gate_inp")  # [R, E]
-    ids, weights = be.route(logits, cfg.n_experts_used, cfg.expert_weights_norm)  # [R, k]
-    if hook is not None:
-        hook(layer, ids, logits)
-    return be.experts(x, p, ids, weights)
+    h = g.add(x, attention(g, cfg, layer, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps)))
+    hn = g.norm(h, f"{p}.ffn_norm.weight", cfg.norm_eps)
+    if not cfg.layer_is_moe(layer):
+        return g.add(h, dense_ffn(g, layer, hn))
+    out = g.add(h, moe_ffn(g, cfg, layer, hn))
+    if cfg.shared_expert_hidden_dim:
+        out = g.add(out, g.shared_expert(layer, hn))
+    return out
 
 
-def shared_expert(be, layer: int, x: np.ndarray) -> np.ndarray:
-    """qwen2moe's always-on expert, scaled per row by a sigmoid gate."""
-    p = f"blk.{layer}"
-    h = be.silu(linear(be, x, f"{p}.ffn_gate_shexp")) * linear(be, x, f"{p}.ffn_up_shexp")
-    y = linear(be, h, f"{p}.ffn_down_shexp")  # [R, dim]
-    w = be.weight(f"{p}.ffn_gate_inp_shexp.weight").reshape(-1, 1)  # [dim, 1]
-    g = x @ w  # [R, 1]
-    return y / (np.float32(1.0) + np.exp(-g))
-
-
-def output_head(be, cfg: ModelConfig, x: np.ndarray) -> np.ndarray:
-    x = norm(be, x, "output_norm.weight", cfg.norm_eps)
-    name = "output.weight" if be.has("output.weight") else "token_embd.weight"  # tied embeddings
-    return be.linear(x, name)  # [R, vocab]
+def output_head(g, cfg: ModelConfig, x):
+    x = g.norm(x, "output_norm.weight", cfg.norm_eps)
+    name = "output.weight" if "output.weight" in g.tensor_names else "token_embd.weight"  # tied embeddings
+    return g.linear(x, name)  # [R, vocab]
 
 
 def check_tensors(gguf, expected: dict[str, tuple[int, ...]]) -> None:
@@ -92,7 +99,7 @@ def check_tensors(gguf, expected: dict[str, tuple[int, ...]]) -> None:
             raise ModelFileError(f"{gguf.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
 
 
-def expected_tensors(cfg: ModelConfig, gguf, layer_has_moe: Callable[[int], bool]) -> dict[str, tuple[int, ...]]:
+def expected_tensors(cfg: ModelConfig, gguf) -> dict[str, tuple[int, ...]]:
     """Shapes (numpy order) of the tensors the shared blocks read."""
     d, H, Hkv, D, Dv = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v
     exp = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
@@ -117,7 +124,7 @@ def expected_tensors(cfg: ModelConfig, gguf, layer_has_moe: Callable[[int], bool
         elif cfg.qk_norm == "full":
             exp[f"{p}.attn_q_norm.weight"] = (H * D,)
             exp[f"{p}.attn_k_norm.weight"] = (Hkv * D,)
-        if layer_has_moe(layer):
+        if cfg.layer_is_moe(layer):
             E, F = cfg.n_experts, cfg.expert_hidden_dim
             exp.update({
                 f"{p}.ffn_gate_inp.weight": (E, d),

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..config import config_from_gguf
 from .base import TransformerLM
-from .blocks import attention, dense_ffn, norm, output_head
 
 
-class Model(TransformerLM):
+class Model(TransformerLM):  # the shared pre-norm decoder layer (blocks.decoder_layer)
     @staticmethod
     def config(gguf):
         return config_from_gguf(gguf, rope_neox=True)
-
-    def forward(self, ids, cache, hook=None, last_only=False) -> np.ndarray:
-        be, cfg = self.be, self.cfg
-        pos = self.positions(cache, len(ids))  # [R]
-        x = be.embed("token_embd.weight", ids)  # [R, dim]
-        for i in range(cfg.n_layers):
-            h = x + attention(be, cfg, i, norm(be, x, f"blk.{i}.attn_norm.weight", cfg.norm_eps), cache[i], pos)
-            x = h + dense_ffn(be, i, norm(be, h, f"blk.{i}.ffn_norm.weight", cfg.norm_eps))
-        return output_head(be, cfg, x[-1:] if last_only else x)  # [R, vocab]

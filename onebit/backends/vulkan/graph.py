@@ -1,48 +1,63 @@
-"""The whole decode step as one pre-recorded command buffer, replayed per token.
+"""A model's schedule recorded into Vulkan command buffers, specialised on the row count R.
 
-DESIGN.md "Data flow of one decode step": for resident models, Python leaves the per-token
-loop. `DecodeGraph` records, once per (model, KV storage), every dispatch of a one-row
-forward pass into a single `Sequence`:
+The architecture's schedule (onebit/models: blocks over the ops of `models/blocks.py`) is
+run once against a `Recorder`, whose ops record dispatches instead of computing: values are
+device buffers with shapes, taken from an arena and given back when the schedule drops them
+(CPython frees a value as soon as nothing refers to it, so buffers are reused in recording
+order, and the sequence's barriers order every reuse). The result, a `Recording`, is kept per
+(KV storage, R, last_only, pause layers) and replayed: per forward the host writes R token
+ids and positions into mapped buffers, submits, waits and reads the logits.
 
-    get_rows(token_embd, tok) -> x
-    per layer: rms_norm -> q/k/v mat-vec (+ bias) -> q/k norm (per head or full) -> rope (pos
-    read on the device) -> set_rows K/V into the device KV cache at pos -> attention over the
-    cache (its length is pos + 1, read on the device) -> output proj accumulated into x ->
-    rms_norm -> router mat-vec -> softmax/top-k -> expert gate/up (mul_mv_id reading the ids
-    on the device) -> SwiGLU -> expert down with the routing weights fused, summed into x
-    (+ the sigmoid-gated shared expert; or the dense SwiGLU FFN)
-    output norm -> output head -> logits -> argmax
+Pause points. At a MoE layer's pause the recording is cut into segments when that layer
+needs the host: a hook (traces, predictors) or streamed experts. Between segments the host
+reads the layer's expert ids and router logits from mapped memory, calls the hook, acquires
+the experts in the pool and writes the slot table the expert kernels read, then submits the
+next segment. With nothing to pause the whole forward is one submission. When a pool cannot
+pin every expert the rows route to at once (a prefill chunk, a small per-layer partition),
+the experts run in passes over groups of rows (weights of the other rows set to zero, their
+table entries pointing at a pinned slot) accumulating into the layer's expert output, then
+the rest of the segment runs: the same kernels, per row, as one pass, so the result is the
+same bit for bit.
 
-Per token the host writes the token id and the position (8 bytes), submits once, waits, and
-reads the logits. Nothing is recorded again until the KV storage grows.
-
-The KV cache lives in device memory (`DeviceKV`), mapped on the host: the per-op path
-(prefill, hooks) writes the same memory through `DeviceKVCache`, a `KVCache` whose keys and
-values are views of it, so trim / snapshot / restore keep working (a position is just the
-length). The sigmoid gate of qwen2moe's shared expert has no kernel of its own: it is a
-two-way softmax over [g, 0] (softmax([g, 0])[0] = sigmoid(g)), and the shared expert's down
-projection runs as a one-part expert tensor whose second "expert" lies outside the part, so
-the expert kernel adds sigmoid(g) * down(h) into x and skips the other.
+The KV cache lives in device memory (`DeviceKV`), mapped on the host, so trim / snapshot /
+restore work on it as on host arrays. qwen2moe's shared-expert gate has no kernel of its
+own: it is a two-way softmax over [g, 0] (softmax([g, 0])[0] = sigmoid(g)), and the shared
+expert's down projection runs as a one-part expert tensor whose second "expert" lies
+outside the part, so the expert kernel adds sigmoid(g) * down(h) and skips the other.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import math
 import weakref
+from collections import defaultdict
 from typing import Optional
 
 import numpy as np
 
-from ...cache import KVCache
+from ...cache import Cache
 from .device import Buffer, Slice, VulkanKernelError
-from .kernels import DeviceTensor, Part, WeightStore
+from .kernels import DeviceTensor, Part
 
 log = logging.getLogger(__name__)
 
-# Architectures whose forward (onebit/models/<arch>.py) is the graph recorded here.
-GRAPH_ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3")
 MIN_CAPACITY = 256
+EXACT_ROWS = 16  # forwards of up to this many rows are recorded for their exact R
+MAX_ROWS = 256  # longer ones run as chunks of powers of two up to this
+
+
+def row_chunks(n: int, limit: int = MAX_ROWS) -> list[int]:
+    """Split n rows into recorded sizes: n itself when small, else powers of two, then the rest."""
+    out = []
+    while n > 0:
+        if n <= min(EXACT_ROWS, limit):
+            out.append(n)
+            break
+        step = min(limit, 1 << (n.bit_length() - 1))
+        out.append(step)
+        n -= step
+    return out
 
 
 # -- the KV cache in device memory ---------------------------------------------------------
@@ -54,8 +69,8 @@ class DeviceKV:
     def __init__(self, dev, cfg, capacity: int):
         self.dev, self.cfg = dev, cfg
         self.capacity = int(capacity)
-        self.users: "weakref.WeakSet[DeviceKVCache]" = weakref.WeakSet()
-        self.graph: Optional["DecodeGraph"] = None
+        self.users: "weakref.WeakSet[DeviceCache]" = weakref.WeakSet()
+        self.recordings: dict = {}
         self._alloc()
 
     def _alloc(self) -> None:
@@ -89,8 +104,8 @@ class DeviceKV:
         return len(self.users) > 0
 
     def grow(self, n: int) -> None:
-        """Room for at least n positions: new buffers (double), contents copied, graph dropped."""
-        cap = self.capacity
+        """Room for at least n positions: new buffers (double), contents copied, recordings dropped."""
+        cap = max(self.capacity, 1)
         while cap < n:
             cap *= 2
         old_bufs, old_k, old_v = self.buffers, self.keys, self.values
@@ -100,18 +115,18 @@ class DeviceKV:
             self.keys[layer][: old_k[layer].shape[0]] = old_k[layer]
             self.values[layer][: old_v[layer].shape[0]] = old_v[layer]
         del old_k, old_v
-        self.drop_graph()
+        self.drop_recordings()
         for kb, vb in old_bufs:
             kb.destroy()
             vb.destroy()
 
-    def drop_graph(self) -> None:
-        if self.graph is not None:
-            self.graph.close()
-            self.graph = None
+    def drop_recordings(self) -> None:
+        for r in self.recordings.values():
+            r.close()
+        self.recordings = {}
 
     def destroy(self) -> None:
-        self.drop_graph()
+        self.drop_recordings()
         for kb, vb in self.buffers:
             kb.destroy()
             vb.destroy()
@@ -122,13 +137,13 @@ class DeviceKV:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
 
-class DeviceKVCache(KVCache):
-    """One layer's view of a `DeviceKV`: the KVCache interface over device memory."""
+class DeviceKVCache:
+    """One layer's view of a `DeviceKV`: the `KVCache` interface over device memory."""
+
+    can_trim = True
 
     def __init__(self, storage: DeviceKV, layer: int):
         self.storage, self.layer = storage, layer
-        self.offset = 0
-        storage.users.add(self)
 
     @property
     def keys(self) -> np.ndarray:
@@ -138,284 +153,434 @@ class DeviceKVCache(KVCache):
     def values(self) -> np.ndarray:
         return self.storage.values[self.layer]
 
-    def update_and_fetch(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = self.offset + k.shape[0]
+    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = start + k.shape[0]
         if n > self.storage.capacity:
             self.storage.grow(n)
-        self.keys[self.offset : n] = k
-        self.values[self.offset : n] = v
-        self.offset = n
+        self.keys[start:n] = k
+        self.values[start:n] = v
         return self.keys[:n], self.values[:n]
+
+    def trim(self, length: int) -> None:
+        """Positions past the sequence's length are never read: nothing to do."""
+
+    def snapshot(self, length: int):
+        return self.keys[:length].copy(), self.values[:length].copy()
+
+    def restore(self, state) -> None:
+        k, v = state
+        self.write(0, k, v)
 
     @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
 
-# -- small tensors on the device (norm weights, biases) -----------------------------------
+class DeviceCache(Cache):
+    """A sequence whose layers' K/V live in one `DeviceKV`."""
+
+    def __init__(self, storage: DeviceKV):
+        super().__init__([DeviceKVCache(storage, layer) for layer in range(storage.cfg.n_layers)])
+        self.storage = storage
+        storage.users.add(self)
 
 
-class GraphConsts:
-    """Float32 copies of the 1-D tensors the graph reads (norms, biases), uploaded once."""
+# -- values: device buffers with shapes ------------------------------------------------------
 
-    def __init__(self, be):
-        self.be = be
-        self._vecs: dict[str, Slice] = {}
-        self._tensors: dict[str, DeviceTensor] = {}
+
+class Arena:
+    """Scratch buffers by size, shared by every recording of a backend (only one runs at a time)."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self._free: dict[int, list[Slice]] = defaultdict(list)
         self._buffers: list[Buffer] = []
 
-    def vec(self, name: str) -> Slice:
-        s = self._vecs.get(name)
-        if s is None:
-            w = np.ascontiguousarray(self.be.weight(name), dtype=np.float32).reshape(-1)
-            buf = self.be.dev.buffer(max(w.nbytes, 16))
-            buf.write(w)
-            self._buffers.append(buf)
-            s = self._vecs[name] = buf.slice(0, max(w.nbytes, 16))
-        return s
+    def take(self, nbytes: int) -> Slice:
+        size = max(256, (nbytes + 255) // 256 * 256)
+        free = self._free[size]
+        if free:
+            return free.pop()
+        buf = self.dev.buffer(size)
+        self._buffers.append(buf)
+        return buf.slice(0, size)
 
-    def row_tensor(self, name: str) -> DeviceTensor:
-        """A 1-D weight as a [1, n] F32 matrix (for a dot product by mul_mv)."""
-        t = self._tensors.get(name)
-        if t is None:
-            w = np.ascontiguousarray(self.be.weight(name), dtype=np.float32).reshape(1, -1)
-            store = WeightStore(self.be.dev)
-            store.add(name, w.view(np.uint8), "F32", w.shape)
-            (t,) = store.commit()
-            self._buffers.extend(store.buffers)
-            self._tensors[name] = t
-        return t
+    def give(self, s: Slice) -> None:
+        self._free[s.size].append(s)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for b in self._buffers)
 
     def close(self) -> None:
         for b in self._buffers:
             b.destroy()
-        self._buffers, self._vecs, self._tensors = [], {}, {}
+        self._buffers, self._free = [], defaultdict(list)
 
 
-# -- the recorded step -------------------------------------------------------------------
+class Val:
+    """A value of the recorded schedule: `shape` (rows first) in the bytes of slice `s`."""
+
+    __slots__ = ("s", "shape", "dtype", "_arena", "_base")
+
+    def __init__(self, s: Slice, shape: tuple[int, ...], dtype=np.float32, arena: Optional[Arena] = None,
+                 base: Optional["Val"] = None):
+        self.s, self.shape, self.dtype, self._arena, self._base = s, tuple(shape), dtype, arena, base
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def width(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def host(self) -> np.ndarray:
+        return self.s.buffer.view(self.dtype, self.shape, self.s.offset)
+
+    def __del__(self):
+        if self._arena is not None:
+            self._arena.give(self.s)
 
 
-def unsupported(be, model) -> Optional[str]:
-    """Why `model` cannot decode through a DecodeGraph on backend `be` (None: it can)."""
-    cfg = model.cfg
-    if cfg.arch not in GRAPH_ARCHS:
-        return f"architecture {cfg.arch}"
-    names = ["token_embd.weight", "output.weight" if be.has("output.weight") else "token_embd.weight"]
-    for layer in range(cfg.n_layers):
+# -- recording ---------------------------------------------------------------------------------
+
+
+class PausePoint:
+    """Where a recording stops for the host: after layer's router, before its experts."""
+
+    def __init__(self, layer: int, at: int, ids: Val, logits: Val, weights: Val):
+        self.layer, self.at = layer, at  # `at`: index of the first op after the pause
+        self.ids, self.logits, self.weights = ids, logits, weights
+        self.table: Optional[Val] = None  # slot indices the expert kernels read (streamed layers)
+        self.y: Optional[Val] = None  # the experts' output
+        self.span = (at, at)  # the expert ops
+        self.record_experts = None  # (seq, tensors, index, accumulate) -> None
+        self.solo: dict = {}  # expert-only sequences by tensors, for passes over row groups
+        self.post = None  # the segment after the pause without the expert ops
+
+
+class Recorder:
+    """The ops of models/blocks.py, recording dispatches for R rows into one op list."""
+
+    def __init__(self, rec: "Recording"):
+        self.rec, self.be, self.k, self.seq = rec, rec.be, rec.be.k, rec.collector
+        self.cfg = rec.cfg
+        self.R = rec.R
+        self.tensor_names = rec.be.gguf.tensors
+
+    def _new(self, shape, dtype=np.float32) -> Val:
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return Val(self.rec.arena.take(n), shape, dtype, arena=self.rec.arena)
+
+    def _tensor(self, name: str) -> DeviceTensor:
+        t = self.be.tensors.get(name)
+        if t is None:
+            raise VulkanKernelError(f"{name} is not on the device")
+        return t
+
+    def embed(self, name: str) -> Val:
+        t = self._tensor(name)
+        out = self._new((self.R, t.ncols))
+        self.k.get_rows(self.seq, t, self.rec.tok, out.s, self.R, t.ncols)
+        return out
+
+    def norm(self, x: Val, name: str, eps: float) -> Val:
+        n = x.shape[-1]
+        out = self._new(x.shape)
+        self.k.rms_norm(self.seq, x.s, self.be.consts.vec(name), out.s, x.size // n, n, eps)
+        return out
+
+    def linear(self, x: Val, name: str, bias: Optional[str] = None) -> Val:
+        t = self._tensor(name)
+        n_in, n_out = x.width, t.shape[0]
+        y = self._new((x.rows, n_out))
+        self.k.matmul(self.seq, t, x.s, y.s, x.rows, n_in, n_out)
+        if bias is None:
+            return y
+        out = self._new(y.shape)
+        self.k.elementwise(self.seq, "add", y.s, self.be.consts.vec(bias), out.s, y.size, n_out)
+        return out
+
+    @staticmethod
+    def view(x: Val, shape) -> Val:
+        return Val(x.s, (x.rows, *shape), x.dtype, base=x)
+
+    def rope(self, x: Val, n_rot: int, theta: float, neox: bool, scale: float) -> Val:
+        R, H, D = x.shape
+        out = self._new(x.shape)
+        self.k.rope(self.seq, x.s, self.rec.pos, out.s, R, H, D, n_rot, theta, neox, scale)
+        return out
+
+    def attention(self, layer: int, q: Val, k: Val, v: Val) -> Val:
+        R, H, D = q.shape
+        _, Hkv, Dv = v.shape
+        kv = self.rec.kv
+        kc, vc = kv.k_slice(layer), kv.v_slice(layer)
+        self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D)
+        self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv)
+        out = self._new((R, H * Dv))
+        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity)
+        return out
+
+    def add(self, a: Val, b: Val) -> Val:
+        out = self._new(a.shape)
+        self.k.elementwise(self.seq, "add", a.s, b.s, out.s, a.size)
+        return out
+
+    def swiglu(self, a: Val, b: Val) -> Val:
+        out = self._new(a.shape)
+        self.k.elementwise(self.seq, "swiglu", a.s, b.s, out.s, a.size)
+        return out
+
+    def route(self, logits: Val, k: int, norm: bool):
+        R, E = logits.shape
+        ids, w = self._new((R, k), np.int32), self._new((R, k))
+        self.k.softmax_topk(self.seq, logits.s, ids.s, w.s, R, E, k, norm)
+        return ids, w
+
+    def pause(self, layer: int, ids: Val, logits: Val) -> None:
+        if layer in self.rec.pause_layers:
+            self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, None))
+
+    def experts(self, layer: int, x: Val, ids: Val, w: Val) -> Val:
+        R, k = ids.shape
+        tensors = self.be.expert_tensors(layer)
+        gate = tensors[0]
+        dim, F = x.width, gate.shape[1]
+        pp = self.rec.pauses[-1] if self.rec.pauses and self.rec.pauses[-1].layer == layer else None
+        index = ids
+        if self.be.streamed(layer):
+            if pp is None:
+                raise VulkanKernelError(f"layer {layer}: streamed experts without a pause point")
+            index = pp.table = self.rec.fixed((R, k), np.int32)
+        g, u, h, y = self._new((R, k, F)), self._new((R, k, F)), self._new((R, k, F)), self._new((R, dim))
+        K = self.k
+
+        def record(seq, ts, idx: Val, accumulate: bool) -> None:
+            gt, ut, dt = ts
+            K.mul_mv_id(seq, gt, x.s, g.s, idx.s, w.s, R, k, dim, 0, F)  # [R, k, F]
+            K.mul_mv_id(seq, ut, x.s, u.s, idx.s, w.s, R, k, dim, 0, F)
+            K.elementwise(seq, "swiglu", g.s, u.s, h.s, R * k * F)
+            K.mul_mv_id(seq, dt, h.s, y.s, idx.s, w.s, R, k, k * F, F, dim, mode="sum",
+                        accumulate=accumulate)  # [R, dim]
+
+        start = len(self.seq.ops)
+        record(self.seq, tensors, index, False)
+        if pp is not None:
+            pp.weights, pp.y, pp.span, pp.record_experts = w, y, (start, len(self.seq.ops)), record
+        return y
+
+    def shared_expert(self, layer: int, x: Val) -> Val:
+        """sigmoid(x . w_gate) * down(silu(gate(x)) * up(x)), per row."""
         p = f"blk.{layer}"
-        names += [f"{p}.attn_{n}.weight" for n in ("q", "k", "v", "output")]
-        if model.layer_has_moe(layer):
-            names += [f"{p}.ffn_gate_inp.weight"] + [f"{p}.ffn_{n}_exps.weight" for n in ("gate", "up", "down")]
-            if cfg.shared_expert_hidden_dim:
-                names += [f"{p}.ffn_{n}_shexp.weight" for n in ("gate", "up", "down")]
-        else:
-            names += [f"{p}.ffn_{n}.weight" for n in ("gate", "up", "down")]
-    missing = [n for n in names if n not in be.tensors]
-    if missing:
-        return f"{missing[0]} is not on the device"
-    if cfg.shared_expert_hidden_dim:
-        for layer in range(cfg.n_layers):
-            if model.layer_has_moe(layer) and len(be.tensors[f"blk.{layer}.ffn_down_shexp.weight"].parts) != 1:
-                return "a shared expert larger than one binding"
-    widths = (cfg.dim, cfg.n_heads * cfg.head_dim_v, cfg.hidden_dim if not cfg.is_moe else 4,
-              cfg.expert_hidden_dim if cfg.is_moe else 4, cfg.shared_expert_hidden_dim or 4)
-    if any(w % 4 for w in widths):
-        return "a row length that is not a multiple of 4"
-    return None
+        R, S = x.rows, self.cfg.shared_expert_hidden_dim
+        h = self.swiglu(self.linear(x, f"{p}.ffn_gate_shexp.weight"), self.linear(x, f"{p}.ffn_up_shexp.weight"))
+        sl = self.rec.fixed((R, 2))  # [g, 0] per row: only column 0 is ever written
+        self.k.mul_mv(self.seq, self.be.consts.row_tensor(f"{p}.ffn_gate_inp_shexp.weight"), x.s, sl.s, R, x.width, 2)
+        sids, swts = self._new((R, 2), np.int32), self._new((R, 2))
+        self.k.softmax_topk(self.seq, sl.s, sids.s, swts.s, R, 2, 2, False)  # weight of id 0: sigmoid(g)
+        down = self._tensor(f"{p}.ffn_down_shexp.weight")
+        if len(down.parts) != 1:
+            raise VulkanKernelError(f"{down.name}: a shared expert larger than one binding")
+        (part,) = down.parts
+        as_expert = DeviceTensor(down.name, down.type_name, (2, *down.shape), (Part(part.slice, 0, 1),))
+        y = self._new((R, x.width))
+        self.k.mul_mv_id(self.seq, as_expert, h.s, y.s, sids.s, swts.s, R, 2, S, 0, x.width, mode="sum")
+        return y
+
+    def last_row(self, x: Val) -> Val:
+        off = (x.rows - 1) * x.width * 4
+        if off % self.be.dev.info.min_storage_buffer_offset_alignment == 0:
+            return Val(Slice(x.s.buffer, x.s.offset + off, x.width * 4), (1, *x.shape[1:]), base=x)
+        out = self._new((1, *x.shape[1:]))
+        self.seq.copy(Slice(x.s.buffer, x.s.offset + off, x.width * 4), Slice(out.s.buffer, out.s.offset, x.width * 4))
+        return out
 
 
-class DecodeGraph:
-    """One-row forward of `model` recorded into one command buffer against `kv`'s buffers."""
+class Recording:
+    """One model forward over R rows against one KV storage, recorded once and replayed."""
 
-    recordings = 0  # every DecodeGraph ever recorded (tests check replays do not re-record)
-
-    def __init__(self, be, model, kv: DeviceKV):
+    def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset):
         self.be, self.model, self.cfg, self.kv = be, model, model.cfg, kv
-        self.dev, self.k = be.dev, be.k
-        self.consts = be.graph_consts()
+        self.dev, self.R, self.last_only, self.pause_layers = be.dev, R, last_only, pause_layers
+        self.arena = be.arena
         self._bufs: list[Buffer] = []
-        self.seq = self.dev.sequence()
+        self.collector = self.dev.sequence()
+        self.pauses: list[PausePoint] = []
+        self.segments = []
         self.n_replays = 0
-        self.host_s = 0.0  # CPU time in step() outside the fence wait
-        self.wait_s = 0.0
         try:
-            self._build()
-            self.seq.record()
+            tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
+            self.tok, self.pos = tok.s, pos.s
+            self._tok, self._pos = tok.host(), pos.host()
+            self.logits = model.schedule(Recorder(self), last_only)  # [R or 1, vocab]
+            self._logits = self.logits.host()
+            ops = self.collector.ops
+            cuts = [0] + [pp.at for pp in self.pauses] + [len(ops)]
+            for a, b in zip(cuts, cuts[1:]):
+                self.segments.append(self._sequence(ops[a:b]))
         except Exception:
             self.close()
             raise
-        DecodeGraph.recordings += 1
-        be.graph_recordings += 1
-        ffi, vk = self.dev.vk.ffi, self.dev.vk
-        self._submit = ffi.new("VkSubmitInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": self.seq._cmd_ptr,
-        })
-        log.info("vulkan: decode step recorded: %d dispatches, %d barriers, KV capacity %d",
-                 len(self.seq.ops), self.seq.n_barriers, kv.capacity)
+        be.recordings += 1
+        log.info("vulkan: recorded %s rows=%d: %d dispatches in %d segments, KV capacity %d", model.cfg.arch, R,
+                 len(ops), len(self.segments), kv.capacity)
 
-    def _buf(self, n: int, dtype=np.float32) -> Slice:
-        nbytes = max(16, (n * np.dtype(dtype).itemsize + 15) // 16 * 16)
-        b = self.dev.buffer(nbytes)
-        b.write(np.zeros(nbytes, np.uint8))
+    def fixed(self, shape, dtype=np.float32) -> Val:
+        """A zeroed buffer of this recording's own (inputs, outputs the host reads or writes)."""
+        n = max(16, (int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 15) // 16 * 16)
+        b = self.dev.buffer(n)
+        b.write(np.zeros(n, np.uint8))
         self._bufs.append(b)
-        return b.slice(0, nbytes)
+        return Val(b.slice(0, n), shape, dtype)
 
-    def _build(self) -> None:
-        cfg, K, seq, T, C = self.cfg, self.k, self.seq, self.be.tensors, self.consts
-        d, H, Hkv, D, Dv = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v
-        eps, cap = cfg.norm_eps, self.kv.capacity
-        io = self._buf(4, np.int32)
-        self._io = io.buffer.view(np.int32, (4,))
-        self.tok = io.buffer.slice(0, 16)
-        pos_buf = self._buf(4, np.int32)
-        self._pos = pos_buf.buffer.view(np.int32, (4,))
-        pos = pos_buf
-        x, xn = self._buf(d), self._buf(d)
-        q, kk, v = self._buf(H * D), self._buf(Hkv * D), self._buf(Hkv * Dv)
-        q2, k2 = self._buf(H * D), self._buf(Hkv * D)
-        qr, kr = self._buf(H * D), self._buf(Hkv * D)
-        o = self._buf(H * Dv)
-        E, k_used, F = cfg.n_experts, cfg.n_experts_used, cfg.expert_hidden_dim
-        S = cfg.shared_expert_hidden_dim
-        width = max(F * max(k_used, 1), cfg.hidden_dim, S, 4)
-        g, u, a = self._buf(width), self._buf(width), self._buf(width)
-        if cfg.is_moe:
-            rl, ids, wts = self._buf(E), self._buf(k_used, np.int32), self._buf(k_used)
-        if S:
-            sl, sids, swts = self._buf(4), self._buf(2, np.int32), self._buf(2)
-        vocab = cfg.vocab_size
-        self.logits = self._buf(vocab)
-        self._logits = self.logits.buffer.view(np.float32, (vocab,))
-        amax = self._buf(1, np.int32)
-        self._amax = amax.buffer.view(np.int32, (4,))
-
-        K.get_rows(seq, T["token_embd.weight"], self.tok, x, 1, d)
-        for layer in range(cfg.n_layers):
-            p = f"blk.{layer}"
-            K.rms_norm(seq, x, C.vec(f"{p}.attn_norm.weight"), xn, 1, d, eps)
-            for n, out, tmp, w in (("q", q, q2, H * D), ("k", kk, k2, Hkv * D), ("v", v, o, Hkv * Dv)):
-                bias = f"{p}.attn_{n}.bias"
-                if cfg.attn_bias and self.be.has(bias):
-                    K.mul_mv(seq, T[f"{p}.attn_{n}.weight"], xn, tmp, 1, d, w)
-                    K.elementwise(seq, "add", tmp, C.vec(bias), out, w)
-                else:
-                    K.mul_mv(seq, T[f"{p}.attn_{n}.weight"], xn, out, 1, d, w)
-            qn, kn = q, kk
-            if cfg.qk_norm == "full":
-                K.rms_norm(seq, q, C.vec(f"{p}.attn_q_norm.weight"), q2, 1, H * D, eps)
-                K.rms_norm(seq, kk, C.vec(f"{p}.attn_k_norm.weight"), k2, 1, Hkv * D, eps)
-                qn, kn = q2, k2
-            elif cfg.qk_norm == "head":
-                K.rms_norm(seq, q, C.vec(f"{p}.attn_q_norm.weight"), q2, H, D, eps)
-                K.rms_norm(seq, kk, C.vec(f"{p}.attn_k_norm.weight"), k2, Hkv, D, eps)
-                qn, kn = q2, k2
-            K.rope(seq, qn, pos, qr, 1, H, D, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-            K.rope(seq, kn, pos, kr, 1, Hkv, D, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-            kc, vc = self.kv.k_slice(layer), self.kv.v_slice(layer)
-            K.set_rows(seq, kr, pos, kc, 1, Hkv * D)
-            K.set_rows(seq, v, pos, vc, 1, Hkv * Dv)
-            K.attention(seq, qr, kc, vc, pos, o, 1, H, Hkv, D, Dv, cap)
-            K.mul_mv(seq, T[f"{p}.attn_output.weight"], o, x, 1, H * Dv, d, accumulate=True)  # x += attn
-            K.rms_norm(seq, x, C.vec(f"{p}.ffn_norm.weight"), xn, 1, d, eps)
-            if self.model.layer_has_moe(layer):
-                K.mul_mv(seq, T[f"{p}.ffn_gate_inp.weight"], xn, rl, 1, d, E)
-                K.softmax_topk(seq, rl, ids, wts, 1, E, k_used, cfg.expert_weights_norm)
-                K.mul_mv_id(seq, T[f"{p}.ffn_gate_exps.weight"], xn, g, ids, wts, 1, k_used, d, 0, F)
-                K.mul_mv_id(seq, T[f"{p}.ffn_up_exps.weight"], xn, u, ids, wts, 1, k_used, d, 0, F)
-                K.elementwise(seq, "swiglu", g, u, a, k_used * F)
-                K.mul_mv_id(seq, T[f"{p}.ffn_down_exps.weight"], a, x, ids, wts, 1, k_used, k_used * F, F, d,
-                            mode="sum", accumulate=True)  # x += sum_s w_s * expert_s
-                if S:
-                    self._shared_expert(p, xn, x, g, u, a, sl, sids, swts)
-            else:
-                Fd = cfg.hidden_dim
-                K.mul_mv(seq, T[f"{p}.ffn_gate.weight"], xn, g, 1, d, Fd)
-                K.mul_mv(seq, T[f"{p}.ffn_up.weight"], xn, u, 1, d, Fd)
-                K.elementwise(seq, "swiglu", g, u, a, Fd)
-                K.mul_mv(seq, T[f"{p}.ffn_down.weight"], a, x, 1, Fd, d, accumulate=True)
-        K.rms_norm(seq, x, C.vec("output_norm.weight"), xn, 1, d, eps)
-        head = "output.weight" if self.be.has("output.weight") else "token_embd.weight"
-        K.mul_mv(seq, T[head], xn, self.logits, 1, d, vocab)
-        K.argmax(seq, self.logits, amax, 1, vocab)
-
-    def _shared_expert(self, p, xn, x, g, u, a, sl, sids, swts) -> None:
-        """x += sigmoid(xn . w_gate) * down(silu(gate(xn)) * up(xn))."""
-        K, seq, T, S, d = self.k, self.seq, self.be.tensors, self.cfg.shared_expert_hidden_dim, self.cfg.dim
-        K.mul_mv(seq, T[f"{p}.ffn_gate_shexp.weight"], xn, g, 1, d, S)
-        K.mul_mv(seq, T[f"{p}.ffn_up_shexp.weight"], xn, u, 1, d, S)
-        K.elementwise(seq, "swiglu", g, u, a, S)
-        # sl = [g, 0]: only sl[0] is ever written, sl[1] stays 0.
-        K.mul_mv(seq, self.consts.row_tensor(f"{p}.ffn_gate_inp_shexp.weight"), xn, sl, 1, d, 1)
-        K.softmax_topk(seq, sl, sids, swts, 1, 2, 2, False)  # weight of id 0: sigmoid(g)
-        down = T[f"{p}.ffn_down_shexp.weight"]
-        (part,) = down.parts
-        as_expert = DeviceTensor(down.name, down.type_name, (2, *down.shape), (Part(part.slice, 0, 1),))
-        K.mul_mv_id(seq, as_expert, a, x, sids, swts, 1, 2, S, 0, d, mode="sum", accumulate=True)
+    def _sequence(self, ops):
+        seq = self.dev.sequence()
+        seq.ops = list(ops)
+        seq.record()
+        return seq
 
     # -- replay ------------------------------------------------------------------------
 
-    def step(self, token: int, pos: int) -> np.ndarray:
-        """Run the recorded step for `token` at position `pos`; returns logits [vocab] (a copy).
-        The argmax is in `last_argmax`."""
-        t0 = time.perf_counter()
-        if not 0 <= pos < self.kv.capacity:
-            raise ValueError(f"position {pos} outside the recorded KV capacity {self.kv.capacity}")
-        self._io[0] = token
-        self._pos[0] = pos
-        dev = self.dev
-        lib = dev.vk.lib
-        if lib.vkResetFences(dev.handle, 1, dev._fence_ptr) != 0:
-            raise VulkanKernelError("vkResetFences failed")
-        res = lib.vkQueueSubmit(dev.queue, 1, self._submit, dev.fence)
-        if res != 0:
-            raise VulkanKernelError(f"submitting the decode step failed (VkResult {res})")
-        t1 = time.perf_counter()
-        res = lib.vkWaitForFences(dev.handle, 1, dev._fence_ptr, 1, 0xFFFFFFFFFFFFFFFF)
-        t2 = time.perf_counter()
-        if res != 0:
-            raise VulkanKernelError(f"waiting for the decode step failed (VkResult {res}; device lost?)")
-        logits = self._logits.copy()
-        self.last_argmax = int(self._amax[0])
-        t3 = time.perf_counter()
+    def run(self, tokens: np.ndarray, start: int, hook=None, pool=None) -> np.ndarray:
+        """Forward tokens [R] at positions start..start+R-1; returns logits (a copy)."""
+        self._tok[:] = tokens
+        self._pos[:] = np.arange(start, start + self.R, dtype=np.int32)
+        held = None
+        try:
+            self.segments[0].run()
+            for pp, seg in zip(self.pauses, self.segments[1:]):
+                held, seg = self._at_pause(pp, hook, pool, seg)
+                seg.run()
+                if held is not None:
+                    pool.release(*held)
+                    held = None
+        finally:
+            if held is not None:
+                pool.release(*held)
         self.n_replays += 1
-        dev.wait_s += t2 - t1
-        dev.n_submits += 1
-        self.wait_s += t2 - t1
-        self.host_s += (t1 - t0) + (t3 - t2)
-        return logits
+        return self._logits.copy()
+
+    def _at_pause(self, pp: PausePoint, hook, pool, seg):
+        """The host's turn at a pause point: the hook, then the pool. Returns (what to release
+        after the next segment, the segment to run next)."""
+        ids = pp.ids.host().astype(np.int64)  # [R, k]
+        if hook is not None:
+            hook(pp.layer, ids, pp.logits.host().copy())
+        if pp.table is None:
+            return None, seg
+        layer, table = pp.layer, pp.table.host()
+        experts = [int(e) for e in np.unique(ids)]
+        cap = pool.capacity(layer)
+        if len(experts) <= cap:
+            slots = pool.acquire(layer, experts)
+            table[:] = _slot_table(ids, experts, slots)
+            return (layer, experts), seg
+        # More experts than the pool pins at once: passes over row groups, then the rest.
+        weights = pp.weights.host()
+        w0 = weights.copy()
+        pp.y.host().fill(0)
+        k = ids.shape[1]
+        for r0, r1 in _row_groups(ids, max(cap, k)):
+            group = [int(e) for e in np.unique(ids[r0:r1])]
+            weights[:] = 0
+            weights[r0:r1] = w0[r0:r1]
+            if len(group) <= cap:
+                slots = pool.acquire(layer, group)
+                try:
+                    table[:] = slots[0]
+                    table[r0:r1] = _slot_table(ids[r0:r1], group, slots)
+                    self._solo(pp, self.be.expert_tensors(layer)).run()
+                finally:
+                    pool.release(layer, group)
+            else:  # fewer slots than one row's top-k: copy them into staging, cap at a time
+                stage, tensors = self.be.stage(layer, len(group))
+                for g0 in range(0, len(group), cap):
+                    part = group[g0 : g0 + cap]
+                    slots = pool.acquire(layer, part)
+                    try:
+                        for j, slot in enumerate(slots):
+                            for name, arr in stage.items():
+                                arr[g0 + j] = pool.slot_view(layer, slot, name)
+                    finally:
+                        pool.release(layer, part)
+                table[:] = 0
+                table[r0:r1] = _slot_table(ids[r0:r1], group, list(range(len(group))))
+                self._solo(pp, tensors).run()
+        if pp.post is None:
+            i = self.pauses.index(pp)
+            end = self.pauses[i + 1].at if i + 1 < len(self.pauses) else len(self.collector.ops)
+            pp.post = self._sequence(self.collector.ops[pp.span[1] : end])
+        return None, pp.post
+
+    def _solo(self, pp: PausePoint, tensors):
+        """The layer's expert ops alone, over `tensors`, accumulating into its output."""
+        key = tuple(id(t) for t in tensors)
+        seq = pp.solo.get(key)
+        if seq is None:
+            for old in pp.solo.values():  # staging grew: the old tensors are gone
+                old.close()
+            pp.solo = {}
+            seq = self.dev.sequence()
+            pp.record_experts(seq, tensors, pp.table, True)
+            seq.record()
+            pp.solo[key] = seq
+        return seq
 
     def close(self) -> None:
-        if self.seq is not None:
-            self.seq.close()
-            self.seq = None
+        for s in self.segments:
+            s.close()
+        for pp in self.pauses:
+            for s in pp.solo.values():
+                s.close()
+            if pp.post is not None:
+                pp.post.close()
+        self.segments, self.pauses = [], []
+        self.logits = None
+        self.collector.close()
         for b in self._bufs:
             b.destroy()
         self._bufs = []
 
 
-# -- glue for VulkanBackend ----------------------------------------------------------------
+def _row_groups(ids: np.ndarray, bound: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges, each routing to at most `bound` distinct experts (a single row's
+    experts always count as one group, so a row is never split)."""
+    groups, start, seen = [], 0, set()
+    for r in range(ids.shape[0]):
+        row = {int(e) for e in ids[r]}
+        if r > start and len(seen | row) > bound:
+            groups.append((start, r))
+            start, seen = r, set()
+        seen |= row
+    if ids.shape[0]:
+        groups.append((start, ids.shape[0]))
+    return groups
+
+
+def _slot_table(ids: np.ndarray, experts: list[int], slots: list[int]) -> np.ndarray:
+    """ids [R, k] of expert ids -> the slot table [R, k] the expert kernel indexes through."""
+    lut = np.zeros(max(experts) + 1, np.int32)
+    lut[experts] = slots
+    return lut[ids]
+
+
+# -- the runner: which recording a forward replays -----------------------------------------------
 
 
 class GraphRunner:
-    """Per-backend state: which models can use a graph, the KV storages and their graphs."""
+    """Per-backend state: the KV storages and, per storage, its recordings."""
 
     def __init__(self, be):
         self.be = be
         self.storages: list[DeviceKV] = []
-        self._why: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def reason(self, model) -> Optional[str]:
-        if model not in self._why:
-            why = unsupported(self.be, model)
-            if why is not None:
-                log.warning("vulkan: decode runs op by op for %s (%s)", model.cfg.arch, why)
-            self._why[model] = why
-        return self._why[model]
-
-    def make_cache(self, model, capacity: int = 0) -> Optional[list]:
-        if self.reason(model) is not None:
-            return None
-        cfg = model.cfg
+    def make_cache(self, cfg, capacity: int = 0) -> DeviceCache:
         want = max(int(capacity), 1)
         free = [s for s in self.storages if not s.in_use and s.cfg is cfg]
         pick = next((s for s in free if s.capacity >= want), None)
@@ -426,32 +591,39 @@ class GraphRunner:
         if pick is None:  # positions past a reused storage's length are never read: no clearing
             pick = DeviceKV(self.be.dev, cfg, int(capacity) if capacity else MIN_CAPACITY)
             self.storages.append(pick)
-        return [DeviceKVCache(pick, layer) for layer in range(cfg.n_layers)]
+        return DeviceCache(pick)
 
-    def forward_one(self, model, token: int, cache) -> Optional[np.ndarray]:
-        """Logits [1, vocab] for one token through the graph, or None (use the per-op path)."""
-        if not cache or not isinstance(cache[0], DeviceKVCache) or self.reason(model) is not None:
-            return None
-        kv = cache[0].storage
-        if any(getattr(c, "storage", None) is not kv for c in cache) or kv.cfg is not model.cfg:
-            return None
-        pos = cache[0].offset
-        if any(c.offset != pos for c in cache) or not 0 <= token < model.cfg.vocab_size:
-            return None  # the per-op path says what is wrong
-        if pos + 1 > kv.capacity:
-            kv.grow(pos + 1)
-        if kv.graph is None or kv.graph.model is not model:
-            kv.drop_graph()
-            try:
-                kv.graph = DecodeGraph(self.be, model, kv)
-            except VulkanKernelError as e:
-                log.warning("vulkan: decode step could not be recorded (%s); running op by op", e)
-                self._why[model] = str(e)
-                return None
-        logits = kv.graph.step(int(token), pos)
-        for c in cache:
-            c.offset = pos + 1
-        return logits.reshape(1, -1)
+    def forward(self, model, ids: np.ndarray, cache: DeviceCache, hook=None, last_only: bool = False) -> np.ndarray:
+        cfg = model.cfg
+        if not isinstance(cache, DeviceCache) or cache.storage.cfg is not cfg:
+            raise ValueError("this cache was not made by this model on the Vulkan backend (use model.new_cache())")
+        n = len(ids)
+        if n == 0:
+            return np.zeros((0, cfg.vocab_size), np.float32)
+        kv = cache.storage
+        if cache.offset + n > kv.capacity:
+            kv.grow(cache.offset + n)
+        pauses = frozenset(self.be.streamed_layers)
+        if hook is not None:
+            pauses |= {i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)}
+        # All-row logits are one binding: keep it under the device's limit.
+        limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range
+                                                       // (4 * cfg.vocab_size)))
+        out, s = [], 0
+        for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
+            rec = self._recording(model, kv, R, last_only, pauses)
+            logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
+            cache.offset += R
+            s += R
+            out.append(logits)
+        return out[-1] if last_only else np.concatenate(out)
+
+    def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset) -> Recording:
+        key = (id(model), R, last_only, pauses)
+        rec = kv.recordings.get(key)
+        if rec is None:
+            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses)
+        return rec
 
     def close(self) -> None:
         for s in self.storages:
