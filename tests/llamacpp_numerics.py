@@ -40,8 +40,8 @@ class LlamaCppRoundingBackend(nb.NumpyBackend):
     def linear(self, x, name):
         return super().linear(round_activation(x, self.gguf.tensor(name).qtype), name)
 
-    def experts(self, x, prefix, ids, weights):
-        gate, up, down = (self.gguf.tensor(f"{prefix}.ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
+    def experts(self, x, layer, ids, weights):
+        gate, up, down = (self.gguf.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
         out = np.zeros_like(x)
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)

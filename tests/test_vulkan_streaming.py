@@ -13,7 +13,8 @@ import pytest
 
 import onebit
 from conftest import fixture_path
-from onebit.backends.vulkan.streaming import SlotArrays, StreamingVulkanBackend, _row_groups, _slot_table
+from onebit.backends.vulkan.graph import _row_groups, _slot_table
+from onebit.backends.vulkan.streaming import SlotArrays, StreamingVulkanBackend
 
 N_DECODE = 8
 CASES = [("q3moe256-Q4_K_M.gguf", [4, 6, 7]), ("qwen3moe-f32.gguf", [2, 8, 15])]

@@ -83,7 +83,7 @@ class VulkanBackend:
         if any(w % 4 for w in widths):
             raise VulkanUnavailableError(f"{self.gguf.path}: a row length of {cfg.arch} is not a multiple of 4, "
                                          "which the Vulkan kernels need")
-        cache = self.make_cache(cfg, 1)
+        cache = self.make_cache(cfg)
         try:
             self.runner._recording(model, cache.storage, 1, True, frozenset(self.streamed_layers))
         except VulkanKernelError as e:

@@ -619,6 +619,7 @@ class GraphRunner:
         return out[-1] if last_only else np.concatenate(out)
 
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset) -> Recording:
+        last_only = last_only and R > 1  # one row: the same forward either way
         key = (id(model), R, last_only, pauses)
         rec = kv.recordings.get(key)
         if rec is None:
