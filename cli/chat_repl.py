@@ -43,6 +43,18 @@ def read_message(prompt: str) -> str:
     return "\n".join(lines)
 
 
+def pool_line(model) -> str:
+    pool = getattr(model, "pool", None)
+    if pool is None:
+        return "experts: all resident (no streaming pool)"
+    st = pool.stats
+    hits = st.hits + st.prefetch_hits
+    total = hits + st.demand_misses
+    rate = f"{100 * hits / total:.1f}%" if total else "-"
+    return (f"experts: streaming, {sum(len(s) for s in pool.slots)} slots; hit rate {rate} "
+            f"({st.demand_misses} misses, {st.bytes_read / 2**20:.1f} MiB read, {st.stall_seconds:.2f} s stalled)")
+
+
 def format_stats(session) -> str:
     import psutil
 
@@ -56,7 +68,7 @@ def format_stats(session) -> str:
         f"conversation: {len(session.cached)} tokens in context of {session.model.context_length}, "
         f"{session.total_generated} tokens generated in total",
         f"memory: {rss / 2**20:.1f} MiB resident; model file {session.model.gguf.file_bytes / 2**20:.1f} MiB (mapped)",
-        "experts: all resident (no streaming pool)",
+        pool_line(session.model),
     ]
     return "\n".join(lines)
 

@@ -161,7 +161,6 @@ class ExpertPool:
             (layer, part): _Source(gguf.tensor(f"blk.{layer}.{part}.weight"))
             for c in classes for layer in c.layers for part in EXPERT_PARTS
         }
-        self.part_shapes = {}
         self.buffers: list[dict[str, np.ndarray]] = []
         self.slots: list[list[_Slot]] = []
         for ci, (c, n) in enumerate(zip(classes, slots)):

@@ -11,9 +11,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from .errors import OnebitError, UsageError
@@ -35,16 +34,6 @@ class PromptItem:
 class BadLine:
     line: int
     reason: str
-
-
-@dataclass
-class BatchSummary:
-    done: int = 0
-    skipped_existing: int = 0
-    failed: list[BadLine] = field(default_factory=list)
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    seconds: float = 0.0
 
 
 def _parse_json_line(text: str, lineno: int) -> PromptItem | BadLine:

@@ -91,10 +91,6 @@ class _Cursor:
         self.pos += 8
         return v
 
-    def skip(self, n: int, what: str) -> None:
-        self.need(n, what)
-        self.pos += n
-
     def string(self, what: str, max_len: int | None = None) -> bytes:
         n = self.u64(f"length of {what}")
         if max_len is not None and n > max_len:
@@ -299,11 +295,6 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
-
-    def require(self, key: str) -> Any:
-        if key not in self.metadata:
-            raise ModelFileError(f"{self.path}: metadata key {key!r} is missing")
-        return self.metadata[key]
 
     def tensor(self, name: str) -> Tensor:
         t = self.tensors.get(name)

@@ -89,10 +89,6 @@ class Q1_0(QType):
         return out.reshape(*lead, n)
 
 
-def qtype(type_id: int) -> type[QType] | None:
-    return QTYPES.get(int(type_id))
-
-
 def type_name(type_id: int) -> str:
     cls = QTYPES.get(int(type_id))
     if cls is not None:
@@ -102,3 +98,6 @@ def type_name(type_id: int) -> str:
     except ValueError:
         return f"type {int(type_id)}"
 
+
+
+QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}

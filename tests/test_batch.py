@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
-import pytest
 
 from conftest import fixture_path
 from onebit import batch

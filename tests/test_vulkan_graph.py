@@ -202,3 +202,24 @@ def test_row_chunks():
     for n in range(1, 700):
         chunks = row_chunks(n)
         assert sum(chunks) == n and all(c <= 16 or c & (c - 1) == 0 for c in chunks)
+
+
+def test_an_observing_hook_keeps_one_submission_per_step():
+    """A hook with needs_pause = False (a routing trace) is called after the step with the same
+    ids, in layer order, as a pausing hook sees; the step stays one submission."""
+    vk = load("qwen3moe-f32", "vulkan")
+    n_moe = sum(vk.cfg.layer_is_moe(i) for i in range(vk.cfg.n_layers))
+    paused, observed = [], []
+
+    class Observer:
+        needs_pause = False
+
+        def __call__(self, layer, ids, logits):
+            observed.append((layer, ids.tolist(), logits.tolist()))
+
+    greedy(vk, tokens("qwen3moe-f32"), 3, hook=lambda layer, ids, logits: paused.append(
+        (layer, ids.tolist(), logits.tolist())))
+    s0 = vk.be.dev.n_submits
+    greedy(vk, tokens("qwen3moe-f32"), 3, hook=Observer())
+    assert vk.be.dev.n_submits - s0 == 4
+    assert observed == paused and len(observed) == 4 * n_moe

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from ..config import ModelConfig
 from ..errors import ModelFileError
 
 # Called at the pause point of MoE layer `layer`: hook(layer, ids [R, k], logits [R, E]).
-ExpertHook = Callable[[int, "np.ndarray", "np.ndarray"], None]
+ExpertHook = Callable[[int, np.ndarray, np.ndarray], None]
 
 
 def attention(g, cfg: ModelConfig, layer: int, x):

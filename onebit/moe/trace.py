@@ -24,6 +24,8 @@ class TraceError(OnebitError):
 class TraceWriter:
     """A model hook that records routing. Set `.phase` before each forward."""
 
+    needs_pause = False  # it only observes: a recorded step may call it after the experts ran
+
     def __init__(self, path: str, model_name: str, n_layers: int, n_experts: int, k: int):
         try:
             self.f = open(path, "w", encoding="utf-8")

@@ -12,7 +12,9 @@ Pause points. At a MoE layer's pause the recording is cut into segments when tha
 needs the host: a hook (traces, predictors) or streamed experts. Between segments the host
 reads the layer's expert ids and router logits from mapped memory, calls the hook, acquires
 the experts in the pool and writes the slot table the expert kernels read, then submits the
-next segment. With nothing to pause the whole forward is one submission. When a pool cannot
+next segment. With nothing to pause the whole forward is one submission; a hook that only
+observes (`needs_pause = False`: a routing trace) keeps it so, and is called after the step
+with every layer's ids and logits, which the recording keeps in buffers of their own. When a pool cannot
 pin every expert the rows route to at once (a prefill chunk, a small per-layer partition),
 the experts run in passes over groups of rows (weights of the other rows set to zero, their
 table entries pointing at a pinned slot) accumulating into the layer's expert output, then
@@ -29,7 +31,6 @@ outside the part, so the expert kernel adds sigmoid(g) * down(h) and skips the o
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections import defaultdict
 from typing import Optional
@@ -344,6 +345,8 @@ class Recorder:
         return ids, w
 
     def pause(self, layer: int, ids: Val, logits: Val) -> None:
+        if self.rec.observe:  # kept (their buffers not reused) for the hook after the step
+            self.rec.observed.append((layer, ids, logits))
         if layer in self.rec.pause_layers:
             self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, None))
 
@@ -405,9 +408,12 @@ class Recorder:
 class Recording:
     """One model forward over R rows against one KV storage, recorded once and replayed."""
 
-    def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset):
+    def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset,
+                 observe: bool = False):
         self.be, self.model, self.cfg, self.kv = be, model, model.cfg, kv
         self.dev, self.R, self.last_only, self.pause_layers = be.dev, R, last_only, pause_layers
+        self.observe = observe  # keep every MoE layer's ids and logits for an observing hook
+        self.observed: list[tuple[int, Val, Val]] = []
         self.arena = be.arena
         self._bufs: list[Buffer] = []
         self.collector = self.dev.sequence()
@@ -464,13 +470,16 @@ class Recording:
             if held is not None:
                 pool.release(*held)
         self.n_replays += 1
+        if hook is not None:
+            for layer, ids, logits in self.observed:
+                hook(layer, ids.host().astype(np.int64), logits.host().copy())
         return self._logits.copy()
 
     def _at_pause(self, pp: PausePoint, hook, pool, seg):
         """The host's turn at a pause point: the hook, then the pool. Returns (what to release
         after the next segment, the segment to run next)."""
         ids = pp.ids.host().astype(np.int64)  # [R, k]
-        if hook is not None:
+        if hook is not None and not self.observe:
             hook(pp.layer, ids, pp.logits.host().copy())
         if pp.table is None:
             return None, seg
@@ -603,27 +612,31 @@ class GraphRunner:
         kv = cache.storage
         if cache.offset + n > kv.capacity:
             kv.grow(cache.offset + n)
+        # A hook that only observes (hook.needs_pause = False, e.g. a routing trace) is called
+        # after the step with every layer's ids; any other hook pauses at every MoE layer.
         pauses = frozenset(self.be.streamed_layers)
-        if hook is not None:
+        observe = hook is not None and not getattr(hook, "needs_pause", True)
+        if hook is not None and not observe:
             pauses |= {i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)}
         # All-row logits are one binding: keep it under the device's limit.
         limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range
                                                        // (4 * cfg.vocab_size)))
         out, s = [], 0
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
-            rec = self._recording(model, kv, R, last_only, pauses)
+            rec = self._recording(model, kv, R, last_only, pauses, observe)
             logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
             cache.offset += R
             s += R
             out.append(logits)
         return out[-1] if last_only else np.concatenate(out)
 
-    def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset) -> Recording:
+    def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
+                   observe: bool = False) -> Recording:
         last_only = last_only and R > 1  # one row: the same forward either way
-        key = (id(model), R, last_only, pauses)
+        key = (id(model), R, last_only, pauses, observe)
         rec = kv.recordings.get(key)
         if rec is None:
-            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses)
+            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe)
         return rec
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from ...quants import QTYPES
+from ...quants import QTYPES_BY_NAME
 from .device import Buffer, Device, Pipeline, Sequence, Slice, VulkanKernelError
 
 # Weights per shader block where it differs from the GGML block: float rows are read in runs of 16.
@@ -32,8 +32,6 @@ MAX_TOPK = 32
 ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 
-
-QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
 def shader_qk(type_name: str) -> int:
