@@ -1,6 +1,6 @@
 """VulkanBackend == NumpyBackend on the fixtures: logits within tolerance, greedy tokens identical.
 
-Invariant 2 of DESIGN.md. Every architecture (f32 fixtures) and every quant type (the
+Invariant 2 of docs/DESIGN.md. Every architecture (f32 fixtures) and every quant type (the
 q3moe256 files, which mix types the way llama-quantize does) runs the whole forward pass on
 lavapipe: prefill (tiled mat-mat) and one-token decode steps (mat-vec).
 """

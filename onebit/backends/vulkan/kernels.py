@@ -25,7 +25,11 @@ from .device import Buffer, Device, Pipeline, Sequence, Slice, VulkanKernelError
 SHADER_QK = {"F32": 16, "F16": 16, "BF16": 16}
 # Units (runs of weights sharing one scale) per shader block: QK / QU in shaders/dequant.glsl.
 UNITS_PER_BLOCK = {"Q1_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "TQ1_0": 16, "TQ2_0": 8}
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q1_0", "TQ1_0", "TQ2_0")
+# Weight types with shaders: those shaders/variants.py built a get_rows variant for.
+SUPPORTED_TYPES = tuple(sorted(
+    v[len("get_rows_"):] for v in json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())
+    ["variants"] if v.startswith("get_rows_")
+))
 
 MAX_EXPERTS = 1024  # softmax_topk.comp keeps one row of logits in shared memory
 MAX_TOPK = 32
