@@ -186,6 +186,8 @@ class EagerStep:
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return a + b
 
+    residual = add
+
     def swiglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.be.silu(a) * b
 

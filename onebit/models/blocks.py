@@ -11,6 +11,7 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     rope(x, n_rot, theta, neox, scale)   x: [R, H, D] rotated at the rows' positions
     attention(layer, q, k, v) store k, v in the layer's cache; causal GQA over it -> [R, H * Dv]
     add(a, b), swiglu(a, b)   a + b, silu(a) * b
+    residual(x, y)            x + y, neither used again (a backend may add y into x in place)
     route(logits, k, norm)    softmax top-k -> ids [R, k], weights [R, k]
     pause(layer, ids, logits) the pause point: the host may act before the layer's experts run
     experts(layer, x, ids, w) the routed experts' SwiGLU FFN, weighted and summed -> [R, dim]
@@ -75,13 +76,13 @@ def decoder_layer(g, cfg: ModelConfig, layer: int, x):
     """Pre-norm block: x + mixer(norm(x)), then + FFN(norm): routed experts (+ a shared expert)
     on MoE layers, a dense SwiGLU elsewhere."""
     p = f"blk.{layer}"
-    h = g.add(x, attention(g, cfg, layer, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps)))
+    h = g.residual(x, attention(g, cfg, layer, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps)))
     hn = g.norm(h, f"{p}.ffn_norm.weight", cfg.norm_eps)
     if not cfg.layer_is_moe(layer):
-        return g.add(h, dense_ffn(g, layer, hn))
-    out = g.add(h, moe_ffn(g, cfg, layer, hn))
+        return g.residual(h, dense_ffn(g, layer, hn))
+    out = g.residual(h, moe_ffn(g, cfg, layer, hn))
     if cfg.shared_expert_hidden_dim:
-        out = g.add(out, g.shared_expert(layer, hn))
+        out = g.residual(out, g.shared_expert(layer, hn))
     return out
 
 

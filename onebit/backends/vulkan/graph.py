@@ -222,11 +222,14 @@ class Arena:
 class Val:
     """A value of the recorded schedule: `shape` (rows first) in the bytes of slice `s`."""
 
-    __slots__ = ("s", "shape", "dtype", "_arena", "_base")
+    __slots__ = ("s", "shape", "dtype", "_arena", "_base", "redo")
 
     def __init__(self, s: Slice, shape: tuple[int, ...], dtype=np.float32, arena: Optional[Arena] = None,
                  base: Optional["Val"] = None):
         self.s, self.shape, self.dtype, self._arena, self._base = s, tuple(shape), dtype, arena, base
+        # (first op, after last op, record(out, accumulate)): how the last ops made this value,
+        # so `residual` can have them add into the residual stream instead
+        self.redo = None
 
     @property
     def rows(self) -> int:
@@ -300,8 +303,15 @@ class Recorder:
         t = self._tensor(name)
         n_in, n_out = x.width, t.shape[0]
         y = self._new((x.rows, n_out))
-        self.k.matmul(self.seq, t, x.s, y.s, x.rows, n_in, n_out)
+
+        def record(out: Slice, accumulate: bool) -> None:
+            self.k.matmul(self.seq, t, x.s, out, x.rows, n_in, n_out, accumulate=accumulate)
+
+        start = len(self.seq.ops)
+        record(y.s, False)
         if bias is None:
+            if len(t.parts) == 1:  # (parts add one by one: x + a + b is not x + (a + b))
+                y.redo = (start, len(self.seq.ops), record)
             return y
         out = self._new(y.shape)
         self.k.elementwise(self.seq, "add", y.s, self.be.consts.vec(bias), out.s, y.size, n_out)
@@ -326,6 +336,19 @@ class Recorder:
         self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv)
         out = self._new((R, H * Dv))
         self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity)
+        return out
+
+    def residual(self, x: Val, y: Val) -> Val:
+        """x + y where the schedule uses neither again: when y's last ops can add into x's
+        buffer (a product, the experts), they are recorded again to do so; else an add."""
+        ops = self.seq.ops
+        if y.redo is None or y.redo[1] != len(ops) or x._arena is None or x._base is not None:
+            return self.add(x, y)
+        start, _, record = y.redo
+        del ops[start:]
+        record(x.s, True)  # x += y, in place
+        out = Val(x.s, x.shape, x.dtype, arena=x._arena)  # the buffer now belongs to the sum
+        x._arena, x.s, y.redo = None, None, None  # a later use of x fails loudly
         return out
 
     def add(self, a: Val, b: Val) -> Val:
@@ -364,18 +387,21 @@ class Recorder:
         g, u, h, y = self._new((R, k, F)), self._new((R, k, F)), self._new((R, k, F)), self._new((R, dim))
         K = self.k
 
-        def record(seq, ts, idx: Val, accumulate: bool) -> None:
+        def record(seq, ts, idx: Val, accumulate: bool, out: Optional[Slice] = None) -> None:
             gt, ut, dt = ts
             K.mul_mv_id(seq, gt, x.s, g.s, idx.s, w.s, R, k, dim, 0, F)  # [R, k, F]
             K.mul_mv_id(seq, ut, x.s, u.s, idx.s, w.s, R, k, dim, 0, F)
             K.elementwise(seq, "swiglu", g.s, u.s, h.s, R * k * F)
-            K.mul_mv_id(seq, dt, h.s, y.s, idx.s, w.s, R, k, k * F, F, dim, mode="sum",
+            K.mul_mv_id(seq, dt, h.s, out or y.s, idx.s, w.s, R, k, k * F, F, dim, mode="sum",
                         accumulate=accumulate)  # [R, dim]
 
         start = len(self.seq.ops)
         record(self.seq, tensors, index, False)
         if pp is not None:
             pp.weights, pp.y, pp.span, pp.record_experts = w, y, (start, len(self.seq.ops)), record
+        # Not where passes over row groups accumulate into y itself, nor over several parts.
+        if (pp is None or pp.table is None) and len(tensors[2].parts) == 1:
+            y.redo = (start, len(self.seq.ops), lambda out, acc: record(self.seq, tensors, index, acc, out))
         return y
 
     def shared_expert(self, layer: int, x: Val) -> Val:
@@ -393,7 +419,14 @@ class Recorder:
         (part,) = down.parts
         as_expert = DeviceTensor(down.name, down.type_name, (2, *down.shape), (Part(part.slice, 0, 1),))
         y = self._new((R, x.width))
-        self.k.mul_mv_id(self.seq, as_expert, h.s, y.s, sids.s, swts.s, R, 2, S, 0, x.width, mode="sum")
+
+        def record(out: Slice, accumulate: bool) -> None:
+            self.k.mul_mv_id(self.seq, as_expert, h.s, out, sids.s, swts.s, R, 2, S, 0, x.width, mode="sum",
+                             accumulate=accumulate)
+
+        start = len(self.seq.ops)
+        record(y.s, False)
+        y.redo = (start, len(self.seq.ops), record)
         return y
 
     def last_row(self, x: Val) -> Val:
