@@ -11,21 +11,16 @@
 // and walks all of k, so each x load serves NR rows and nothing is reduced: what a CPU device
 // wants (lavapipe: lanes are SIMD slots and every lane's load costs the same, uniform or not).
 // A workgroup then covers WG * NR rows.
-// With -DMUL_GRP (REDUCE_NONE only; prefill on CPU devices) grid z walks a list of items, each
-// an expert (or a dense matrix: expert 0) and up to NC of its rows of x: every weight unit is
-// dequantized once for all of them. items[z * (NC + 2)] = {expert, count, slot_0 .. slot_NC-1};
-// slot ts is x row ts / k (+ its slot's offset), output row ts, routing weight wts[ts] (flags & 4).
 #include "common.glsl"
 #include "types.glsl"
 #include "dequant.glsl"
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NR = 2u;
-layout(constant_id = 2) const uint NC = 8u;
 
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 layout(binding = 2, std430) buffer Y { float y[]; };
-#if defined(MUL_ID) || defined(MUL_GRP)
+#ifdef MUL_ID
 layout(binding = 3, std430) readonly buffer Ids { int ids[]; };
 layout(binding = 4, std430) readonly buffer Wts { float wts[]; };
 #endif
@@ -76,78 +71,6 @@ void unit_dot(uint ab, uint xb, uint first, float scale, uint ib, uint iu, uint 
     }
 }
 
-#ifdef MUL_GRP
-void main() {
-    const uint first = (flat_group() * WG + gl_LocalInvocationID.x) * NR;
-    if (first >= pc.nrows) {
-        return;
-    }
-    const uint base = gl_WorkGroupID.z * (NC + 2u);
-    const int e = ids[base] - int(pc.e0);
-    const uint cnt = min(uint(ids[base + 1u]), NC);
-    if (cnt == 0u || e < 0 || e >= int(pc.n_experts_part)) {
-        return;
-    }
-    uint xb[NC];
-    for (uint c = 0u; c < cnt; c++) {
-        const uint ts = uint(ids[base + 2u + c]);
-        xb[c] = ((ts / pc.n_used) * pc.x_stride + (ts % pc.n_used) * pc.x_slot_stride) / 4u;
-    }
-    float partial[NR * NC];
-    [[unroll]] for (uint i = 0u; i < NR * NC; i++) {
-        partial[i] = 0.0;
-    }
-    const uint row_blocks = pc.ncols / QK;
-    const uint last = pc.nrows - 1u;
-    const uint ab = uint(e) * pc.nrows * row_blocks;
-    float xsum[NC];
-    for (uint ib = 0u; ib < row_blocks; ib++) {
-        [[unroll]] for (uint iu = 0u; iu < QK / QU; iu++) {
-            // unit u of every row: dequantized once, applied to each of the cnt rows of x
-            const uint u = ib * (QK / QU) + iu;
-#ifdef A_HAS_MIN
-            for (uint c = 0u; c < cnt; c++) {
-                float xs = 0.0;
-                [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-                    const vec4 xv = x4[xb[c] + u * (QU / 4u) + g];
-                    xs += xv.x + xv.y + xv.z + xv.w;
-                }
-                xsum[c] = xs;
-            }
-#endif
-            [[unroll]] for (uint n = 0u; n < NR; n++) {
-                const uint b = ab + min(first + n, last) * row_blocks + ib;
-                const vec2 dm = get_dm(b, iu);
-                vec4 qv[QU / 4u];
-                [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-                    qv[g] = get_q4(b, iu, g);
-                }
-                for (uint c = 0u; c < cnt; c++) {
-                    float q = 0.0;
-                    [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-                        q += dot(qv[g], x4[xb[c] + u * (QU / 4u) + g]);
-                    }
-#ifdef A_HAS_MIN
-                    partial[n * NC + c] += dm.x * q + dm.y * xsum[c];
-#else
-                    partial[n * NC + c] += dm.x * q;
-#endif
-                }
-            }
-        }
-    }
-    for (uint c = 0u; c < cnt; c++) {
-        const uint ts = uint(ids[base + 2u + c]);
-        const float scale = (pc.flags & 4u) != 0u ? wts[ts] : 1.0;
-        [[unroll]] for (uint n = 0u; n < NR; n++) {
-            if (first + n < pc.nrows) {
-                const uint i = ts * pc.y_stride + pc.row0 + first + n;
-                y[i] = ((pc.flags & 1u) != 0u ? y[i] : 0.0) + scale * partial[n * NC + c];
-            }
-        }
-    }
-}
-#else
 // Adds this thread's share of scale * W[rows first..] @ x to partial[].
 void accumulate(uint ab, uint xb, uint first, float scale, inout float partial[NR]) {
 #ifdef REDUCE_NONE
@@ -258,4 +181,3 @@ void main() {
         }
     }
 }
-#endif  // MUL_GRP

@@ -55,8 +55,6 @@ def variants() -> list[Variant]:
             rd = {"subgroup": (("REDUCE_SUBGROUP", ""),), "shmem": (), "none": (("REDUCE_NONE", ""),)}[red]
             out.append(Variant(f"mul_mv_{t}_{red}", "mul_mv.comp", (ty, *rd)))
             out.append(Variant(f"mul_mv_id_{t}_{red}", "mul_mv.comp", (ty, ("MUL_ID", ""), *rd)))
-        # rows grouped per expert (prefill on CPU devices): thread-per-row only
-        out.append(Variant(f"mul_mv_grp_{t}_none", "mul_mv.comp", (ty, ("MUL_GRP", ""), ("REDUCE_NONE", ""))))
         out.append(Variant(f"mul_mm_{t}", "mul_mm.comp", (ty,)))
         out.append(Variant(f"get_rows_{t}", "get_rows.comp", (ty,)))
     for op in ELEMENTWISE_OPS:
@@ -64,6 +62,6 @@ def variants() -> list[Variant]:
     # attention: threads split each key chunk (GPUs), or each thread owns keys (CPU devices)
     out.append(Variant("attn", "attn.comp"))
     out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
-    for name in ("rms_norm", "rope", "softmax_topk", "argmax", "set_rows", "copy", "moe_sum"):
+    for name in ("rms_norm", "rope", "softmax_topk", "argmax", "set_rows", "copy"):
         out.append(Variant(name, f"{name}.comp"))
     return out

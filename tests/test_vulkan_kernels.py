@@ -125,57 +125,6 @@ def test_mul_mv_id_per_slot(ops_by_reduce, rng, mode, reduce):
           rng, TOL["Q4_K"], f"mul_mv_id {mode} {reduce}")
 
 
-@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
-def test_mul_mv_grp_expert_rows_grouped(ops_by_reduce, rng, type_name):
-    """Prefill on CPU devices: each expert's rows in items of up to GROUP_COLS, per-slot x and
-    routing weights (the down projection) and one x row for every slot (gate/up)."""
-    E, out, k, R = 3, 24, 2, 11  # 22 slots over 3 experts: items of 8 and fewer
-    w = ref.random_blocks(type_name, (E, out, n_in(type_name)), rng)
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
-    wts = rng.random((R, k)).astype(np.float32)
-    x3 = rng.standard_normal((R, k, n_in(type_name))).astype(np.float32)
-    x2 = rng.standard_normal((R, n_in(type_name))).astype(np.float32)
-    ops = ops_by_reduce["none"]
-    close(ops.mul_mv_grp(w, type_name, x3, ids, wts, "weighted"), ref.mul_mv_grp(w, type_name, x3, ids, wts, "weighted"),
-          rng, TOL[type_name], f"mul_mv_grp weighted {type_name}")
-    close(ops.mul_mv_grp(w, type_name, x2, ids, wts, "slots"), ref.mul_mv_grp(w, type_name, x2, ids, wts, "slots"),
-          rng, TOL[type_name], f"mul_mv_grp slots {type_name}")
-
-
-def test_mul_mv_grp_dense_and_in_parts(rng):
-    """A dense matrix as expert 0 (19 rows of x: items of 8, 8, 3), whole and bound in parts."""
-    w = ref.random_blocks("Q4_K", (40, 256), rng)
-    x = rng.standard_normal((19, 256)).astype(np.float32)
-    ids = np.zeros((19, 1), np.int32)
-    want = ref.mul_mv_grp(w, "Q4_K", x, ids)
-    close(VulkanOps(reduce="none").mul_mv_grp(w, "Q4_K", x, ids), want, rng, TOL["Q4_K"], "mul_mv_grp dense")
-    parts = VulkanOps(reduce="none", max_part_bytes=w[0].nbytes * 7)
-    close(parts.mul_mv_grp(w, "Q4_K", x, ids), want, rng, TOL["Q4_K"], "mul_mv_grp dense, in parts")
-    we = ref.random_blocks("Q8_0", (5, 16, 64), rng)
-    ide = rng.integers(0, 5, (9, 2)).astype(np.int32)
-    xe = rng.standard_normal((9, 64)).astype(np.float32)
-    parts = VulkanOps(reduce="none", max_part_bytes=we[0].nbytes * 2)
-    close(parts.mul_mv_grp(we, "Q8_0", xe, ide), ref.mul_mv_grp(we, "Q8_0", xe, ide), rng, TOL["Q8_0"],
-          "mul_mv_grp experts, in parts")
-
-
-def test_group_items_cover_every_slot_once():
-    from onebit.backends.vulkan.kernels import GROUP_COLS, group_items, max_items
-
-    ids = np.array([[2, 0], [2, 1], [2, 0], [0, 2]] * 5)  # 20 tokens, k = 2
-    items = group_items(ids, max_items(ids.size, 3))
-    used = items[items[:, 1] > 0]
-    slots = np.concatenate([it[2 : 2 + it[1]] for it in used])
-    assert sorted(slots.tolist()) == list(range(ids.size))
-    assert all(1 <= it[1] <= GROUP_COLS and (ids.reshape(-1)[it[2 : 2 + it[1]]] == it[0]).all() for it in used)
-    assert len(used) <= max_items(ids.size, 3) and (items[len(used) :, 1] == 0).all()
-
-
-def test_moe_sum(ops, rng):
-    a = rng.standard_normal((7, 3, 40)).astype(np.float32)
-    np.testing.assert_array_equal(ops.moe_sum(a), ref.moe_sum(a))
-
-
 @pytest.mark.parametrize("reduce", ["none", "subgroup"])
 def test_weights_bound_in_parts(rng, reduce):
     """Tensors larger than maxStorageBufferRange are bound in parts (here: tiny parts)."""

@@ -1,9 +1,8 @@
 """Streamed experts on Vulkan: logits bit-identical to the resident Vulkan backend at every slot count.
 
 The pool's slots are mapped device buffers; the expert kernels index them through a slot table.
-A 36-token prefill (chunks of 32 and 4 rows, more experts than the smallest pools hold: on
-a CPU device the 32-row chunk's experts run grouped per expert, in passes over row groups;
-the 4-row chunk per token, in passes that accumulate) then greedy decode one token at a time; slot counts at the minimum, a middle count and all-but-one; both
+A 4-token prefill (more experts than the smallest pools hold: rows are grouped) then greedy
+decode one token at a time; slot counts at the minimum, a middle count and all-but-one; both
 pool policies ("layer" at the minimum leaves a layer fewer slots than its top-k: the staged path).
 """
 
@@ -26,7 +25,7 @@ from test_pool import decode_logits  # noqa: E402  (greedy decode, every step's 
 
 
 def _prompt(path):
-    return np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:36].astype(np.int64)
+    return np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:4].astype(np.int64)
 
 
 def resident_logits(name):

@@ -39,7 +39,7 @@ import numpy as np
 
 from ...cache import Cache
 from .device import Buffer, Slice, VulkanKernelError
-from .kernels import GROUP_COLS, DeviceTensor, Part, group_items, max_items
+from .kernels import DeviceTensor, Part
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +264,6 @@ class PausePoint:
         self.y: Optional[Val] = None  # the experts' output
         self.span = (at, at)  # the expert ops
         self.record_experts = None  # (seq, tensors, index, accumulate) -> None
-        self.items: Optional[Val] = None  # grouped experts (prefill on CPU devices): the item list
-        self.n_items = 0
         self.solo: dict = {}  # expert-only sequences by tensors, for passes over row groups
         self.post = None  # the segment after the pause without the expert ops
 
@@ -306,14 +304,8 @@ class Recorder:
         n_in, n_out = x.width, t.shape[0]
         y = self._new((x.rows, n_out))
 
-        items = self.rec.dense_items(x.rows) if self.rec.grouped and x.rows > EXACT_ROWS else None
-
         def record(out: Slice, accumulate: bool) -> None:
-            if items is None:
-                self.k.matmul(self.seq, t, x.s, out, x.rows, n_in, n_out, accumulate=accumulate)
-            else:  # rows of x in items: each weight dequantized once per item
-                self.k.mul_mv_grp(self.seq, t, x.s, out, items.s, None, items.rows, 1, n_in, 0, n_out,
-                                  accumulate=accumulate)
+            self.k.matmul(self.seq, t, x.s, out, x.rows, n_in, n_out, accumulate=accumulate)
 
         start = len(self.seq.ops)
         record(y.s, False)
@@ -394,31 +386,6 @@ class Recorder:
             index = pp.table = self.rec.fixed((R, k), np.int32)
         g, u, h, y = self._new((R, k, F)), self._new((R, k, F)), self._new((R, k, F)), self._new((R, dim))
         K = self.k
-        if self.rec.grouped:
-            if pp is None:
-                raise VulkanKernelError(f"layer {layer}: grouped experts without a pause point")
-            n_items = max_items(R * k, self.cfg.n_experts)
-            items = pp.items = self.rec.fixed((n_items, GROUP_COLS + 2), np.int32)
-            pp.n_items = n_items
-            y2 = self._new((R * k, dim))
-
-            def record_grouped(seq, ts) -> None:
-                gt, ut, dt = ts
-                K.mul_mv_grp(seq, gt, x.s, g.s, items.s, w.s, n_items, k, dim, 0, F)  # [R*k, F]
-                K.mul_mv_grp(seq, ut, x.s, u.s, items.s, w.s, n_items, k, dim, 0, F)
-                K.elementwise(seq, "swiglu", g.s, u.s, h.s, R * k * F)
-                K.mul_mv_grp(seq, dt, h.s, y2.s, items.s, w.s, n_items, k, k * F, F, dim, weighted=True)  # [R*k, dim]
-
-            def record_sum(out: Slice, accumulate: bool) -> None:
-                K.moe_sum(self.seq, y2.s, out, R, k, dim, accumulate=accumulate)  # [R, dim]
-
-            start = len(self.seq.ops)
-            record_grouped(self.seq, tensors)
-            pp.weights, pp.y, pp.span, pp.record_experts = w, y, (start, len(self.seq.ops)), record_grouped
-            start = len(self.seq.ops)
-            record_sum(y.s, False)
-            y.redo = (start, len(self.seq.ops), record_sum)
-            return y
 
         def record(seq, ts, idx: Val, accumulate: bool, out: Optional[Slice] = None) -> None:
             gt, ut, dt = ts
@@ -475,14 +442,11 @@ class Recording:
     """One model forward over R rows against one KV storage, recorded once and replayed."""
 
     def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset,
-                 observe: bool = False, grouped: bool = False):
+                 observe: bool = False):
         self.be, self.model, self.cfg, self.kv = be, model, model.cfg, kv
         self.dev, self.R, self.last_only, self.pause_layers = be.dev, R, last_only, pause_layers
         self.observe = observe  # keep every MoE layer's ids and logits for an observing hook
         self.observed: list[tuple[int, Val, Val]] = []
-        # Products over many rows in items (mul_mv_grp); MoE layers then pause for their item lists.
-        self.grouped = grouped
-        self._dense_items: dict[int, Val] = {}
         self.arena = be.arena
         self._bufs: list[Buffer] = []
         self.collector = self.dev.sequence()
@@ -513,15 +477,6 @@ class Recording:
         b.write(np.zeros(n, np.uint8))
         self._bufs.append(b)
         return Val(b.slice(0, n), shape, dtype)
-
-    def dense_items(self, rows: int) -> Val:
-        """Items for a dense product over `rows` rows of x: GROUP_COLS consecutive rows each."""
-        v = self._dense_items.get(rows)
-        if v is None:
-            table = group_items(np.zeros((rows, 1), np.int64), -(-rows // GROUP_COLS))
-            v = self._dense_items[rows] = self.fixed(table.shape, np.int32)
-            v.host()[:] = table
-        return v
 
     def _sequence(self, ops):
         seq = self.dev.sequence()
@@ -560,8 +515,6 @@ class Recording:
         if hook is not None and not self.observe:
             hook(pp.layer, ids, pp.logits.host().copy())
         if pp.table is None:
-            if pp.items is not None:
-                pp.items.host()[:] = group_items(ids, pp.n_items)
             return None, seg
         layer, table = pp.layer, pp.table.host()
         experts = [int(e) for e in np.unique(ids)]
@@ -569,11 +522,7 @@ class Recording:
         if len(experts) <= cap:
             slots = pool.acquire(layer, experts)
             table[:] = _slot_table(ids, experts, slots)
-            if pp.items is not None:
-                pp.items.host()[:] = group_items(table, pp.n_items)
             return (layer, experts), seg
-        if pp.items is not None:
-            return None, self._grouped_passes(pp, pool, ids, cap)
         # More experts than the pool pins at once: passes over row groups, then the rest.
         weights = pp.weights.host()
         w0 = weights.copy()
@@ -605,47 +554,11 @@ class Recording:
                 table[:] = 0
                 table[r0:r1] = _slot_table(ids[r0:r1], group, list(range(len(group))))
                 self._solo(pp, tensors).run()
-        return None, self._post(pp)
-
-    def _grouped_passes(self, pp: PausePoint, pool, ids: np.ndarray, cap: int):
-        """Grouped experts when the pool cannot pin them all: each row group's slots in a pass
-        of their own (their own rows of the per-slot outputs), then the rest of the segment,
-        which sums the slots. Returns that rest."""
-        layer, items = pp.layer, pp.items.host()
-        for r0, r1 in _row_groups(ids, max(cap, ids.shape[1])):
-            group = [int(e) for e in np.unique(ids[r0:r1])]
-            index = np.full(ids.shape, -1, np.int64)
-            if len(group) <= cap:
-                slots = pool.acquire(layer, group)
-                try:
-                    index[r0:r1] = _slot_table(ids[r0:r1], group, slots)
-                    items[:] = group_items(index, pp.n_items)
-                    self._solo(pp, self.be.expert_tensors(layer)).run()
-                finally:
-                    pool.release(layer, group)
-                continue
-            stage, tensors = self.be.stage(layer, len(group))  # fewer slots than one row's top-k
-            for g0 in range(0, len(group), cap):
-                part = group[g0 : g0 + cap]
-                slots = pool.acquire(layer, part)
-                try:
-                    for j, slot in enumerate(slots):
-                        for name, arr in stage.items():
-                            arr[g0 + j] = pool.slot_view(layer, slot, name)
-                finally:
-                    pool.release(layer, part)
-            index[r0:r1] = _slot_table(ids[r0:r1], group, list(range(len(group))))
-            items[:] = group_items(index, pp.n_items)
-            self._solo(pp, tensors).run()
-        return self._post(pp)
-
-    def _post(self, pp: PausePoint):
-        """The segment after pp without the layer's expert ops (recorded when first needed)."""
         if pp.post is None:
             i = self.pauses.index(pp)
             end = self.pauses[i + 1].at if i + 1 < len(self.pauses) else len(self.collector.ops)
             pp.post = self._sequence(self.collector.ops[pp.span[1] : end])
-        return pp.post
+        return None, pp.post
 
     def _solo(self, pp: PausePoint, tensors):
         """The layer's expert ops alone, over `tensors`, accumulating into its output."""
@@ -656,10 +569,7 @@ class Recording:
                 old.close()
             pp.solo = {}
             seq = self.dev.sequence()
-            if pp.items is not None:
-                pp.record_experts(seq, tensors)
-            else:
-                pp.record_experts(seq, tensors, pp.table, True)
+            pp.record_experts(seq, tensors, pp.table, True)
             seq.record()
             pp.solo[key] = seq
         return seq
@@ -745,10 +655,8 @@ class GraphRunner:
         limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range
                                                        // (4 * cfg.vocab_size)))
         out, s = [], 0
-        moe = frozenset(i for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
-            grouped = R > EXACT_ROWS and self.be.k.reduce == "none"
-            rec = self._recording(model, kv, R, last_only, pauses | moe if grouped else pauses, observe, grouped)
+            rec = self._recording(model, kv, R, last_only, pauses, observe)
             logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
             cache.offset += R
             s += R
@@ -756,12 +664,12 @@ class GraphRunner:
         return out[-1] if last_only else np.concatenate(out)
 
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
-                   observe: bool = False, grouped: bool = False) -> Recording:
+                   observe: bool = False) -> Recording:
         last_only = last_only and R > 1  # one row: the same forward either way
-        key = (id(model), R, last_only, pauses, observe, grouped)
+        key = (id(model), R, last_only, pauses, observe)
         rec = kv.recordings.get(key)
         if rec is None:
-            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe, grouped)
+            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe)
         return rec
 
     def close(self) -> None:

@@ -65,36 +65,6 @@ class DeviceTensor:
         return self.shape[-1]
 
 
-GROUP_COLS = 8  # rows of x per item of mul_mv_grp (specialization constant NC)
-
-
-def group_items(index: np.ndarray, n_items: int) -> np.ndarray:
-    """Items for mul_mv_grp from index [T, k] (the expert, or slot, of each token's slot):
-    slots ts = t * k + s sorted by index (stably; negative: left out), GROUP_COLS of one index
-    per item; int32
-    [n_items, GROUP_COLS + 2], the rows past the last item zero (count 0)."""
-    flat = np.asarray(index, np.int64).reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    order = order[flat[order] >= 0]  # a negative index: that slot is left out
-    keys = flat[order]
-    out = np.zeros((n_items, GROUP_COLS + 2), np.int32)
-    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
-    ends = np.r_[starts[1:], len(keys)]
-    i = 0
-    for a, b in zip(starts, ends):
-        for c0 in range(a, b, GROUP_COLS):
-            c1 = min(c0 + GROUP_COLS, b)
-            out[i, 0], out[i, 1] = keys[a], c1 - c0
-            out[i, 2 : 2 + c1 - c0] = order[c0:c1]
-            i += 1
-    return out
-
-
-def max_items(n_slots: int, n_keys: int) -> int:
-    """Items group_items may need for n_slots slots over at most n_keys distinct indices."""
-    return min(n_slots, -(-n_slots // GROUP_COLS) + n_keys)
-
-
 def split_rows(n_outer: int, outer_bytes: int, limit: int, name: str = "tensor") -> list[tuple[int, int]]:
     """[start, count) runs of whole outer rows/experts, each at most `limit` bytes."""
     if outer_bytes > limit:
@@ -288,38 +258,6 @@ class Kernels:
             push = _push("10I", w.ncols, nrows, 0, x_stride, y_stride, flags | acc, k, x_slot_stride, part.start,
                          part.count)
             seq.dispatch(p, (part.slice, x, y, ids, wts), push, (gx, gy, gz), writes=(2,))
-
-    def mul_mv_grp(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, items: Slice, wts: Optional[Slice],
-                   n_items: int, k: int, x_stride: int, x_slot_stride: int, y_stride: int, weighted: bool = False,
-                   accumulate: bool = False) -> None:
-        """Mat-vec over items of up to GROUP_COLS rows each, every weight unit dequantized once per
-        item (CPU devices). W: [n_experts, out, in] or a dense [out, in] (expert 0).
-        items[i] = (expert, count, slots...): y[ts, :] (+)= (wts[ts] if weighted) * W[expert] @ x_ts,
-        x_ts at (ts // k) * x_stride + (ts % k) * x_slot_stride. `items` holds n_items rows of
-        GROUP_COLS + 2 int32 (`group_items` builds them); rows with count 0 are skipped."""
-        if self.reduce != "none":
-            raise VulkanKernelError("kernel mul_mv_grp: only for CPU devices (thread-per-row mat-vec)")
-        self._check_rows("mul_mv_grp", w.type_name, w.ncols, x_stride, x_slot_stride)
-        p = self.pipeline(f"mul_mv_grp_{w.type_name}_none", 5, (self.mv_wg, self._mv_rows(w.type_name), GROUP_COLS))
-        expert = len(w.shape) == 3
-        nrows = w.shape[1] if expert else None
-        flags = (4 if weighted else 0) | int(accumulate)
-        for part in w.parts:
-            if expert:
-                rows, row0, e0, ne = nrows, 0, part.start, part.count
-            else:
-                rows, row0, e0, ne = part.count, part.start, 0, 1
-            gx, gy = self._grid(math.ceil(rows / self._mv_rows_per_group(w.type_name)))
-            push = _push("10I", w.ncols, rows, row0, x_stride, y_stride, flags, k, x_slot_stride, e0, ne)
-            seq.dispatch(p, (part.slice, x, y, items, wts if wts is not None else items), push, (gx, gy, n_items),
-                         writes=(2,))
-
-    def moe_sum(self, seq: Sequence, a: Slice, y: Slice, n_tokens: int, k: int, n: int,
-                y_stride: Optional[int] = None, accumulate: bool = False) -> None:
-        """y[t, :] (+)= sum over s < k of a[t * k + s, :], in slot order."""
-        p = self.pipeline("moe_sum", 2, (self.wg,))
-        seq.dispatch(p, (a, y), _push("4I", n, k, y_stride or n, int(accumulate)), (math.ceil(n / self.wg), n_tokens, 1),
-                     writes=(1,))
 
     # -- lookups and elementwise --------------------------------------------------------------
 

@@ -101,28 +101,6 @@ class VulkanOps:
         return self._run(lambda s: self.k.mul_mv_id(s, w, xs, y[0], ids_s, wts_s, R, k, x_stride, x_slot, shape[1],
                                                     mode), y)
 
-    def mul_mv_grp(self, w_raw: np.ndarray, type_name: str, x: np.ndarray, ids: np.ndarray,
-                   wts: Optional[np.ndarray] = None, mode: str = "slots") -> np.ndarray:
-        from .kernels import group_items, max_items
-
-        shape = self._shape(w_raw, type_name)  # [E, out, in] or [out, in]
-        R, k = ids.shape
-        n_in, n_out = shape[-1], shape[-2]
-        w = self._weights(w_raw, type_name, shape)
-        xs = self._in(x)
-        x_stride, x_slot = (n_in, 0) if x.ndim == 2 else (k * n_in, n_in)
-        n_items = max_items(R * k, shape[0] if len(shape) == 3 else 1)
-        items = self._in(group_items(ids, n_items), np.int32)
-        wts_s = self._in(wts if wts is not None else np.ones((R, k), np.float32))
-        y = self._out((R, k, n_out))
-        return self._run(lambda s: self.k.mul_mv_grp(s, w, xs, y[0], items, wts_s, n_items, k, x_stride, x_slot,
-                                                     n_out, weighted=mode == "weighted"), y)
-
-    def moe_sum(self, a: np.ndarray) -> np.ndarray:
-        T, k, n = a.shape
-        a_s, y = self._in(a), self._out((T, n))
-        return self._run(lambda s: self.k.moe_sum(s, a_s, y[0], T, k, n), y)
-
     def get_rows(self, w_raw: np.ndarray, type_name: str, ids: np.ndarray) -> np.ndarray:
         shape = self._shape(w_raw, type_name)
         w = self._weights(w_raw, type_name, shape)

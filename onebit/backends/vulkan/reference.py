@@ -45,23 +45,6 @@ def mul_mv_id(w_raw: np.ndarray, type_name: str, x: np.ndarray, ids: np.ndarray,
     return out if mode == "weighted" else out.sum(axis=1)
 
 
-def mul_mv_grp(w_raw: np.ndarray, type_name: str, x: np.ndarray, ids: np.ndarray,
-               wts: Optional[np.ndarray] = None, mode: str = "slots") -> np.ndarray:
-    """The grouped product: what mul_mv_id gives per slot ("slots" / "weighted": [R, k, out]);
-    a dense W [out, row_bytes] with ids of shape [R, 1]."""
-    if w_raw.ndim == 2:
-        return mul_mv(w_raw, type_name, x)[:, None, :] * (wts[:, :, None] if mode == "weighted" else 1)
-    return mul_mv_id(w_raw, type_name, x, ids, wts, mode)
-
-
-def moe_sum(a: np.ndarray) -> np.ndarray:
-    """a: [T, k, n] -> [T, n], summed in slot order."""
-    out = np.zeros((a.shape[0], a.shape[2]), np.float32)
-    for s in range(a.shape[1]):
-        out += a[:, s]
-    return out
-
-
 def get_rows(w_raw: np.ndarray, type_name: str, ids: np.ndarray) -> np.ndarray:
     return dequantize(w_raw[np.asarray(ids, dtype=np.int64)], type_name)
 
