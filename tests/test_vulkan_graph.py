@@ -223,3 +223,18 @@ def test_an_observing_hook_keeps_one_submission_per_step():
     greedy(vk, tokens("qwen3moe-f32"), 3, hook=Observer())
     assert vk.be.dev.n_submits - s0 == 4
     assert observed == paused and len(observed) == 4 * n_moe
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "llama-f32", "q3moe256-Q4_K_M", "q3moe256-MXFP4_MOE"])
+def test_prompt_chunks_match_numpy(name):
+    """A 40-row forward runs as recorded chunks of 32 and 8 rows, each recorded once."""
+    ref, vk = load(name, "numpy"), load(name, "vulkan")
+    ids = tokens(name, 40)
+    assert len(ids) == 40
+    want = ref.logits(ids)
+    cache = vk.new_cache()
+    got = vk.net.forward(ids, cache)
+    assert cache.offset == 40
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert {k[1] for k in cache.storage.recordings} >= {32, 8}

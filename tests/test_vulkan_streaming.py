@@ -1,8 +1,9 @@
 """Streamed experts on Vulkan: logits bit-identical to the resident Vulkan backend at every slot count.
 
 The pool's slots are mapped device buffers; the expert kernels index them through a slot table.
-A 4-token prefill (more experts than the smallest pools hold: rows are grouped) then greedy
-decode one token at a time; slot counts at the minimum, a middle count and all-but-one; both
+A 36-token prefill (recorded chunks of 32 and 4 rows, each routing to more experts than the
+smallest pools hold: the experts run in passes over row groups) then greedy decode one token
+at a time; slot counts at the minimum, a middle count and all-but-one; both
 pool policies ("layer" at the minimum leaves a layer fewer slots than its top-k: the staged path).
 """
 
@@ -25,7 +26,7 @@ from test_pool import decode_logits  # noqa: E402  (greedy decode, every step's 
 
 
 def _prompt(path):
-    return np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:4].astype(np.int64)
+    return np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:36].astype(np.int64)
 
 
 def resident_logits(name):
