@@ -6,6 +6,8 @@ the ratio this tree / the other. Modes:
 
 - resident: greedy decode, every weight on the device;
 - hook:     the same with a routing-trace hook (onebit.moe.trace.TraceWriter) set;
+- pausehook: the same with a plain function as the hook (it may act before the experts run:
+            the step pauses at every MoE layer);
 - stream50: experts streamed through a pool of 50% of them (misses read from the drive);
 - streamhit: a pool of all experts but one per size class, warmed by the same decode first,
             so (nearly) every acquire is a hit;
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("resident", "hook", "stream50", "streamhit", "prefill")
+MODES = ("resident", "hook", "pausehook", "stream50", "streamhit", "prefill")
 
 
 def worker(tree: str, path: str, mode: str, n_tokens: int) -> dict:
@@ -61,6 +63,8 @@ def worker(tree: str, path: str, mode: str, n_tokens: int) -> dict:
 
         tmp = tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False)
         hook = TraceWriter(tmp.name, "bench", cfg.n_layers, cfg.n_experts, cfg.n_experts_used)
+    if mode == "pausehook":
+        hook = lambda layer, ids, logits: None  # noqa: E731
     if mode == "prefill":
         long = rng.integers(1, cfg.vocab_size, 256).astype(np.int64)
         times = []
@@ -148,7 +152,7 @@ def main() -> None:
                   f"{host(t['host_share']):>9} {host(o['host_share']):>10} {hit:>15}", flush=True)
             if mode == "resident":
                 base = t["tok_s"]
-            elif base and mode in ("hook", "streamhit"):
+            elif base and mode in ("hook", "pausehook", "streamhit"):
                 print(f"{'':<28} {'':<9} {'(this tree: ' + format(t['tok_s'] / base, '.2f') + 'x of resident)':>30}")
 
 

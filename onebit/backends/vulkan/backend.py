@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from ...errors import UsageError
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
@@ -97,7 +98,7 @@ class VulkanBackend:
 
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
         if ids.size and (ids.min() < 0 or ids.max() >= model.cfg.vocab_size):
-            raise ValueError(f"token ids outside [0, {model.cfg.vocab_size})")
+            raise UsageError(f"token ids must be in [0, {model.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
         return self.runner.forward(model, ids, cache, hook=hook, last_only=last_only)
 
     # -- weights ------------------------------------------------------------------------
