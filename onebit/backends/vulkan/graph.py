@@ -37,7 +37,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...cache import Cache
+from ...cache import Cache, KVCache
 from .device import Buffer, Slice, VulkanKernelError
 from .kernels import DeviceTensor, Part
 
@@ -138,10 +138,8 @@ class DeviceKV:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
 
-class DeviceKVCache:
-    """One layer's view of a `DeviceKV`: the `KVCache` interface over device memory."""
-
-    can_trim = True
+class DeviceKVCache(KVCache):
+    """One layer's view of a `DeviceKV`: a `KVCache` whose keys and values are device memory."""
 
     def __init__(self, storage: DeviceKV, layer: int):
         self.storage, self.layer = storage, layer
@@ -155,26 +153,9 @@ class DeviceKVCache:
         return self.storage.values[self.layer]
 
     def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        n = start + k.shape[0]
-        if n > self.storage.capacity:
-            self.storage.grow(n)
-        self.keys[start:n] = k
-        self.values[start:n] = v
-        return self.keys[:n], self.values[:n]
-
-    def trim(self, length: int) -> None:
-        """Positions past the sequence's length are never read: nothing to do."""
-
-    def snapshot(self, length: int):
-        return self.keys[:length].copy(), self.values[:length].copy()
-
-    def restore(self, state) -> None:
-        k, v = state
-        self.write(0, k, v)
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        if start + k.shape[0] > self.storage.capacity:
+            self.storage.grow(start + k.shape[0])  # every layer's buffers at once
+        return super().write(start, k, v)
 
 
 class DeviceCache(Cache):
