@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf.constants import Keys
 
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUFFile
+
+L, A, R = Keys.LLM, Keys.Attention, Keys.Rope
 
 # Sanity bounds: a header claiming more than this is corrupt, not a big model.
 MAX_DIM = 1 << 17
@@ -72,15 +75,19 @@ def _float(g: GGUFFile, key: str, default: float) -> float:
 def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", default_weights_norm=False) -> ModelConfig:
     """Read the llama-family keys every supported architecture shares."""
     a = g.architecture
-    dim = _int(g, f"{a}.embedding_length")
-    n_heads = _int(g, f"{a}.attention.head_count", hi=4096)
-    n_kv_heads = _int(g, f"{a}.attention.head_count_kv", n_heads, hi=4096)
+
+    def K(key: str) -> str:  # a gguf.constants key template for this architecture
+        return key.format(arch=a)
+
+    dim = _int(g, K(L.EMBEDDING_LENGTH))
+    n_heads = _int(g, K(A.HEAD_COUNT), hi=4096)
+    n_kv_heads = _int(g, K(A.HEAD_COUNT_KV), n_heads, hi=4096)
     if n_heads % n_kv_heads:
         raise ModelFileError(f"{g.path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}")
-    head_dim = _int(g, f"{a}.attention.key_length", dim // n_heads if dim % n_heads == 0 else None)
-    head_dim_v = _int(g, f"{a}.attention.value_length", head_dim)
-    n_experts = _int(g, f"{a}.expert_count", 0, lo=0, hi=MAX_EXPERTS)
-    n_used = _int(g, f"{a}.expert_used_count", 0, lo=0, hi=MAX_EXPERTS)
+    head_dim = _int(g, K(A.KEY_LENGTH), dim // n_heads if dim % n_heads == 0 else None)
+    head_dim_v = _int(g, K(A.VALUE_LENGTH), head_dim)
+    n_experts = _int(g, K(L.EXPERT_COUNT), 0, lo=0, hi=MAX_EXPERTS)
+    n_used = _int(g, K(L.EXPERT_USED_COUNT), 0, lo=0, hi=MAX_EXPERTS)
     if n_experts and not 1 <= n_used <= n_experts:
         raise ModelFileError(f"{g.path}: expert_used_count {n_used} is not between 1 and expert_count {n_experts}")
     tokens = g.get("tokenizer.ggml.tokens")
@@ -88,34 +95,34 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
     vocab = embd.shape[0]
     if tokens is not None and len(tokens) > vocab:
         raise ModelFileError(f"{g.path}: {len(tokens)} tokens but token_embd has only {vocab} rows")
-    scaling = g.get(f"{a}.rope.scaling.type", "none")
+    scaling = g.get(K(R.SCALING_TYPE), "none")
     rope_scale = 1.0
     if scaling == "linear":
-        rope_scale = 1.0 / _float(g, f"{a}.rope.scaling.factor", 1.0)
+        rope_scale = 1.0 / _float(g, K(R.SCALING_FACTOR), 1.0)
     elif scaling not in ("none", None):
         raise UnsupportedModelError(f"{g.path}: RoPE scaling {scaling!r} is not supported yet")
-    wnorm = g.get(f"{a}.expert_weights_norm", default_weights_norm)
+    wnorm = g.get(K(L.EXPERT_WEIGHTS_NORM), default_weights_norm)
     return ModelConfig(
         arch=a,
         dim=dim,
-        hidden_dim=_int(g, f"{a}.feed_forward_length", 0, lo=0),
-        n_layers=_int(g, f"{a}.block_count", hi=MAX_LAYERS),
+        hidden_dim=_int(g, K(L.FEED_FORWARD_LENGTH), 0, lo=0),
+        n_layers=_int(g, K(L.BLOCK_COUNT), hi=MAX_LAYERS),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         vocab_size=vocab,
-        context_length=_int(g, f"{a}.context_length", 4096, hi=1 << 24),
-        norm_eps=_float(g, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=_float(g, f"{a}.rope.freq_base", 10000.0),
-        rope_dim=_int(g, f"{a}.rope.dimension_count", head_dim),
+        context_length=_int(g, K(L.CONTEXT_LENGTH), 4096, hi=1 << 24),
+        norm_eps=_float(g, K(A.LAYERNORM_RMS_EPS), 1e-6),
+        rope_theta=_float(g, K(R.FREQ_BASE), 10000.0),
+        rope_dim=_int(g, K(R.DIMENSION_COUNT), head_dim),
         rope_neox=rope_neox,
         rope_scale=rope_scale,
         n_experts=n_experts,
         n_experts_used=n_used,
         # llama (Mixtral) and olmoe files give the expert width as feed_forward_length.
-        expert_hidden_dim=_int(g, f"{a}.expert_feed_forward_length", g.get(f"{a}.feed_forward_length", 0), lo=0),
-        shared_expert_hidden_dim=_int(g, f"{a}.expert_shared_feed_forward_length", 0, lo=0),
+        expert_hidden_dim=_int(g, K(L.EXPERT_FEED_FORWARD_LENGTH), g.get(K(L.FEED_FORWARD_LENGTH), 0), lo=0),
+        shared_expert_hidden_dim=_int(g, K(L.EXPERT_SHARED_FEED_FORWARD_LENGTH), 0, lo=0),
         expert_weights_norm=bool(wnorm),
         qk_norm=qk_norm,
         attn_bias="blk.0.attn_q.bias" in g.tensors,
