@@ -238,3 +238,20 @@ def test_prompt_chunks_match_numpy(name):
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()
     assert {k[1] for k in cache.storage.recordings} >= {32, 8}
+
+
+def test_scratch_is_reused_across_recordings():
+    """Recordings share the backend's scratch arena: recording many row counts does not keep
+    allocating (only one recording runs at a time)."""
+    vk = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="vulkan")
+    try:
+        ids = tokens("qwen3moe-f32", 12)
+        cache = vk.new_cache()
+        vk.net.forward(ids[:9], cache)
+        after_first = vk.be.arena.nbytes
+        for R in (9, 9, 8, 7, 9, 6):
+            cache.trim(cache.offset)
+            vk.net.forward(ids[:R], cache)
+        assert vk.be.arena.nbytes <= 2 * after_first
+    finally:
+        vk.be.close()

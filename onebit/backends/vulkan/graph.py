@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Optional
 
 import numpy as np
@@ -171,24 +171,34 @@ class DeviceCache(Cache):
 
 
 class Arena:
-    """Scratch buffers by size, shared by every recording of a backend (only one runs at a time)."""
+    """Scratch buffers by size, shared by every recording of a backend (only one runs at a time).
+
+    A buffer given back is taken again only after MIN_AGE more ops were recorded: reusing it
+    at once would make the next op wait (a barrier) for the ops still reading it."""
+
+    MIN_AGE = 8
 
     def __init__(self, dev):
         self.dev = dev
-        self._free: dict[int, list[Slice]] = defaultdict(list)
+        self._free: dict[int, deque[tuple[Slice, int]]] = defaultdict(deque)
         self._buffers: list[Buffer] = []
+        self.clock = lambda: 0  # ops recorded so far (set by the recording being made)
 
     def take(self, nbytes: int) -> Slice:
-        size = max(256, (nbytes + 255) // 256 * 256)
-        free = self._free[size]
-        if free:
-            return free.pop()
+        size = 1 << max(8, (nbytes - 1).bit_length())  # powers of two: other row counts reuse them
+        now = self.clock()
+        for cls in (size, 2 * size, 4 * size):
+            free = self._free.get(cls)
+            if free:
+                freed = free[0][1]
+                if now - freed >= self.MIN_AGE or freed > now:  # freed > now: by an earlier recording
+                    return free.popleft()[0]
         buf = self.dev.buffer(size)
         self._buffers.append(buf)
         return buf.slice(0, size)
 
     def give(self, s: Slice) -> None:
-        self._free[s.size].append(s)
+        self._free[s.size].append((s, self.clock()))
 
     @property
     def nbytes(self) -> int:
@@ -431,6 +441,7 @@ class Recording:
         self.arena = be.arena
         self._bufs: list[Buffer] = []
         self.collector = self.dev.sequence()
+        self.arena.clock = lambda: len(self.collector.ops)
         self.pauses: list[PausePoint] = []
         self.segments = []
         self.n_replays = 0
@@ -439,6 +450,7 @@ class Recording:
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
             self.logits = model.schedule(Recorder(self), last_only)  # [R or 1, vocab]
+            self.arena.clock = lambda: 1 << 62  # between recordings every free buffer may be taken
             self._logits = self.logits.host()
             ops = self.collector.ops
             cuts = [0] + [pp.at for pp in self.pauses] + [len(ops)]
