@@ -594,6 +594,9 @@ class Sequence:
         lib.vkCmdPipelineBarrier(self._cmd, stages, vk.VK_PIPELINE_STAGE_HOST_BIT, 0, 1, host, 0, ffi.NULL, 0, ffi.NULL)
         _check(vk, lib.vkEndCommandBuffer(self._cmd), "vkEndCommandBuffer")
         self._cmd_ptr = ffi.new("VkCommandBuffer*", self._cmd)
+        self._submit = ffi.new("VkSubmitInfo*", {  # built once: a replay only submits it
+            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": self._cmd_ptr,
+        })
 
     def record(self) -> None:
         """Record the command buffer now (else the first `run()` does); ops are fixed after this."""
@@ -604,7 +607,7 @@ class Sequence:
         """Submit (recording first if needed) and wait until the device is done."""
         if self._cmd is None:
             self._record()
-        self.dev._submit_wait(self._cmd_ptr, what=self._what())
+        self.dev._submit_wait(self._submit, what=self._what)
 
     def _what(self) -> str:
         names = sorted({op.pipeline.name for op in self.ops if isinstance(op, _Dispatch)})
@@ -745,22 +748,20 @@ class Device:
     def sequence(self) -> Sequence:
         return Sequence(self)
 
-    def _submit_wait(self, cmd_ptr, what: str = "") -> None:
+    def _submit_wait(self, submit, what=str) -> None:
+        """Submit a VkSubmitInfo* and wait; `what()` names the work in an error message."""
         vk = self.vk
-        lib, ffi = vk.lib, vk.ffi
-        submit = ffi.new("VkSubmitInfo*", {
-            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1, "pCommandBuffers": cmd_ptr,
-        })
+        lib = vk.lib
         _check(vk, lib.vkResetFences(self.handle, 1, self._fence_ptr), "vkResetFences")
         res = lib.vkQueueSubmit(self.queue, 1, submit, self.fence)
         if res != vk.VK_SUCCESS:
-            raise VulkanKernelError(f"submitting {what} failed (VkResult {res})")
+            raise VulkanKernelError(f"submitting {what()} failed (VkResult {res})")
         t0 = time.perf_counter()
         res = lib.vkWaitForFences(self.handle, 1, self._fence_ptr, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
         self.wait_s += time.perf_counter() - t0
         self.n_submits += 1
         if res != vk.VK_SUCCESS:
-            raise VulkanKernelError(f"waiting for {what} failed (VkResult {res}; device lost?)")
+            raise VulkanKernelError(f"waiting for {what()} failed (VkResult {res}; device lost?)")
 
     def close(self) -> None:
         if self._closed:

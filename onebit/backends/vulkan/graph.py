@@ -449,6 +449,7 @@ class Recording:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
+            self._rows = np.arange(R, dtype=np.int32)
             self.logits = model.schedule(Recorder(self), last_only)  # [R or 1, vocab]
             self.arena.clock = lambda: 1 << 62  # between recordings every free buffer may be taken
             self._logits = self.logits.host()
@@ -482,7 +483,7 @@ class Recording:
     def run(self, tokens: np.ndarray, start: int, hook=None, pool=None) -> np.ndarray:
         """Forward tokens [R] at positions start..start+R-1; returns logits (a copy)."""
         self._tok[:] = tokens
-        self._pos[:] = np.arange(start, start + self.R, dtype=np.int32)
+        np.add(self._rows, start, out=self._pos)
         held = None
         try:
             self.segments[0].run()
@@ -654,7 +655,7 @@ class GraphRunner:
             cache.offset += R
             s += R
             out.append(logits)
-        return out[-1] if last_only else np.concatenate(out)
+        return out[-1] if last_only or len(out) == 1 else np.concatenate(out)
 
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
                    observe: bool = False) -> Recording:
