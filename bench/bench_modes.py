@@ -19,6 +19,12 @@ fence waits). The other tree needs `onebit/memory` and `onebit/cli` (symlinks to
 && ln -s ../cli /tmp/before/onebit/cli`.
 
     python bench/bench_modes.py --other /tmp/before [--tokens 16] [--rounds 4] FILE.gguf ...
+
+`--within` instead compares this tree's modes with its own resident decode, in one process:
+rounds alternate resident / hook / pausehook / streamhit decodes (A B C D D C B A ...), so the
+ratios to resident are measured under the same load:
+
+    python bench/bench_modes.py --within [--tokens 16] [--rounds 6] FILE.gguf ...
 """
 
 from __future__ import annotations
@@ -108,6 +114,46 @@ def worker(tree: str, path: str, mode: str, n_tokens: int) -> dict:
     return out
 
 
+def within(path: Path, n_tokens: int, rounds: int) -> dict:
+    """Per-token step medians of each mode and resident, alternating in one process."""
+    import numpy as np
+
+    import onebit
+    from onebit.moe.trace import TraceWriter
+
+    m = onebit.load(path, backend="vulkan")
+    cfg = m.cfg
+    n_experts = cfg.n_experts * sum(1 for n in m.gguf.tensors if n.endswith("ffn_gate_exps.weight"))
+    ms = onebit.load(path, backend="vulkan", slots=n_experts - 2)
+    assert m.be.name == ms.be.name == "vulkan" and ms.pool is not None
+    trace = TraceWriter(tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False).name, "bench", cfg.n_layers,
+                        cfg.n_experts, cfg.n_experts_used)
+    prompt = np.random.default_rng(0).integers(1, cfg.vocab_size, 8).astype(np.int64)
+    modes = {"resident": (m, None), "hook": (m, trace), "pausehook": (m, lambda *a: None), "streamhit": (ms, None)}
+
+    def decode(model, hook, n):
+        cache = model.new_cache()
+        tok = int(model.net.forward(prompt, cache, hook=hook, last_only=True)[-1].argmax())
+        steps = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            tok = int(model.net.forward(np.array([tok], np.int64), cache, hook=hook)[-1].argmax())
+            steps.append(time.perf_counter() - t0)
+        return steps
+
+    for model, hook in modes.values():  # warm up; the pool gets every expert the decode routes to
+        decode(model, hook, n_tokens)
+    s0 = vars(ms.pool.stats).copy()
+    steps = {k: [] for k in modes}
+    for r in range(rounds):
+        for k in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+            steps[k] += decode(*modes[k], n_tokens)
+    st = vars(ms.pool.stats)
+    misses = st["demand_misses"] - s0["demand_misses"]
+    med = {k: statistics.median(v) for k, v in steps.items()}
+    return {"tok_s": {k: 1 / v for k, v in med.items()}, "misses": misses}
+
+
 def measure(tree: Path, path: Path, mode: str, n_tokens: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, __file__, "--worker", str(tree), str(path), mode, str(n_tokens)]
@@ -124,11 +170,25 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+", type=Path)
-    ap.add_argument("--other", type=Path, required=True, help="the tree to compare with")
+    ap.add_argument("--other", type=Path, help="the tree to compare with")
+    ap.add_argument("--within", action="store_true", help="modes against resident, in one process")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args()
+    if a.within:
+        print(f"Vulkan backend, this tree; {a.tokens} decode tokens x {a.rounds} rounds, modes alternating in one "
+              "process (medians of per-token steps)")
+        print(f"{'file':<28} {'mode':<10} {'tok/s':>8} {'x resident':>10}")
+        for f in a.files:
+            res = within(f, a.tokens, a.rounds)
+            base = res["tok_s"]["resident"]
+            for k, v in res["tok_s"].items():
+                extra = f"  (pool demand misses while measured: {res['misses']})" if k == "streamhit" else ""
+                print(f"{f.name:<28} {k:<10} {v:>8.1f} {v / base:>10.2f}{extra}", flush=True)
+        return
+    if a.other is None:
+        ap.error("give --other TREE (or --within)")
     trees = {"this": ROOT, "other": a.other.resolve()}
     print(f"Vulkan backend; {a.tokens} decode tokens, {a.rounds} rounds alternating trees (medians); "
           f"this = {ROOT}, other = {trees['other']}")
