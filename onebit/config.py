@@ -42,10 +42,16 @@ class ModelConfig:
     expert_weights_norm: bool = False  # renormalise the top-k routing weights to sum to 1
     qk_norm: str = "none"  # "none" | "head" (per head, qwen3) | "full" (whole projection, olmoe)
     attn_bias: bool = False
+    sliding_window: int = 0  # positions a sliding-window layer attends to (0: none)
+    swa_layers: tuple[int, ...] = ()  # the layers that use it (set by an architecture's config)
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    def layer_window(self, layer: int) -> int:
+        """How many positions (up to its own) a row of `layer` attends to; 0: all of them."""
+        return self.sliding_window if layer in self.swa_layers else 0
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether `layer`'s FFN is routed experts (else a dense SwiGLU)."""

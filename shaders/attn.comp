@@ -34,7 +34,13 @@ layout(push_constant) uniform Push {
     uint v_stride;     // floats between positions of v
     uint out_stride;   // floats between rows of out
     float scale;       // 1 / sqrt(D)
+    uint window;       // > 0: a row at pos attends to positions pos - window + 1 .. pos only
 } pc;
+
+// The first position row r attends to (sliding-window layers start later than 0).
+uint first_key(uint p) {
+    return (pc.window > 0u && p + 1u > pc.window) ? p + 1u - pc.window : 0u;
+}
 
 #include "reduce.glsl"
 
@@ -53,6 +59,7 @@ void main() {
     const uint WG = gl_WorkGroupSize.x;
     const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
     const uint n_valid = min(pc.n_kv, uint(pos[r]) + 1u);
+    const uint j0 = first_key(uint(pos[r]));
     vec4 qv[HD / 4u];
     [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
         const uint qb = r * pc.q_stride + h * HD + 4u * d;
@@ -64,7 +71,7 @@ void main() {
     [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
         acc[d] = vec4(0.0);
     }
-    for (uint j = tid; j < n_valid; j += WG) {
+    for (uint j = j0 + tid; j < n_valid; j += WG) {
         const uint kb = (j * pc.k_stride + kvh * HD) / 4u;
         float s = 0.0;
         [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
@@ -119,6 +126,7 @@ void main() {
     const uint WG = gl_WorkGroupSize.x;
     const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
     const uint n_valid = min(pc.n_kv, uint(pos[r]) + 1u);
+    const uint j0 = first_key(uint(pos[r]));
     const uint D = pc.head_dim;
     for (uint d = tid; d < D; d += WG) {
         qs[d] = q[r * pc.q_stride + h * D + d];
@@ -130,7 +138,7 @@ void main() {
     [[unroll]] for (uint j = 0u; j < DV_PER_THREAD; j++) {
         acc[j] = 0.0;
     }
-    for (uint c0 = 0u; c0 < n_valid; c0 += CH) {
+    for (uint c0 = j0; c0 < n_valid; c0 += CH) {
         const uint cn = min(CH, n_valid - c0);
         float cmax = -1.0 / 0.0;
         for (uint j = tid; j < cn; j += WG) {

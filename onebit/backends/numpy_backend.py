@@ -101,8 +101,8 @@ class NumpyBackend:
 
     # -- attention ----------------------------------------------------------------------
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-        """Causal GQA attention.
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0) -> np.ndarray:
+        """Causal GQA attention (window > 0: each row sees only the last `window` positions).
 
         q: [R, H, D] at positions q_pos; k: [S, Hkv, D], v: [S, Hkv, Dv] for positions 0..S-1.
         Returns [R, H * Dv].
@@ -114,6 +114,8 @@ class NumpyBackend:
         kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
         scores = (qg @ kt[:, None]) * np.float32(1.0 / np.sqrt(D))  # [Hkv, G, R, S]
         mask = np.arange(S)[None, :] > q_pos[:, None]  # [R, S]
+        if window > 0:
+            mask |= np.arange(S)[None, :] <= q_pos[:, None] - window
         scores = np.where(mask, np.float32(-np.inf), scores)
         p = self.softmax(scores)
         out = p @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, R, Dv]
@@ -178,9 +180,9 @@ class EagerStep:
     def rope(self, x: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float) -> np.ndarray:
         return self.be.rope(x, self.pos, n_rot, theta, neox, scale)
 
-    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0) -> np.ndarray:
         keys, values = self.cache[layer].write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
-        return self.be.attention(q, keys, values, self.pos)  # [R, H*Dv]
+        return self.be.attention(q, keys, values, self.pos, window)  # [R, H*Dv]
 
     @staticmethod
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:

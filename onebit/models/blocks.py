@@ -9,7 +9,8 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     linear(x, name, bias)     x @ W.T (+ bias): [R, in] -> [R, out]
     view(x, shape)            the same values in another shape
     rope(x, n_rot, theta, neox, scale)   x: [R, H, D] rotated at the rows' positions
-    attention(layer, q, k, v) store k, v in the layer's cache; causal GQA over it -> [R, H * Dv]
+    attention(layer, q, k, v, window)  store k, v in the layer's cache; causal GQA over it (over
+                              the last `window` positions only, if > 0) -> [R, H * Dv]
     add(a, b), swiglu(a, b)   a + b, silu(a) * b
     residual(x, y)            x + y, neither used again (a backend may add y into x in place)
     route(logits, k, norm)    softmax top-k -> ids [R, k], weights [R, k]
@@ -55,7 +56,7 @@ def attention(g, cfg: ModelConfig, layer: int, x):
         k = g.norm(k, f"{p}.attn_k_norm.weight", cfg.norm_eps)
     q = g.rope(q, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
     k = g.rope(k, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-    o = g.attention(layer, q, k, v)  # [R, H*Dv]
+    o = g.attention(layer, q, k, v, cfg.layer_window(layer))  # [R, H*Dv]
     return g.linear(o, f"{p}.attn_output.weight")  # [R, dim]
 
 

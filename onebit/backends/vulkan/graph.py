@@ -318,7 +318,7 @@ class Recorder:
         self.k.rope(self.seq, x.s, self.rec.pos, out.s, R, H, D, n_rot, theta, neox, scale)
         return out
 
-    def attention(self, layer: int, q: Val, k: Val, v: Val) -> Val:
+    def attention(self, layer: int, q: Val, k: Val, v: Val, window: int = 0) -> Val:
         R, H, D = q.shape
         _, Hkv, Dv = v.shape
         kv = self.rec.kv
@@ -326,7 +326,7 @@ class Recorder:
         self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D)
         self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv)
         out = self._new((R, H * Dv))
-        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity)
+        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity, window)
         return out
 
     def residual(self, x: Val, y: Val) -> Val:

@@ -311,8 +311,9 @@ class Kernels:
         seq.dispatch(p, (x, out), _push("2I", n, stride or n), (gx, gy, 1), writes=(1,))
 
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
-                  n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int) -> None:
-        """Causal GQA attention of rows at positions pos[r] over cached positions 0..n_kv-1.
+                  n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0) -> None:
+        """Causal GQA attention of rows at positions pos[r] over cached positions 0..n_kv-1 (with a
+        window > 0: only the last `window` positions up to pos[r]).
         q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv]; out: [R, H * Dv]."""
         cpu = self.reduce == "none"
         max_dv = ATTN_MAX_D if cpu else ATTN_DV_PER_THREAD * self.wg
@@ -324,8 +325,8 @@ class Kernels:
             p = self.pipeline("attn_none", 5, (self.dev.info.subgroup_size, head_dim, head_dim_v))
         else:
             p = self.pipeline("attn", 5, (self.wg,))
-        push = _push("9If", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
-                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim))
+        push = _push("9IfI", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
+                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim), int(window))
         seq.dispatch(p, (q, k, v, pos, out), push, (n_heads, n_rows, 1), writes=(4,))
 
     def set_rows(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int,

@@ -151,12 +151,12 @@ class VulkanOps:
         xs, out = self._in(x), self._out(x.shape[:-1], np.int32)
         return self._run(lambda s: self.k.argmax(s, xs, out[0], rows, n), out)
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0) -> np.ndarray:
         R, H, D = q.shape
         S, Hkv, Dv = v.shape
         qs, ks, vs, ps = self._in(q), self._in(k), self._in(v), self._in(q_pos, np.int32)
         out = self._out((R, H * Dv))
-        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S), out)
+        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S, window), out)
 
     def set_rows(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
         n = int(np.prod(dst.shape[1:]))

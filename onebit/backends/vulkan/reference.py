@@ -81,8 +81,8 @@ def argmax(x: np.ndarray) -> np.ndarray:
     return np.argmax(x, axis=-1)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray) -> np.ndarray:
-    return _NP.attention(q, k, v, q_pos)
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0) -> np.ndarray:
+    return _NP.attention(q, k, v, q_pos, window)
 
 
 def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
