@@ -13,6 +13,7 @@ from .errors import UsageError
 from .generate import GenerationResponse, stream_generate
 from .gguf_file import GGUFFile
 from .models import model_class
+from .models.base import check_ids
 from .sample import make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
@@ -171,8 +172,7 @@ class Model:
         return np.concatenate(out).astype(np.float32, copy=False)
 
     def _check_ids(self, ids: np.ndarray) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= self.cfg.vocab_size):
-            raise UsageError(f"token ids must be in [0, {self.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+        check_ids(ids, self.cfg.vocab_size)  # before a generator starts, so the error comes at once
 
     def generate(
         self, prompt: str | Sequence[int] | list[dict], max_tokens: int = 256, temperature: float = 0.0,

@@ -30,7 +30,7 @@ class NumpyBackend:
 
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
         """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
-        logits = model.schedule(EagerStep(self, model.cfg, ids, cache, hook), last_only)
+        logits = model.schedule(EagerStep(self, ids, cache, hook), last_only)
         cache.offset += len(ids)
         return logits
 
@@ -157,8 +157,8 @@ class EagerStep:
     """The ops of a model schedule (models/blocks.py), each run at once on numpy arrays, for
     token ids [R] at the cache's next positions."""
 
-    def __init__(self, be: NumpyBackend, cfg, ids: np.ndarray, cache, hook=None):
-        self.be, self.cfg, self.ids, self.cache, self.hook = be, cfg, ids, cache, hook
+    def __init__(self, be: NumpyBackend, ids: np.ndarray, cache, hook=None):
+        self.be, self.ids, self.cache, self.hook = be, ids, cache, hook
         self.start = cache.offset
         self.pos = np.arange(self.start, self.start + len(ids), dtype=np.int64)  # [R]
         self.tensor_names = be.gguf.tensors

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..cache import Cache, make_cache
 from ..config import ModelConfig
+from ..errors import UsageError
 from . import blocks
 
 
@@ -47,4 +48,12 @@ class TransformerLM:
     def forward(self, ids, cache: Cache, hook=None, last_only: bool = False) -> np.ndarray:
         """Logits [R, vocab] (or [1, vocab]: the last row) for token ids [R] at the cache's next
         positions; the cache then holds them too. `hook` is called at every MoE pause point."""
-        return self.be.forward(self, np.asarray(ids, dtype=np.int64), cache, hook=hook, last_only=last_only)
+        ids = np.asarray(ids, dtype=np.int64)
+        check_ids(ids, self.cfg.vocab_size)
+        return self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+
+
+def check_ids(ids: np.ndarray, vocab_size: int) -> None:
+    """Token ids outside the vocabulary are the caller's error (on a device: out-of-bounds reads)."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise UsageError(f"token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")

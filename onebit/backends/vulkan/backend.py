@@ -19,7 +19,6 @@ from typing import Optional
 
 import numpy as np
 
-from ...errors import UsageError
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
@@ -86,7 +85,7 @@ class VulkanBackend:
                                          "which the Vulkan kernels need")
         cache = self.make_cache(cfg)
         try:
-            self.runner._recording(model, cache.storage, 1, True, frozenset(self.streamed_layers))
+            self.runner._recording(model, cache.storage, 1, True, self.streamed_layers)
         except VulkanKernelError as e:
             raise VulkanUnavailableError(f"{self.gguf.path}: the Vulkan kernels cannot run this model ({e})") from e
         finally:
@@ -97,8 +96,6 @@ class VulkanBackend:
         return self.runner.make_cache(cfg, capacity)
 
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
-        if ids.size and (ids.min() < 0 or ids.max() >= model.cfg.vocab_size):
-            raise UsageError(f"token ids must be in [0, {model.cfg.vocab_size}), got {int(ids.min())}..{int(ids.max())}")
         return self.runner.forward(model, ids, cache, hook=hook, last_only=last_only)
 
     # -- weights ------------------------------------------------------------------------

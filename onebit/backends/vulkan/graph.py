@@ -5,7 +5,7 @@ run once against a `Recorder`, whose ops record dispatches instead of computing:
 device buffers with shapes, taken from an arena and given back when the schedule drops them
 (CPython frees a value as soon as nothing refers to it, so buffers are reused in recording
 order, and the sequence's barriers order every reuse). The result, a `Recording`, is kept per
-(KV storage, R, last_only, pause layers) and replayed: per forward the host writes R token
+(KV storage, R, last_only, pause layers, observing hook) and replayed: per forward the host writes R token
 ids and positions into mapped buffers, submits, waits and reads the logits.
 
 Pause points. At a MoE layer's pause the recording is cut into segments when that layer
@@ -207,7 +207,7 @@ class Arena:
     def close(self) -> None:
         for b in self._buffers:
             b.destroy()
-        self._buffers, self._free = [], defaultdict(list)
+        self._buffers, self._free = [], defaultdict(deque)
 
 
 class Val:
@@ -248,9 +248,10 @@ class Val:
 class PausePoint:
     """Where a recording stops for the host: after layer's router, before its experts."""
 
-    def __init__(self, layer: int, at: int, ids: Val, logits: Val, weights: Val):
+    def __init__(self, layer: int, at: int, ids: Val, logits: Val):
         self.layer, self.at = layer, at  # `at`: index of the first op after the pause
-        self.ids, self.logits, self.weights = ids, logits, weights
+        self.ids, self.logits = ids, logits
+        self.weights: Optional[Val] = None  # the routing weights (set by the experts op)
         self.table: Optional[Val] = None  # slot indices the expert kernels read (streamed layers)
         self.y: Optional[Val] = None  # the experts' output
         self.span = (at, at)  # the expert ops
@@ -362,7 +363,7 @@ class Recorder:
         if self.rec.observe:  # kept (their buffers not reused) for the hook after the step
             self.rec.observed.append((layer, ids, logits))
         if layer in self.rec.pause_layers:
-            self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, None))
+            self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits))
 
     def experts(self, layer: int, x: Val, ids: Val, w: Val) -> Val:
         R, k = ids.shape
@@ -641,7 +642,7 @@ class GraphRunner:
             kv.grow(cache.offset + n)
         # A hook that only observes (hook.needs_pause = False, e.g. a routing trace) is called
         # after the step with every layer's ids; any other hook pauses at every MoE layer.
-        pauses = frozenset(self.be.streamed_layers)
+        pauses = self.be.streamed_layers
         observe = hook is not None and not getattr(hook, "needs_pause", True)
         if hook is not None and not observe:
             pauses |= {i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)}
