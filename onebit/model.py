@@ -40,8 +40,10 @@ class Model:
             self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
         else:
             self.be = make_backend(backend, self.gguf)
+        # Under a memory plan the KV cache is allocated up front, as planned.
+        kv_capacity = self.context_length if self.plan is not None else 0
         try:
-            self.net = cls(self.gguf, self.be, cfg)
+            self.net = cls(self.gguf, self.be, cfg, kv_capacity)
         except Exception as e:
             from .backends.vulkan.device import VulkanUnavailableError
 
@@ -50,7 +52,7 @@ class Model:
             sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
             self.be.close()
             self.be = self._numpy_backend()
-            self.net = cls(self.gguf, self.be, cfg)
+            self.net = cls(self.gguf, self.be, cfg, kv_capacity)
         self.cfg = self.net.cfg
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
@@ -158,8 +160,7 @@ class Model:
     # -- compute ----------------------------------------------------------------------
 
     def new_cache(self):
-        # Under a memory plan the KV cache is allocated up front, as planned.
-        return self.net.make_cache(self.context_length if self.plan is not None else 0)
+        return self.net.make_cache()
 
     def logits(self, ids: Sequence[int], chunk: int = 256) -> np.ndarray:
         """Teacher-forced logits at every position from an empty context: [len(ids), vocab] float32."""

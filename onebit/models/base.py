@@ -15,9 +15,10 @@ class TransformerLM:
     """A decoder over one sequence. An architecture file gives `config()` (its metadata mapping)
     and, where the shared `blocks.decoder_layer` does not fit, its own `layer()`."""
 
-    def __init__(self, gguf, backend, cfg: ModelConfig | None = None):
+    def __init__(self, gguf, backend, cfg: ModelConfig | None = None, kv_capacity: int = 0):
         self.gguf = gguf
         self.be = backend
+        self.kv_capacity = kv_capacity  # positions a new cache holds up front (0: grown as needed)
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
         blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf))
         attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
@@ -41,7 +42,8 @@ class TransformerLM:
             x = g.last_row(x)  # [1, dim]
         return blocks.output_head(g, self.cfg, x)  # [R, vocab]
 
-    def make_cache(self, capacity: int = 0) -> Cache:
+    def make_cache(self, capacity: int | None = None) -> Cache:
+        capacity = self.kv_capacity if capacity is None else capacity
         device_cache = getattr(self.be, "make_cache", None)  # the backend's own (device memory)
         return device_cache(self.cfg, capacity) if device_cache is not None else make_cache(self.cfg, capacity)
 
