@@ -11,6 +11,7 @@ not stale), so it uses only the standard library.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,9 @@ SPV_DIR = SHADER_DIR.parent / "onebit" / "backends" / "vulkan" / "spv"
 # Flags every variant is compiled with; part of each variant's hash.
 GLSLC_FLAGS = ("--target-env=vulkan1.2", "-O")
 
-# Weight types with a dequantizer in dequant.glsl (GGML names, as in onebit/quants.py).
-WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q1_0", "TQ1_0", "TQ2_0")
+# Weight types: one block struct each in types.glsl (GGML names, as in onebit/quants.py), each
+# with a dequantizer in dequant.glsl. Adding a struct there adds the type's variants here.
+WEIGHT_TYPES = tuple(re.findall(r"^struct (\w+)", (SHADER_DIR / "types.glsl").read_text(), re.MULTILINE))
 # How mat-vec splits a row: threads share a row and sum their partial dots with subgroupAdd
 # ("subgroup") or a tree in shared memory ("shmem", for devices without subgroup arithmetic);
 # or each thread owns whole rows ("none": CPU devices, where lanes are SIMD slots).
