@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 from .errors import UsageError
 from .generate import GenerationResponse, stream_generate
+from .lookup import LookupStats, lookup_budget
 from .sample import make_logits_processors, make_sampler
 
 
@@ -40,7 +41,7 @@ class TurnStats:
 class ChatSession:
     def __init__(self, model, system: Optional[str] = None, max_tokens: int = 512, temperature: float = 0.7,
                  top_k: int = 0, top_p: float = 0.95, min_p: float = 0.05, repetition_penalty: float = 1.0,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, lookup: int = 0):
         self.model = model
         self.system = system
         self.max_tokens = max_tokens
@@ -51,6 +52,8 @@ class ChatSession:
         self.cached: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last = TurnStats()
         self.total_generated = 0
+        self.lookup = lookup_budget(lookup)
+        self.lookup_stats = LookupStats()  # over the whole conversation
 
     def reset(self) -> None:
         self.history.clear()
@@ -97,10 +100,11 @@ class ChatSession:
         generated: list[int] = []
         self.history.append({"role": "assistant", "content": ""})
         t0 = time.perf_counter()
+        replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
+                                  processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
+                                  hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
         try:
-            for r in stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
-                                     processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
-                                     hook=self.model.hook):
+            for r in replies:
                 reply.append(r.text)
                 self.history[-1]["content"] = "".join(reply)
                 if r.token is not None:
@@ -111,6 +115,7 @@ class ChatSession:
                 stats.finish_reason = r.finish_reason
                 yield r
         finally:
+            replies.close()  # the cache settles (drafts past the last token dropped) before we look
             if stats.finish_reason is None:
                 stats.finish_reason = "interrupted"
                 stats.generation_time = max(time.perf_counter() - t0 - stats.prompt_time, 0.0)

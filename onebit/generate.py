@@ -8,6 +8,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from .lookup import LookupStats, NgramDrafter
 from .sample import LogitsProcessor, Sampler
 
 
@@ -34,28 +35,76 @@ class GenerationResponse:
 
 def generate_step(
     net, prompt: Sequence[int], cache, sampler: Sampler, processors: Sequence[LogitsProcessor] = (),
-    prefill_chunk: int = 256, hook=None, history: Sequence[int] = (),
+    prefill_chunk: int = 256, hook=None, history: Sequence[int] = (), lookup: int = 0,
+    max_tokens: Optional[int] = None, max_positions: Optional[int] = None, stats: Optional[LookupStats] = None,
 ) -> Iterator[int]:
-    """Yield sampled tokens forever; the caller decides when to stop. The cache holds the context
-    (`history`: tokens already in the cache before `prompt`, seen by the logits processors)."""
+    """Yield sampled tokens until the caller stops; the cache holds the context (`history`:
+    tokens already in the cache before `prompt`, seen by the logits processors).
+
+    With `lookup` > 0, each decode forward also verifies up to that many drafted tokens (n-gram
+    lookup in the context) in one forward over 1 + drafts rows; the tokens yielded are exactly
+    those plain decoding yields (greedy), or distributed exactly as its draws (sampling). When
+    the caller stops, the cache holds what plain decoding's would: every yielded token but the
+    last. `max_tokens` / `max_positions` bound the drafts (no row past what can be used)."""
     tokens = list(history) + list(prompt)
     ids = np.asarray(prompt, dtype=np.int64)
+    base = cache.offset + len(ids)  # positions held once the prompt is in
+    stats = stats if stats is not None else LookupStats()
+    lookup = lookup if lookup > 0 and cache.can_trim else 0
+    drafter = NgramDrafter(tokens) if lookup else None
+    yielded = 0
     logits = None
     if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens
         hook.phase = "prompt"
     for start in range(0, len(ids), prefill_chunk):
         chunk = ids[start : start + prefill_chunk]
         logits = net.forward(chunk, cache, hook=hook, last_only=True)  # [1, vocab]
-    while True:
-        row = logits[-1]
+
+    def process(row):
         for proc in processors:
             row = proc(tokens, row)
-        tok = sampler(row)
-        tokens.append(tok)
-        yield tok
-        if hasattr(hook, "phase"):
-            hook.phase = "decode"
-        logits = net.forward(np.asarray([tok], dtype=np.int64), cache, hook=hook, last_only=True)
+        return row
+
+    try:
+        tok = sampler(process(logits[-1]))
+        while True:
+            tokens.append(tok)
+            if drafter is not None:
+                drafter.push(tok)
+            yielded += 1
+            yield tok
+            if hasattr(hook, "phase"):
+                hook.phase = "decode"
+            room = lookup
+            if max_tokens is not None:
+                room = min(room, max_tokens - yielded)
+            if max_positions is not None:
+                room = min(room, max_positions - cache.offset - 1)
+            drafts = drafter.propose(room) if drafter is not None and room > 0 else []
+            rows = np.asarray([tok, *drafts], dtype=np.int64)
+            logits = net.forward(rows, cache, hook=hook, last_only=not drafts)  # [1 + drafts, vocab]
+            stats.forwards += 1
+            stats.proposed += len(drafts)
+            for i, d in enumerate(drafts):
+                ok, tok = sampler.verify(process(logits[i]), d)
+                stats.tokens += 1
+                if not ok:
+                    cache.trim(len(drafts) - i)  # the rows after the rejected draft
+                    break
+                stats.accepted += 1
+                tokens.append(d)
+                drafter.push(d)
+                yielded += 1
+                yield d
+            else:
+                tok = sampler(process(logits[-1]))
+                stats.tokens += 1
+    finally:
+        # Stopped inside accepted drafts (a stop string, max tokens, an interrupt): drop the
+        # rows past the last token yielded, as if they had never been proposed.
+        keep = base + max(yielded - 1, 0)
+        if cache.offset > keep and cache.can_trim:
+            cache.trim(cache.offset - keep)
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
@@ -80,20 +129,30 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
 def stream_generate(
     model, prompt_ids: Sequence[int], *, max_tokens: int, sampler: Sampler,
     processors: Sequence[LogitsProcessor] = (), stop: Sequence[str] = (), cache=None, hook=None,
-    prompt_prefix: Sequence[int] = (),
+    prompt_prefix: Sequence[int] = (), lookup: int = 0, lookup_stats: Optional[LookupStats] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens arrive; stops on EOS, a stop string, max_tokens or a full context.
-    `prompt_prefix`: tokens the given cache already holds, in front of `prompt_ids`."""
+    `prompt_prefix`: tokens the given cache already holds, in front of `prompt_ids`. `lookup`:
+    drafts verified per decode forward (0 = plain decoding), counted in `lookup_stats`."""
     cache = model.new_cache() if cache is None else cache
     ctx = model.context_length
     n_prompt = len(prompt_prefix) + len(prompt_ids)
-    decoder = model.tokenizer.stream()
     t0 = time.perf_counter()
+    steps = generate_step(model.net, prompt_ids, cache, sampler, processors, hook=hook, history=prompt_prefix,
+                          lookup=lookup, max_tokens=max_tokens, max_positions=ctx, stats=lookup_stats)
+    try:
+        yield from _responses(model, steps, max_tokens, stop, n_prompt, t0)
+    finally:
+        steps.close()  # settles the cache (drafts past the last token dropped) before the caller looks
+
+
+def _responses(model, steps, max_tokens, stop, n_prompt, t0) -> Iterator[GenerationResponse]:
+    ctx = model.context_length
+    decoder = model.tokenizer.stream()
     t_prompt = 0.0
     pending = ""  # decoded text not yet emitted (held back for stop strings)
     n_gen = 0
     finish = None
-    steps = generate_step(model.net, prompt_ids, cache, sampler, processors, hook=hook, history=prompt_prefix)
     if max_tokens <= 0 or n_prompt >= ctx:
         finish = "length"
     guard = getattr(model, "guard", None)

@@ -8,8 +8,55 @@ import numpy as np
 
 from .errors import UsageError
 
-Sampler = Callable[[np.ndarray], int]
 LogitsProcessor = Callable[[Sequence[int], np.ndarray], np.ndarray]
+
+
+class Sampler:
+    """logits [vocab] -> token id: greedy at temperature 0; otherwise top-k, then top-p, then
+    min-p filtering, then a draw from the seeded generator. `verify` is the speculative
+    sampling step for a drafted token, keeping the same target distribution."""
+
+    def __init__(self, temp: float, top_p: float, min_p: float, top_k: int, seed: Optional[int]):
+        self.temp, self.top_p, self.min_p, self.top_k = temp, top_p, min_p, top_k
+        self.greedy = temp == 0
+        self.rng = None if self.greedy else np.random.default_rng(seed)
+
+    def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, probabilities) of the filtered target distribution, best first."""
+        x = logits.astype(np.float64) / self.temp
+        order = np.argsort(-x, kind="stable")  # best first
+        if self.top_k:
+            order = order[: self.top_k]
+        p = np.exp(x[order] - x[order[0]])
+        p /= p.sum()
+        if self.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)  # smallest prefix with mass >= top_p
+            order, p = order[:keep], p[:keep]
+        if self.min_p > 0.0:
+            mask = p >= self.min_p * p[0]
+            order, p = order[mask], p[mask]
+        return order, p / p.sum()
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.greedy:
+            return int(np.argmax(logits))
+        order, p = self.distribution(logits)
+        return int(order[self.rng.choice(len(order), p=p)])
+
+    def verify(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+        """(accepted, token) for a drafted token whose drafter put all its mass on it: accept
+        with probability p(draft) (= min(1, p/q) with q = 1), else draw from p with the draft
+        removed, renormalised. The token is then distributed exactly as a plain draw."""
+        if self.greedy:
+            tok = int(np.argmax(logits))
+            return tok == draft, tok
+        order, p = self.distribution(logits)
+        hit = order == draft
+        if self.rng.random() < float(p[hit].sum()):
+            return True, int(draft)
+        rest = np.where(hit, 0.0, p)
+        rest /= rest.sum()  # > 0: p(draft) < 1 here, since the uniform draw is < 1
+        return False, int(order[self.rng.choice(len(order), p=rest)])
 
 
 def make_sampler(
@@ -24,27 +71,7 @@ def make_sampler(
         raise UsageError(f"min-p must be in [0, 1], got {min_p}")
     if top_k < 0:
         raise UsageError(f"top-k must be >= 0, got {top_k}")
-    if temp == 0:
-        return lambda logits: int(np.argmax(logits))
-    rng = np.random.default_rng(seed)
-
-    def sample(logits: np.ndarray) -> int:
-        x = logits.astype(np.float64) / temp
-        order = np.argsort(-x, kind="stable")  # best first
-        if top_k:
-            order = order[:top_k]
-        p = np.exp(x[order] - x[order[0]])
-        p /= p.sum()
-        if top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)  # smallest prefix with mass >= top_p
-            order, p = order[:keep], p[:keep]
-        if min_p > 0.0:
-            mask = p >= min_p * p[0]
-            order, p = order[mask], p[mask]
-        p = p / p.sum()
-        return int(order[rng.choice(len(order), p=p)])
-
-    return sample
+    return Sampler(temp, top_p, min_p, top_k, seed)
 
 
 def make_logits_processors(repetition_penalty: float = 1.0, context_size: int = 64) -> list[LogitsProcessor]:
