@@ -70,6 +70,8 @@ def format_stats(session) -> str:
         f"memory: {rss / 2**20:.1f} MiB resident; model file {session.model.gguf.file_bytes / 2**20:.1f} MiB (mapped)",
         pool_line(session.model),
     ]
+    if session.lookup:
+        lines.append(session.lookup_stats.line() + f" (up to {session.lookup} drafts per forward)")
     return "\n".join(lines)
 
 

@@ -45,10 +45,12 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
     return m
 
 
-def _finish(m, stats: bool) -> None:
-    """At exit: close the trace and print expert-pool stats when asked."""
+def _finish(m, stats: bool, lookup=None) -> None:
+    """At exit: close the trace and print expert-pool (and lookup decoding) stats when asked."""
     if m.hook is not None and hasattr(m.hook, "close"):
         m.hook.close()
+    if stats and lookup is not None:
+        typer.echo(lookup.line(), err=True)
     if stats:
         if m.pool is None:
             typer.echo("stats: all experts resident (no streaming pool)", err=True)
@@ -86,6 +88,9 @@ POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: glo
 STATS = typer.Option(False, "--stats", help="Print expert-pool stats at exit.")
 TRACE = typer.Option(None, "--trace", help="Record every token's routed experts to this JSONL file.")
 CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(model's, 4096)).")
+LOOKUP = typer.Option(None, "--lookup", help="Lookup decoding: draft up to N tokens (0-8) from n-grams of the "
+                                              "context and verify them in one forward; same output. "
+                                              "Default: $ONEBIT_LOOKUP or 0 (off).")
 
 
 @app.command()
@@ -116,10 +121,11 @@ def generate(
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
+    lookup: Optional[int] = LOOKUP,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
-    from onebit import batch
+    from onebit.lookup import LookupStats, lookup_budget
 
     if (prompt is None) == (input is None):
         raise UsageError("give exactly one of --prompt or --input")
@@ -134,6 +140,8 @@ def generate(
             except UnicodeEncodeError:
                 raise UsageError(f"{name} is not valid UTF-8 text") from None
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
+    lookup = lookup_budget(lookup)
+    lookup_stats = LookupStats() if lookup else None
     out_f = None
     if output is not None:
         try:
@@ -144,9 +152,9 @@ def generate(
     try:
         _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json,
                   dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repeat_penalty, stop=stop))
+                       repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, lookup_stats=lookup_stats))
     finally:
-        _finish(m, stats)
+        _finish(m, stats, lookup_stats)
 
 
 def _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json, gen) -> None:
@@ -310,15 +318,19 @@ def chat(
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
+    lookup: Optional[int] = LOOKUP,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
+    from onebit.lookup import lookup_budget
+
     from .chat_repl import run_chat
 
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
+    lookup = lookup_budget(lookup)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
     try:
         run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                 min_p=min_p, repetition_penalty=repeat_penalty, seed=seed)
+                 min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, lookup=lookup)
     finally:
         _finish(m, stats)
 
@@ -331,21 +343,28 @@ def bench(
     runs: int = typer.Option(3, "--runs", help="Runs; the median is reported."),
     backend: str = BACKEND,
     device: Optional[str] = DEVICE,
+    lookup: Optional[int] = LOOKUP,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Prompt and decode tok/s on this machine (median of runs)."""
     from onebit.bench import run_bench
+    from onebit.lookup import lookup_budget
 
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
+    lookup = lookup_budget(lookup)
     m = _load(model, backend, device=device)
-    res = run_bench(m, prompt_tokens, gen_tokens, runs)
+    res = run_bench(m, prompt_tokens, gen_tokens, runs, lookup=lookup)
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:
         typer.echo(f"model    {res['model']}\nbackend  {res['backend']}")
         typer.echo(f"prompt   {res['prompt_tokens']} tokens: {res['prompt_tps']:.1f} tok/s (median of {runs})")
         typer.echo(f"decode   {res['gen_tokens']} tokens: {res['decode_tps']:.1f} tok/s (median of {runs})")
+        if lookup:
+            lk = res["lookup"]
+            typer.echo(f"lookup   up to {lookup} drafts: {lk['drafts_accepted']} of {lk['drafts_proposed']} accepted, "
+                       f"{lk['tokens_per_forward']:.2f} tokens per forward")
 
 
 @app.command("cache-sim")

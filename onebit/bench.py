@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 
+from .generate import generate_step
+from .lookup import LookupStats
 from .sample import make_sampler
 
 BENCH_TEXT = (
@@ -21,7 +23,9 @@ def bench_prompt(model, n: int) -> list[int]:
     return (ids * reps)[:n]
 
 
-def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
+def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int, lookup: int = 0) -> dict:
+    """Medians over runs of prompt tok/s (chunks of 256) and decode tok/s (greedy, a fixed count
+    of tokens: EOS does not end a benchmark; with `lookup`, drafts verified per forward)."""
     if prompt_tokens + gen_tokens > model.context_length:
         from .errors import UsageError
 
@@ -29,6 +33,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
                          f"{model.context_length}-token context")
     prompt = np.asarray(bench_prompt(model, prompt_tokens), dtype=np.int64)
     greedy = make_sampler(0.0)
+    lk = LookupStats()
     pp, tg = [], []
     for _ in range(runs):
         cache = model.new_cache()
@@ -39,9 +44,12 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
         pp.append(len(prompt) / (time.perf_counter() - t0))
         tok = greedy(logits[-1])
         t0 = time.perf_counter()
-        for _ in range(gen_tokens):  # fixed count: EOS does not end a benchmark
-            logits = model.net.forward(np.asarray([tok], dtype=np.int64), cache, last_only=True)
-            tok = greedy(logits[-1])
+        # decode: gen_tokens tokens (plain decoding: one forward each; the first feeds the prompt's token)
+        steps = generate_step(model.net, [tok], cache, greedy, history=list(prompt), lookup=lookup,
+                              max_tokens=gen_tokens, max_positions=model.context_length, stats=lk)
+        for _ in range(gen_tokens):
+            next(steps)
+        steps.close()
         tg.append(gen_tokens / (time.perf_counter() - t0))
     return {
         "model": model.path,
@@ -53,4 +61,5 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
         "decode_tps": statistics.median(tg),
         "prompt_tps_runs": pp,
         "decode_tps_runs": tg,
+        "lookup": lk.to_dict() | {"max_drafts": lookup},
     }
