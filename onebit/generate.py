@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .lookup import LookupStats, NgramDrafter
+from .lookup import DraftPolicy, LookupStats, NgramDrafter
 from .sample import LogitsProcessor, Sampler
 
 
@@ -52,6 +52,7 @@ def generate_step(
     stats = stats if stats is not None else LookupStats()
     lookup = lookup if lookup > 0 and cache.can_trim else 0
     drafter = NgramDrafter(tokens) if lookup else None
+    policy = DraftPolicy() if lookup else None
     yielded = 0
     logits = None
     if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens
@@ -80,9 +81,15 @@ def generate_step(
                 room = min(room, max_tokens - yielded)
             if max_positions is not None:
                 room = min(room, max_positions - cache.offset - 1)
-            drafts = drafter.propose(room) if drafter is not None and room > 0 else []
+            drafts = []
+            if drafter is not None:
+                drafts, lengths = drafter.propose_matched(lookup)
+                drafts = drafts[: min(policy.choose(tokens, drafts, lengths), max(room, 0))]
             rows = np.asarray([tok, *drafts], dtype=np.int64)
+            t0 = time.perf_counter()
             logits = net.forward(rows, cache, hook=hook, last_only=not drafts)  # [1 + drafts, vocab]
+            if policy is not None:
+                policy.timed(len(rows), time.perf_counter() - t0)
             stats.forwards += 1
             stats.proposed += len(drafts)
             for i, d in enumerate(drafts):

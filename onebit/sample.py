@@ -44,19 +44,16 @@ class Sampler:
         return int(order[self.rng.choice(len(order), p=p)])
 
     def verify(self, logits: np.ndarray, draft: int) -> tuple[bool, int]:
-        """(accepted, token) for a drafted token whose drafter put all its mass on it: accept
-        with probability p(draft) (= min(1, p/q) with q = 1), else draw from p with the draft
-        removed, renormalised. The token is then distributed exactly as a plain draw."""
-        if self.greedy:
-            tok = int(np.argmax(logits))
-            return tok == draft, tok
-        order, p = self.distribution(logits)
-        hit = order == draft
-        if self.rng.random() < float(p[hit].sum()):
-            return True, int(draft)
-        rest = np.where(hit, 0.0, p)
-        rest /= rest.sum()  # > 0: p(draft) < 1 here, since the uniform draw is < 1
-        return False, int(order[self.rng.choice(len(order), p=rest)])
+        """(accepted, token) for a drafted token whose drafter put all its mass on it (q = 1).
+
+        Speculative sampling accepts such a draft with probability min(1, p/q) = p(draft) and
+        otherwise draws from the residual, p without the draft, renormalised. Drawing the
+        token as a plain step would and accepting exactly when it equals the draft is that
+        rule: the draft is kept with probability p(draft), and a rejected draw is distributed
+        as p conditioned on not being the draft, which is the residual. It also uses one draw
+        per token, in order, so a seeded run gives the tokens plain sampling gives."""
+        tok = self(logits)
+        return tok == draft, tok
 
 
 def make_sampler(

@@ -22,7 +22,8 @@ from onebit.backends.vulkan.backend import VulkanBackend
 from onebit.chat import ChatSession
 from onebit.errors import UsageError
 from onebit.generate import generate_step, stream_generate
-from onebit.lookup import LookupStats, NgramDrafter, lookup_budget
+from onebit import generate as generate_mod
+from onebit.lookup import DraftPolicy, LookupStats, NgramDrafter, lookup_budget
 from onebit.sample import Sampler, make_sampler
 
 MOE = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "mixtral-f32"]
@@ -35,6 +36,20 @@ _loaded: dict[tuple[str, str], onebit.Model] = {}
 @pytest.fixture(autouse=True)
 def vulkan_registered(monkeypatch):
     monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)
+
+
+class VerifyAll(DraftPolicy):
+    """Verifies every proposed draft, so the tests exercise drafts whatever the timings say
+    (the real policy only changes how many rows a forward has: its own tests are below)."""
+
+    def choose(self, tokens, drafts, lengths):
+        super().choose(tokens, drafts, lengths)
+        return len(drafts)
+
+
+@pytest.fixture(autouse=True)
+def every_draft(monkeypatch):
+    monkeypatch.setattr(generate_mod, "DraftPolicy", VerifyAll)
 
 
 def load(name: str, backend: str = "numpy") -> onebit.Model:
@@ -440,3 +455,70 @@ def test_seeded_speculative_sampling_is_reproducible():
     ids = prompt("qwen3moe-f32")
     runs = [run(m, ids, 8, sampler=make_sampler(0.8, seed=7))[0] for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_seeded_lookup_sampling_gives_the_tokens_plain_sampling_gives():
+    """One draw per token, in order (see Sampler.verify): the same seed, the same tokens."""
+    m = load("qwen3moe-f32")
+    ids = prompt("qwen3moe-f32")
+    for seed in range(3):
+        want = run(m, ids, 0, sampler=make_sampler(0.9, top_k=20, seed=seed))[0]
+        got, st = run(m, ids, 8, sampler=make_sampler(0.9, top_k=20, seed=seed))[0::4]
+        assert got == want and st.proposed > 0
+
+
+# -- the draft policy ---------------------------------------------------------------------
+
+
+def test_policy_drafts_when_drafts_are_right_and_rows_cheap():
+    p = DraftPolicy()
+    for R in range(1, 10):
+        p.timed(R, 1.0 + 0.05 * (R - 1))
+    toks = list(range(20))
+    p.hits[4], p.tries[4] = 95.0, 100.0
+    assert p.choose(toks, [1, 2, 3, 4, 5, 6, 7, 8], [4] * 8) == 8
+    q = DraftPolicy()
+    for R in range(1, 10):
+        q.timed(R, 1.0 + 0.05 * (R - 1))
+    q.hits[1], q.tries[1] = 5.0, 100.0
+    assert q.choose(toks, [1, 2], [1, 1]) == 0  # 1.05 expected tokens for 1.05x the time: not worth it
+
+
+def test_policy_stops_drafting_when_rows_cost_as_much_as_steps():
+    p = DraftPolicy()
+    for R in range(1, 10):
+        p.timed(R, float(R))  # compute-bound: R rows take R times as long
+    p.hits[4], p.tries[4] = 90.0, 100.0
+    assert p.choose(list(range(10)), [1] * 8, [4] * 8) == 0
+
+
+def test_policy_learns_the_accept_rate_from_every_proposal():
+    p = DraftPolicy()
+    toks = [1, 2, 3]
+    p.choose(toks, [7, 8, 9], [2, 2, 2])  # proposed after [1, 2, 3]
+    toks += [7, 8]  # two right so far: still open
+    p.score(toks)
+    assert p.tries[2] == 2.0
+    toks += [5]  # the third was wrong
+    p.score(toks)
+    assert (p.hits[2], p.tries[2]) == (3.0, 5.0)
+
+
+# -- streamed experts ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
+def test_streamed_lookup_equals_resident_plain(backend):
+    """Through a pool smaller than the experts (the union of the rows' experts acquired per
+    forward), lookup gives the tokens resident plain decoding gives, and drafts ran."""
+    name = "qwen3moe-f32"
+    want = step_tokens(load(name, backend), prompt(name), 0)[0]
+    m = onebit.load(fixture_path(f"{name}.gguf"), backend=backend, slots=6, budget="1GiB")
+    try:
+        assert m.pool is not None
+        got, _, st = step_tokens(m, prompt(name), 8)
+        assert got == want
+        assert st.accepted > 0 and st.proposed > st.accepted
+        assert m.pool.stats.demand_misses > 0  # it did stream
+    finally:
+        m.close()
