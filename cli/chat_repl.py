@@ -166,5 +166,6 @@ def run_chat(model, system=None, **settings) -> None:
             replies.close()
             sys.stdout.write(f"\n{st.dim}(reply stopped){st.reset}\n")
         except OnebitError as e:
-            session.history[:] = [m for m in session.history if m.get("content")]
+            if session.history and session.history[-1] == {"role": "assistant", "content": ""}:
+                session.history.pop()  # the placeholder of a reply that never started
             print(f"onebit: error: {e}", file=sys.stderr)

@@ -436,7 +436,7 @@ def _click_errors() -> tuple[type, type]:
 def main() -> None:
     click_exception, click_usage = _click_errors()
     try:
-        rc = app(standalone_mode=False)  # click returns an Exit's code in this mode
+        rc = app(prog_name="onebit", standalone_mode=False)  # click returns an Exit's code in this mode
         sys.exit(rc if isinstance(rc, int) else 0)
     except OnebitError as e:
         _print_error(str(e), e.exit_code)

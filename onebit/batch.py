@@ -270,7 +270,9 @@ class ResultsFile:
             try:
                 self._write_all(line)
             except BrokenPipeError:
-                raise
+                if self.path == "-":
+                    raise  # stdout piped into `head`: a quiet end, as for any command
+                raise OutputError(f"{self.path}: cannot write a result (the reader went away)") from None
             except OSError as e:
                 raise OutputError(f"{self.path}: cannot write a result ({e.strerror})") from None
             return
@@ -278,7 +280,7 @@ class ResultsFile:
         try:
             n = os.write(self.fd, line)
             if n != len(line):
-                raise OSError(errno.ENOSPC, f"only {n} of {len(line)} bytes written; disk full?")
+                raise OSError(errno.ENOSPC, f"only {n} of {len(line)} bytes written: disk full?")
             os.fsync(self.fd)
         except OSError as e:
             try:

@@ -4,9 +4,12 @@ outputs that are not regular files, write failures leave no torn line, ids, BOM,
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 
@@ -98,7 +101,9 @@ def test_second_writer_of_an_output_is_refused_naming_the_holder(tmp_path):
 def test_cli_refuses_an_output_another_run_holds(tmp_path):
     p = prompts_file(tmp_path, ["a"])
     out = tmp_path / "o.jsonl"
-    with batch.ResultsFile.open(str(out)):  # another run, here this test process
+    out.touch()
+    with open(out, "ab") as held:  # another run's lock, held by this test process
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         r = onebit_proc("generate", "-m", MODEL, "-i", str(p), "-o", str(out), "-n", "2")
     err = r.stderr.decode()
     assert r.returncode == 2 and err.count("\n") == 1 and f"pid {os.getpid()}" in err, err
@@ -123,9 +128,9 @@ def test_output_dev_null_works(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_never_reads_a_device():
-    with batch.ResultsFile.open("/dev/zero") as f:  # an endless read before
+    assert batch.completed_ids("/dev/zero") == set()  # an endless read before
+    with batch.ResultsFile.open("/dev/zero") as f:
         assert not f.regular and f.resume() == set()
-    assert batch.completed_ids("/dev/zero") == set()
 
 
 def test_fifo_output_without_a_reader_is_refused_not_a_hang(tmp_path, monkeypatch, capsys):
@@ -134,6 +139,18 @@ def test_fifo_output_without_a_reader_is_refused_not_a_hang(tmp_path, monkeypatc
     p = prompts_file(tmp_path, ["a"])
     code, _, err = run_cli(monkeypatch, capsys, "generate", "-m", MODEL, "-i", str(p), "-o", str(fifo))
     assert code == 2 and "no reader" in err
+
+
+def test_fifo_output_whose_reader_goes_away_is_an_error(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    with batch.ResultsFile.open(str(fifo)) as f:
+        f.write({"id": "1"})
+        assert os.read(reader, 100) == b'{"id": "1"}\n'
+        os.close(reader)
+        with pytest.raises(batch.OutputError, match="reader went away"):
+            f.write({"id": "2"})
 
 
 def test_fifo_input_is_read_once(tmp_path):
@@ -195,19 +212,41 @@ def test_write_failure_leaves_no_torn_line(tmp_path, how):
     assert out.read_text() == json.dumps({"id": "1", "text": "a"}) + "\n"
 
 
-def test_cli_disk_full_exits_1_and_a_rerun_resumes(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("how", ["short", errno.ENOSPC, errno.EIO])
+def test_cli_write_failure_exits_1_and_a_rerun_resumes(tmp_path, monkeypatch, capsys, how):
     p = prompts_file(tmp_path, ["a", "b", "c"])
     out = tmp_path / "o.jsonl"
     args = ("generate", "-m", MODEL, "-i", str(p), "-o", str(out), "-n", "2")
     with monkeypatch.context() as mp:
-        _failing_write(mp, out, 1, errno.ENOSPC)
+        _failing_write(mp, out, 1, how)
         code, _, err = run_cli(mp, capsys, *args)
-    assert code == 1 and "No space left on device" in err and "internal error" not in err
+    why = "bytes written" if how == "short" else os.strerror(how)
+    assert code == 1 and why in err and "internal error" not in err, err
     assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
     assert result_ids(out) == ["a"] and out.read_text().endswith("\n")
     code, _, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     assert result_ids(out) == ["a", "b", "c"]
+
+
+def test_file_size_limit_mid_line_leaves_no_torn_line(tmp_path):
+    """A real short write: the kernel stops the write at RLIMIT_FSIZE (then EFBIG)."""
+    p = prompts_file(tmp_path, ["a", "b"])
+    out = tmp_path / "o.jsonl"
+    out.write_text(rec("a"))
+    limit = out.stat().st_size + 40  # room for part of b's line
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    args = [sys.executable, "-m", "onebit.cli.main", "generate", "-m", MODEL, "-i", str(p), "-o", str(out), "-n", "2"]
+    r = subprocess.run(args, capture_output=True, timeout=120, preexec_fn=limited)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.count("\n") == 1 and "internal error" not in err, err
+    assert out.read_text() == rec("a")  # b's partial line was cut back
+    r = subprocess.run(args, capture_output=True, timeout=120)
+    assert r.returncode == 0 and result_ids(out) == ["a", "b"]
 
 
 def test_dev_full_output_is_one_line_exit_1(tmp_path):
