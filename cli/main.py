@@ -220,10 +220,10 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty
 def _stream_one(m, item, chat, system, seed, gen) -> None:
     from onebit import batch
 
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
     from .chat_repl import visible
 
-    tty = sys.stdout.isatty()
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
+    tty = sys.stdout.isatty()  # on a terminal, control characters in the output are shown escaped
     for r in m.generate(msgs if chat else item.prompt, seed=batch.prompt_seed(seed, item.id), **gen):
         sys.stdout.write(visible(r.text) if tty else r.text)
         sys.stdout.flush()
