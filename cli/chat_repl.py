@@ -11,7 +11,9 @@ HELP = """commands:
   /stats   speed and memory of the last reply
   /quit    leave (also Ctrl-D, or Ctrl-C twice)
 multi-line input: end a line with \\ to continue it, or wrap a block in lines of \"\"\"
+  (Ctrl-D inside it cancels the message); start a message with // to send one that begins with /
 Ctrl-C while a reply streams stops the reply."""
+COMMANDS = ("/help", "/reset", "/stats", "/quit", "/exit", "/q")
 
 
 def _colour() -> bool:
@@ -25,20 +27,39 @@ class Style:
         self.reset = "\033[0m" if on else ""
 
 
+def visible(text: str) -> str:
+    """Model output for a terminal: control characters other than newline and tab are shown
+    escaped (\\x1b), so generated text cannot move the cursor, clear the screen or retitle the
+    window."""
+    return "".join(f"\\x{ord(ch):02x}" if _is_control(ch) else ch for ch in text)
+
+
+def _is_control(ch: str) -> bool:
+    o = ord(ch)
+    return (o < 0x20 and ch not in "\n\t") or 0x7F <= o < 0xA0
+
+
+class Cancelled(Exception):
+    """Ctrl-D inside a multi-line message: the message is dropped, the chat goes on."""
+
+
 def read_message(prompt: str) -> str:
-    """One user message; raises EOFError / KeyboardInterrupt as input() does."""
+    """One user message; raises EOFError / KeyboardInterrupt as input() does at the prompt, and
+    Cancelled for Ctrl-D in the middle of a multi-line message."""
     line = input(prompt)
-    if line.strip() == '"""':
-        lines = []
-        while True:
-            nxt = input("... ")
-            if nxt.strip() == '"""':
-                return "\n".join(lines)
-            lines.append(nxt)
     lines = []
-    while line.endswith("\\"):
-        lines.append(line[:-1])
-        line = input("... ")
+    try:
+        if line.strip() == '"""':
+            while True:
+                nxt = input("... ")
+                if nxt.strip() == '"""':
+                    return "\n".join(lines)
+                lines.append(nxt)
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = input("... ")
+    except EOFError:
+        raise Cancelled from None
     lines.append(line)
     return "\n".join(lines)
 
@@ -93,6 +114,9 @@ def run_chat(model, system=None, **settings) -> None:
         try:
             text = read_message(f"{st.bold}> {st.reset}")
             interrupts = 0
+        except Cancelled:
+            print(f"\n{st.dim}(message cancelled){st.reset}")
+            continue
         except EOFError:
             print()
             return
@@ -106,20 +130,26 @@ def run_chat(model, system=None, **settings) -> None:
         cmd = text.strip()
         if not cmd:
             continue
-        if cmd in ("/quit", "/exit", "/q"):
-            return
-        if cmd == "/help":
-            print(HELP)
-            continue
-        if cmd == "/reset":
-            session.reset()
-            print(f"{st.dim}(conversation cleared){st.reset}")
-            continue
-        if cmd == "/stats":
-            print(format_stats(session))
-            continue
-        if cmd.startswith("/") and " " not in cmd:
-            print(f"{st.dim}unknown command {cmd}; /help lists them{st.reset}")
+        if cmd.startswith("//"):  # a message that starts with /
+            text = text.lstrip()[1:]
+        elif cmd.startswith("/"):
+            word, *rest = cmd.split(maxsplit=1)
+            if word not in COMMANDS:
+                print(f"{st.dim}unknown command {word}; /help lists them (start a message with // to send "
+                      f"it as it is){st.reset}")
+                continue
+            if rest:
+                print(f"{st.dim}{word} takes no arguments{st.reset}")
+                continue
+            if word in ("/quit", "/exit", "/q"):
+                return
+            if word == "/help":
+                print(HELP)
+            elif word == "/reset":
+                session.reset()
+                print(f"{st.dim}(conversation cleared){st.reset}")
+            elif word == "/stats":
+                print(format_stats(session))
             continue
         try:
             replies = session.send(text)
@@ -129,7 +159,7 @@ def run_chat(model, system=None, **settings) -> None:
                     print(f"{st.dim}(context full: dropped the {session.last.dropped_turns} oldest "
                           f"exchange(s)){st.reset}")
                 first = False
-                sys.stdout.write(r.text)
+                sys.stdout.write(visible(r.text))
                 sys.stdout.flush()
             if session.last.finish_reason == "length":
                 sys.stdout.write(f"\n{st.dim}(reply cut at --max-tokens or the context limit){st.reset}")
@@ -138,5 +168,6 @@ def run_chat(model, system=None, **settings) -> None:
             replies.close()
             sys.stdout.write(f"\n{st.dim}(reply stopped){st.reset}\n")
         except OnebitError as e:
-            session.history[:] = [m for m in session.history if m.get("content")]
+            if session.history and session.history[-1] == {"role": "assistant", "content": ""}:
+                session.history.pop()  # the placeholder of a reply that never started
             print(f"onebit: error: {e}", file=sys.stderr)

@@ -27,22 +27,44 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
           device: Optional[str] = None):
     import onebit
 
+    path = model or default_model_path()
+    if ctx is not None:
+        _check_ctx(path, ctx)
     if device is not None:
-        from onebit.backends.vulkan.device import DEVICE_ENV
+        from onebit.backends.vulkan.device import DEVICE_ENV, choose_device, list_devices
 
+        if backend == "vulkan":  # a device asked for by name or index: no silent fallback to numpy
+            choose_device(list_devices(), device)
         os.environ[DEVICE_ENV] = device
     if slots is not None and slots != "auto":
         try:
             slots = int(slots)
         except ValueError:
             raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
-    m = onebit.load(model or default_model_path(), backend=backend, n_ctx=ctx, slots=slots, budget=budget,
+    m = onebit.load(path, backend=backend, n_ctx=ctx, slots=slots, budget=budget,
                     pool_policy=policy)
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
         m.hook = TraceWriter(trace, m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
     return m
+
+
+def _check_ctx(path: str, ctx: int) -> None:
+    """--ctx within the model's context length, with room for a prompt token and a reply token;
+    read from the file header before anything is loaded."""
+    from onebit.gguf_file import GGUFFile
+    from onebit.models import model_class
+
+    if ctx < 1:
+        raise UsageError(f"--ctx must be at least 2, got {ctx}")
+    if ctx < 2:
+        raise UsageError(f"--ctx {ctx} leaves no room to generate: a prompt takes at least one token "
+                         f"and the reply another (use --ctx 2 or more)")
+    g = GGUFFile(path)
+    n = model_class(g.architecture, path).config(g).context_length
+    if ctx > n:
+        raise UsageError(f"--ctx {ctx} is out of range: the model's context length is {n}")
 
 
 def _finish(m, stats: bool, lookup=None) -> None:
@@ -125,6 +147,7 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
+    from onebit import batch
     from onebit.lookup import LookupStats, lookup_budget
 
     if (prompt is None) == (input is None):
@@ -142,37 +165,56 @@ def generate(
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     lookup = lookup_budget(lookup)
     lookup_stats = LookupStats() if lookup else None
-    out_f = None
-    if output is not None:
-        try:
-            out_f = open(output, "a", encoding="utf-8")
-        except OSError as e:
-            raise UsageError(f"{output}: cannot write the output file ({e.strerror})") from None
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
+    if any(s == "" for s in stop):
+        raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
+    if input is not None and output is None:
+        raise UsageError("--input needs --output FILE.jsonl (or - for stdout) for the results")
+    results = batch.ResultsFile.open(output) if output is not None else None
     try:
-        _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json,
-                  dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, lookup_stats=lookup_stats))
+        done = set()
+        if results is not None and input is not None:
+            done = results.resume()
+            _warn_unreadable(results)
+        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
+        try:
+            _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
+                      dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           repetition_penalty=repeat_penalty, stop=stop, lookup=lookup,
+                           lookup_stats=lookup_stats))
+        finally:
+            _finish(m, stats, lookup_stats)
     finally:
-        _finish(m, stats, lookup_stats)
+        if results is not None:
+            results.close()
 
 
-def _generate(m, prompt, input, input_format, out_f, output, on_error, raw, system, seed, as_json, gen) -> None:
+def _warn_unreadable(results) -> None:
+    bad = results.unreadable_lines
+    if bad:
+        where = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        typer.echo(f"onebit: warning: {results.path}: {len(bad)} line(s) that are not results (line {where}) "
+                   f"are kept as they are", err=True)
+
+
+def _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done, gen) -> None:
     from onebit import batch
 
     chat = not raw and m.chat_template is not None
     if input is None:
         item = batch.PromptItem("1", 1, prompt=prompt)
-        if out_f is not None or as_json:
+        why = batch.too_long(m, len(batch.prompt_ids(m, item, chat=chat, system=system)))
+        if why is not None:
+            raise UsageError(why)
+        if results is not None or as_json:
             rec = batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen)
-            if out_f is not None:
-                batch.append_result(out_f, rec)
-            if as_json or out_f is None:
+            if results is not None:
+                results.write(rec)
+            if results is None or (as_json and results.path != "-"):
                 typer.echo(json.dumps(rec, ensure_ascii=False))
             return
         _stream_one(m, item, chat, system, seed, gen)
         return
-    _run_batch(m, input, input_format, out_f, output, on_error, chat, system, seed, gen)
+    _run_batch(m, input, input_format, results, on_error, chat, system, seed, done, gen)
 
 
 def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty) -> None:
@@ -188,41 +230,37 @@ def _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty
 def _stream_one(m, item, chat, system, seed, gen) -> None:
     from onebit import batch
 
+    from .chat_repl import visible
+
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
+    tty = sys.stdout.isatty()  # on a terminal, control characters in the output are shown escaped
     for r in m.generate(msgs if chat else item.prompt, seed=batch.prompt_seed(seed, item.id), **gen):
-        sys.stdout.write(r.text)
+        sys.stdout.write(visible(r.text) if tty else r.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
 
 
-def _run_batch(m, input, input_format, out_f, output, on_error, chat, system, seed, gen) -> None:
+def _run_batch(m, input, input_format, results, on_error, chat, system, seed, done, gen) -> None:
     from tqdm import tqdm
 
     from onebit import batch
 
-    if out_f is None:
-        raise UsageError("--input needs --output FILE.jsonl for the results")
-    out_f.close()
-    done = batch.completed_ids(output)
-    total = None
     if input == "-":
-        stream = sys.stdin.buffer
+        stream, total = sys.stdin.buffer, None
     else:
         try:
             stream = open(input, "rb")
-            total = sum(1 for line in stream if line.strip())
-            stream.seek(0)
         except OSError as e:
             raise UsageError(f"{input}: cannot read the prompts file ({e.strerror})") from None
-    failed = 0
-    with open(output, "a", encoding="utf-8") as out, tqdm(total=total, unit="prompt", file=sys.stderr,
-                                                           disable=None, dynamic_ncols=True) as bar:
+        total = batch.count_lines(input)
+    failed = too_long = 0
+    with tqdm(total=total, unit="prompt", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
         for item in batch.read_prompts(stream, input_format, input):
             if isinstance(item, batch.BadLine):
                 failed += 1
                 msg = f"{input}:{item.line}: {item.reason}"
                 if on_error == "stop":
-                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + output + ")")
+                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + results.path + ")")
                 tqdm.write(f"onebit: warning: {msg} (skipped)", file=sys.stderr)
                 bar.update(1)
                 continue
@@ -230,11 +268,19 @@ def _run_batch(m, input, input_format, out_f, output, on_error, chat, system, se
                 bar.update(1)
                 continue
             rec = batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen)
-            batch.append_result(out, rec)
+            if "error" in rec:
+                msg = f"{input}:{item.line}: id {item.id!r}: {rec['error']}"
+                if on_error == "stop":
+                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + results.path + ")")
+                too_long += 1
+                tqdm.write(f"onebit: warning: {msg} (error result written)", file=sys.stderr)
+            results.write(rec)
             done.add(item.id)
             bar.update(1)
     if failed:
         typer.echo(f"onebit: {failed} input line(s) skipped", err=True)
+    if too_long:
+        typer.echo(f"onebit: {too_long} prompt(s) did not fit the context (error results written)", err=True)
 
 
 @app.command()
@@ -329,6 +375,11 @@ def chat(
     lookup = lookup_budget(lookup)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
     try:
+        first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
+        n = len(m.chat_tokens(first))
+        if n >= m.context_length:
+            raise UsageError(f"--ctx {m.context_length} leaves no room to chat: the chat template alone takes "
+                             f"{n} tokens")
         run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                  min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, lookup=lookup)
     finally:
@@ -396,9 +447,17 @@ def cache_sim(
         typer.echo(format_table(results, decode_tokens))
 
 
+def _click_errors() -> tuple[type, type]:
+    """(ClickException, UsageError) of the click that typer runs on: typer ships its own copy
+    of click, whose exceptions are not the `click` package's, so take them from typer's own."""
+    mro = typer.BadParameter.__mro__
+    return (next(c for c in mro if c.__name__ == "ClickException"), next(c for c in mro if c.__name__ == "UsageError"))
+
+
 def main() -> None:
+    click_exception, click_usage = _click_errors()
     try:
-        rc = app(standalone_mode=False)  # click returns an Exit's code in this mode
+        rc = app(prog_name="onebit", standalone_mode=False)  # click returns an Exit's code in this mode
         sys.exit(rc if isinstance(rc, int) else 0)
     except OnebitError as e:
         _print_error(str(e), e.exit_code)
@@ -409,11 +468,17 @@ def main() -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(0)
-    except Exception as e:  # click usage errors and anything unexpected: one line, no traceback
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            _print_error(e.format_message(), 2 if isinstance(e, click.exceptions.UsageError) else e.exit_code)
+    except click_usage as e:  # bad arguments: click's usage line, then one error line; exit 2
+        if type(e).__name__ == "NoArgsIsHelpError":  # plain `onebit`: the help
+            sys.stderr.write(e.format_message() + "\n")
+            sys.exit(2)
+        if e.ctx is not None:
+            sys.stderr.write(e.ctx.get_usage() + "\n")
+            sys.stderr.write(f"Try '{e.ctx.command_path} {e.ctx.help_option_names[0]}' for help.\n")
+        _print_error(e.format_message(), 2)
+    except click_exception as e:
+        _print_error(e.format_message(), e.exit_code)
+    except Exception as e:  # anything unexpected: one line, no traceback
         if os.environ.get("ONEBIT_DEBUG"):
             raise
         _print_error(f"internal error: {type(e).__name__}: {e} (set ONEBIT_DEBUG=1 for a traceback)", 1)

@@ -63,29 +63,34 @@ class ChatSession:
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
 
-    def _fit(self) -> tuple[list[int], int]:
-        """Tokens of the conversation, dropping the oldest turns until it fits with room to reply."""
+    def _fit(self, history: list[dict[str, str]]) -> tuple[list[int], int]:
+        """Tokens of the conversation, dropping the oldest turns of `history` (in place) until it
+        fits with room to reply."""
         ctx = self.model.context_length
         room = min(self.max_tokens, max(ctx // 4, 1))
+        system = [{"role": "system", "content": self.system}] if self.system else []
         dropped = 0
         while True:
-            ids = self.model.chat_tokens(self.messages())
-            if len(ids) + room <= ctx or len(self.history) <= 1:
+            ids = self.model.chat_tokens(system + history)
+            if len(ids) + room <= ctx or len(history) <= 1:
                 break
             # drop the oldest user turn and the reply that followed it
-            del self.history[:2 if len(self.history) > 2 else 1]
+            del history[:2 if len(history) > 2 else 1]
             dropped += 1
         if len(ids) >= ctx:
-            raise UsageError(f"the message is {len(ids)} tokens, longer than the {ctx}-token context")
+            raise UsageError(f"the message is {len(ids)} tokens, longer than the {ctx}-token context; not sent "
+                             f"(shorten it, or use a larger --ctx)")
         return ids, dropped
 
     def send(self, text: str) -> Iterator[GenerationResponse]:
         """Add a user message and stream the reply. If the caller stops early (Ctrl-C), the partial
-        reply is kept in the history and the cache stays consistent."""
+        reply is kept in the history and the cache stays consistent. A message that cannot fit is
+        refused with the history untouched."""
         if not text.strip():
             raise UsageError("empty message")
-        self.history.append({"role": "user", "content": text})
-        ids, dropped = self._fit()
+        history = self.history + [{"role": "user", "content": text}]
+        ids, dropped = self._fit(history)
+        self.history[:] = history
         common = 0
         for a, b in zip(self.cached, ids):
             if a != b:

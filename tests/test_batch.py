@@ -25,7 +25,7 @@ def test_read_prompts_jsonl_and_text():
     src = b'{"id": "a", "prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "yo"}]}\n{"prompt": ""}\nnot json\n'
     items = list(batch.read_prompts(io.BytesIO(src)))
     assert isinstance(items[0], batch.PromptItem) and items[0].id == "a" and items[0].prompt == "hi"
-    assert items[1].id == "3" and items[1].messages[0]["content"] == "yo"
+    assert items[1].id == "#3" and items[1].messages[0]["content"] == "yo"  # no id: "#" and its line
     assert isinstance(items[2], batch.BadLine) and items[2].line == 4 and "empty" in items[2].reason
     assert isinstance(items[3], batch.BadLine) and items[3].line == 5 and "JSON" in items[3].reason
     text = list(batch.read_prompts(io.BytesIO(b"first\nsecond \xff\nthird\n")))
