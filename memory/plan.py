@@ -16,6 +16,7 @@ from onebit.cache import kv_cache_bytes
 from onebit.config import ModelConfig
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
+from onebit.moe.predict import scratch_kv_bytes
 
 from .budget import Budget, format_bytes
 
@@ -188,7 +189,8 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                           f"{ctx} tokens x {cfg.n_layers} layers"))
     items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
                           f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
-    per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0) + kv_cache_bytes(cfg, 1, kv_elem_bytes) // cfg.n_layers
+    # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
+    per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0) + scratch_kv_bytes(cfg)
     items.append(PlanItem("predicted-layer scratch", per_pred * len(predicted),
                           f"{len(predicted)} layer(s) x {format_bytes(per_pred)}" if predicted else "no --layers"))
     items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),

@@ -263,20 +263,28 @@ class ExpertPool:
                         self.lru[s.cls][id(s)] = s
             self.lock.notify_all()
 
-    def prefetch(self, layer: int, experts: Iterable[int]) -> None:
-        """Queue reads for experts not resident; never blocks, never evicts pinned slots."""
+    def prefetch(self, layer: int, experts: Iterable[int], keep: Iterable[tuple[int, int]] = ()) -> int:
+        """Queue reads for experts not resident; never blocks, never evicts a pinned slot or one
+        holding a `keep` key ((layer, expert): e.g. what the current layer routes to), nor an
+        expert this same call queued. Returns how many reads were queued."""
+        queued = 0
         with self.lock:
             if self.closed:
-                return
+                return 0
+            avoid = {(int(a), int(b)) for a, b in keep}
             for e in experts:
                 key = (layer, int(e))
                 if key in self.where:
                     continue
                 ci = self.class_of_layer[layer]
-                if not self.lru[ci]:
-                    return  # everything pinned: a prefetch must not wait
-                self._claim(layer, key, PREFETCH)
+                victim = self._free_slot(layer, ci, avoid)
+                if victim is None:
+                    break  # nothing may be evicted for it: a prefetch must not wait
+                self._claim(layer, key, PREFETCH, victim)
+                avoid.add(key)
                 self.stats.prefetches += 1
+                queued += 1
+        return queued
 
     def drain(self, timeout: float = 30) -> None:
         """Wait until no read is queued or in flight."""
@@ -337,9 +345,18 @@ class ExpertPool:
             self.lock.wait(timeout=1)
             self._check_open()
 
-    def _claim(self, layer: int, key: tuple[int, int], priority: int) -> _Slot:
+    def _free_slot(self, layer: int, ci: int, avoid: set) -> Optional[_Slot]:
+        """The least recently used unpinned slot this layer may use, not holding an `avoid` key;
+        None if there is none (never waits)."""
+        part = self._partition(layer, ci)
+        for s in self.lru[ci].values():
+            if s.index in part and s.key not in avoid:
+                return s
+        return None
+
+    def _claim(self, layer: int, key: tuple[int, int], priority: int, victim: Optional[_Slot] = None) -> _Slot:
         ci = self.class_of_layer[layer]
-        s = self._victim(layer, ci)
+        s = victim if victim is not None else self._victim(layer, ci)
         self.lru[ci].pop(id(s), None)
         if s.key is not None:
             if s.prefetched:

@@ -5,11 +5,13 @@ from .errors import OnebitError
 __version__ = "0.1.0"
 
 
-def load(path, backend: str = "numpy", n_ctx=None, slots=None, budget=None, pool_policy: str = "global"):
+def load(path, backend: str = "numpy", n_ctx=None, slots=None, budget=None, pool_policy: str = "global",
+         predict=None):
     """Open a GGUF model; see `onebit.model.load`."""
     from .model import load as _load
 
-    return _load(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy)
+    return _load(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy,
+                 predict=predict)
 
 
 __all__ = ["load", "OnebitError", "__version__"]

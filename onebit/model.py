@@ -23,7 +23,8 @@ DEFAULT_CONTEXT = 4096
 
 class Model:
     def __init__(self, path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,
-                 slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global"):
+                 slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
+                 predict=None):
         self.path = str(path)
         self.gguf = GGUFFile(path)
         cls = model_class(self.gguf.architecture, self.path)
@@ -38,7 +39,7 @@ class Model:
 
         self.guard = MemoryGuard()  # checked every generated token
         if slots is not None or budget is not None:
-            self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy)
+            self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy, _predicted_layers(cfg, predict))
         else:
             self.be = make_backend(backend, self.gguf)
         # Under a memory plan the KV cache is allocated up front, as planned.
@@ -55,10 +56,13 @@ class Model:
             self.be = self._numpy_backend()
             self.net = cls(self.gguf, self.be, cfg, kv_capacity)
         self.cfg = self.net.cfg
+        self.predictor = None
+        if predict is not None:
+            self.set_predict(predict)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
 
-    def _planned_backend(self, backend, cfg, slots, budget, policy):
+    def _planned_backend(self, backend, cfg, slots, budget, policy, predicted: str = ""):
         """Plan memory first; refuse a plan that does not fit; stream experts when slots < all."""
         from .backends.streaming import StreamingNumpyBackend
         from .memory.budget import detect_budget
@@ -75,7 +79,7 @@ class Model:
             except VulkanUnavailableError:
                 pass  # the backend falls back to numpy below, with its own warning
         self.plan = make_plan(self.gguf, cfg, detect_budget(budget, **limits), ctx=self.context_length,
-                              slots="auto" if slots is None else slots)
+                              layers=predicted, slots="auto" if slots is None else slots)
         if not self.plan.fits:
             raise PlanError(self.plan)
         if not self.plan.streaming:
@@ -128,7 +132,27 @@ class Model:
                 self.gguf.tensors[t.name] = dataclasses.replace(t, raw=np.array(t.raw))
                 bar.update(t.n_bytes)
 
+    def set_predict(self, settings) -> None:
+        """Routing prediction at every MoE pause point (a moe.predict.PredictSettings, or a mode
+        name: off, router, block), feeding the expert pool's prefetch queue when streaming."""
+        from .moe.predict import PredictSettings, Predictor, settings_from
+
+        if isinstance(settings, str):
+            settings = settings_from({}, mode=settings)
+        if not isinstance(settings, PredictSettings):
+            raise UsageError(f"predict must be a mode name or PredictSettings, got {settings!r}")
+        if self.predictor is not None:
+            self.predictor.close()
+        self.predictor = None
+        if settings.on:
+            if not any(self.cfg.layer_is_moe(i) for i in range(self.cfg.n_layers)):
+                raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
+            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool)
+        self.be.predictor = self.predictor
+
     def close(self) -> None:
+        if self.predictor is not None:
+            self.predictor.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -204,9 +228,25 @@ class Model:
                                    lookup=lookup_budget(lookup), lookup_stats=lookup_stats)
 
 
+def _predicted_layers(cfg, predict) -> str:
+    """The --layers spec a plan reserves prediction scratch for: the layers `predict` predicts."""
+    from .moe.predict import PredictSettings, settings_from
+
+    if isinstance(predict, str):
+        predict = settings_from({}, mode=predict)
+    if not isinstance(predict, PredictSettings) or not predict.on:
+        return ""
+    if predict.layers:
+        return predict.layers
+    return ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
+
+
 def load(path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,
-         slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global") -> Model:
+         slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
+         predict=None) -> Model:
     """Open a GGUF model (memory-mapped) on the given backend. With `slots` (a number or "auto")
     or `budget`, memory is planned first and routed experts stream through a slot pool when
-    fewer slots than experts fit."""
-    return Model(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy)
+    fewer slots than experts fit. `predict` (a mode name or moe.predict.PredictSettings):
+    routing prediction feeding the pool's prefetch queue."""
+    return Model(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy,
+                 predict=predict)

@@ -24,12 +24,15 @@ class NumpyBackend:
 
     def __init__(self, gguf: GGUFFile):
         self.gguf = gguf
+        self.predictor = None  # a moe.predict.Predictor, called at every MoE pause point
 
     def close(self) -> None:
         """Nothing to free: weights stay in the file's memory map."""
 
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
         """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
+        if self.predictor is not None:
+            self.predictor.begin()
         logits = model.schedule(EagerStep(self, ids, cache, hook), last_only)
         cache.offset += len(ids)
         return logits
@@ -196,9 +199,16 @@ class EagerStep:
     def route(self, logits: np.ndarray, k: int, norm: bool):
         return self.be.route(logits, k, norm)
 
-    def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray) -> None:
+    def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         if self.hook is not None:
             self.hook(layer, ids, logits)
+        predictor = self.be.predictor
+        if predictor is not None:
+            from ..moe.predict import PauseContext
+
+            c = self.cache
+            ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values)
+            predictor.at_pause(ctx, layer, ids, logits, h)
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return self.be.experts(x, layer, ids, weights)

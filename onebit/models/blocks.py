@@ -14,7 +14,8 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     add(a, b), swiglu(a, b)   a + b, silu(a) * b
     residual(x, y)            x + y, neither used again (a backend may add y into x in place)
     route(logits, k, norm)    softmax top-k -> ids [R, k], weights [R, k]
-    pause(layer, ids, logits) the pause point: the host may act before the layer's experts run
+    pause(layer, ids, logits, h)  the pause point: the host may act before the layer's experts
+                              run (h: the residual stream there, which a predictor ranks from)
     experts(layer, x, ids, w) the routed experts' SwiGLU FFN, weighted and summed -> [R, dim]
     shared_expert(layer, x)   the sigmoid-gated shared expert -> [R, dim]
     last_row(x)               x[-1:]
@@ -66,10 +67,11 @@ def dense_ffn(g, layer: int, x):
     return g.linear(h, f"{p}.ffn_down.weight")
 
 
-def moe_ffn(g, cfg: ModelConfig, layer: int, x):
+def moe_ffn(g, cfg: ModelConfig, layer: int, x, h):
+    """Routed experts over x = norm(h); h is the residual stream the FFN block adds to."""
     logits = g.linear(x, f"blk.{layer}.ffn_gate_inp.weight")  # [R, E]
     ids, weights = g.route(logits, cfg.n_experts_used, cfg.expert_weights_norm)  # [R, k]
-    g.pause(layer, ids, logits)
+    g.pause(layer, ids, logits, h)
     return g.experts(layer, x, ids, weights)  # [R, dim]
 
 
@@ -81,7 +83,7 @@ def decoder_layer(g, cfg: ModelConfig, layer: int, x):
     hn = g.norm(h, f"{p}.ffn_norm.weight", cfg.norm_eps)
     if not cfg.layer_is_moe(layer):
         return g.residual(h, dense_ffn(g, layer, hn))
-    out = g.residual(h, moe_ffn(g, cfg, layer, hn))
+    out = g.residual(h, moe_ffn(g, cfg, layer, hn, h))
     if cfg.shared_expert_hidden_dim:
         out = g.residual(out, g.shared_expert(layer, hn))
     return out

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 class VulkanBackend:
     name = "vulkan"
     pool = None
+    predictor = None  # a moe.predict.Predictor, called at every MoE pause point
     streamed_layers: frozenset = frozenset()
 
     def __init__(self, gguf: GGUFFile, device: Optional[Device] = None):

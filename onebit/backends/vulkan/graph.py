@@ -248,9 +248,12 @@ class Val:
 class PausePoint:
     """Where a recording stops for the host: after layer's router, before its experts."""
 
-    def __init__(self, layer: int, at: int, ids: Val, logits: Val):
+    def __init__(self, layer: int, at: int, ids: Val, logits: Val, h: Optional[Val] = None):
         self.layer, self.at = layer, at  # `at`: index of the first op after the pause
         self.ids, self.logits = ids, logits
+        # The residual stream at the pause (a predictor reads it). Its buffer is kept by
+        # slice: the residual add after the experts takes the Val over, in place.
+        self.h = None if h is None else (h.s, h.shape, h.dtype)
         self.weights: Optional[Val] = None  # the routing weights (set by the experts op)
         self.table: Optional[Val] = None  # slot indices the expert kernels read (streamed layers)
         self.y: Optional[Val] = None  # the experts' output
@@ -359,11 +362,11 @@ class Recorder:
         self.k.softmax_topk(self.seq, logits.s, ids.s, w.s, R, E, k, norm)
         return ids, w
 
-    def pause(self, layer: int, ids: Val, logits: Val) -> None:
+    def pause(self, layer: int, ids: Val, logits: Val, h: Val) -> None:
         if self.rec.observe:  # kept (their buffers not reused) for the hook after the step
             self.rec.observed.append((layer, ids, logits))
         if layer in self.rec.pause_layers:
-            self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits))
+            self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, h))
 
     def experts(self, layer: int, x: Val, ids: Val, w: Val) -> Val:
         R, k = ids.shape
@@ -486,9 +489,20 @@ class Recording:
         self._tok[:] = tokens
         np.add(self._rows, start, out=self._pos)
         held = None
+        predictor = self.be.predictor
+        if predictor is not None:
+            from ...moe.predict import PauseContext
+
+            predictor.begin()
+            kv = self.kv
+            ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l])
         try:
             self.segments[0].run()
             for pp, seg in zip(self.pauses, self.segments[1:]):
+                if predictor is not None:
+                    hs, hshape, hdtype = pp.h
+                    h = hs.buffer.view(hdtype, hshape, hs.offset).copy()
+                    predictor.at_pause(ctx, pp.layer, pp.ids.host().astype(np.int64), pp.logits.host(), h)
                 held, seg = self._at_pause(pp, hook, pool, seg)
                 seg.run()
                 if held is not None:
@@ -644,7 +658,7 @@ class GraphRunner:
         # after the step with every layer's ids; any other hook pauses at every MoE layer.
         pauses = self.be.streamed_layers
         observe = hook is not None and not getattr(hook, "needs_pause", True)
-        if hook is not None and not observe:
+        if (hook is not None and not observe) or self.be.predictor is not None:
             pauses |= {i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)}
         # All-row logits are one binding: keep it under the device's limit.
         limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range

@@ -1,0 +1,358 @@
+"""Routing prediction: which experts the next MoE layers will route to, so the pool can read
+them while the current layer computes.
+
+At each MoE layer's pause point (after its router, before its experts) the predictor gets
+the layer's routing and the residual stream h there (the input of the layer's FFN block).
+For each of the next `ahead` MoE layers l + j it ranks experts from:
+
+- router: layer l + j's FFN norm and router applied to h (the residual available now);
+- block:  layer l + j's own mixer block run speculatively first (attention over the real
+          cache's earlier positions plus this step's rows, whose K/V go to that layer's
+          scratch, never to the cache), then its FFN norm and router; deeper layers chain
+          from the predicted residual. `no_attn` drops the mixer (router on h chained).
+
+The ranked candidates become a set (`select`: at least `min`, up to `depth` while within
+`margin` of the best router logit), queued as pool prefetches (demand reads go first; a
+prefetch never evicts what the current layer routes to). Only the ranking leaves the
+predictor: the forward's arithmetic is untouched, so output with prediction on is
+bit-identical to off (tested), and a poisoned scratch changes nothing.
+
+Adaptive rule (per predicted layer): the precision of its predictions (routed / predicted,
+a running mean over recent tokens) is tracked whether or not they were issued. Below
+PAUSE_BELOW the layer's prefetches stop (a wrong read costs drive time a demand read may
+need); they resume above RESUME_ABOVE. Candidates past the top-k (depth) are issued only
+while their own precision stays above DEEP_ABOVE. Predictions for layers more than one
+ahead are issued only while that layer's precision is above AHEAD_ABOVE.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from ..errors import UsageError
+
+MODES = ("off", "router", "block")
+ENV = "ONEBIT_MOE_PREDICT"
+PAUSE_BELOW, RESUME_ABOVE, DEEP_ABOVE, AHEAD_ABOVE = 0.30, 0.40, 0.15, 0.50
+EMA = 0.1  # weight of the newest token in the running precisions
+
+
+@dataclass(frozen=True)
+class PredictSettings:
+    mode: str = "off"
+    depth: int = 0  # candidates ranked per layer (0: the model's top-k)
+    margin: float = math.inf  # a deeper candidate only while its logit is within this of the best
+    min: int = 0  # always read at least this many (0: the model's top-k)
+    layers: Optional[str] = None  # "1,2,5-9": the layers predicted (None: every MoE layer)
+    ahead: int = 1  # how many MoE layers ahead
+    no_attn: bool = False  # block mode without the mixer
+    out: Optional[str] = None  # per-token predicted / actual trace (JSONL)
+    stats: bool = False  # print the per-layer table at exit
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+
+def _int(name: str, v, lo: int) -> int:
+    try:
+        n = int(str(v).strip())
+    except ValueError:
+        raise UsageError(f"{name} must be a whole number, got {v!r}") from None
+    if n < lo:
+        raise UsageError(f"{name} must be >= {lo}, got {n}")
+    return n
+
+
+def _flag(name: str, v) -> bool:
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise UsageError(f"{name} must be 0 or 1, got {v!r}")
+
+
+def settings_from(env=None, **given) -> PredictSettings:
+    """Settings from ONEBIT_MOE_PREDICT* in `env` (default os.environ), overridden by the
+    non-None keyword arguments (the CLI flags). Bad values: UsageError."""
+    env = os.environ if env is None else env
+    raw = {
+        "mode": env.get(ENV), "depth": env.get(ENV + "_DEPTH"), "margin": env.get(ENV + "_MARGIN"),
+        "min": env.get(ENV + "_MIN"), "layers": env.get(ENV + "_LAYERS"), "ahead": env.get(ENV + "_AHEAD"),
+        "no_attn": env.get(ENV + "_NO_ATTN"), "out": env.get(ENV + "_OUT"), "stats": env.get(ENV + "_STATS"),
+    }
+    raw.update({k: v for k, v in given.items() if v is not None})
+    out = {}
+    mode = str(raw["mode"] or "off").strip().lower()
+    if mode not in MODES:
+        raise UsageError(f"--moe-predict must be one of {', '.join(MODES)}, got {raw['mode']!r}")
+    out["mode"] = mode
+    if raw["depth"] not in (None, ""):
+        out["depth"] = _int("--moe-predict-depth", raw["depth"], 1)
+    if raw["min"] not in (None, ""):
+        out["min"] = _int("--moe-predict-min", raw["min"], 1)
+    if raw["ahead"] not in (None, ""):
+        out["ahead"] = _int("--moe-predict-ahead", raw["ahead"], 1)
+    if raw["margin"] not in (None, ""):
+        try:
+            m = float(raw["margin"])
+        except ValueError:
+            raise UsageError(f"--moe-predict-margin must be a number, got {raw['margin']!r}") from None
+        if not m >= 0:
+            raise UsageError(f"--moe-predict-margin must be >= 0, got {raw['margin']!r}")
+        out["margin"] = m
+    if raw["layers"] not in (None, ""):
+        out["layers"] = str(raw["layers"])
+    if raw["no_attn"] not in (None, ""):
+        out["no_attn"] = _flag("--moe-predict-no-attn", raw["no_attn"])
+    if raw["stats"] not in (None, ""):
+        out["stats"] = _flag("--moe-predict-stats", raw["stats"])
+    if raw["out"] not in (None, ""):
+        out["out"] = str(raw["out"])
+    s = PredictSettings(**out)
+    if s.min and s.depth and s.min > s.depth:
+        raise UsageError(f"--moe-predict-min ({s.min}) is more than --moe-predict-depth ({s.depth})")
+    return s
+
+
+def scratch_kv_bytes(cfg, rows: int = 1) -> int:
+    """Bytes of one predicted layer's scratch state: this step's keys and values (float32)."""
+    return 4 * rows * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v)
+
+
+@dataclass
+class LayerStats:
+    """One predicted layer: what was predicted for it and what it routed to (sets over rows)."""
+
+    predictions: int = 0  # rows (tokens) for which the layer was predicted and then reached
+    routed: int = 0  # experts those rows routed to (top-k each)
+    predicted: int = 0  # experts predicted for them (the sets selected), summed
+    hits: int = 0  # routed experts that were predicted
+    top_hits: int = 0  # of those, within the top-k candidates
+    issued: int = 0  # forwards whose prediction (the union over rows) went to the pool
+    prefetched: int = 0  # experts queued by those
+    precision: float = 1.0  # running (EMA) routed-and-predicted / predicted
+    deep_precision: float = 1.0  # the same for candidates past the top-k
+    paused: bool = False  # the adaptive rule stopped its prefetches
+
+    @property
+    def recall(self) -> float:
+        return self.hits / self.routed if self.routed else 0.0
+
+
+@dataclass
+class _Pending:
+    rows: list  # per row: (the selected set, the part always read, the top-k candidates)
+    issued: bool  # sent to the pool (the union over rows)
+
+
+class PauseContext:
+    """What a backend hands the predictor at a pause point: the rows' positions and a view of
+    the real cache's earlier keys and values (read only)."""
+
+    def __init__(self, start: int, rows: int, keys, values):
+        self.start, self.rows = start, rows
+        self.keys, self.values = keys, values  # layer -> [>= start, Hkv, D] arrays
+
+
+class Predictor:
+    """Ranks the next layers' experts at each pause point and feeds the pool's prefetch queue."""
+
+    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None):
+        from ..backends.numpy_backend import NumpyBackend
+        from ..memory.plan import parse_layers
+
+        self.cfg, self.s, self.pool = cfg, settings, pool
+        self.be = NumpyBackend(gguf)
+        self.k = cfg.n_experts_used
+        self.moe_layers = [i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)]
+        wanted = set(parse_layers(settings.layers, cfg.n_layers)) if settings.layers else set(self.moe_layers)
+        self.targets = sorted(wanted & set(self.moe_layers))
+        self.depth = max(settings.depth or self.k, settings.min or self.k)
+        self.min = settings.min or self.k
+        self.stats = {l: LayerStats() for l in self.targets}
+        self.pending: dict[int, _Pending] = {}
+        # one scratch per predicted layer: this step's K/V of a speculative block
+        self.scratch = {l: (np.zeros((1, cfg.n_kv_heads, cfg.head_dim), np.float32),
+                            np.zeros((1, cfg.n_kv_heads, cfg.head_dim_v), np.float32)) for l in self.targets}
+        self.forwards = 0
+        self.trace = None
+        if settings.out:
+            try:
+                self.trace = open(settings.out, "w", encoding="utf-8")
+            except OSError as e:
+                raise UsageError(f"{settings.out}: cannot write the prediction trace ({e.strerror})") from None
+            self.trace.write(json.dumps({"onebit_predict_trace": 1, "mode": settings.mode, "k": self.k}) + "\n")
+
+    # -- memory ---------------------------------------------------------------------------
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.scratch.values())
+
+    # -- the pause point ------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A forward starts: predictions left from the last one are dropped."""
+        self.pending.clear()
+        self.forwards += 1
+
+    def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
+        self._score(layer, ids)
+        i = self.moe_layers.index(layer)
+        nxt = [l for l in self.moe_layers[i + 1 : i + 1 + self.s.ahead]]
+        keep = [int(e) for e in np.unique(ids)]
+        r = h
+        for j, target in enumerate(nxt):
+            if self.s.mode == "block" and not self.s.no_attn:
+                r = self._block(ctx, target, r)
+            if target not in self.stats:
+                continue
+            rows = self.select(self._router(target, r))
+            st = self.stats[target]
+            issue = not st.paused and (j == 0 or st.precision >= AHEAD_ABOVE)
+            if issue and self.pool is not None:
+                deep = st.deep_precision >= DEEP_ABOVE
+                send = set().union(*[sel if deep else base for sel, base, _ in rows])
+                self.pool.prefetch(target, sorted(send), keep=[(layer, e) for e in keep])
+                st.prefetched += len(send)
+                st.issued += 1
+            self.pending[target] = _Pending(rows, issue)
+
+    def _score(self, layer: int, ids: np.ndarray) -> None:
+        """Compare the pending prediction for `layer` with its routing, row by row."""
+        p = self.pending.pop(layer, None)
+        if p is None or layer not in self.stats:
+            return
+        st = self.stats[layer]
+        for (sel, base, top), routed_row in zip(p.rows, ids):
+            routed = set(int(e) for e in routed_row)
+            hit = routed & sel
+            st.predictions += 1
+            st.routed += len(routed)
+            st.predicted += len(sel)
+            st.hits += len(hit)
+            st.top_hits += len(routed & top)
+            st.precision = (1 - EMA) * st.precision + EMA * (len(hit) / len(sel))
+            deep = sel - base
+            if deep:
+                st.deep_precision = (1 - EMA) * st.deep_precision + EMA * (len(routed & deep) / len(deep))
+        if st.paused and st.precision > RESUME_ABOVE:
+            st.paused = False
+        elif not st.paused and st.precision < PAUSE_BELOW:
+            st.paused = True
+        if self.trace is not None:
+            for r, ((sel, base, top), routed_row) in enumerate(zip(p.rows, ids)):
+                self.trace.write(json.dumps({"forward": self.forwards, "row": r, "layer": layer,
+                                             "predicted": sorted(sel), "top": sorted(top),
+                                             "actual": sorted(int(e) for e in routed_row),
+                                             "issued": p.issued}) + "\n")
+
+    # -- ranking --------------------------------------------------------------------------
+
+    def _router(self, layer: int, r: np.ndarray) -> np.ndarray:
+        """Layer's router logits for residual r: [R, E]."""
+        be = self.be
+        hn = be.rms_norm(r, be.weight(f"blk.{layer}.ffn_norm.weight"), self.cfg.norm_eps)
+        return be.linear(hn, f"blk.{layer}.ffn_gate_inp.weight")
+
+    def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
+        """r + layer's mixer over norm(r), its K/V for these rows in the layer's scratch."""
+        from ..models.blocks import attention
+
+        step = _ScratchStep(self.be, ctx, layer, *self._scratch_for(layer, ctx.rows))
+        x = self.be.rms_norm(r, self.be.weight(f"blk.{layer}.attn_norm.weight"), self.cfg.norm_eps)
+        return r + attention(step, self.cfg, layer, x)
+
+    def _scratch_for(self, layer: int, rows: int):
+        """The layer's scratch (a decode step: the one the plan counts); transient arrays for a
+        prompt chunk or verify rows, or a layer passed through on the way to a deeper target."""
+        if layer in self.scratch and rows == 1:
+            return self.scratch[layer]
+        cfg = self.cfg
+        return (np.zeros((rows, cfg.n_kv_heads, cfg.head_dim), np.float32),
+                np.zeros((rows, cfg.n_kv_heads, cfg.head_dim_v), np.float32))
+
+    def select(self, logits: np.ndarray) -> list[tuple[set, set, set]]:
+        """Per row of router logits [R, E]: (the set to read, the part always read, the top-k
+        candidates): the first `min` candidates, then up to `depth` while within `margin` of
+        the row's best."""
+        out = []
+        order = np.argsort(-logits, axis=-1, kind="stable")
+        for row, o in zip(logits, order):
+            best = row[o[0]]
+            base = set(int(e) for e in o[: self.min])
+            sel = base | {int(e) for e in o[self.min : self.depth] if best - row[e] <= self.s.margin}
+            out.append((sel, base, set(int(e) for e in o[: self.k])))
+        return out
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def table(self) -> str:
+        lines = [f"prediction: {self.s.mode}, {self.s.ahead} ahead, depth {self.depth}, min {self.min}",
+                 "layer  recall  top-k recall  precision  predicted/row  issued  prefetched  paused"]
+        tot = LayerStats()
+        for l, st in self.stats.items():
+            if not st.predictions:
+                continue
+            tot.routed += st.routed
+            tot.hits += st.hits
+            tot.top_hits += st.top_hits
+            tot.predicted += st.predicted
+            tot.predictions += st.predictions
+            tot.issued += st.issued
+            tot.prefetched += st.prefetched
+            lines.append(f"{l:5d}  {st.recall:6.3f}  {st.top_hits / st.routed:12.3f}  "
+                         f"{st.hits / st.predicted if st.predicted else 0:9.3f}  "
+                         f"{st.predicted / st.predictions:13.2f}  {st.issued:6d}  {st.prefetched:10d}  "
+                         f"{'yes' if st.paused else 'no'}")
+        if tot.predictions:
+            lines.append(f"  all  {tot.recall:6.3f}  {tot.top_hits / tot.routed:12.3f}  "
+                         f"{tot.hits / tot.predicted if tot.predicted else 0:9.3f}  "
+                         f"{tot.predicted / tot.predictions:13.2f}  {tot.issued:6d}  {tot.prefetched:10d}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None
+
+
+class _ScratchStep:
+    """The ops `blocks.attention` needs, on numpy, for a speculative block: the rows' K/V go to
+    the predicted layer's scratch; attention reads the real cache's earlier positions plus them."""
+
+    def __init__(self, be, ctx: PauseContext, layer: int, k_scratch: np.ndarray, v_scratch: np.ndarray):
+        self.be, self.ctx, self.layer = be, ctx, layer
+        self.k_scratch, self.v_scratch = k_scratch, v_scratch
+        self.pos = np.arange(ctx.start, ctx.start + ctx.rows, dtype=np.int64)
+        self.tensor_names = be.gguf.tensors
+
+    def linear(self, x, name, bias=None):
+        y = self.be.linear(x, name)
+        return y + self.be.weight(bias) if bias is not None else y
+
+    def norm(self, x, name, eps):
+        return self.be.rms_norm(x, self.be.weight(name), eps)
+
+    @staticmethod
+    def view(x, shape):
+        return x.reshape(x.shape[0], *shape)
+
+    def rope(self, x, n_rot, theta, neox, scale):
+        return self.be.rope(x, self.pos, n_rot, theta, neox, scale)
+
+    def attention(self, layer, q, k, v, window=0):
+        self.k_scratch[...] = k
+        self.v_scratch[...] = v
+        s = self.ctx.start
+        keys = np.concatenate([self.ctx.keys(layer)[:s], self.k_scratch])
+        values = np.concatenate([self.ctx.values(layer)[:s], self.v_scratch])
+        return self.be.attention(q, keys, values, self.pos, window)
