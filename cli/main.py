@@ -24,7 +24,7 @@ def default_model_path() -> str:
 
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
-          device: Optional[str] = None):
+          device: Optional[str] = None, predict=None):
     import onebit
 
     path = model or default_model_path()
@@ -42,7 +42,7 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
         except ValueError:
             raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
     m = onebit.load(path, backend=backend, n_ctx=ctx, slots=slots, budget=budget,
-                    pool_policy=policy)
+                    pool_policy=policy, predict=predict)
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
@@ -67,10 +67,21 @@ def _check_ctx(path: str, ctx: int) -> None:
         raise UsageError(f"--ctx {ctx} is out of range: the model's context length is {n}")
 
 
+def _predict(mode, depth, margin, min_, layers, ahead, no_attn, out, stats):
+    """Prediction settings from the flags over $ONEBIT_MOE_PREDICT*; checked before loading."""
+    from onebit.moe.predict import settings_from
+
+    return settings_from(None, mode=mode, depth=depth, margin=margin, min=min_, layers=layers, ahead=ahead,
+                         no_attn=no_attn, out=out, stats=stats)
+
+
 def _finish(m, stats: bool, lookup=None) -> None:
-    """At exit: close the trace and print expert-pool (and lookup decoding) stats when asked."""
+    """At exit: close the trace and print expert-pool (and lookup decoding, and routing
+    prediction) stats when asked."""
     if m.hook is not None and hasattr(m.hook, "close"):
         m.hook.close()
+    if m.predictor is not None and (stats or m.predictor.s.stats):
+        typer.echo(m.predictor.table(), err=True)
     if stats and lookup is not None:
         typer.echo(lookup.line(), err=True)
     if stats:
@@ -110,6 +121,17 @@ POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: glo
 STATS = typer.Option(False, "--stats", help="Print expert-pool stats at exit.")
 TRACE = typer.Option(None, "--trace", help="Record every token's routed experts to this JSONL file.")
 CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(model's, 4096)).")
+PREDICT = typer.Option(None, "--moe-predict", help="Routing prediction feeding the expert pool's prefetch: "
+                                                    "off, router or block (default $ONEBIT_MOE_PREDICT or off).")
+P_DEPTH = typer.Option(None, "--moe-predict-depth", help="Rank this many candidates per layer (default top-k).")
+P_MARGIN = typer.Option(None, "--moe-predict-margin", help="Read a deeper candidate only while its router logit "
+                                                          "is within this of the best.")
+P_MIN = typer.Option(None, "--moe-predict-min", help="Always read at least this many (default top-k).")
+P_LAYERS = typer.Option(None, "--moe-predict-layers", help="Layers predicted, e.g. 1,2,5-9 (default all MoE layers).")
+P_AHEAD = typer.Option(None, "--moe-predict-ahead", help="Predict this many MoE layers ahead (default 1).")
+P_NO_ATTN = typer.Option(None, "--moe-predict-no-attn", help="Block mode without the mixer (0 or 1).")
+P_OUT = typer.Option(None, "--moe-predict-out", help="Per-token predicted / actual trace (JSONL).")
+P_STATS = typer.Option(None, "--moe-predict-stats", help="Print the per-layer prediction table at exit (0 or 1).")
 LOOKUP = typer.Option(None, "--lookup", help="Lookup decoding: draft up to N tokens (0-8) from n-grams of the "
                                               "context and verify them in one forward; same output. "
                                               "Default: $ONEBIT_LOOKUP or 0 (off).")
@@ -144,6 +166,15 @@ def generate(
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
     lookup: Optional[int] = LOOKUP,
+    moe_predict: Optional[str] = PREDICT,
+    moe_predict_depth: Optional[str] = P_DEPTH,
+    moe_predict_margin: Optional[str] = P_MARGIN,
+    moe_predict_min: Optional[str] = P_MIN,
+    moe_predict_layers: Optional[str] = P_LAYERS,
+    moe_predict_ahead: Optional[str] = P_AHEAD,
+    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_out: Optional[str] = P_OUT,
+    moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
@@ -165,6 +196,8 @@ def generate(
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     lookup = lookup_budget(lookup)
     lookup_stats = LookupStats() if lookup else None
+    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_out, moe_predict_stats)
     if any(s == "" for s in stop):
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
@@ -175,7 +208,7 @@ def generate(
         if results is not None and input is not None:
             done = results.resume()
             _warn_unreadable(results)
-        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
+        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -365,6 +398,15 @@ def chat(
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
     lookup: Optional[int] = LOOKUP,
+    moe_predict: Optional[str] = PREDICT,
+    moe_predict_depth: Optional[str] = P_DEPTH,
+    moe_predict_margin: Optional[str] = P_MARGIN,
+    moe_predict_min: Optional[str] = P_MIN,
+    moe_predict_layers: Optional[str] = P_LAYERS,
+    moe_predict_ahead: Optional[str] = P_AHEAD,
+    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_out: Optional[str] = P_OUT,
+    moe_predict_stats: Optional[str] = P_STATS,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
     from onebit.lookup import lookup_budget
@@ -373,7 +415,9 @@ def chat(
 
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     lookup = lookup_budget(lookup)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device)
+    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_out, moe_predict_stats)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))
@@ -394,17 +438,41 @@ def bench(
     runs: int = typer.Option(3, "--runs", help="Runs; the median is reported."),
     backend: str = BACKEND,
     device: Optional[str] = DEVICE,
+    ctx: Optional[int] = CTX,
+    slots: Optional[str] = SLOTS,
+    budget: Optional[str] = BUDGET,
+    pool_policy: str = POLICY,
+    stats: bool = STATS,
     lookup: Optional[int] = LOOKUP,
+    moe_predict: Optional[str] = PREDICT,
+    moe_predict_depth: Optional[str] = P_DEPTH,
+    moe_predict_margin: Optional[str] = P_MARGIN,
+    moe_predict_min: Optional[str] = P_MIN,
+    moe_predict_layers: Optional[str] = P_LAYERS,
+    moe_predict_ahead: Optional[str] = P_AHEAD,
+    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_out: Optional[str] = P_OUT,
+    moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Prompt and decode tok/s on this machine (median of runs)."""
-    from onebit.bench import run_bench
     from onebit.lookup import lookup_budget
 
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
     lookup = lookup_budget(lookup)
-    m = _load(model, backend, device=device)
+    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_out, moe_predict_stats)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
+    try:
+        _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json)
+    finally:
+        _finish(m, stats)
+
+
+def _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json) -> None:
+    from onebit.bench import run_bench
+
     res = run_bench(m, prompt_tokens, gen_tokens, runs, lookup=lookup)
     if as_json:
         typer.echo(json.dumps(res, indent=2))

@@ -350,9 +350,23 @@ class _ScratchStep:
         return self.be.rope(x, self.pos, n_rot, theta, neox, scale)
 
     def attention(self, layer, q, k, v, window=0):
+        """Causal GQA over the cache's first `start` positions and these rows (in the scratch),
+        without copying the cache: scores for both parts, one softmax, two weighted sums."""
         self.k_scratch[...] = k
         self.v_scratch[...] = v
         s = self.ctx.start
-        keys = np.concatenate([self.ctx.keys(layer)[:s], self.k_scratch])
-        values = np.concatenate([self.ctx.values(layer)[:s], self.v_scratch])
-        return self.be.attention(q, keys, values, self.pos, window)
+        kc, vc = self.ctx.keys(layer)[:s], self.ctx.values(layer)[:s]  # views of the real cache
+        R, H, D = q.shape
+        Hkv, Dv = k.shape[1], v.shape[2]
+        qg = q.reshape(R, Hkv, H // Hkv, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
+        scale = np.float32(1.0 / np.sqrt(D))
+        sc = (qg @ kc.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, s]
+        sn = (qg @ self.k_scratch.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, R]
+        mask_n = np.arange(R)[None, :] > np.arange(R)[:, None]  # causal among the rows
+        if window > 0:
+            sc = np.where(np.arange(s)[None, :] <= self.pos[:, None] - window, np.float32(-np.inf), sc)
+            mask_n |= self.pos[None, :] <= self.pos[:, None] - window
+        sn = np.where(mask_n, np.float32(-np.inf), sn)
+        p = self.be.softmax(np.concatenate([sc, sn], axis=-1))
+        out = p[..., :s] @ vc.transpose(1, 0, 2)[:, None] + p[..., s:] @ self.v_scratch.transpose(1, 0, 2)[:, None]
+        return out.transpose(2, 0, 1, 3).reshape(R, H * Dv)

@@ -1,0 +1,284 @@
+"""Routing prediction (onebit/moe/predict.py) changes which experts are read ahead, never the output.
+
+Output with prediction on is bit-identical to off for every mode, depth, margin, lookahead and
+layer mask, greedy and seeded sampling, resident and streamed, numpy and Vulkan; a poisoned
+scratch changes nothing; the speculative block equals the real block run on a copy of the
+cache; Vulkan's predictions equal numpy's (the residual read at the pause is right); the trace
+and the table agree; the plan reserves exactly the scratch the predictor holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import onebit
+from conftest import fixture_path
+from onebit.backends import BACKENDS
+from onebit.backends.numpy_backend import EagerStep
+from onebit.backends.vulkan.backend import VulkanBackend
+from onebit.errors import UsageError
+from onebit.memory.budget import Budget
+from onebit.memory.plan import make_plan
+from onebit.models import blocks
+from onebit.moe.predict import PredictSettings, Predictor, scratch_kv_bytes, settings_from
+from onebit.sample import make_sampler
+
+N_DECODE = 10
+
+
+def shipped() -> str:
+    """The shipped model: 6 MoE layers (lookahead and layer masks have somewhere to go) with
+    learned routing; the fixtures have 2 layers."""
+    from onebit.cli.main import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(autouse=True)
+def vulkan_registered(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)
+
+
+_PROMPT = "def loads(s): Deserialize s (a str instance containing a JSON document) to a Python object."
+
+
+def prompt(n=8):
+    m = onebit.load(shipped())
+    return np.asarray(m.tokenize(_PROMPT * 6)[:n], np.int64)
+
+
+def decode(m, ids, n=N_DECODE, temp=0.0, seed=0):
+    """Every step's logits and the sampled tokens of a decode after a prompt."""
+    sampler = make_sampler(temp, top_k=20, seed=seed)
+    cache = m.new_cache()
+    out = [m.net.forward(ids, cache, last_only=True)]
+    toks = []
+    for _ in range(n):
+        toks.append(sampler(out[-1][-1]))
+        out.append(m.net.forward(np.array([toks[-1]]), cache))
+    return np.concatenate(out), toks
+
+
+SETTINGS = [
+    dict(mode="router"),
+    dict(mode="block"),
+    dict(mode="block", ahead=3, depth=6, margin=2.0),
+    dict(mode="router", ahead=2, min=3, depth=8),
+    dict(mode="block", no_attn=True, ahead=2),
+    dict(mode="block", layers="2,4-5", ahead=2),
+]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
+def test_prediction_is_bit_identical_to_off(backend):
+    ids = prompt()
+    ref = onebit.load(shipped(), backend=backend)
+    want_g = decode(ref, ids)
+    want_s = decode(ref, ids, temp=0.9, seed=3)
+    ref.close()
+    for kw in SETTINGS:
+        m = onebit.load(shipped(), backend=backend, predict=settings_from({}, **kw))
+        got_g = decode(m, ids)
+        got_s = decode(m, ids, temp=0.9, seed=3)
+        st = m.predictor.stats
+        m.close()
+        assert np.array_equal(got_g[0], want_g[0]) and got_g[1] == want_g[1], kw
+        assert np.array_equal(got_s[0], want_s[0]) and got_s[1] == want_s[1], kw
+        assert sum(s.predictions for s in st.values()) > 0, kw  # it did predict
+
+
+@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
+@pytest.mark.parametrize("mode", ["router", "block"])
+def test_streamed_with_prediction_equals_resident_bit_for_bit(backend, mode):
+    path = shipped()
+    ids = prompt(12)
+    want = decode(onebit.load(path, backend=backend), ids)
+    m = onebit.load(path, backend=backend, slots=10, budget="1GiB",
+                    predict=settings_from({}, mode=mode, ahead=2, depth=6))
+    try:
+        got = decode(m, ids)
+        st = m.pool.stats
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+        assert st.prefetches > 0 and st.demand_misses > 0  # prefetches were issued and it did stream
+        assert st.prefetch_hits > 0  # and some were used
+    finally:
+        m.close()
+
+
+class Capture(Predictor):
+    """Records what each pause point saw (the residual h and the routing)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen = []
+
+    def at_pause(self, ctx, layer, ids, logits, h):
+        self.seen.append((layer, ctx.start, ids.copy(), h.copy()))
+        super().at_pause(ctx, layer, ids, logits, h)
+
+
+def test_poisoned_scratch_changes_nothing():
+    path = shipped()
+    ids = prompt()
+    m = onebit.load(path, predict=settings_from({}, mode="block", ahead=2))
+    want = decode(m, ids)
+    want_rows = [r for s in m.predictor.stats.values() for r in [s.hits]]
+    m.set_predict(settings_from({}, mode="block", ahead=2))
+    pred = m.predictor
+    orig = pred.at_pause
+
+    def poisoned(ctx, layer, ids_, logits, h):
+        for k, v in pred.scratch.values():
+            k.fill(np.nan)
+            v.fill(np.nan)
+        orig(ctx, layer, ids_, logits, h)
+
+    pred.at_pause = poisoned
+    got = decode(m, ids)
+    assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+    assert [s.hits for s in pred.stats.values()] == want_rows  # predictions unchanged too
+
+
+def test_speculative_block_equals_the_real_block_on_a_cache_copy():
+    """The block mode's attention over scratch == blocks.attention run for real (writing the
+    K/V into a copy of the cache): the scratch path computes the same thing."""
+    m = onebit.load(shipped())
+    cfg = m.cfg
+    pred = Predictor(m.gguf, cfg, settings_from({}, mode="block"))
+    cache = m.new_cache()
+    m.net.forward(prompt(), cache)
+    h = np.random.default_rng(0).normal(size=(1, cfg.dim)).astype(np.float32)
+    from onebit.moe.predict import PauseContext
+
+    layer = 2
+    ctx = PauseContext(cache.offset, 1, lambda l: cache[l].keys, lambda l: cache[l].values)
+    got = pred._block(ctx, layer, h)
+    real = copy.deepcopy(cache)
+    step = EagerStep(m.be, np.array([0]), real)
+    x = m.be.rms_norm(h, m.be.weight(f"blk.{layer}.attn_norm.weight"), cfg.norm_eps)
+    want = h + blocks.attention(step, cfg, layer, x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # and the real cache was not written
+    assert not np.array_equal(real[layer].keys[cache.offset], cache[layer].keys[cache.offset])
+
+
+def test_vulkan_predicts_what_numpy_predicts():
+    path = shipped()
+    ids = prompt()
+    traces = []
+    for backend in ("numpy", "vulkan"):
+        m = onebit.load(path, backend=backend)
+        cap = Capture(m.gguf, m.cfg, settings_from({}, mode="block", ahead=2))
+        m.be.predictor = cap
+        toks = decode(m, ids)[1]
+        traces.append((toks, cap))
+    (t0, a), (t1, b) = traces
+    assert t0 == t1
+    assert [(l, s, i.tolist()) for l, s, i, _ in a.seen] == [(l, s, i.tolist()) for l, s, i, _ in b.seen]
+    for (_, _, _, ha), (_, _, _, hb) in zip(a.seen, b.seen):
+        np.testing.assert_allclose(hb, ha, rtol=0, atol=1e-4 * max(1.0, np.abs(ha).max()))
+    assert [s.hits for s in a.stats.values()] == [s.hits for s in b.stats.values()]
+
+
+def test_trace_and_table_agree(tmp_path):
+    out = tmp_path / "pred.jsonl"
+    m = onebit.load(shipped(), predict=settings_from({}, mode="router", ahead=2, out=str(out)))
+    decode(m, prompt())
+    m.close()
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["onebit_predict_trace"] == 1
+    by_layer = {}
+    for r in lines[1:]:
+        hit = len(set(r["predicted"]) & set(r["actual"]))
+        a = by_layer.setdefault(r["layer"], [0, 0, 0])
+        a[0] += hit
+        a[1] += len(r["actual"])
+        a[2] += 1
+    assert by_layer
+    for layer, (hit, routed, rows) in by_layer.items():
+        st = m.predictor.stats[layer]
+        assert (st.hits, st.routed, st.predictions) == (hit, routed, rows)
+        assert f"{layer:5d}  {hit / routed:6.3f}" in m.predictor.table()
+
+
+def test_plan_reserves_the_predictor_scratch():
+    m = onebit.load(shipped())
+    cfg = m.cfg
+    layers = "1,3-4"
+    pred = Predictor(m.gguf, cfg, settings_from({}, mode="block", layers=layers))
+    p = make_plan(m.gguf, cfg, Budget(1 << 30, "test", available=1 << 30), ctx=64, layers=layers)
+    item = next(i for i in p.items if i.component == "predicted-layer scratch")
+    kv = scratch_kv_bytes(cfg) * 3
+    assert pred.scratch_bytes == kv  # the state the predictor holds == the planned K/V part
+    activations = item.bytes - kv
+    # one predicted block's transient memory stays within the planned activation scratch
+    cache = m.new_cache()
+    m.net.forward(prompt(60), cache)
+    from onebit.moe.predict import PauseContext
+
+    ctx = PauseContext(cache.offset, 1, lambda l: cache[l].keys, lambda l: cache[l].values)
+    h = np.ones((1, cfg.dim), np.float32)
+    pred._router(3, pred._block(ctx, 3, h))  # warm (lazy imports)
+    tracemalloc.start()
+    pred._router(3, pred._block(ctx, 3, h))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    biggest = max((t for t in m.gguf.tensors.values() if t.name.startswith("blk.3.") and "exps" not in t.name),
+                  key=lambda t: t.n_elements)
+    m.be.linear(h, biggest.name)  # one matrix dequantized for a product: the compute scratch counts it
+    dequant = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 0 < peak - dequant <= activations // 3
+
+
+def test_settings_from_env_and_flags():
+    env = {"ONEBIT_MOE_PREDICT": "block", "ONEBIT_MOE_PREDICT_DEPTH": "6", "ONEBIT_MOE_PREDICT_MARGIN": "1.5",
+           "ONEBIT_MOE_PREDICT_MIN": "2", "ONEBIT_MOE_PREDICT_LAYERS": "1,2,5-9", "ONEBIT_MOE_PREDICT_AHEAD": "2",
+           "ONEBIT_MOE_PREDICT_NO_ATTN": "1", "ONEBIT_MOE_PREDICT_STATS": "1"}
+    s = settings_from(env)
+    assert s == PredictSettings("block", 6, 1.5, 2, "1,2,5-9", 2, True, None, True)
+    assert settings_from(env, mode="router", ahead=3).mode == "router"
+    assert settings_from({}).mode == "off"
+    for bad in ({"ONEBIT_MOE_PREDICT": "sometimes"}, {"ONEBIT_MOE_PREDICT_DEPTH": "0"},
+                {"ONEBIT_MOE_PREDICT_MARGIN": "-1"}, {"ONEBIT_MOE_PREDICT_AHEAD": "x"},
+                {"ONEBIT_MOE_PREDICT_NO_ATTN": "maybe"}, {"ONEBIT_MOE_PREDICT_MIN": "5", "ONEBIT_MOE_PREDICT_DEPTH": "3"}):
+        with pytest.raises(UsageError):
+            settings_from(bad)
+    m = onebit.load(shipped())
+    with pytest.raises(UsageError):
+        m.set_predict(settings_from({}, mode="router", layers="0-99"))
+
+
+def test_cli_bad_values_exit_2_and_stats_print(tmp_path):
+    base = [sys.executable, "-m", "onebit.cli.main", "generate", "-m", str(shipped()),
+            "-p", "hi", "-n", "4", "--raw"]
+    r = subprocess.run(base + ["--moe-predict", "bogus"], capture_output=True, text=True)
+    assert r.returncode == 2 and "moe-predict" in r.stderr
+    r = subprocess.run(base, capture_output=True, text=True, env={"ONEBIT_MOE_PREDICT_AHEAD": "0", "PATH": ""})
+    assert r.returncode == 2 and "ahead" in r.stderr
+    r = subprocess.run(base + ["--moe-predict", "block", "--moe-predict-stats", "1", "--slots", "10", "--budget", "1GiB"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "recall" in r.stderr and "prediction: block" in r.stderr
+
+
+def test_prefetch_never_evicts_what_the_current_layer_needs():
+    from test_pool import make_pool
+
+    g, pool = make_pool(3)
+    try:
+        pool.acquire(0, [1, 2])
+        pool.release(0, [1, 2])  # resident, unpinned: LRU victims
+        n = pool.prefetch(1, [4, 5, 6], keep=[(0, 1), (0, 2)])
+        assert n == 1  # one free slot; the two the current layer routes to are kept
+        pool.drain()
+        assert (0, 1) in pool.where and (0, 2) in pool.where and (1, 4) in pool.where
+    finally:
+        pool.close()
