@@ -50,6 +50,7 @@ class PoolStats:
     bytes_read: int = 0
     stall_seconds: float = 0.0  # time acquire spent waiting for reads
     acquires: int = 0
+    busy_seconds: float = 0.0  # wall time with at least one read in flight (bytes_read / it: drive rate)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -191,6 +192,7 @@ class ExpertPool:
                 self.readers[src.file] = _Reader(src.file, direct)
         self.queue: list = []
         self.in_flight = 0
+        self._busy_since = 0.0
         self.seq = itertools.count()
         self.closed = False
         self.threads = [threading.Thread(target=self._work, daemon=True, name=f"expert-reader-{i}")
@@ -387,6 +389,8 @@ class ExpertPool:
                 if s.pins == 0:
                     self.lru[s.cls].pop(id(s), None)
                 s.pins += 1
+                if self.in_flight == 0:
+                    self._busy_since = time.perf_counter()
                 self.in_flight += 1
             layer, e = key
             err = None
@@ -403,6 +407,8 @@ class ExpertPool:
             with self.lock:
                 self.stats.bytes_read += n
                 self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.stats.busy_seconds += time.perf_counter() - self._busy_since
                 s.error = err
                 s.pins -= 1
                 if s.pins == 0:

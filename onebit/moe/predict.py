@@ -151,6 +151,7 @@ class LayerStats:
 class _Pending:
     rows: list  # per row: (the selected set, the part always read, the top-k candidates)
     issued: bool  # sent to the pool (the union over rows)
+    distance: int = 1  # how many MoE layers ahead it was made
 
 
 class PauseContext:
@@ -178,7 +179,9 @@ class Predictor:
         self.depth = max(settings.depth or self.k, settings.min or self.k)
         self.min = settings.min or self.k
         self.stats = {l: LayerStats() for l in self.targets}
-        self.pending: dict[int, _Pending] = {}
+        self.pending: dict[int, _Pending] = {}  # target layer -> the freshest prediction for it
+        self.older: dict[int, list[tuple[int, list]]] = {}  # target -> [(distance, rows)] made further back
+        self.by_distance: dict[int, list[int]] = {}  # layers ahead -> [hits, routed] (recall at that distance)
         # one scratch per predicted layer: this step's K/V of a speculative block
         self.scratch = {l: (np.zeros((1, cfg.n_kv_heads, cfg.head_dim), np.float32),
                             np.zeros((1, cfg.n_kv_heads, cfg.head_dim_v), np.float32)) for l in self.targets}
@@ -202,6 +205,7 @@ class Predictor:
     def begin(self) -> None:
         """A forward starts: predictions left from the last one are dropped."""
         self.pending.clear()
+        self.older.clear()
         self.forwards += 1
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
@@ -224,13 +228,22 @@ class Predictor:
                 self.pool.prefetch(target, sorted(send), keep=[(layer, e) for e in keep])
                 st.prefetched += len(send)
                 st.issued += 1
-            self.pending[target] = _Pending(rows, issue)
+            old = self.pending.get(target)
+            if old is not None:
+                self.older.setdefault(target, []).append((old.distance, old.rows))
+            self.pending[target] = _Pending(rows, issue, j + 1)
 
     def _score(self, layer: int, ids: np.ndarray) -> None:
         """Compare the pending prediction for `layer` with its routing, row by row."""
         p = self.pending.pop(layer, None)
         if p is None or layer not in self.stats:
             return
+        for dist, rows in [(p.distance, p.rows)] + self.older.pop(layer, []):
+            acc = self.by_distance.setdefault(dist, [0, 0])
+            for (sel, _, _), routed_row in zip(rows, ids):
+                routed = set(int(e) for e in routed_row)
+                acc[0] += len(routed & sel)
+                acc[1] += len(routed)
         st = self.stats[layer]
         for (sel, base, top), routed_row in zip(p.rows, ids):
             routed = set(int(e) for e in routed_row)
@@ -317,6 +330,9 @@ class Predictor:
             lines.append(f"  all  {tot.recall:6.3f}  {tot.top_hits / tot.routed:12.3f}  "
                          f"{tot.hits / tot.predicted if tot.predicted else 0:9.3f}  "
                          f"{tot.predicted / tot.predictions:13.2f}  {tot.issued:6d}  {tot.prefetched:10d}")
+        for dist, (hits, routed) in sorted(self.by_distance.items()):
+            if len(self.by_distance) > 1:
+                lines.append(f"recall {dist} layer(s) ahead: {hits / routed:.3f}")
         return "\n".join(lines)
 
     def close(self) -> None:
