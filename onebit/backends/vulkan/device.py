@@ -605,9 +605,18 @@ class Sequence:
 
     def run(self) -> None:
         """Submit (recording first if needed) and wait until the device is done."""
+        self.submit()
+        self.wait()
+
+    def submit(self) -> None:
+        """Start it on the device and return at once; `wait()` before touching what it writes
+        (or submitting anything else: the device has one fence)."""
         if self._cmd is None:
             self._record()
-        self.dev._submit_wait(self._submit, what=self._what)
+        self.dev._submit(self._submit, what=self._what)
+
+    def wait(self) -> None:
+        self.dev._wait(what=self._what)
 
     def _what(self) -> str:
         names = sorted({op.pipeline.name for op in self.ops if isinstance(op, _Dispatch)})
@@ -750,12 +759,20 @@ class Device:
 
     def _submit_wait(self, submit, what=str) -> None:
         """Submit a VkSubmitInfo* and wait; `what()` names the work in an error message."""
+        self._submit(submit, what)
+        self._wait(what)
+
+    def _submit(self, submit, what=str) -> None:
         vk = self.vk
         lib = vk.lib
         _check(vk, lib.vkResetFences(self.handle, 1, self._fence_ptr), "vkResetFences")
         res = lib.vkQueueSubmit(self.queue, 1, submit, self.fence)
         if res != vk.VK_SUCCESS:
             raise VulkanKernelError(f"submitting {what()} failed (VkResult {res})")
+
+    def _wait(self, what=str) -> None:
+        vk = self.vk
+        lib = vk.lib
         t0 = time.perf_counter()
         res = lib.vkWaitForFences(self.handle, 1, self._fence_ptr, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
         self.wait_s += time.perf_counter() - t0

@@ -499,12 +499,15 @@ class Recording:
         try:
             self.segments[0].run()
             for pp, seg in zip(self.pauses, self.segments[1:]):
-                if predictor is not None:
+                if predictor is not None:  # read now: the next segment adds into h in place
                     hs, hshape, hdtype = pp.h
                     h = hs.buffer.view(hdtype, hshape, hs.offset).copy()
-                    predictor.at_pause(ctx, pp.layer, pp.ids.host().astype(np.int64), pp.logits.host(), h)
+                    ids, logits = pp.ids.host().astype(np.int64), pp.logits.host().copy()
                 held, seg = self._at_pause(pp, hook, pool, seg)
-                seg.run()
+                seg.submit()
+                if predictor is not None:  # the host ranks the next layers while the device runs
+                    predictor.at_pause(ctx, pp.layer, ids, logits, h)
+                seg.wait()
                 if held is not None:
                     pool.release(*held)
                     held = None
