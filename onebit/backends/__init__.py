@@ -16,7 +16,13 @@ def _vulkan(gguf):
     return VulkanBackend(gguf)
 
 
-BACKENDS = {"numpy": NumpyBackend, "vulkan": _vulkan}
+def _cpu(gguf):
+    from .cpu import CpuBackend
+
+    return CpuBackend(gguf)
+
+
+BACKENDS = {"numpy": NumpyBackend, "cpu": _cpu, "vulkan": _vulkan}
 
 
 def make_backend(name: str, gguf, fallback: bool = True):
