@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from .backends import describe
 from .sample import make_sampler
 
 BENCH_TEXT = (
@@ -46,6 +47,8 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int) -> dict:
     return {
         "model": model.path,
         "backend": model.be.name,
+        "backend_detail": describe(model.be),
+        "threads": getattr(model.be, "threads", None),
         "prompt_tokens": len(prompt),
         "gen_tokens": gen_tokens,
         "runs": runs,

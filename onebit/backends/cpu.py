@@ -55,7 +55,7 @@ class CpuBackend(NumpyBackend):
         self._raw: dict[str, tuple] = {}
 
     def describe(self) -> str:
-        return f"cpu ({self.threads} threads)"
+        return f"{self.threads} threads"
 
     def _kernel_raw(self, name: str):
         """The tensor and its raw bytes as the kernels take them, or None for the numpy path."""
@@ -72,7 +72,7 @@ class CpuBackend(NumpyBackend):
         if raw is None:
             return super().embed(name, ids)
         out = np.empty((len(ids), t.shape[-1]), np.float32)  # [R, dim]
-        self.K.get_rows(out, raw, np.asarray(ids, dtype=np.int64), t.qtype, self.K.LUT)
+        self.K.get_rows(out, raw, np.asarray(ids, dtype=np.int64), t.qtype, self.K.LUT, self.K.M)
         return out
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
@@ -80,7 +80,7 @@ class CpuBackend(NumpyBackend):
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)
         out = np.empty((x.shape[0], t.shape[0]), np.float32)  # [R, out]
-        self.K.matmul(out, _f32(x), raw, t.qtype, self.K.LUT)
+        self.K.matmul(out, _f32(x), raw, t.qtype, self.K.LUT, self.K.M)
         return out
 
     # -- mixture of experts -------------------------------------------------------------
@@ -106,7 +106,7 @@ class CpuBackend(NumpyBackend):
         """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j)."""
         g, u, d = parts
         self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw,
-                          g.qtype, u.qtype, d.qtype, self.K.LUT)
+                          g.qtype, u.qtype, d.qtype, self.K.LUT, self.K.M)
 
     def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         parts, fast = self._expert_parts(layer)

@@ -62,10 +62,17 @@ def _scale_min_k4(b, o, j):
     return np.float32(sc), np.float32(m)
 
 
+# Every kernel takes the block loops' length `m` (always M = 32) from its caller at run time:
+# LLVM fully unrolls a loop of a constant 32 trips and then leaves it scalar; with a run-time
+# count it vectorises it (measured: Q8_0 mat-vec 2x faster).
+M = 32
+
+
 @njit(fastmath=FM, cache=True)
-def decode_row(qt, b, out, lut):
-    """Raw bytes `b` of one row -> float32 `out` (len(out) weights)."""
+def decode_row(qt, b, out, lut, m):
+    """Raw bytes `b` of one row -> float32 `out` (len(out) weights); m = M."""
     n = out.shape[0]
+    h = m // 2
     if qt == F32:
         f = b.view(np.float32)
         for i in range(n):
@@ -78,27 +85,36 @@ def decode_row(qt, b, out, lut):
         for i in range(n):
             u[i] = np.uint32(_u16(b, 2 * i)) << np.uint32(16)
     elif qt == Q8_0:
-        for blk in range(n // 32):
+        s = b.view(np.int8)
+        for blk in range(n // m):
             o = blk * 34
             d = lut[_u16(b, o)]
-            for i in range(32):
-                out[blk * 32 + i] = np.float32(_i8(b[o + 2 + i])) * d
+            q = s[o + 2 : o + 2 + m]
+            y = out[blk * m : blk * m + m]
+            for i in range(m):
+                y[i] = np.float32(q[i]) * d
     elif qt == Q4_0:
-        for blk in range(n // 32):
+        for blk in range(n // m):
             o = blk * 18
             d = lut[_u16(b, o)]
-            for i in range(16):
-                q = b[o + 2 + i]
-                out[blk * 32 + i] = np.float32(np.int32(q & 0xF) - 8) * d
-                out[blk * 32 + 16 + i] = np.float32(np.int32(q >> 4) - 8) * d
+            q = b[o + 2 : o + 2 + h]
+            y = out[blk * m : blk * m + m]
+            y2 = y[h:]
+            for i in range(h):
+                y[i] = np.float32(np.int32(q[i] & 0xF) - 8) * d
+            for i in range(h):
+                y2[i] = np.float32(np.int32(q[i] >> 4) - 8) * d
     elif qt == MXFP4:
-        for blk in range(n // 32):
+        for blk in range(n // m):
             o = blk * 17
             d = lut[E8M0 + b[o]]
-            for i in range(16):
-                q = b[o + 1 + i]
-                out[blk * 32 + i] = d * MXFP4_VALUES[q & 0xF]
-                out[blk * 32 + 16 + i] = d * MXFP4_VALUES[q >> 4]
+            q = b[o + 1 : o + 1 + h]
+            y = out[blk * m : blk * m + m]
+            y2 = y[h:]
+            for i in range(h):
+                y[i] = d * MXFP4_VALUES[q[i] & 0xF]
+            for i in range(h):
+                y2[i] = d * MXFP4_VALUES[q[i] >> 4]
     elif qt == Q4_K:
         for blk in range(n // 256):
             o = blk * 144
@@ -108,50 +124,55 @@ def decode_row(qt, b, out, lut):
                 sc1, m1 = _scale_min_k4(b, o + 4, 2 * j)
                 sc2, m2 = _scale_min_k4(b, o + 4, 2 * j + 1)
                 d1, dm1, d2, dm2 = d * sc1, dmin * m1, d * sc2, dmin * m2
-                base = blk * 256 + 64 * j
-                q0 = o + 16 + 32 * j
-                for l in range(32):
-                    q = b[q0 + l]
-                    out[base + l] = d1 * np.float32(q & 0xF) - dm1
-                    out[base + 32 + l] = d2 * np.float32(q >> 4) - dm2
+                q = b[o + 16 + m * j : o + 16 + m * j + m]
+                y = out[blk * 256 + 2 * m * j : blk * 256 + 2 * m * j + 2 * m]
+                y2 = y[m:]
+                for l in range(m):
+                    y[l] = d1 * np.float32(q[l] & 0xF) - dm1
+                for l in range(m):
+                    y2[l] = d2 * np.float32(q[l] >> 4) - dm2
     elif qt == Q5_K:
         for blk in range(n // 256):
             o = blk * 176
             d = lut[_u16(b, o)]
             dmin = lut[_u16(b, o + 2)]
+            qh = b[o + 16 : o + 16 + m]
             for j in range(4):
                 sc1, m1 = _scale_min_k4(b, o + 4, 2 * j)
                 sc2, m2 = _scale_min_k4(b, o + 4, 2 * j + 1)
                 d1, dm1, d2, dm2 = d * sc1, dmin * m1, d * sc2, dmin * m2
-                base = blk * 256 + 64 * j
-                q0 = o + 48 + 32 * j
-                for l in range(32):
-                    q = b[q0 + l]
-                    h = b[o + 16 + l] >> (2 * j)
-                    out[base + l] = d1 * np.float32((q & 0xF) | ((h & 1) << 4)) - dm1
-                    out[base + 32 + l] = d2 * np.float32((q >> 4) | ((h & 2) << 3)) - dm2
+                q = b[o + 48 + m * j : o + 48 + m * j + m]
+                y = out[blk * 256 + 2 * m * j : blk * 256 + 2 * m * j + 2 * m]
+                sh = 2 * j
+                y2 = y[m:]
+                for l in range(m):
+                    y[l] = d1 * np.float32((q[l] & 0xF) | (((qh[l] >> sh) & 1) << 4)) - dm1
+                for l in range(m):
+                    y2[l] = d2 * np.float32((q[l] >> 4) | (((qh[l] >> sh) & 2) << 3)) - dm2
     elif qt == Q6_K:
         for blk in range(n // 256):
             o = blk * 210
             d = lut[_u16(b, o + 208)]
             for half in range(2):
-                ql = o + 64 * half
-                qh = o + 128 + 32 * half
                 sc = o + 192 + 8 * half
-                base = blk * 256 + 128 * half
-                for l in range(32):
-                    is_ = l // 16
-                    a = b[ql + l]
-                    c = b[ql + 32 + l]
-                    h = b[qh + l]
-                    q1 = np.int32((a & 0xF) | ((h & 3) << 4)) - 32
-                    q2 = np.int32((c & 0xF) | (((h >> 2) & 3) << 4)) - 32
-                    q3 = np.int32((a >> 4) | (((h >> 4) & 3) << 4)) - 32
-                    q4 = np.int32((c >> 4) | (((h >> 6) & 3) << 4)) - 32
-                    out[base + l] = (d * np.float32(_i8(b[sc + is_]))) * np.float32(q1)
-                    out[base + 32 + l] = (d * np.float32(_i8(b[sc + is_ + 2]))) * np.float32(q2)
-                    out[base + 64 + l] = (d * np.float32(_i8(b[sc + is_ + 4]))) * np.float32(q3)
-                    out[base + 96 + l] = (d * np.float32(_i8(b[sc + is_ + 6]))) * np.float32(q4)
+                for g in range(2):  # 16 weights per scale: l in [16g, 16g + 16)
+                    a = b[o + 64 * half + h * g : o + 64 * half + h * g + h]
+                    c = b[o + 64 * half + m + h * g : o + 64 * half + m + h * g + h]
+                    qh = b[o + 128 + m * half + h * g : o + 128 + m * half + h * g + h]
+                    s1 = d * np.float32(_i8(b[sc + g]))
+                    s2 = d * np.float32(_i8(b[sc + g + 2]))
+                    s3 = d * np.float32(_i8(b[sc + g + 4]))
+                    s4 = d * np.float32(_i8(b[sc + g + 6]))
+                    y = out[blk * 256 + 128 * half + h * g : blk * 256 + 128 * half + 128]
+                    y1, y2, y3 = y[m:], y[2 * m :], y[3 * m :]
+                    for l in range(h):
+                        y[l] = s1 * np.float32(np.int32((a[l] & 0xF) | ((qh[l] & 3) << 4)) - 32)
+                    for l in range(h):
+                        y1[l] = s2 * np.float32(np.int32((c[l] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32)
+                    for l in range(h):
+                        y2[l] = s3 * np.float32(np.int32((a[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32)
+                    for l in range(h):
+                        y3[l] = s4 * np.float32(np.int32((c[l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32)
 
 
 @njit(inline="always", fastmath=FM)
@@ -178,14 +199,14 @@ CHUNK = 8  # weight rows per parallel work item (one decode buffer each)
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def matmul(out, x, w, qt, lut):
+def matmul(out, x, w, qt, lut, m):
     """out[R, N] = x[R, K] @ W.T for raw weight rows w: uint8 [N, row_bytes] of type qt."""
     N = w.shape[0]
     R, K = x.shape
     for c in prange((N + CHUNK - 1) // CHUNK):
         buf = np.empty(K, np.float32)
         for n in range(c * CHUNK, min(N, (c + 1) * CHUNK)):
-            decode_row(qt, w[n], buf, lut)
+            decode_row(qt, w[n], buf, lut, m)
             r = 0
             while r + 4 <= R:
                 s0, s1, s2, s3 = _dot4(buf, x[r], x[r + 1], x[r + 2], x[r + 3], K)
@@ -197,14 +218,14 @@ def matmul(out, x, w, qt, lut):
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def get_rows(out, w, ids, qt, lut):
+def get_rows(out, w, ids, qt, lut, m):
     """out[r] = row ids[r] of w (uint8 [N, row_bytes]) decoded to float32."""
     for r in prange(ids.shape[0]):
-        decode_row(qt, w[ids[r]], out[r], lut)
+        decode_row(qt, w[ids[r]], out[r], lut, m)
 
 
 @njit(parallel=True, fastmath=FM, cache=True)
-def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd, lut):
+def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd, lut, m):
     """out[rows] += rw * down(silu(gate(x)) * up(x)) over the chosen experts, in order.
 
     gate, up: uint8 [E, hidden, row_bytes]; down: uint8 [E, dim, row_bytes] (a file's expert
@@ -223,8 +244,8 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd, lut):
         for it in range(c * CHUNK, min(items, (c + 1) * CHUNK)):
             j = it // hidden
             i = it - j * hidden
-            decode_row(qg, gate[sel[j], i], gb, lut)
-            decode_row(qu, up[sel[j], i], ub, lut)
+            decode_row(qg, gate[sel[j], i], gb, lut, m)
+            decode_row(qu, up[sel[j], i], ub, lut, m)
             for p in range(offs[j], offs[j + 1]):
                 xr = x[rows[p]]
                 g = _dot(gb, xr, dim)
@@ -234,6 +255,6 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd, lut):
         db = np.empty(hidden, np.float32)
         for d in range(c * CHUNK, min(dim, (c + 1) * CHUNK)):
             for j in range(n_sel):
-                decode_row(qd, down[sel[j], d], db, lut)
+                decode_row(qd, down[sel[j], d], db, lut, m)
                 for p in range(offs[j], offs[j + 1]):
                     out[rows[p], d] += _dot(db, h[p], hidden) * rw[p]
