@@ -13,8 +13,16 @@ map or a streaming pool's slot). Compiled once per machine and cached on disk (c
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
-from numba import njit, prange
+
+# numba's OpenMP workers sleep at once when idle instead of spinning: on a machine whose cores
+# are shared, spinning workers starve the thread that has the work, and each parallel region
+# waits out a scheduler tick (measured: 1.0 vs 8.4 tok/s decode on 2 cores under load 6).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from numba import njit, prange  # noqa: E402
 
 from ..quants import QTYPES_BY_NAME
 
