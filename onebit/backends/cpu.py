@@ -47,6 +47,9 @@ class CpuBackend(NumpyBackend):
 
         self.K = K
         self.threads = threads()
+        seconds, compiled = K.warm_up()
+        if compiled:  # the first run on this machine; later runs load the kernels from numba's disk cache
+            sys.stderr.write(f"onebit: compiled the cpu kernels in {seconds:.1f} s (once: they are cached on disk)\n")
         slow = sorted({t.type_name for t in gguf.tensors.values() if t.qtype not in K.SUPPORTED and len(t.shape) > 1})
         if slow:
             msg = f"{', '.join(slow)} tensors have no cpu kernel yet: they run on the numpy reference path"
