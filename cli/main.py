@@ -111,8 +111,8 @@ def root(
 
 MODEL_ARG = typer.Argument(None, help="GGUF model file (default: the small model shipped with onebit).")
 MODEL_OPT = typer.Option(None, "--model", "-m", help="GGUF model file (default: the shipped model).")
-BACKEND = typer.Option("numpy", "--backend", help="Compute backend: numpy or vulkan (falls back to numpy, "
-                                                   "with a warning, where Vulkan is unusable).")
+BACKEND = typer.Option("auto", "--backend", help="Compute backend: auto (Vulkan on a GPU, else cpu), cpu, vulkan "
+                                                  "or numpy (the reference).")
 SLOTS = typer.Option(None, "--slots", help="Expert slots: a number or auto; fewer than all experts streams them "
                                           "from the file.")
 BUDGET = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (plans memory; refuses what won't fit).")
@@ -324,10 +324,9 @@ def info(
 ) -> None:
     """Describe a model: architecture, parameters, experts, types, tokenizer."""
     if device:
-        from onebit.backends.vulkan.device import list_devices
+        from onebit.backends.info import device_report
 
-        for d in list_devices():
-            typer.echo(d.describe() + "\n")
+        typer.echo(device_report())
         return
     from onebit.gguf_file import GGUFFile
     from onebit.info import format_info, model_info
@@ -350,8 +349,8 @@ def plan(
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
     verify_rows: int = typer.Option(8, "--verify-rows", help="Rows verified at once by speculative decoding."),
-    backend: str = typer.Option("numpy", "--backend", help="numpy, or vulkan to include the device's heap and "
-                                                           "limits in the budget."),
+    backend: str = typer.Option("auto", "--backend", help="auto, cpu, numpy or vulkan; on vulkan (auto: on a GPU) "
+                                                          "the device's heap and limits are in the budget."),
     device: Optional[str] = DEVICE,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -364,12 +363,12 @@ def plan(
 
     path = model or default_model_path()
     limits = {}
-    if backend == "vulkan":
+    from onebit.backends import resolve
+
+    if resolve(backend) == "vulkan" or (backend == "auto" and device is not None):
         from onebit.memory.budget import vulkan_limits
 
         limits = vulkan_limits(device)
-    elif backend != "numpy":
-        raise UsageError(f"unknown backend {backend!r} (numpy or vulkan)")
     b = detect_budget(budget, reserve, **limits)
     g = GGUFFile(path)
     cfg = model_class(g.architecture, path).config(g)
@@ -477,7 +476,7 @@ def _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json) -> None:
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:
-        typer.echo(f"model    {res['model']}\nbackend  {res['backend']}")
+        typer.echo(f"model    {res['model']}\nbackend  {res['backend']} ({res['backend_detail']})")
         typer.echo(f"prompt   {res['prompt_tokens']} tokens: {res['prompt_tps']:.1f} tok/s (median of {runs})")
         typer.echo(f"decode   {res['gen_tokens']} tokens: {res['decode_tps']:.1f} tok/s (median of {runs})")
         if lookup:

@@ -5,7 +5,7 @@ from .errors import OnebitError
 __version__ = "0.1.0"
 
 
-def load(path, backend: str = "numpy", n_ctx=None, slots=None, budget=None, pool_policy: str = "global",
+def load(path, backend: str = "auto", n_ctx=None, slots=None, budget=None, pool_policy: str = "global",
          predict=None):
     """Open a GGUF model; see `onebit.model.load`."""
     from .model import load as _load

@@ -9,6 +9,7 @@ import numpy as np
 
 from .generate import generate_step
 from .lookup import LookupStats
+from .backends import describe
 from .sample import make_sampler
 
 BENCH_TEXT = (
@@ -54,6 +55,8 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int, lookup: int
     return {
         "model": model.path,
         "backend": model.be.name,
+        "backend_detail": describe(model.be),
+        "threads": getattr(model.be, "threads", None),
         "prompt_tokens": len(prompt),
         "gen_tokens": gen_tokens,
         "runs": runs,

@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .backends import make_backend
+from .backends import make_backend, resolve
 from .errors import UsageError
 from .generate import GenerationResponse, stream_generate
 from .gguf_file import GGUFFile
@@ -22,7 +22,7 @@ DEFAULT_CONTEXT = 4096
 
 
 class Model:
-    def __init__(self, path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,
+    def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = None,
                  slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
                  predict=None):
         self.path = str(path)
@@ -38,10 +38,12 @@ class Model:
         from .memory.guard import MemoryGuard
 
         self.guard = MemoryGuard()  # checked every generated token
+        self.backend_asked = backend
+        backend = resolve(backend)
         if slots is not None or budget is not None:
             self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy, _predicted_layers(cfg, predict))
         else:
-            self.be = make_backend(backend, self.gguf)
+            self.be = make_backend(backend, self.gguf, auto=self.backend_asked == "auto")
         # Under a memory plan the KV cache is allocated up front, as planned.
         kv_capacity = self.context_length if self.plan is not None else 0
         try:
@@ -64,6 +66,7 @@ class Model:
 
     def _planned_backend(self, backend, cfg, slots, budget, policy, predicted: str = ""):
         """Plan memory first; refuse a plan that does not fit; stream experts when slots < all."""
+        from .backends.cpu import StreamingCpuBackend
         from .backends.streaming import StreamingNumpyBackend
         from .memory.budget import detect_budget
         from .memory.plan import PlanError, make_plan
@@ -83,7 +86,7 @@ class Model:
         if not self.plan.fits:
             raise PlanError(self.plan)
         if not self.plan.streaming:
-            return make_backend(backend, self.gguf)
+            return make_backend(backend, self.gguf, auto=self.backend_asked == "auto")
         if backend == "vulkan":  # slots in mapped device buffers the expert kernels read
             from .backends.vulkan.device import VulkanUnavailableError
 
@@ -93,12 +96,13 @@ class Model:
                 be = StreamingVulkanBackend.create(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
                 self.pool = be.pool
                 return be
-            except VulkanUnavailableError as e:  # as make_backend does: say so, stream on numpy
-                sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
-        elif backend != "numpy":
-            raise UsageError(f"expert streaming is not available on the {backend} backend yet")
+            except VulkanUnavailableError as e:  # as make_backend does: say so, stream on numpy (cpu under auto)
+                backend = "cpu" if self.backend_asked == "auto" else "numpy"
+                sys.stderr.write(f"onebit: warning: {e}; using the {backend} backend\n")
         self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
         self._copy_resident()
+        if backend == "cpu":
+            return StreamingCpuBackend(self.gguf, self.pool)
         return StreamingNumpyBackend(self.gguf, self.pool)
 
     def _numpy_backend(self):
@@ -241,10 +245,11 @@ def _predicted_layers(cfg, predict) -> str:
     return ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
 
 
-def load(path: str | os.PathLike, backend: str = "numpy", n_ctx: Optional[int] = None,
+def load(path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = None,
          slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
          predict=None) -> Model:
-    """Open a GGUF model (memory-mapped) on the given backend. With `slots` (a number or "auto")
+    """Open a GGUF model (memory-mapped) on the given backend (auto: Vulkan on a GPU, else cpu;
+    numpy is the reference). With `slots` (a number or "auto")
     or `budget`, memory is planned first and routed experts stream through a slot pool when
     fewer slots than experts fit. `predict` (a mode name or moe.predict.PredictSettings):
     routing prediction feeding the pool's prefetch queue."""

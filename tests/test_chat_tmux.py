@@ -52,9 +52,9 @@ class Term:
 
 
 def test_chat_session_in_tmux():
-    model = fixture_path("q3moe256-Q4_K_M.gguf")  # dequantizing per token keeps replies slow enough to interrupt
+    model = fixture_path("q3moe256-Q4_K_M.gguf")  # numpy dequantizes per token: replies slow enough to interrupt
     t = Term([sys.executable, "-m", "onebit.cli.main", "chat", str(model), "--max-tokens", "300", "--temp", "0.8",
-              "--seed", "1"])
+              "--seed", "1", "--backend", "numpy"])
     try:
         s = t.wait_for(t.at_prompt(1))
         assert "onebit chat" in s and "/help" in s

@@ -22,8 +22,13 @@ def test_fixtures_present():
     assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3"}
 
 
-def _run(ref_path):
-    model = onebit.load(ref_path.with_name(ref_path.name.replace(".ref.npz", ".gguf")))
+# The reference backend and the cpu backend (numba kernels: same decoded weights, float32
+# activations; within 2e-5 of numpy, tests/test_cpu_backend.py) are held to the same bars.
+BACKENDS = ["numpy", "cpu"]
+
+
+def _run(ref_path, backend="numpy"):
+    model = onebit.load(ref_path.with_name(ref_path.name.replace(".ref.npz", ".gguf")), backend=backend)
     ref = np.load(ref_path)
     tokens = ref["tokens"].astype(np.int64)
     margins = []  # per position: smallest gap, over MoE layers, between the k-th and (k+1)-th router logit
@@ -38,9 +43,10 @@ def _run(ref_path):
     return model, ref, logits, margin
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ref_path", HF_REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
-def test_f32_matches_transformers(ref_path):
-    model, ref, logits, margin = _run(ref_path)
+def test_f32_matches_transformers(ref_path, backend):
+    model, ref, logits, margin = _run(ref_path, backend)
     hf = ref["logits_hf"]
     assert logits.shape == hf.shape
     cos = cosine_rows(logits, hf)
@@ -65,9 +71,10 @@ def _llama_param(p):
     return pytest.param(p, id=name)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ref_path", [_llama_param(p) for p in REFS])
-def test_matches_llama_cpp(ref_path):
-    model, ref, logits, margin = _run(ref_path)
+def test_matches_llama_cpp(ref_path, backend):
+    model, ref, logits, margin = _run(ref_path, backend)
     ll = ref["logits_llama"]
     assert logits.shape == ll.shape
     cos = cosine_rows(logits, ll)
@@ -87,7 +94,7 @@ def test_quantized_difference_is_llama_cpp_activation_rounding(ref_path):
     the weights we decode are the weights llama.cpp uses."""
     from llamacpp_numerics import LlamaCppRoundingBackend
 
-    model = onebit.load(ref_path.with_name(ref_path.name.replace(".ref.npz", ".gguf")))
+    model = onebit.load(ref_path.with_name(ref_path.name.replace(".ref.npz", ".gguf")), backend="numpy")
     model.net.be = LlamaCppRoundingBackend(model.gguf)
     ref = np.load(ref_path)
     cos = cosine_rows(model.logits(ref["tokens"].astype(np.int64)), ref["logits_llama"])
@@ -97,11 +104,12 @@ def test_quantized_difference_is_llama_cpp_activation_rounding(ref_path):
 DEQUANT_REFS = [p for p in REFS if "logits_hf_dequant" in np.load(p).files]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ref_path", DEQUANT_REFS, ids=lambda p: p.name.replace(".ref.npz", ""))
-def test_quantized_matches_transformers_on_dequantized_weights(ref_path):
+def test_quantized_matches_transformers_on_dequantized_weights(ref_path, backend):
     """HF transformers run on the file's weights as dequantized by the gguf package: our f32
     forward over quantized weights must meet the f32 bar against it."""
-    model, ref, logits, margin = _run(ref_path)
+    model, ref, logits, margin = _run(ref_path, backend)
     hf = ref["logits_hf_dequant"]
     cos = cosine_rows(logits, hf)
     maxdiff = np.abs(logits - hf).max(axis=1)

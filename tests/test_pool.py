@@ -29,12 +29,14 @@ def decode_logits(model, prompt, n):
 @pytest.mark.parametrize("name,slot_counts", [(Q4K, [4, 5, 7]), ("qwen3moe-f32.gguf", [2, 3, 8, 15]),
                                               ("qwen2moe-f32.gguf", [2, 9]), ("mixtral-f32.gguf", [2, 5])])
 @pytest.mark.parametrize("policy", ["global", "layer"])
-def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy):
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend):
     path = fixture_path(name)
     prompt = np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:12].astype(np.int64)
-    ref = decode_logits(onebit.load(path), prompt, 10)
+    ref = decode_logits(onebit.load(path, backend=backend), prompt, 10)
     for slots in slot_counts:
-        m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy)
+        m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy, backend=backend)
+        assert m.be.name == backend
         assert m.pool is not None and m.pool.n_slots == slots
         got = decode_logits(m, prompt, 10)
         st = m.pool.stats

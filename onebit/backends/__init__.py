@@ -1,8 +1,15 @@
-"""Compute backends. `numpy` is the reference every other backend is checked against."""
+"""Compute backends. `numpy` is the reference every other backend is checked against.
+
+`auto` (the default) is Vulkan on a GPU (integrated or discrete), else the fast `cpu`
+backend; a CPU-type Vulkan device (lavapipe) only when asked for: `--backend vulkan`, or a
+device named with `--device` / $ONEBIT_VULKAN_DEVICE.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from ..errors import UsageError
 from .numpy_backend import NumpyBackend
@@ -16,25 +23,69 @@ def _vulkan(gguf):
     return VulkanBackend(gguf)
 
 
-BACKENDS = {"numpy": NumpyBackend, "vulkan": _vulkan}
+def _cpu(gguf):
+    from .cpu import CpuBackend
+
+    return CpuBackend(gguf)
 
 
-def make_backend(name: str, gguf, fallback: bool = True):
-    """The named backend; when Vulkan is unusable here, say so once and fall back to numpy."""
-    make = BACKENDS.get(name)
-    if make is None:
-        raise UsageError(f"unknown backend {name!r} (available: {', '.join(BACKENDS)})")
+BACKENDS = {"numpy": NumpyBackend, "cpu": _cpu, "vulkan": _vulkan}
+NAMES = ("auto", *BACKENDS)
+
+
+def gpu_device():
+    """The usable GPU-type (integrated or discrete) Vulkan device auto would run on, or None."""
+    try:
+        from .vulkan.device import VulkanUnavailableError, list_devices
+
+        devices = list_devices()
+    except (ImportError, VulkanUnavailableError):
+        return None
+    except Exception as e:  # a broken driver must not stop a CPU run
+        log.info("Vulkan device query failed: %s", e)
+        return None
+    gpus = [d for d in devices if d.usable and d.type in ("integrated", "discrete")]
+    return gpus[0] if gpus else None
+
+
+def resolve(name: str) -> str:
+    """The concrete backend `name` stands for ("auto" -> "vulkan" or "cpu")."""
+    if name not in NAMES:
+        raise UsageError(f"unknown backend {name!r} (available: {', '.join(NAMES)})")
+    if name != "auto":
+        return name
+    from .vulkan.device import DEVICE_ENV
+
+    if os.environ.get(DEVICE_ENV, "").strip() or gpu_device() is not None:
+        return "vulkan"
+    return "cpu"
+
+
+def make_backend(name: str, gguf, fallback: bool = True, auto: bool = False):
+    """The named backend; when Vulkan is unusable here, say so once and fall back (to numpy
+    when Vulkan was asked for by name, to cpu when `auto` chose it)."""
+    auto = auto or name == "auto"
+    name = resolve(name)
     if name == "vulkan":
         from .vulkan.device import VulkanUnavailableError
 
         try:
-            return make(gguf)
+            return BACKENDS["vulkan"](gguf)
         except VulkanUnavailableError as e:
             if not fallback:
                 raise
-            import sys
+            other = "cpu" if auto else "numpy"
+            sys.stderr.write(f"onebit: warning: {e}; using the {other} backend\n")
+            log.warning("Vulkan unavailable, falling back to %s: %s", other, e)
+            return BACKENDS[other](gguf)
+    return BACKENDS[name](gguf)
 
-            sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
-            log.warning("Vulkan unavailable, falling back to numpy: %s", e)
-            return NumpyBackend(gguf)
-    return make(gguf)
+
+def describe(be) -> str:
+    """A backend in a few words, for `onebit bench` and logs: its name and threads or device."""
+    if hasattr(be, "describe"):
+        return be.describe()
+    dev = getattr(be, "dev", None)
+    if dev is not None and hasattr(dev, "info"):
+        return f"{dev.info.name}, {dev.info.type}"
+    return "reference" if be.name == "numpy" else be.name

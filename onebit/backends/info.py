@@ -1,0 +1,31 @@
+"""`onebit info --device`: the Vulkan devices, the CPU, and which backend `auto` picks."""
+
+from __future__ import annotations
+
+import os
+
+
+def cpu_threads() -> int:
+    """Threads the cpu backend's kernels use (numba's: $NUMBA_NUM_THREADS, else every core)."""
+    try:
+        import numba
+    except ImportError:
+        return 0
+    return numba.config.NUMBA_NUM_THREADS
+
+
+def device_report() -> str:
+    from . import resolve
+    from .vulkan.device import VulkanUnavailableError, list_devices
+
+    lines = []
+    try:
+        devices = list_devices()
+        lines += [d.describe() + "\n" for d in devices] or ["no Vulkan devices\n"]
+    except VulkanUnavailableError as e:
+        lines.append(f"Vulkan: unavailable ({e})\n")
+    lines.append(f"cpu: {os.cpu_count()} cores, cpu backend {cpu_threads()} threads")
+    auto = resolve("auto")
+    why = "a GPU-type Vulkan device" if auto == "vulkan" else "no GPU-type Vulkan device (lavapipe only by name)"
+    lines.append(f"--backend auto: {auto} ({why})")
+    return "\n".join(lines)
