@@ -151,7 +151,10 @@ class Model:
         if settings.on:
             if not any(self.cfg.layer_is_moe(i) for i in range(self.cfg.n_layers)):
                 raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
-            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool)
+            from .backends.numpy_backend import NumpyBackend
+
+            host = self.be if isinstance(self.be, NumpyBackend) else None  # numpy or cpu: its own ops
+            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host)
         self.be.predictor = self.predictor
 
     def close(self) -> None:

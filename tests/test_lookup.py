@@ -507,7 +507,7 @@ def test_policy_learns_the_accept_rate_from_every_proposal():
 # -- streamed experts ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
 def test_streamed_lookup_equals_resident_plain(backend):
     """Through a pool smaller than the experts (the union of the rows' experts acquired per
     forward), lookup gives the tokens resident plain decoding gives, and drafts ran."""

@@ -166,12 +166,14 @@ class PauseContext:
 class Predictor:
     """Ranks the next layers' experts at each pause point and feeds the pool's prefetch queue."""
 
-    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None):
+    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None):
+        """`host`: the backend whose ops the predictor runs on the host (the model's own when
+        it is a host backend: numpy or cpu); numpy's reference ops if None."""
         from ..backends.numpy_backend import NumpyBackend
         from ..memory.plan import parse_layers
 
         self.cfg, self.s, self.pool = cfg, settings, pool
-        self.be = NumpyBackend(gguf)
+        self.be = host if host is not None else NumpyBackend(gguf)
         self.k = cfg.n_experts_used
         self.moe_layers = [i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)]
         wanted = set(parse_layers(settings.layers, cfg.n_layers)) if settings.layers else set(self.moe_layers)
