@@ -378,6 +378,9 @@ def cache_sim(
 
 
 def main() -> None:
+    import warnings
+
+    warnings.simplefilter("ignore", RuntimeWarning)  # numeric trouble is one error from the engine instead
     try:
         rc = app(standalone_mode=False)  # click returns an Exit's code in this mode
         sys.exit(rc if isinstance(rc, int) else 0)
