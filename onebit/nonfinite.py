@@ -15,8 +15,9 @@ from typing import Optional
 
 import numpy as np
 
-from .backends.numpy_backend import EagerStep, NumpyBackend
+from .backends.numpy_backend import EagerStep, NumpyBackend, dequantize
 from .cache import make_cache
+from .gguf_file import EXPERT_PARTS
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
@@ -38,7 +39,9 @@ class CheckedStep(EagerStep):
 
     layer: Optional[int] = None  # the layer the running op belongs to (None: embedding / head)
 
-    def _at(self, op: str, out, name: Optional[str] = None, layer: Optional[int] = None):
+    def _at(self, op: str, out, name: Optional[str] = None, layer: Optional[int] = None, weights=()):
+        """`out` if it is finite; else stop, naming where. `weights`: (tensor name, index) the op
+        read, checked for NaN / inf only then."""
         if layer is None and name is not None:
             m = _BLK.match(name)
             layer = int(m.group(1)) if m else None
@@ -53,10 +56,14 @@ class CheckedStep(EagerStep):
         else:
             where = "the output head"
         what = f"{op} {name}" if name else op
-        if name is not None and name in self.tensor_names and not np.isfinite(self.be.weight(name)).all():
-            cause = f"tensor {name!r} holds NaN/inf values: the file's weights are corrupt"
-        else:
-            cause = "values overflowed float32 (corrupt weights or metadata)"
+        if name is not None:
+            weights = ((name, None),) + tuple(weights)
+        cause = "values overflowed float32 (corrupt weights or metadata)"
+        for w, index in weights:
+            if w in self.tensor_names and not np.isfinite(dequantize(self.be.gguf.tensor(w), index)).all():
+                part = f" (expert {index})" if index is not None else ""
+                cause = f"tensor {w!r}{part} holds NaN/inf values: the file's weights are corrupt"
+                break
         raise _Found(f"first in {where} ({what}): {cause}")
 
     def embed(self, name):
@@ -66,7 +73,7 @@ class CheckedStep(EagerStep):
         return self._at("norm", super().norm(x, name, eps), name)
 
     def linear(self, x, name, bias=None):
-        return self._at("linear", super().linear(x, name, bias), name)
+        return self._at("linear", super().linear(x, name, bias), name, weights=((bias, None),) if bias else ())
 
     def rope(self, x, n_rot, theta, neox, scale):
         return self._at("rope", super().rope(x, n_rot, theta, neox, scale))
@@ -87,10 +94,12 @@ class CheckedStep(EagerStep):
         return self._at("route", super().route(logits, k, norm))
 
     def experts(self, layer, x, ids, weights):
-        return self._at("experts", super().experts(layer, x, ids, weights), layer=layer)
+        read = [(f"blk.{layer}.{p}.weight", int(e)) for e in np.unique(ids) for p in EXPERT_PARTS]
+        return self._at("experts", super().experts(layer, x, ids, weights), layer=layer, weights=read)
 
     def shared_expert(self, layer, x):
-        return self._at("shared_expert", super().shared_expert(layer, x), layer=layer)
+        read = [(f"blk.{layer}.ffn_{p}.weight", None) for p in ("gate_inp_shexp", "gate_shexp", "up_shexp", "down_shexp")]
+        return self._at("shared_expert", super().shared_expert(layer, x), layer=layer, weights=read)
 
 
 def first_nonfinite(model, ids: np.ndarray, cache, last_only: bool) -> Optional[str]:
