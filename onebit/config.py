@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 from gguf.constants import Keys
 
 from .errors import ModelFileError, UnsupportedModelError
-import re
-
 from .gguf_file import GGUFFile, is_expert_tensor
 
 L, A, R = Keys.LLM, Keys.Attention, Keys.Rope

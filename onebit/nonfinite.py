@@ -98,7 +98,8 @@ class CheckedStep(EagerStep):
         return self._at("experts", super().experts(layer, x, ids, weights), layer=layer, weights=read)
 
     def shared_expert(self, layer, x):
-        read = [(f"blk.{layer}.ffn_{p}.weight", None) for p in ("gate_inp_shexp", "gate_shexp", "up_shexp", "down_shexp")]
+        parts = ("gate_inp_shexp", "gate_shexp", "up_shexp", "down_shexp")
+        read = [(f"blk.{layer}.ffn_{p}.weight", None) for p in parts]
         return self._at("shared_expert", super().shared_expert(layer, x), layer=layer, weights=read)
 
 

@@ -95,7 +95,8 @@ def test_data_section_with_a_gap_at_its_start_is_rejected(tmp_path):
     p = tmp_path / "gap.gguf"
     p.write_bytes(bytes(data))
     first = min(lay.tensors, key=lambda t: t.offset).name
-    with pytest.raises(ModelFileError, match=f"tensor '{first}' starts at data offset 32 but the data section starts at 0"):
+    msg = f"tensor '{first}' starts at data offset 32 but the data section starts at 0"
+    with pytest.raises(ModelFileError, match=msg):
         GGUFFile(p)
 
 
@@ -113,7 +114,8 @@ def test_custom_alignment_is_honoured(tmp_path):
     w.close()
     g = GGUFFile(tmp_path / "a64.gguf")
     assert g.metadata["general.alignment"] == 64
-    np.testing.assert_array_equal(g.tensor("b").raw.view(np.float32), gguf.GGUFReader(str(tmp_path / "a64.gguf")).tensors[1].data)
+    ref = gguf.GGUFReader(str(tmp_path / "a64.gguf")).tensors[1].data
+    np.testing.assert_array_equal(g.tensor("b").raw.view(np.float32), ref)
     assert _offset(tmp_path / "a64.gguf", "b") == 64
     p = _edit(tmp_path / "a64.gguf", tmp_path / "a32.gguf", "b", "offset", 32)
     with pytest.raises(ModelFileError, match="not 64-aligned"):

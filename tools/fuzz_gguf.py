@@ -364,7 +364,8 @@ def run(cases: range, seed: int, fixtures: list[str], keep: str | None = None, l
                     kinds[kind] = kinds.get(kind, 0) + 1
                 if status == "fail":
                     failures.append({"case": i, "fixture": name, "mutations": done, "detail": detail})
-                    log(f"FAIL case {i} ({name}: {'; '.join(done)}): {detail.strip().splitlines()[-1] if detail.strip() else ''}")
+                    last = detail.strip().splitlines()[-1] if detail.strip() else ""
+                    log(f"FAIL case {i} ({name}: {'; '.join(done)}): {last}")
         finally:
             w.stop()
     top = dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
