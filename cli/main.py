@@ -522,6 +522,9 @@ def _click_errors() -> tuple[type, type]:
 
 
 def main() -> None:
+    import warnings
+
+    warnings.simplefilter("ignore", RuntimeWarning)  # numeric trouble is one error from the engine instead
     click_exception, click_usage = _click_errors()
     try:
         rc = app(prog_name="onebit", standalone_mode=False)  # click returns an Exit's code in this mode

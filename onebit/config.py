@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 from gguf.constants import Keys
 
 from .errors import ModelFileError, UnsupportedModelError
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, is_expert_tensor
 
 L, A, R = Keys.LLM, Keys.Attention, Keys.Rope
 
@@ -16,6 +17,7 @@ L, A, R = Keys.LLM, Keys.Attention, Keys.Rope
 MAX_DIM = 1 << 17
 MAX_LAYERS = 1024
 MAX_EXPERTS = 1 << 12
+_BLK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,32 @@ def _int(g: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi: int
     return v
 
 
-def _float(g: GGUFFile, key: str, default: float) -> float:
+def _float(g: GGUFFile, key: str, default: float, lo: float = 0.0, hi: float = float("inf")) -> float:
+    """A finite number with lo < v <= hi (every float the configs read must be positive)."""
     v = g.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
-        raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is not a number")
+        raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is not a finite number")
+    if not lo < v <= hi:
+        bound = f"> {lo:g}" if hi == float("inf") else f"in ({lo:g}, {hi:g}]"
+        raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is out of range (must be {bound})")
     return float(v)
+
+
+def _check_layers_and_experts(g: GGUFFile, a: str, n_layers: int, n_experts: int) -> None:
+    """The counts in the metadata must agree with the tensors they describe (a layer or expert
+    count that is too small would otherwise run a different model without a word)."""
+    layers = {int(m.group(1)) for m in (_BLK_RE.match(n) for n in g.tensors) if m}
+    extra = sorted(i for i in layers if i >= n_layers)
+    if extra:
+        raise ModelFileError(f"{g.path}: {a}.block_count is {n_layers} but the file has tensors for layer {extra[0]}")
+    for name, t in g.tensors.items():
+        if is_expert_tensor(name) or name.endswith(".ffn_gate_inp.weight"):
+            if not n_experts:
+                raise ModelFileError(f"{g.path}: tensor {name!r} holds routed experts but {a}.expert_count is "
+                                     "0 or missing")
+            if t.shape[0] != n_experts:
+                raise ModelFileError(f"{g.path}: {a}.expert_count is {n_experts} but tensor {name!r} has "
+                                     f"{t.shape[0]} experts (shape {list(t.shape)})")
 
 
 def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", default_weights_norm=False) -> ModelConfig:
@@ -92,10 +115,17 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
         raise ModelFileError(f"{g.path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv_heads}")
     head_dim = _int(g, K(A.KEY_LENGTH), dim // n_heads if dim % n_heads == 0 else None)
     head_dim_v = _int(g, K(A.VALUE_LENGTH), head_dim)
+    # RoPE rotates pairs of a head's first rope_dim dimensions.
+    rope_dim = _int(g, K(R.DIMENSION_COUNT), head_dim)
+    if rope_dim % 2 or rope_dim > head_dim:
+        raise ModelFileError(f"{g.path}: metadata {K(R.DIMENSION_COUNT)!r} = {rope_dim} must be even and at most "
+                             f"the head dimension {head_dim}")
+    n_layers = _int(g, K(L.BLOCK_COUNT), hi=MAX_LAYERS)
     n_experts = _int(g, K(L.EXPERT_COUNT), 0, lo=0, hi=MAX_EXPERTS)
     n_used = _int(g, K(L.EXPERT_USED_COUNT), 0, lo=0, hi=MAX_EXPERTS)
     if n_experts and not 1 <= n_used <= n_experts:
         raise ModelFileError(f"{g.path}: expert_used_count {n_used} is not between 1 and expert_count {n_experts}")
+    _check_layers_and_experts(g, a, n_layers, n_experts)
     tokens = g.get("tokenizer.ggml.tokens")
     embd = g.tensor("token_embd.weight")
     vocab = embd.shape[0]
@@ -104,7 +134,7 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
     scaling = g.get(K(R.SCALING_TYPE), "none")
     rope_scale = 1.0
     if scaling == "linear":
-        rope_scale = 1.0 / _float(g, K(R.SCALING_FACTOR), 1.0)
+        rope_scale = 1.0 / _float(g, K(R.SCALING_FACTOR), 1.0, lo=1e-6)
     elif scaling not in ("none", None):
         raise UnsupportedModelError(f"{g.path}: RoPE scaling {scaling!r} is not supported yet")
     wnorm = g.get(K(L.EXPERT_WEIGHTS_NORM), default_weights_norm)
@@ -112,16 +142,16 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
         arch=a,
         dim=dim,
         hidden_dim=_int(g, K(L.FEED_FORWARD_LENGTH), 0, lo=0),
-        n_layers=_int(g, K(L.BLOCK_COUNT), hi=MAX_LAYERS),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         head_dim_v=head_dim_v,
         vocab_size=vocab,
         context_length=_int(g, K(L.CONTEXT_LENGTH), 4096, hi=1 << 24),
-        norm_eps=_float(g, K(A.LAYERNORM_RMS_EPS), 1e-6),
+        norm_eps=_float(g, K(A.LAYERNORM_RMS_EPS), 1e-6, hi=1.0),  # added to a mean square: 0 < eps <= 1
         rope_theta=_float(g, K(R.FREQ_BASE), 10000.0),
-        rope_dim=_int(g, K(R.DIMENSION_COUNT), head_dim),
+        rope_dim=rope_dim,
         rope_neox=rope_neox,
         rope_scale=rope_scale,
         n_experts=n_experts,

@@ -1,4 +1,5 @@
-"""Errors a user can cause. The CLI prints them as one line and exits with code 2."""
+"""Errors a user can cause. The CLI prints them as one line and exits with the class's `exit_code`:
+2 for bad input (the default), 1 for a failure while running."""
 
 
 class OnebitError(Exception):
@@ -21,3 +22,15 @@ class TemplateError(OnebitError):
 
 class UsageError(OnebitError):
     """Bad arguments to a command or API call."""
+
+
+class ModelFileChangedError(OnebitError):
+    """The model file was truncated, rewritten or replaced while a model was using it."""
+
+    exit_code = 1
+
+
+class NonFiniteError(OnebitError):
+    """A forward pass produced NaN or inf (corrupt weights, or values that overflow float32)."""
+
+    exit_code = 1

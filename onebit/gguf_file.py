@@ -2,10 +2,12 @@
 
 The header parser checks every length and count against the file's real size before it
 trusts it (a mutated array length must not loop for 2**64 steps or allocate gigabytes),
-then every tensor's extent. It reads numeric arrays with one numpy view and string arrays in
+then every tensor's extent, and that the tensors' data tiles the data section (aligned, in
+bounds, no overlap or gap). It reads numeric arrays with one numpy view and string arrays in
 one pass, so a 150k-token vocabulary loads in a fraction of a second; tests check that it
 agrees with the `gguf` package's `GGUFReader` on every fixture. Nothing here copies weights:
-`Tensor.raw` is a view into the file's memory map.
+`Tensor.raw` is a view into the file's memory map, so `GGUFFile` also remembers each part's
+stat at load (`check_unchanged`) and turns a bus error from a shrunken file into one line.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import signal
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import ModelFileError, UnsupportedModelError
+from .errors import ModelFileChangedError, ModelFileError, UnsupportedModelError
 from .quants import QTYPES, type_name
 
 GGUF_MAGIC = b"GGUF"
@@ -186,6 +190,7 @@ def _parse_header(buf, path: str) -> tuple[dict[str, Any], list[tuple[str, list[
         names.add(name)
         entries.append((name, dims, type_id, offset))
     data_start = (cur.pos + alignment - 1) // alignment * alignment
+    extents = []  # (offset in the data section, bytes, name)
     for name, dims, type_id, offset in entries:
         q = QTYPES.get(type_id)
         if q is None:
@@ -212,7 +217,33 @@ def _parse_header(buf, path: str) -> tuple[dict[str, Any], list[tuple[str, list[
                 f"{path}: tensor {name!r} ({q.name}, dims {dims}) needs bytes up to {start + n_bytes} but the "
                 f"file has {cur.size}: the file is truncated or corrupt"
             )
+        extents.append((offset, n_bytes, name))
+    _check_layout(extents, alignment, path)
     return meta, [(name, dims, type_id, data_start + offset) for name, dims, type_id, offset in entries]
+
+
+def _check_layout(extents: list[tuple[int, int, str]], alignment: int, path: str) -> None:
+    """Tensor data must tile the data section: in offset order, each tensor starts where the one
+    before it ends, rounded up to the alignment, and the first at 0 (the layout every GGUF writer
+    makes and llama.cpp requires). So no tensor overlaps or aliases another, and a type or shape
+    edit that changes a tensor's byte size is caught at its neighbour's offset."""
+    expected, before = 0, None
+    for offset, n_bytes, name in sorted(extents, key=lambda e: e[0]):  # stable: ties keep header order
+        if offset < expected:
+            b_off, b_n, b_name = before
+            raise ModelFileError(
+                f"{path}: tensor {name!r} (data bytes {offset}..{offset + n_bytes}) overlaps tensor {b_name!r} "
+                f"(bytes {b_off}..{b_off + b_n}): the header's tensor offsets, types or shapes are corrupt"
+            )
+        if offset > expected:
+            where = f"the tensor before it, {before[2]!r}, ends at {before[0] + before[1]}" if before else \
+                "the data section starts at 0"
+            raise ModelFileError(
+                f"{path}: tensor {name!r} starts at data offset {offset} but {where} (next tensor expected at "
+                f"{expected}): the header's tensor offsets, types or shapes are corrupt"
+            )
+        before = (offset, n_bytes, name)
+        expected = (offset + n_bytes + alignment - 1) // alignment * alignment
 
 
 def _split_paths(path: Path) -> list[Path]:
@@ -240,6 +271,7 @@ class GGUFFile:
         if not p.is_file():
             raise ModelFileError(f"{path}: not a regular file")
         self.paths = [str(x) for x in _split_paths(p)]
+        self._identity: dict[str, tuple[int, int, int, int]] = {}  # part -> its stat at load
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, Tensor] = {}
         self.file_bytes = 0
@@ -264,6 +296,7 @@ class GGUFFile:
             with open(path, "rb") as f:
                 if size == 0:
                     raise ModelFileError(f"{path}: empty file, not a GGUF model")
+                self._identity[path] = _identity(os.fstat(f.fileno()))
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                     meta, entries = _parse_header(buf, path)
         except PermissionError as e:
@@ -273,6 +306,7 @@ class GGUFFile:
         except OSError as e:
             raise ModelFileError(f"{path}: cannot read file ({e.strerror or e})") from None
         self.file_bytes += size
+        _watch_sigbus(self)  # from here on the process reads the file through a memory map
         data = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = []
         for name, dims, type_id, start in entries:
@@ -283,6 +317,26 @@ class GGUFFile:
             raw = data[start : start + n_bytes].reshape(*shape[:-1], row_bytes)
             tensors.append(Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path, offset=start))
         return meta, tensors
+
+    # -- the file under us -------------------------------------------------------------
+
+    def changes(self) -> list[str]:
+        """'PATH: what changed' for each part that is no longer the file that was loaded."""
+        out = []
+        for path, before in self._identity.items():
+            what = _what_changed(path, before)
+            if what:
+                out.append(f"{path}: {what}")
+        return out
+
+    def check_unchanged(self) -> None:
+        """Raise ModelFileChangedError if a part's size, mtime or identity (device, inode) is not
+        what it was at load: weights are read from the file's memory map (or streamed from it),
+        so a file truncated, rewritten or replaced under a running model gives a bus error or
+        garbage. One os.stat per part; the model checks before and after every forward."""
+        changed = self.changes()
+        if changed:
+            raise ModelFileChangedError(changed[0])
 
     # -- conveniences -----------------------------------------------------------------
 
@@ -301,6 +355,66 @@ class GGUFFile:
         if t is None:
             raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
         return t
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
+
+
+def _what_changed(path: str, before: tuple[int, int, int, int]) -> str:
+    """How the file at `path` differs from its stat at load ('' if it does not)."""
+    try:
+        now = _identity(os.stat(path))
+    except OSError as e:
+        return f"file changed while running: it can no longer be opened ({e.strerror})"
+    if now[2:] != before[2:]:
+        return "file changed while running: replaced by another file (a different inode)"
+    if now[0] != before[0]:
+        why = " (truncated?)" if now[0] < before[0] else ""
+        return f"file changed while running: size {before[0]} -> {now[0]} bytes{why}"
+    if now[1] != before[1]:
+        return "file changed while running: modified in place (its mtime changed)"
+    return ""
+
+
+# Files whose memory maps a bus error may come from; the handler names the ones that changed.
+_MAPPED: "weakref.WeakSet[GGUFFile]" = weakref.WeakSet()
+_SIGBUS_HANDLER = None
+
+
+def _watch_sigbus(g: GGUFFile) -> None:
+    """Touching a page of a memory map past the end of a file that shrank raises SIGBUS, which
+    would kill the process with nothing on stderr (exit 135). A Python signal handler cannot
+    help (the faulting access inside numpy's C code would just repeat), so a C-level handler
+    (through ctypes) prints one line naming the file and what changed, then exits with 1."""
+    global _SIGBUS_HANDLER
+    _MAPPED.add(g)
+    if _SIGBUS_HANDLER is not None or not hasattr(signal, "SIGBUS"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        handler = ctypes.CFUNCTYPE(None, ctypes.c_int)(_on_sigbus)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.signal(signal.SIGBUS, ctypes.cast(handler, ctypes.c_void_p))
+        _SIGBUS_HANDLER = handler  # keep the callback alive
+    except (OSError, AttributeError, TypeError):  # no libc to call: the default action stays
+        _SIGBUS_HANDLER = False
+
+
+def _on_sigbus(signo: int) -> None:
+    try:
+        changed = [c for g in list(_MAPPED) for c in g.changes()]
+        if changed:
+            msg = changed[0]
+        else:
+            paths = ", ".join(p for g in list(_MAPPED) for p in g.paths) or "the model file"
+            msg = f"{paths}: bus error reading the file's memory map (truncated while running, or an I/O error)"
+        os.write(2, f"onebit: error: {msg}\n".encode("utf-8", "replace"))
+    finally:
+        os._exit(1)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

@@ -40,14 +40,17 @@ class Model:
         self.guard = MemoryGuard()  # checked every generated token
         self.backend_asked = backend
         backend = resolve(backend)
-        if slots is not None or budget is not None:
-            self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy, _predicted_layers(cfg, predict))
-        else:
-            self.be = make_backend(backend, self.gguf, auto=self.backend_asked == "auto")
+        with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
+            if slots is not None or budget is not None:
+                self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy,
+                                                _predicted_layers(cfg, predict))
+            else:
+                self.be = make_backend(backend, self.gguf, auto=self.backend_asked == "auto")
         # Under a memory plan the KV cache is allocated up front, as planned.
         kv_capacity = self.context_length if self.plan is not None else 0
         try:
-            self.net = cls(self.gguf, self.be, cfg, kv_capacity)
+            with np.errstate(all="ignore"):
+                self.net = cls(self.gguf, self.be, cfg, kv_capacity)
         except Exception as e:
             from .backends.vulkan.device import VulkanUnavailableError
 

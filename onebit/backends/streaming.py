@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS as PARTS
+from ..memory.pool import StreamReadError
 from .numpy_backend import NumpyBackend
 
 
@@ -26,7 +27,11 @@ class StreamingNumpyBackend(NumpyBackend):
         cap = self.pool.capacity(layer)
         for start in range(0, len(experts), cap):  # a prefill may route to more experts than fit
             group = experts[start : start + cap]
-            slots = self.pool.acquire(layer, group)
+            try:
+                slots = self.pool.acquire(layer, group)
+            except StreamReadError:
+                self.gguf.check_unchanged()  # a file that changed under us says how
+                raise
             try:
                 for e, slot in zip(group, slots):
                     raws = [self.pool.slot_view(layer, slot, p) for p in PARTS]

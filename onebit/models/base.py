@@ -7,7 +7,7 @@ import numpy as np
 
 from ..cache import Cache, make_cache
 from ..config import ModelConfig
-from ..errors import UsageError
+from ..errors import NonFiniteError, UsageError
 from . import blocks
 
 
@@ -52,7 +52,28 @@ class TransformerLM:
         positions; the cache then holds them too. `hook` is called at every MoE pause point."""
         ids = np.asarray(ids, dtype=np.int64)
         check_ids(ids, self.cfg.vocab_size)
-        return self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+        unchanged = getattr(self.gguf, "check_unchanged", None)  # the file is read while running
+        if unchanged is not None:
+            unchanged()
+        with np.errstate(all="ignore"):  # NaN / inf are reported below as one error, not as warnings
+            logits = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+        if unchanged is not None:
+            unchanged()  # before these logits are used: they may come from a changed file
+        if not np.isfinite(logits).all():
+            raise self._nonfinite(ids, cache, last_only)
+        return logits
+
+    def _nonfinite(self, ids, cache, last_only: bool) -> NonFiniteError:
+        from ..nonfinite import first_nonfinite
+
+        where = first_nonfinite(self, ids, cache, last_only)
+        backend = getattr(self.be, "name", "this")
+        if where is None:
+            where = ("a numpy re-run of the same step is finite: a numerics problem of the "
+                     f"{backend} backend (try --backend numpy)") if backend != "numpy" else \
+                "but a re-run of the step found no op that made them"
+        return NonFiniteError(f"{self.gguf.path}: the forward pass produced non-finite logits (NaN/inf) on the "
+                              f"{backend} backend, {where}")
 
 
 def check_ids(ids: np.ndarray, vocab_size: int) -> None:
