@@ -7,7 +7,7 @@ import numpy as np
 
 from ..cache import Cache, make_cache
 from ..config import ModelConfig
-from ..errors import NonFiniteError, UsageError
+from ..errors import NonFiniteError, OnebitError, UsageError
 from . import blocks
 
 
@@ -56,7 +56,12 @@ class TransformerLM:
         if unchanged is not None:
             unchanged()
         with np.errstate(all="ignore"):  # NaN / inf are reported below as one error, not as warnings
-            logits = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+            try:
+                logits = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+            except OnebitError:
+                if unchanged is not None:
+                    unchanged()  # a read that failed because the file changed says how it changed
+                raise
         if unchanged is not None:
             unchanged()  # before these logits are used: they may come from a changed file
         if not np.isfinite(logits).all():
