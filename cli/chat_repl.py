@@ -68,12 +68,7 @@ def pool_line(model) -> str:
     pool = getattr(model, "pool", None)
     if pool is None:
         return "experts: all resident (no streaming pool)"
-    st = pool.stats
-    hits = st.hits + st.prefetch_hits
-    total = hits + st.demand_misses
-    rate = f"{100 * hits / total:.1f}%" if total else "-"
-    return (f"experts: streaming, {sum(len(s) for s in pool.slots)} slots; hit rate {rate} "
-            f"({st.demand_misses} misses, {st.bytes_read / 2**20:.1f} MiB read, {st.stall_seconds:.2f} s stalled)")
+    return f"experts: streaming, {pool.n_slots} slots; " + pool.stats.line(model.net.rows_run)
 
 
 def format_stats(session) -> str:
@@ -93,6 +88,8 @@ def format_stats(session) -> str:
     ]
     if session.lookup:
         lines.append(session.lookup_stats.line() + f" (up to {session.lookup} drafts per forward)")
+    if getattr(session.model, "predictor", None) is not None:
+        lines.append(session.model.predictor.table())
     return "\n".join(lines)
 
 

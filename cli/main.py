@@ -88,9 +88,8 @@ def _finish(m, stats: bool, lookup=None) -> None:
         if m.pool is None:
             typer.echo("stats: all experts resident (no streaming pool)", err=True)
         else:
-            d = m.pool.stats.to_dict()
-            typer.echo("stats: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in d.items()) + f", slots {m.pool.n_slots}", err=True)
+            typer.echo(f"stats: experts streaming through {m.pool.n_slots} slots: "
+                       + m.pool.stats.line(m.net.rows_run), err=True)
     m.close()
 
 

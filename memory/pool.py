@@ -56,7 +56,19 @@ class PoolStats:
         d = dict(self.__dict__)
         total = self.hits + self.prefetch_hits + self.demand_misses
         d["hit_rate"] = (self.hits + self.prefetch_hits) / total if total else 0.0
+        d["read_gb_per_s"] = self.bytes_read / self.busy_seconds / 1e9 if self.busy_seconds > 0 else 0.0
         return d
+
+    def line(self, tokens: int) -> str:
+        """One line for --stats and /stats; per token over `tokens` rows run (prompt and decode)."""
+        total = self.hits + self.prefetch_hits + self.demand_misses
+        rate = f"{100 * (self.hits + self.prefetch_hits) / total:.1f}%" if total else "-"
+        n = max(tokens, 1)
+        gbs = self.bytes_read / self.busy_seconds / 1e9 if self.busy_seconds > 0 else 0.0
+        return (f"hit rate {rate} ({self.hits} hits, {self.prefetch_hits} prefetch hits, {self.demand_misses} "
+                f"misses); prefetches {self.prefetches}, wasted {self.wasted_prefetches}; per token: "
+                f"{self.bytes_read / n / 2**20:.2f} MiB read, {1000 * self.stall_seconds / n:.1f} ms stalled; "
+                f"reads at {gbs:.2f} GB/s while busy")
 
 
 @dataclass

@@ -267,6 +267,10 @@ def test_cli_bad_values_exit_2_and_stats_print(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "recall" in r.stderr and "prediction: block" in r.stderr
+    r = subprocess.run(base + ["--moe-predict", "router", "--stats", "--slots", "10", "--budget", "1GiB"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "prefetch hits" in r.stderr and "per token" in r.stderr and "GB/s" in r.stderr and "recall" in r.stderr
 
 
 def test_prefetch_never_evicts_what_the_current_layer_needs():

@@ -19,6 +19,7 @@ class TransformerLM:
         self.gguf = gguf
         self.be = backend
         self.kv_capacity = kv_capacity  # positions a new cache holds up front (0: grown as needed)
+        self.rows_run = 0
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
         blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf))
         attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
@@ -52,6 +53,7 @@ class TransformerLM:
         positions; the cache then holds them too. `hook` is called at every MoE pause point."""
         ids = np.asarray(ids, dtype=np.int64)
         check_ids(ids, self.cfg.vocab_size)
+        self.rows_run += len(ids)  # rows (tokens) through the model so far: per-token stats divide by it
         unchanged = getattr(self.gguf, "check_unchanged", None)  # the file is read while running
         if unchanged is not None:
             unchanged()
