@@ -521,7 +521,13 @@ def _click_errors() -> tuple[type, type]:
 
 
 def main() -> None:
+    import logging
     import warnings
+
+    handler = logging.StreamHandler(sys.stderr)  # library warnings as the CLI's own one-line warnings
+    handler.setFormatter(logging.Formatter("onebit: warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("onebit").addHandler(handler)
 
     warnings.simplefilter("ignore", RuntimeWarning)  # numeric trouble is one error from the engine instead
     click_exception, click_usage = _click_errors()

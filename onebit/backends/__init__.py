@@ -76,7 +76,7 @@ def make_backend(name: str, gguf, fallback: bool = True, auto: bool = False):
                 raise
             other = "cpu" if auto else "numpy"
             sys.stderr.write(f"onebit: warning: {e}; using the {other} backend\n")
-            log.warning("Vulkan unavailable, falling back to %s: %s", other, e)
+            log.info("Vulkan unavailable, falling back to %s: %s", other, e)  # stderr has it already
             return BACKENDS[other](gguf)
     return BACKENDS[name](gguf)
 
