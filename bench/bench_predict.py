@@ -6,7 +6,8 @@ on the pool).
 
 Part 2, streamed decode: the pool at several fractions of all routed experts, reading the
 file with O_DIRECT (so the page cache is not involved: nothing to drop between runs), decode
-tok/s for prediction off / router / block / block two ahead, and resident (no pool) as the
+tok/s for prediction off / router / block / block two ahead (the second layer by the router
+form, or chained through its own block) / router two ahead, and resident (no pool) as the
 reference. Modes alternate in ABBA order within one run; each mode's figure is the median of
 its reps; every mode's tokens are asserted equal to resident's. Per mode: prefetch hits,
 wasted prefetches, stall and bytes read per token, and the pool's read rate while busy.
@@ -35,7 +36,8 @@ from onebit.moe.predict import settings_from  # noqa: E402
 
 PROMPT = "def loads(s): Deserialize s (a str instance containing a JSON document) to a Python object."
 MODES = [("off", {}), ("router", dict(mode="router")), ("block", dict(mode="block")),
-         ("block-2", dict(mode="block", ahead=2))]
+         ("block-2", dict(mode="block", ahead=2)), ("block-2-chain", dict(mode="block", ahead=2, chain=True)),
+         ("router-2", dict(mode="router", ahead=2))]
 
 
 def drive_ceiling(path: str, chunk: int, seconds: float = 3.0, threads: int = 2) -> float:
@@ -93,13 +95,13 @@ def recall_table(path: str, backend: str, n: int) -> None:
     print(f"## recall on {backend}: {n}-token greedy decode after a {len(ids)}-token prompt, per row\n")
     print("| mode | 1 ahead | 2 ahead | 3 ahead | per layer (1 ahead) |")
     print("|---|---|---|---|---|")
-    for mode in ("router", "block"):
-        m.set_predict(settings_from({}, mode=mode, ahead=3))
+    for mode, chain in (("router", False), ("block", False), ("block", True)):
+        m.set_predict(settings_from({}, mode=mode, ahead=3, chain=chain))
         decode(m, ids, n)
         p = m.predictor
         d = {k: h / r for k, (h, r) in p.by_distance.items() if r}
         per = ", ".join(f"{l}: {s.recall:.2f}" for l, s in p.stats.items() if s.predictions)
-        print(f"| {mode} | " + " | ".join(f"{d.get(j, float('nan')):.3f}" for j in (1, 2, 3)) + f" | {per} |")
+        print(f"| {mode}{' (chained)' if chain else ''} | " + " | ".join(f"{d.get(j, float('nan')):.3f}" for j in (1, 2, 3)) + f" | {per} |")
     m.set_predict("off")
     m.close()
     print()

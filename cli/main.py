@@ -67,12 +67,12 @@ def _check_ctx(path: str, ctx: int) -> None:
         raise UsageError(f"--ctx {ctx} is out of range: the model's context length is {n}")
 
 
-def _predict(mode, depth, margin, min_, layers, ahead, no_attn, out, stats):
+def _predict(mode, depth, margin, min_, layers, ahead, no_attn, chain, out, stats):
     """Prediction settings from the flags over $ONEBIT_MOE_PREDICT*; checked before loading."""
     from onebit.moe.predict import settings_from
 
     return settings_from(None, mode=mode, depth=depth, margin=margin, min=min_, layers=layers, ahead=ahead,
-                         no_attn=no_attn, out=out, stats=stats)
+                         no_attn=no_attn, chain=chain, out=out, stats=stats)
 
 
 def _finish(m, stats: bool, lookup=None) -> None:
@@ -129,6 +129,8 @@ P_MIN = typer.Option(None, "--moe-predict-min", help="Always read at least this 
 P_LAYERS = typer.Option(None, "--moe-predict-layers", help="Layers predicted, e.g. 1,2,5-9 (default all MoE layers).")
 P_AHEAD = typer.Option(None, "--moe-predict-ahead", help="Predict this many MoE layers ahead (default 1).")
 P_NO_ATTN = typer.Option(None, "--moe-predict-no-attn", help="Block mode without the mixer (0 or 1).")
+P_CHAIN = typer.Option(None, "--moe-predict-chain", help="Block mode, more than one ahead: run each deeper "
+                                                         "layer's block too (0 or 1; default 0: router form).")
 P_OUT = typer.Option(None, "--moe-predict-out", help="Per-token predicted / actual trace (JSONL).")
 P_STATS = typer.Option(None, "--moe-predict-stats", help="Print the per-layer prediction table at exit (0 or 1).")
 LOOKUP = typer.Option(None, "--lookup", help="Lookup decoding: draft up to N tokens (0-8) from n-grams of the "
@@ -172,6 +174,7 @@ def generate(
     moe_predict_layers: Optional[str] = P_LAYERS,
     moe_predict_ahead: Optional[str] = P_AHEAD,
     moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_chain: Optional[str] = P_CHAIN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
@@ -196,7 +199,8 @@ def generate(
     lookup = lookup_budget(lookup)
     lookup_stats = LookupStats() if lookup else None
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_out, moe_predict_stats)
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
+                       moe_predict_out, moe_predict_stats)
     if any(s == "" for s in stop):
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
@@ -403,6 +407,7 @@ def chat(
     moe_predict_layers: Optional[str] = P_LAYERS,
     moe_predict_ahead: Optional[str] = P_AHEAD,
     moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_chain: Optional[str] = P_CHAIN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
 ) -> None:
@@ -414,7 +419,8 @@ def chat(
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     lookup = lookup_budget(lookup)
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_out, moe_predict_stats)
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
+                       moe_predict_out, moe_predict_stats)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
@@ -449,6 +455,7 @@ def bench(
     moe_predict_layers: Optional[str] = P_LAYERS,
     moe_predict_ahead: Optional[str] = P_AHEAD,
     moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_chain: Optional[str] = P_CHAIN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -460,7 +467,8 @@ def bench(
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
     lookup = lookup_budget(lookup)
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_out, moe_predict_stats)
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
+                       moe_predict_out, moe_predict_stats)
     m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json)

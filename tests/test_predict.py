@@ -70,6 +70,7 @@ SETTINGS = [
     dict(mode="router"),
     dict(mode="block"),
     dict(mode="block", ahead=3, depth=6, margin=2.0),
+    dict(mode="block", ahead=3, chain=True),
     dict(mode="router", ahead=2, min=3, depth=8),
     dict(mode="block", no_attn=True, ahead=2),
     dict(mode="block", layers="2,4-5", ahead=2),
@@ -243,7 +244,9 @@ def test_settings_from_env_and_flags():
            "ONEBIT_MOE_PREDICT_MIN": "2", "ONEBIT_MOE_PREDICT_LAYERS": "1,2,5-9", "ONEBIT_MOE_PREDICT_AHEAD": "2",
            "ONEBIT_MOE_PREDICT_NO_ATTN": "1", "ONEBIT_MOE_PREDICT_STATS": "1"}
     s = settings_from(env)
-    assert s == PredictSettings("block", 6, 1.5, 2, "1,2,5-9", 2, True, None, True)
+    assert s == PredictSettings(mode="block", depth=6, margin=1.5, min=2, layers="1,2,5-9", ahead=2, no_attn=True,
+                                stats=True)
+    assert settings_from({"ONEBIT_MOE_PREDICT_CHAIN": "1"}).chain
     assert settings_from(env, mode="router", ahead=3).mode == "router"
     assert settings_from({}).mode == "off"
     for bad in ({"ONEBIT_MOE_PREDICT": "sometimes"}, {"ONEBIT_MOE_PREDICT_DEPTH": "0"},

@@ -9,7 +9,8 @@ For each of the next `ahead` MoE layers l + j it ranks experts from:
 - block:  layer l + j's own mixer block run speculatively first (attention over the real
           cache's earlier positions plus this step's rows, whose K/V go to that layer's
           scratch, never to the cache), then its FFN norm and router; deeper layers chain
-          from the predicted residual. `no_attn` drops the mixer (router on h chained).
+          from the predicted residual (`chain`), or take the first predicted residual to
+          their routers (the cheap router form). `no_attn` drops the mixer.
 
 The ranked candidates become a set (`select`: at least `min`, up to `depth` while within
 `margin` of the best router logit), queued as pool prefetches (demand reads go first; a
@@ -52,6 +53,7 @@ class PredictSettings:
     layers: Optional[str] = None  # "1,2,5-9": the layers predicted (None: every MoE layer)
     ahead: int = 1  # how many MoE layers ahead
     no_attn: bool = False  # block mode without the mixer
+    chain: bool = False  # block mode, > 1 ahead: run every deeper layer's block too (else router form)
     out: Optional[str] = None  # per-token predicted / actual trace (JSONL)
     stats: bool = False  # print the per-layer table at exit
 
@@ -86,7 +88,7 @@ def settings_from(env=None, **given) -> PredictSettings:
     raw = {
         "mode": env.get(ENV), "depth": env.get(ENV + "_DEPTH"), "margin": env.get(ENV + "_MARGIN"),
         "min": env.get(ENV + "_MIN"), "layers": env.get(ENV + "_LAYERS"), "ahead": env.get(ENV + "_AHEAD"),
-        "no_attn": env.get(ENV + "_NO_ATTN"), "out": env.get(ENV + "_OUT"), "stats": env.get(ENV + "_STATS"),
+        "no_attn": env.get(ENV + "_NO_ATTN"), "chain": env.get(ENV + "_CHAIN"), "out": env.get(ENV + "_OUT"), "stats": env.get(ENV + "_STATS"),
     }
     raw.update({k: v for k, v in given.items() if v is not None})
     out = {}
@@ -112,6 +114,8 @@ def settings_from(env=None, **given) -> PredictSettings:
         out["layers"] = str(raw["layers"])
     if raw["no_attn"] not in (None, ""):
         out["no_attn"] = _flag("--moe-predict-no-attn", raw["no_attn"])
+    if raw["chain"] not in (None, ""):
+        out["chain"] = _flag("--moe-predict-chain", raw["chain"])
     if raw["stats"] not in (None, ""):
         out["stats"] = _flag("--moe-predict-stats", raw["stats"])
     if raw["out"] not in (None, ""):
@@ -217,7 +221,7 @@ class Predictor:
         keep = [int(e) for e in np.unique(ids)]
         r = h
         for j, target in enumerate(nxt):
-            if self.s.mode == "block" and not self.s.no_attn:
+            if self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain):
                 r = self._block(ctx, target, r)
             if target not in self.stats:
                 continue
