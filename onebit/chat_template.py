@@ -35,6 +35,31 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# Gemma's turns, for Gemma files converted without their template: a system message opens the
+# first user turn, the assistant's role is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def fallback_template(tokens) -> tuple[str, str]:
+    """(name, template) for a file without a chat template: Gemma's turns where the vocabulary
+    has their markers, else ChatML."""
+    if tokens is not None and "<start_of_turn>" in tokens and "<end_of_turn>" in tokens:
+        return "Gemma turns", GEMMA_TEMPLATE
+    return "ChatML", CHATML_TEMPLATE
+
+
 MIN_OUTPUT_CHARS = 1 << 20  # a render may always produce this much
 TIMEOUT_S = 10.0
 

@@ -46,6 +46,13 @@ class ModelConfig:
     attn_bias: bool = False
     sliding_window: int = 0  # positions a sliding-window layer attends to (0: none)
     swa_layers: tuple[int, ...] = ()  # the layers that use it (set by an architecture's config)
+    rope_theta_swa: float = 0.0  # RoPE base of sliding-window layers (0: rope_theta)
+    rope_scale_swa: float = 0.0  # their linear position scaling (0: rope_scale)
+    rope_factors: bool = False  # `rope_freqs.weight` divides each RoPE frequency (Llama 3 scaling)
+    attn_scale: float = 0.0  # query scale before q.k (0: 1/sqrt(head_dim))
+    embed_scale: float = 1.0  # the token embeddings are multiplied by this (Gemma: sqrt(dim))
+    final_logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    post_norms: bool = False  # norms after the attention and the FFN too (Gemma's sandwich layer)
 
     @property
     def is_moe(self) -> bool:
@@ -54,6 +61,12 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int:
         """How many positions (up to its own) a row of `layer` attends to; 0: all of them."""
         return self.sliding_window if layer in self.swa_layers else 0
+
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """(base, linear position scale) of `layer`'s RoPE: sliding-window layers may have their own."""
+        if layer in self.swa_layers:
+            return self.rope_theta_swa or self.rope_theta, self.rope_scale_swa or self.rope_scale
+        return self.rope_theta, self.rope_scale
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether `layer`'s FFN is routed experts (else a dense SwiGLU)."""
@@ -162,4 +175,20 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
         expert_weights_norm=bool(wnorm),
         qk_norm=qk_norm,
         attn_bias="blk.0.attn_q.bias" in g.tensors,
+        rope_factors="rope_freqs.weight" in g.tensors,
     )
+
+
+def swa_layers_from_gguf(g: GGUFFile, n_layers: int, default_pattern: int) -> tuple[int, ...]:
+    """The sliding-window layers, as llama.cpp reads them: `attention.sliding_window_pattern`
+    is one flag per layer, or a period n (every n-th layer is global: i % n == n - 1), else
+    the architecture's default period."""
+    key = f"{g.architecture}.attention.sliding_window_pattern"
+    v = g.get(key)
+    if v is not None and np.ndim(v) > 0:
+        flags = np.asarray(v).reshape(-1)
+        if len(flags) < n_layers:
+            raise ModelFileError(f"{g.path}: {key!r} has {len(flags)} entries for {n_layers} layers")
+        return tuple(i for i in range(n_layers) if flags[i])
+    n = _int(g, key, default_pattern, lo=0, hi=MAX_LAYERS)
+    return tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)

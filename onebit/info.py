@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Any
 
 from .config import ModelConfig
+from .chat_template import fallback_template
 from .gguf_file import GGUFFile, is_expert_tensor
 
 
@@ -50,6 +51,7 @@ def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
             "tokens": len(meta.get("tokenizer.ggml.tokens") or []),
         },
         "chat_template": "tokenizer.chat_template" in meta,
+        "chat_template_fallback": fallback_template(meta.get("tokenizer.ggml.tokens"))[0],
         "types": dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"])),
     }
 
@@ -77,7 +79,7 @@ def format_info(info: dict[str, Any]) -> str:
     lines += [
         f"context length  {info['context_length']}",
         f"tokenizer       {tok['model']}" + (f" (pre {tok['pre']})" if tok["pre"] else "") + f", {tok['tokens']} tokens",
-        f"chat template   {'yes' if info['chat_template'] else 'no (ChatML fallback)'}",
+        "chat template   " + ("yes" if info["chat_template"] else f"no ({info['chat_template_fallback']} fallback)"),
         f"size            {info['file_bytes'] / 2**20:.2f} MiB",
         "types:",
     ]

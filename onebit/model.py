@@ -66,6 +66,10 @@ class Model:
             self.set_predict(predict)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
+        from .chat_template import fallback_template
+
+        # what `chat` renders with when the file has no template
+        self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
 
     def _planned_backend(self, backend, cfg, slots, budget, policy, predicted: str = ""):
         """Plan memory first; refuse a plan that does not fit; stream experts when slots < all."""
@@ -180,7 +184,8 @@ class Model:
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+        return render_chat(self.chat_template or self.fallback_template, messages,
+                           add_generation_prompt=add_generation_prompt,
                            bos_token=bos, eos_token=eos, source=self.path)
 
     def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

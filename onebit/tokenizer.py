@@ -23,11 +23,15 @@ plamo2 models are refused.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Regex, Tokenizer as HFTokenizer
 from tokenizers import models as hf_models
 from tokenizers import pre_tokenizers as hf_pre
@@ -58,6 +62,20 @@ _TYPE_ATTR = {
 }
 _A_SPECIAL = _A_UNKNOWN | _A_CONTROL  # hidden from decoded text unless asked for
 _A_PARSED = _A_CONTROL | _A_USER_DEFINED | _A_UNKNOWN  # cut out of the text before merges
+
+# SentencePiece vocabularies this large keep their merge ranking in a cache file (cache_dir()).
+SPM_CACHE_MIN_TOKENS = 65536
+
+
+def cache_dir() -> Path | None:
+    """Where derived data is cached: $ONEBIT_CACHE_DIR, else $XDG_CACHE_HOME/onebit, else
+    ~/.cache/onebit. ONEBIT_CACHE_DIR=off turns caching off."""
+    d = os.environ.get("ONEBIT_CACHE_DIR")
+    if d:
+        return None if d.lower() in ("off", "0", "none") else Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "onebit"
+
 
 _SPACE = "\u2581"  # SentencePiece's escaped space
 _UNK_SENTINEL = "\U0010ffff<onebit-unknown>"  # in no vocabulary
@@ -535,24 +553,55 @@ class Tokenizer:
         write one score for every token) may tokenize differently; real SentencePiece
         vocabularies have distinct scores.
         """
-        ids, scores = self._ids, self._scores
-        ranked = []
-        for text, tid in ids.items():
-            score = scores[tid]
-            for k in range(1, len(text)):
-                a = text[:k]
-                if a in ids:
-                    b = text[k:]
-                    if b in ids:
-                        ranked.append((-score, tid, k, a, b))
-        ranked.sort()
-        merged = {tid for _, tid, _, _, _ in ranked}
-        tied = len(merged) - len({scores[t] for t in merged})
+        ranked = self._spm_ranking()  # [n, 2]: (token id, split position), in merge order
+        scores = np.asarray(self._scores, np.float64)
+        merged = np.unique(ranked[:, 0])
+        tied = len(merged) - len(np.unique(scores[merged]))
         if tied > len(merged) // 100:
             log.warning("%s: %d of %d SentencePiece tokens share a score with another; token ids "
                         "may differ from llama.cpp's where such merges compete", self.source, tied,
                         len(merged))
-        return [(a, b) for _, _, _, a, b in ranked]
+        texts = self._texts
+        return [(texts[t][:k], texts[t][k:]) for t, k in ranked.tolist()]
+
+    def _spm_ranking(self) -> np.ndarray:
+        """The merge order as (token id, split) rows. Finding the splits of a 262k vocabulary
+        takes seconds (a million substring checks), so large vocabularies keep the result in a
+        cache file keyed by a hash of their tokens and scores."""
+        path = None
+        if len(self._texts) >= SPM_CACHE_MIN_TOKENS:
+            directory = cache_dir()
+            if directory is not None:
+                h = hashlib.sha256(b"onebit-spm-merges-v1\0")
+                h.update("\0".join(self._texts).encode("utf-8", "surrogatepass"))
+                h.update(np.asarray(self._scores, np.float64).tobytes())
+                path = directory / f"spm-merges-{h.hexdigest()[:32]}.npy"
+                try:
+                    ranked = np.load(path, allow_pickle=False)
+                    if ranked.ndim == 2 and ranked.shape[1] == 2 and ranked.dtype == np.int32 and (
+                            not ranked.size or (ranked.min() >= 0 and ranked[:, 0].max() < len(self._texts))):
+                        return ranked
+                except (OSError, ValueError):
+                    pass
+        ids, scores = self._ids, self._scores
+        rows = []
+        for text, tid in ids.items():
+            score = scores[tid]
+            for k in range(1, len(text)):
+                if text[:k] in ids and text[k:] in ids:
+                    rows.append((-score, tid, k))
+        rows.sort()
+        ranked = np.array([(tid, k) for _, tid, k in rows], np.int32).reshape(-1, 2)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    np.save(f, ranked)
+                os.replace(tmp, path)
+            except OSError as e:
+                log.debug("tokenizer cache %s not written: %s", path, e)
+        return ranked
 
     # --- encode -----------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 #version 450
 // Elementwise ops over n floats, chosen with -DOP_<name>:
 //   ADD: o = a + b    MUL: o = a * b    SILU: o = a / (1 + exp(-a))    SWIGLU: o = silu(a) * b
+//   GEGLU: o = gelu(a) * b, gelu's tanh form written as a * sigmoid(2u) (no overflow)
+//   SOFTCAP: o = b * tanh(a / b) (b: one value, nb = 1)
 // b is indexed modulo nb (nb = n: same shape; nb = row length: one row broadcast to all rows).
 #include "common.glsl"
 
@@ -29,6 +31,12 @@ void main() {
     o[i] = av / (1.0 + exp(-av));
 #elif defined(OP_SWIGLU)
     o[i] = av / (1.0 + exp(-av)) * b[i % pc.nb];
+#elif defined(OP_GEGLU)
+    const float u = 0.7978845608028654 * (av + 0.044715 * av * av * av);  // sqrt(2/pi) (a + 0.044715 a^3)
+    o[i] = av / (1.0 + exp(-2.0 * u)) * b[i % pc.nb];
+#elif defined(OP_SOFTCAP)
+    const float cap = b[i % pc.nb];
+    o[i] = cap * (1.0 - 2.0 / (exp(2.0 * av / cap) + 1.0));  // tanh, saturating cleanly at +-1
 #else
 #error "define one OP_<name>"
 #endif

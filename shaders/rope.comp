@@ -1,5 +1,6 @@
 #version 450
-// RoPE: rotate the first n_rot dims of every head of row r by angle pos[r] * scale * theta^(-2i/n_rot).
+// RoPE: rotate the first n_rot dims of every head of row r by angle pos[r] * scale * theta^(-2i/n_rot)
+// (divided by factors[i] when given: Llama 3's per-frequency rope_freqs).
 // Normal mode pairs dims (2i, 2i + 1); NeoX mode pairs (i, i + n_rot/2). Dims past n_rot are copied.
 // In place is fine: each thread reads and writes only its own pair.
 #include "common.glsl"
@@ -9,6 +10,7 @@ layout(local_size_x_id = 0) in;
 layout(binding = 0, std430) readonly buffer X { float x[]; };
 layout(binding = 1, std430) readonly buffer Pos { int pos[]; };
 layout(binding = 2, std430) buffer Out { float o[]; };
+layout(binding = 3, std430) readonly buffer Factors { float factors[]; };
 
 layout(push_constant) uniform Push {
     uint n_heads;
@@ -19,6 +21,7 @@ layout(push_constant) uniform Push {
     float log2_theta;
     float scale;       // linear position scaling
     uint neox;
+    uint has_factors;  // 1: divide frequency i by factors[i]
 } pc;
 
 void main() {
@@ -33,7 +36,10 @@ void main() {
     const uint xb = r * pc.x_stride + h * pc.head_dim;
     const uint ob = r * pc.out_stride + h * pc.head_dim;
     if (2u * i < pc.n_rot) {
-        const float inv_freq = exp2(-float(2u * i) / float(pc.n_rot) * pc.log2_theta);
+        float inv_freq = exp2(-float(2u * i) / float(pc.n_rot) * pc.log2_theta);
+        if (pc.has_factors != 0u) {
+            inv_freq /= factors[i];
+        }
         const float ang = float(pos[r]) * pc.scale * inv_freq;
         const float c = cos(ang);
         const float s = sin(ang);

@@ -28,7 +28,7 @@ WEIGHT_TYPES = tuple(re.findall(r"^struct (\w+)", (SHADER_DIR / "types.glsl").re
 # ("subgroup") or a tree in shared memory ("shmem", for devices without subgroup arithmetic);
 # or each thread owns whole rows ("none": CPU devices, where lanes are SIMD slots).
 REDUCE_MODES = ("subgroup", "shmem", "none")
-ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu")
+ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu", "geglu", "softcap")
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,31 @@ def test_broken_templates_are_template_errors(tpl, problem):
         render_chat(tpl, MESSAGES, source="broken.gguf")
     assert str(info.value).startswith("broken.gguf: ")
     assert isinstance(info.value, OnebitError) and info.value.exit_code == 2
+
+
+def test_gemma_file_without_a_template_chats_in_gemma_turns(tmp_path):
+    """A Gemma GGUF converted without its chat template (as some hub files are) is rendered in
+    Gemma's turns, not ChatML, whose markers its vocabulary lacks."""
+    import onebit
+    from conftest import fixture_path
+    from ggufedit import rewrite
+    from onebit.info import format_info, model_info
+
+    path = rewrite(fixture_path("gemma3-f32.gguf"), tmp_path / "g.gguf", drop_meta=("tokenizer.chat_template",))
+    m = onebit.load(path)
+    assert m.chat_template is None
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    text = m.apply_chat_template(msgs)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    ids = m.chat_tokens(msgs)
+    assert ids[0] == m.tokenizer.bos_id and ids.count(m.tokenizer.bos_id) == 1
+    assert m.tokenizer.token_to_id("<start_of_turn>") in ids
+    # the file's own template (the fixture carries the same turns) renders the same
+    assert onebit.load(fixture_path("gemma3-f32.gguf")).apply_chat_template(msgs) == text
+    assert "no (Gemma turns fallback)" in format_info(model_info(m.gguf, m.cfg))
+    llama = rewrite(fixture_path("llama-f32.gguf"), tmp_path / "l.gguf", drop_meta=("tokenizer.chat_template",))
+    ml = onebit.load(llama)
+    assert "<|im_start|>user" in ml.apply_chat_template(msgs)
+    assert "no (ChatML fallback)" in format_info(model_info(ml.gguf, ml.cfg))

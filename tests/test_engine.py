@@ -11,7 +11,8 @@ from conftest import fixture_path
 from ggufedit import rewrite
 from onebit.errors import ModelFileError, UnsupportedModelError
 
-ARCH_FIXTURES = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32"]
+ARCH_FIXTURES = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
+        "llama3rope-f32", "gemma3-f32"]
 
 
 @pytest.mark.parametrize("name", ARCH_FIXTURES)

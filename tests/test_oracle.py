@@ -19,7 +19,7 @@ HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
 def test_fixtures_present():
     assert len(REFS) >= 18, "oracle fixtures missing: run tools/make_fixtures.py"
     arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
-    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3"}
+    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3"}
 
 
 # The reference backend and the cpu backend (numba kernels: same decoded weights, float32
@@ -115,3 +115,27 @@ def test_quantized_matches_transformers_on_dequantized_weights(ref_path, backend
     maxdiff = np.abs(logits - hf).max(axis=1)
     ok = (cos >= 0.99999) & (maxdiff <= 1e-2)
     assert ok.mean() >= 0.97, [(i, cos[i], maxdiff[i], margin[i]) for i in np.nonzero(~ok)[0]]
+
+
+# Each feature the llama3rope and gemma3 fixtures exist for, turned off: the oracle must notice
+# (so the tests above prove the feature, not just the rest of the model).
+FEATURES = [
+    ("llama3rope-f32", dict(rope_factors=False)),  # rope_freqs.weight ignored
+    ("gemma3-f32", dict(swa_layers=())),  # every layer global
+    ("gemma3-f32", dict(rope_theta_swa=0.0)),  # local layers with the global RoPE base
+    ("gemma3-f32", dict(rope_scale_swa=0.0)),  # ... and the global layers' linear scaling
+    ("gemma3-f32", dict(embed_scale=1.0)),
+    ("gemma3-f32", dict(final_logit_softcap=0.0)),
+    ("gemma3-f32", dict(attn_scale=0.5)),  # a query scale other than 1/sqrt(head_dim)
+]
+
+
+@pytest.mark.parametrize("name,change", FEATURES, ids=lambda v: v if isinstance(v, str) else ",".join(map(str, v)))
+def test_fixture_features_are_load_bearing(name, change):
+    import dataclasses
+
+    model = onebit.load(FIXTURES / f"{name}.gguf")
+    model.net.cfg = model.cfg = dataclasses.replace(model.cfg, **change)
+    ref = np.load(FIXTURES / f"{name}.ref.npz")
+    cos = cosine_rows(model.logits(ref["tokens"].astype(np.int64)), ref["logits_hf"])
+    assert (cos >= 0.99999).mean() < 0.5, f"{name} with {change}: still matches HF ({np.median(cos)})"

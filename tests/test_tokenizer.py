@@ -287,3 +287,28 @@ def test_encode_rejects_non_text():
     with pytest.raises(OnebitError):
         tok.encode(b"bytes")  # type: ignore[arg-type]
     assert tok.encode("\ud800x", add_special=False) == tok.encode("?x", add_special=False)
+
+
+@pytest.mark.parametrize("name", ["gemma3-f32.gguf", "llama-f32.gguf"])
+def test_spm_merge_ranking_cache(name, tmp_path, monkeypatch):
+    """Large SentencePiece vocabularies keep their merge ranking in a cache file: a tokenizer
+    built from the cache (or past a damaged one) gives the same merges and ids."""
+    from onebit import tokenizer as tok_mod
+
+    meta = read_metadata(fixture_path(name))
+    cold = Tokenizer.from_metadata(meta, name)
+    monkeypatch.setenv("ONEBIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tok_mod, "SPM_CACHE_MIN_TOKENS", 1)
+    first = Tokenizer.from_metadata(meta, name)
+    (path,) = tmp_path.glob("spm-merges-*.npy")
+    warm = Tokenizer.from_metadata(meta, name)
+    assert first._spm_merges() == warm._spm_merges() == cold._spm_merges()
+    strings = cases()["strings"]
+    want = [cold.encode(s) for s in strings]
+    assert [warm.encode(s) for s in strings] == want
+    path.write_bytes(b"not a numpy file")
+    assert [Tokenizer.from_metadata(meta, name).encode(s) for s in strings] == want
+    monkeypatch.setenv("ONEBIT_CACHE_DIR", "off")
+    path.unlink()
+    Tokenizer.from_metadata(meta, name)
+    assert not list(tmp_path.glob("spm-merges-*"))

@@ -15,7 +15,8 @@ from conftest import fixture_path
 from onebit.backends import BACKENDS
 from onebit.backends.vulkan.backend import VulkanBackend
 
-ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32"]
+ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
+        "llama3rope-f32", "gemma3-f32"]
 QUANT = ["q3moe256-" + t for t in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
                                    "Q1_0", "TQ1_0", "TQ2_0")]
 # Both backends dequantize to the same float32 weights; only float32 summation order differs.

@@ -171,6 +171,25 @@ def test_rope(ops, rng, neox, n_rot):
           f"rope neox={neox} n_rot={n_rot}")
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_frequency_factors(ops, rng, neox):
+    """Llama 3 rope scaling: each frequency divided by its factor (`rope_freqs.weight`)."""
+    x = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    pos = np.array([0, 9, 300])
+    factors = rng.uniform(1.0, 8.0, 32).astype(np.float32)
+    want = ref.rope(x, pos, 64, 500000.0, neox, 1.0, factors)
+    close(ops.rope(x, pos, 64, 500000.0, neox, 1.0, factors), want, rng, 5e-5, f"rope factors neox={neox}")
+    # the twin: dividing the frequencies is the same rotation as with a per-dim position scale
+    inv = 500000.0 ** (-np.arange(0, 64, 2) / 64) / factors
+    ang = pos[:, None] * inv[None, :]
+    a, b = (x[..., :32], x[..., 32:]) if neox else (x[..., 0::2], x[..., 1::2])
+    c, s = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    got = np.concatenate([a * c - b * s, a * s + b * c], -1) if neox else \
+        np.stack([a * c - b * s, a * s + b * c], -1).reshape(x.shape)
+    np.testing.assert_allclose(want, got, rtol=0, atol=1e-5)
+    assert np.abs(want - ref.rope(x, pos, 64, 500000.0, neox)).max() > 0.1  # the factors matter here
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_router_softmax_topk(ops, rng, norm):
     logits = rng.standard_normal((6, 60)).astype(np.float32)
@@ -192,6 +211,24 @@ def test_binary(ops, rng, op):
     a = rng.standard_normal((3, 100)).astype(np.float32)
     b = rng.standard_normal((3, 100)).astype(np.float32)
     close(getattr(ops, op)(a, b), getattr(ref, op)(a, b), rng, 1e-6, op)
+
+
+def test_geglu(ops, rng):
+    a = rng.standard_normal((3, 100)).astype(np.float32) * 4
+    a[0, :4] = [-100.0, -30.0, 30.0, 100.0]  # exp(-2u) overflows or vanishes: no NaN
+    b = rng.standard_normal((3, 100)).astype(np.float32)
+    want = ref.geglu(a, b)
+    u = np.sqrt(2 / np.pi) * (a.astype(np.float64) + 0.044715 * a.astype(np.float64) ** 3)
+    np.testing.assert_allclose(want, 0.5 * a * (1 + np.tanh(u)) * b, rtol=1e-6, atol=1e-6)  # the tanh form
+    close(ops.geglu(a, b), want, rng, 1e-6, "geglu")
+
+
+def test_softcap(ops, rng):
+    a = rng.standard_normal((5, 70)).astype(np.float32) * 20
+    a[0, :3] = [-1e4, 0.0, 1e4]
+    want = ref.softcap(a, 30.0)
+    np.testing.assert_allclose(want, 30.0 * np.tanh(a.astype(np.float64) / 30.0), rtol=1e-6, atol=1e-6)
+    close(ops.softcap(a, 30.0), want, rng, 1e-6, "softcap")
 
 
 def test_silu(ops, rng):
@@ -249,6 +286,20 @@ def test_attention_sliding_window(ops_by_reduce, rng, window, reduce):
         np.testing.assert_allclose(want, _attention_by_loops(q, k, v, pos, window), rtol=0, atol=1e-5)
         close(ops_by_reduce[reduce].attention(q, k, v, pos, window), want, rng, 1e-5,
               f"attention window={window} S={S} R={R} {reduce}")
+
+
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])
+def test_attention_scale(ops_by_reduce, rng, reduce):
+    """A score scale other than 1/sqrt(D) (Gemma's query_pre_attn_scalar), with a window."""
+    H, Hkv, D, S, R = 4, 1, 32, 40, 3
+    q = rng.standard_normal((R, H, D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    pos = np.arange(S - R, S)
+    want = ref.attention(q, k, v, pos, 4, 0.5)
+    np.testing.assert_allclose(want, ref.attention(q * np.float32(0.5 * np.sqrt(D)), k, v, pos, 4), rtol=1e-5,
+                               atol=1e-6)
+    close(ops_by_reduce[reduce].attention(q, k, v, pos, 4, 0.5), want, rng, 1e-5, f"attention scale {reduce}")
 
 
 def test_set_rows(ops, rng):

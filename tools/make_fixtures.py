@@ -141,6 +141,22 @@ MAX_SEED_TRIES = 60
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# Gemma's turn format (the fixture's own wording of it): a system message opens the first
+# user turn; the assistant's role is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 
 # ---------------------------------------------------------------------------------------
 # Fixture specifications
@@ -157,6 +173,9 @@ class TokenizerSpec:
     pad: str | None = None
     add_bos: bool = False
     ignore_merges: bool = False     # llama-bpe (llama 3) sets this in HF and llama.cpp
+    dummy_prefix: bool = True       # spm: a space before the text (Llama); Gemma has none
+    spm_ids: tuple[int, int, int, int] = (0, 1, 2, -1)  # spm: unk, bos, eos, pad ids
+    chat_template: str = CHATML_TEMPLATE
 
 
 # HF pre-tokenizer regexes that mirror llama.cpp's (src/llama-vocab.cpp) for each `pre`,
@@ -193,6 +212,11 @@ TOKENIZERS = {
     # Llama 1/2 style SentencePiece with byte fallback; ChatML markers are control symbols.
     "spm": TokenizerSpec("spm", 640, specials=("<|im_start|>", "<|im_end|>"),
                          bos="<s>", eos="</s>", add_bos=True),
+    # Gemma style SentencePiece: no dummy prefix, pad/eos/bos/unk = 0/1/2/3, turn markers.
+    "spm-gemma": TokenizerSpec("spm", 640, specials=("<start_of_turn>", "<end_of_turn>"),
+                               bos="<bos>", eos="<eos>", pad="<pad>", add_bos=True,
+                               dummy_prefix=False, spm_ids=(3, 2, 1, 0),
+                               chat_template=GEMMA_TEMPLATE),
 }
 
 
@@ -206,6 +230,7 @@ class Fixture:
     seed: int
     vocab_pad: int = 0   # extra vocab rows beyond the tokenizer (written as [PAD] tokens)
     quant_types: tuple[str, ...] = ()   # llama-quantize targets made from the f32 file
+    norm_center: float = 1.0   # random norm weights are this + N(0, 0.2) (Gemma stores w - 1)
 
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -243,6 +268,28 @@ FIXTURES = [
     Fixture("qwen2", "Qwen2ForCausalLM", "Qwen2Config",
             dict(SMALL, intermediate_size=128, rms_norm_eps=1e-6),
             "bpe-default", seed=6, vocab_pad=32),
+    # Llama 3.1 rope scaling: the converter writes rope_freqs.weight. original_max_position
+    # is small so that the reference text's positions see every regime (factor 1, smoothed,
+    # factor 8) of the per-frequency factors.
+    Fixture("llama3rope", "LlamaForCausalLM", "LlamaConfig",
+            dict(SMALL, intermediate_size=128, rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                      low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=64)),
+            "bpe-llama3", seed=9),
+    # Gemma 3: six layers so that llama.cpp's default pattern (every sixth layer global)
+    # gives five sliding-window layers (window 4) and one global; the global layers' linear
+    # rope scaling and the local rope base differ, as in Gemma 3 4B+; final logit softcapping
+    # (not in Gemma 3's own configs, but read by both implementations); q.k scaled by
+    # 1/sqrt(head_dim) (GGUF has no query_pre_attn_scalar).
+    Fixture("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig",
+            dict(SMALL, num_hidden_layers=6, intermediate_size=128, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True, query_pre_attn_scalar=16, sliding_window=4,
+                 hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=4.0,
+                 rope_parameters=dict(
+                     full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+                     sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
+            "spm-gemma", seed=10, norm_center=0.0),
     # Tied embeddings (no output.weight), as in the small Qwen3 models.
     Fixture("qwen3", "Qwen3ForCausalLM", "Qwen3Config",
             dict(SMALL, intermediate_size=128, rms_norm_eps=1e-6, tie_word_embeddings=True),
@@ -443,16 +490,19 @@ def train_spm(spec: TokenizerSpec, corpus: list[str], out_dir: Path) -> None:
         sentence_iterator=iter([line for line in corpus if line.strip()]),
         model_prefix=str(out_dir / "tokenizer"), vocab_size=spec.vocab_size,
         model_type="bpe", character_coverage=0.9995, byte_fallback=True,
-        normalization_rule_name="identity", add_dummy_prefix=True,
+        normalization_rule_name="identity", add_dummy_prefix=spec.dummy_prefix,
         remove_extra_whitespaces=False, split_digits=True,
         allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        unk_id=spec.spm_ids[0], bos_id=spec.spm_ids[1], eos_id=spec.spm_ids[2],
+        pad_id=spec.spm_ids[3], bos_piece=spec.bos, eos_piece=spec.eos,
+        **({"pad_piece": spec.pad} if spec.pad else {}),
         control_symbols=list(spec.specials),
         shuffle_input_sentence=False, num_threads=1, minloglevel=2)
     (out_dir / "tokenizer.vocab").unlink()
     patch_tokenizer_config(out_dir, spec, tokenizer_class="LlamaTokenizer",
                            extra=dict(bos_token=spec.bos, eos_token=spec.eos,
-                                      unk_token="<unk>", legacy=True))
+                                      unk_token="<unk>", legacy=True,
+                                      **({"pad_token": spec.pad} if spec.pad else {})))
 
 
 def patch_tokenizer_config(out_dir: Path, spec: TokenizerSpec, tokenizer_class: str,
@@ -462,7 +512,7 @@ def patch_tokenizer_config(out_dir: Path, spec: TokenizerSpec, tokenizer_class: 
     cfg = json.loads(path.read_text()) if path.exists() else {}
     cfg.update(extra or {})
     cfg.update(tokenizer_class=tokenizer_class, add_bos_token=spec.add_bos,
-               add_eos_token=False, chat_template=CHATML_TEMPLATE, model_max_length=512)
+               add_eos_token=False, chat_template=spec.chat_template, model_max_length=512)
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)   # one source of truth
 
@@ -470,7 +520,9 @@ def patch_tokenizer_config(out_dir: Path, spec: TokenizerSpec, tokenizer_class: 
 def token_ids(spec: TokenizerSpec, tok_dir: Path) -> dict[str, int | None]:
     """bos/eos/pad ids for config.json (llama.cpp's converter falls back to these)."""
     if spec.kind == "spm":
-        return dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)
+        pad = spec.spm_ids[3]
+        return dict(bos_token_id=spec.spm_ids[1], eos_token_id=spec.spm_ids[2],
+                    pad_token_id=pad if pad >= 0 else None)
     vocab = json.loads((tok_dir / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     return dict(bos_token_id=ids.get(spec.bos), eos_token_id=ids.get(spec.eos),
@@ -497,7 +549,7 @@ def make_hf_model(fx: Fixture, tok_spec: TokenizerSpec, tok_dir: Path, out_dir: 
     best = None
     for attempt in range(tries):
         seed = fx.seed + 1000 * attempt
-        model = init_hf_model(fx.hf_class, config, seed)
+        model = init_hf_model(fx.hf_class, config, seed, fx.norm_center)
         margin = router_margin(model, ref_tokens)
         if best is None or margin > best[2]:
             best = (seed, model, margin)
@@ -517,7 +569,7 @@ def make_hf_model(fx: Fixture, tok_spec: TokenizerSpec, tok_dir: Path, out_dir: 
                                    for k in ["vocab_size", *fx.config.keys()]})
 
 
-def init_hf_model(hf_class: str, config, seed: int):
+def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
     import torch
     import transformers
 
@@ -530,7 +582,7 @@ def init_hf_model(hf_class: str, config, seed: int):
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
             elif "norm" in name and p.ndim == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif ROUTER_WEIGHT.search(name):
                 p.mul_(ROUTER_GAIN)
     return model
@@ -700,7 +752,11 @@ def main() -> None:
                     help="tools/build_llama_cpp.sh output dir (or the extracted sdist)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/onebit-fixtures-work"),
                     help="scratch dir for HF model dirs and tokenizers (outside the repo)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated fixture names: make just these (a trial run; write "
+                         "them to a scratch --out, the manifest then lists only them)")
     args = ap.parse_args()
+    fixtures = [fx for fx in FIXTURES if not args.only or fx.name in args.only.split(",")]
     # torch and ggml each bring an OpenMP runtime; with the default active wait policy
     # their idle threads spin and starve each other (minutes instead of seconds on 2 cores).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -716,7 +772,7 @@ def main() -> None:
     corpus = build_corpus()
     print(f"corpus: {len(corpus)} lines, {sum(len(x) + 1 for x in corpus)} chars")
     tok_dirs: dict[str, Path] = {}
-    for key in sorted({fx.tokenizer for fx in FIXTURES}):
+    for key in sorted({fx.tokenizer for fx in fixtures}):
         spec = TOKENIZERS[key]
         tok_dirs[key] = work / "tokenizers" / key
         shutil.rmtree(tok_dirs[key], ignore_errors=True)
@@ -725,7 +781,7 @@ def main() -> None:
 
     # 2. HF models -> f32 GGUF -> quantized GGUFs.
     files: dict[str, dict] = {}     # gguf file name -> info for the manifest
-    for fx in FIXTURES:
+    for fx in fixtures:
         spec = TOKENIZERS[fx.tokenizer]
         hf_dir = work / "hf" / fx.name
         made = make_hf_model(fx, spec, tok_dirs[fx.tokenizer], hf_dir)
@@ -956,7 +1012,9 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
     fx_lines = []
     for fx in FIXTURES:
         spec = TOKENIZERS[fx.tokenizer]
-        info = files[f"{fx.name}-f32.gguf"]
+        info = files.get(f"{fx.name}-f32.gguf")
+        if info is None:   # not made in this (--only) run
+            continue
         shape = ", ".join(f"{k}={v}" for k, v in fx.config.items())
         pad = f" ({fx.vocab_pad} [PAD] rows past the tokenizer)" if fx.vocab_pad else ""
         fx_lines.append(f"- **{fx.name}** — `{fx.hf_class}`, seed {info['seed']}, vocab "
@@ -969,7 +1027,8 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
         tok_lines.append(
             f"- `{key}`: {kind}, vocab {spec.vocab_size}, {pre}, specials "
             f"{', '.join(f'`{s}`' for s in spec.specials)}, bos `{spec.bos}`, eos `{spec.eos}`, "
-            f"add_bos {spec.add_bos}{', ignore_merges' if spec.ignore_merges else ''}.")
+            f"add_bos {spec.add_bos}{', ignore_merges' if spec.ignore_merges else ''}"
+            f"{'' if spec.dummy_prefix or spec.kind != 'spm' else ', no dummy prefix'}.")
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name != "README.md")
     text = f"""# Test fixtures
 
@@ -1014,7 +1073,10 @@ rarely changes which experts run.
 {chr(10).join(fx_lines)}
 
 Shapes chosen to suit llama.cpp: OLMoE is MHA because llama.cpp sizes its k_norm as n_embd;
-its rms eps is 1e-5 because the converter writes 1e-5 whatever the config says.
+its rms eps is 1e-5 because the converter writes 1e-5 whatever the config says. Gemma 3 has
+six layers because llama.cpp (and the converter's GGUF) knows only the default pattern of one
+global layer in six; llama.cpp's gelu looks up fp16-rounded inputs in a table, which is its
+2e-3 from HF there. The converter stores Gemma's norm weights as 1 + w.
 
 `q3moe256-<TYPE>.gguf` = `llama-quantize q3moe256-f32.gguf <TYPE>`: every matmul row length
 is a multiple of 256. Types per file (the routers `ffn_gate_inp` and all norms stay F32):
@@ -1026,7 +1088,8 @@ is a multiple of 256. Types per file (the routers `ffn_gate_inp` and all norms s
 Trained offline by the script on Python standard-library docstrings plus a few
 multilingual lines. BPE ones are byte-level (all 256 byte symbols in the base alphabet),
 with HF pre-tokenizer regexes that mirror llama.cpp's for the chosen `pre`; special tokens
-come last in the vocab. Every tokenizer carries a ChatML `chat_template`.
+come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, except `spm-gemma`
+(Gemma's turns).
 
 {chr(10).join(tok_lines)}
 

@@ -7,6 +7,8 @@ dropped afterwards, so the process never holds a float32 copy of the model.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS, GGUFFile, Tensor
@@ -79,9 +81,24 @@ class NumpyBackend:
         return x / (np.float32(1.0) + np.exp(-x))
 
     @staticmethod
-    def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
-        """x: [R, H, D] rotated in its first n_rot dims by each row's position pos: [R]."""
+    def gelu_tanh(x: np.ndarray) -> np.ndarray:
+        """gelu by its tanh approximation, 0.5 x (1 + tanh(u)) = x * sigmoid(2u) (no overflow)."""
+        u = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
+        with np.errstate(over="ignore"):  # exp -> inf: x / inf = -0, the right limit
+            return x / (np.float32(1.0) + np.exp(np.float32(-2.0) * u))
+
+    @staticmethod
+    def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+        return np.float32(cap) * np.tanh(x / np.float32(cap))
+
+    @staticmethod
+    def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0,
+             factors: np.ndarray | None = None) -> np.ndarray:
+        """x: [R, H, D] rotated in its first n_rot dims by each row's position pos: [R].
+        factors: [n_rot/2] per-frequency divisors (`rope_freqs.weight`, Llama 3 rope scaling)."""
         inv_freq = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
+        if factors is not None:
+            inv_freq = inv_freq / np.asarray(factors, dtype=np.float64).reshape(-1)[: n_rot // 2]
         ang = (pos.astype(np.float64) * scale)[:, None] * inv_freq[None, :]  # [R, n_rot/2]
         cos = np.cos(ang).astype(np.float32)[:, None, :]  # [R, 1, n_rot/2]
         sin = np.sin(ang).astype(np.float32)[:, None, :]
@@ -104,8 +121,10 @@ class NumpyBackend:
 
     # -- attention ----------------------------------------------------------------------
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0) -> np.ndarray:
-        """Causal GQA attention (window > 0: each row sees only the last `window` positions).
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
+                  scale: float | None = None) -> np.ndarray:
+        """Causal GQA attention (window > 0: each row sees only the last `window` positions;
+        scores q.k times `scale`, default 1/sqrt(D)).
 
         q: [R, H, D] at positions q_pos; k: [S, Hkv, D], v: [S, Hkv, Dv] for positions 0..S-1.
         Returns [R, H * Dv].
@@ -115,7 +134,8 @@ class NumpyBackend:
         group = H // Hkv
         qg = q.reshape(R, Hkv, group, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
         kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
-        scores = (qg @ kt[:, None]) * np.float32(1.0 / np.sqrt(D))  # [Hkv, G, R, S]
+        scale = 1.0 / np.sqrt(D) if scale is None else scale
+        scores = (qg @ kt[:, None]) * np.float32(scale)  # [Hkv, G, R, S]
         mask = np.arange(S)[None, :] > q_pos[:, None]  # [R, S]
         if window > 0:
             mask |= np.arange(S)[None, :] <= q_pos[:, None] - window
@@ -180,12 +200,15 @@ class EagerStep:
     def view(x: np.ndarray, shape) -> np.ndarray:
         return x.reshape(x.shape[0], *shape)
 
-    def rope(self, x: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float) -> np.ndarray:
-        return self.be.rope(x, self.pos, n_rot, theta, neox, scale)
+    def rope(self, x: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float,
+             factors: str | None = None) -> np.ndarray:
+        f = self.be.weight(factors) if factors is not None else None
+        return self.be.rope(x, self.pos, n_rot, theta, neox, scale, f)
 
-    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0) -> np.ndarray:
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
+                  scale: float | None = None) -> np.ndarray:
         keys, values = self.cache[layer].write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
-        return self.be.attention(q, keys, values, self.pos, window)  # [R, H*Dv]
+        return self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
 
     @staticmethod
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -195,6 +218,16 @@ class EagerStep:
 
     def swiglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self.be.silu(a) * b
+
+    def geglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self.be.gelu_tanh(a) * b
+
+    @staticmethod
+    def scale(x: np.ndarray, s: float) -> np.ndarray:
+        return x * np.float32(s)
+
+    def softcap(self, x: np.ndarray, cap: float) -> np.ndarray:
+        return self.be.softcap(x, cap)
 
     def route(self, logits: np.ndarray, k: int, norm: bool):
         return self.be.route(logits, k, norm)

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma3": "gemma3",
 }
 
 

@@ -37,6 +37,8 @@ class TransformerLM:
     def schedule(self, g, last_only: bool = False):
         """The whole forward pass as ops on `g`: embedding, every layer, the output head."""
         x = g.embed("token_embd.weight")  # [R, dim]
+        if self.cfg.embed_scale != 1.0:
+            x = g.scale(x, self.cfg.embed_scale)
         for i in range(self.cfg.n_layers):
             x = self.layer(g, i, x)
         if last_only:

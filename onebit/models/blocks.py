@@ -8,10 +8,15 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     norm(x, name, eps)        RMS norm over the last axis, times weight `name`
     linear(x, name, bias)     x @ W.T (+ bias): [R, in] -> [R, out]
     view(x, shape)            the same values in another shape
-    rope(x, n_rot, theta, neox, scale)   x: [R, H, D] rotated at the rows' positions
-    attention(layer, q, k, v, window)  store k, v in the layer's cache; causal GQA over it (over
-                              the last `window` positions only, if > 0) -> [R, H * Dv]
+    rope(x, n_rot, theta, neox, scale, factors)  x: [R, H, D] rotated at the rows' positions
+                              (factors: a tensor of per-frequency divisors, or None)
+    attention(layer, q, k, v, window, scale)  store k, v in the layer's cache; causal GQA over
+                              it (over the last `window` positions only, if > 0; q.k times
+                              `scale`, default 1/sqrt(D)) -> [R, H * Dv]
     add(a, b), swiglu(a, b)   a + b, silu(a) * b
+    geglu(a, b)               gelu(a) * b, gelu by its tanh approximation
+    scale(x, s)               x * s for a constant s
+    softcap(x, cap)           cap * tanh(x / cap)
     residual(x, y)            x + y, neither used again (a backend may add y into x in place)
     route(logits, k, norm)    softmax top-k -> ids [R, k], weights [R, k]
     pause(layer, ids, logits, h)  the pause point: the host may act before the layer's experts
@@ -55,9 +60,11 @@ def attention(g, cfg: ModelConfig, layer: int, x):
     if cfg.qk_norm == "head":  # qwen3: a norm per head
         q = g.norm(q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
         k = g.norm(k, f"{p}.attn_k_norm.weight", cfg.norm_eps)
-    q = g.rope(q, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-    k = g.rope(k, cfg.rope_dim, cfg.rope_theta, cfg.rope_neox, cfg.rope_scale)
-    o = g.attention(layer, q, k, v, cfg.layer_window(layer))  # [R, H*Dv]
+    theta, scale = cfg.layer_rope(layer)
+    factors = "rope_freqs.weight" if cfg.rope_factors else None
+    q = g.rope(q, cfg.rope_dim, theta, cfg.rope_neox, scale, factors)
+    k = g.rope(k, cfg.rope_dim, theta, cfg.rope_neox, scale, factors)
+    o = g.attention(layer, q, k, v, cfg.layer_window(layer), cfg.attn_scale or None)  # [R, H*Dv]
     return g.linear(o, f"{p}.attn_output.weight")  # [R, dim]
 
 
@@ -65,6 +72,22 @@ def dense_ffn(g, layer: int, x):
     p = f"blk.{layer}"
     h = g.swiglu(g.linear(x, f"{p}.ffn_gate.weight"), g.linear(x, f"{p}.ffn_up.weight"))  # [R, hidden]
     return g.linear(h, f"{p}.ffn_down.weight")
+
+
+def geglu_ffn(g, layer: int, x):
+    """Gemma's FFN: down(gelu_tanh(gate(x)) * up(x))."""
+    p = f"blk.{layer}"
+    h = g.geglu(g.linear(x, f"{p}.ffn_gate.weight"), g.linear(x, f"{p}.ffn_up.weight"))  # [R, hidden]
+    return g.linear(h, f"{p}.ffn_down.weight")
+
+
+def sandwich_layer(g, cfg: ModelConfig, layer: int, x):
+    """Gemma 2/3: a norm before and after both the attention and the FFN, each added to x."""
+    p = f"blk.{layer}"
+    a = attention(g, cfg, layer, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps))
+    h = g.residual(x, g.norm(a, f"{p}.post_attention_norm.weight", cfg.norm_eps))
+    f = geglu_ffn(g, layer, g.norm(h, f"{p}.ffn_norm.weight", cfg.norm_eps))
+    return g.residual(h, g.norm(f, f"{p}.post_ffw_norm.weight", cfg.norm_eps))
 
 
 def moe_ffn(g, cfg: ModelConfig, layer: int, x, h):
@@ -92,7 +115,8 @@ def decoder_layer(g, cfg: ModelConfig, layer: int, x):
 def output_head(g, cfg: ModelConfig, x):
     x = g.norm(x, "output_norm.weight", cfg.norm_eps)
     name = "output.weight" if "output.weight" in g.tensor_names else "token_embd.weight"  # tied embeddings
-    return g.linear(x, name)  # [R, vocab]
+    logits = g.linear(x, name)  # [R, vocab]
+    return g.softcap(logits, cfg.final_logit_softcap) if cfg.final_logit_softcap > 0 else logits
 
 
 def check_tensors(gguf, expected: dict[str, tuple[int, ...]]) -> None:
@@ -111,6 +135,8 @@ def expected_tensors(cfg: ModelConfig, gguf) -> dict[str, tuple[int, ...]]:
     exp = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
     if "output.weight" in gguf.tensors:
         exp["output.weight"] = (cfg.vocab_size, d)
+    if cfg.rope_factors:
+        exp["rope_freqs.weight"] = (cfg.rope_dim // 2,)
     for layer in range(cfg.n_layers):
         p = f"blk.{layer}"
         exp.update({
@@ -124,6 +150,9 @@ def expected_tensors(cfg: ModelConfig, gguf) -> dict[str, tuple[int, ...]]:
         for n, width in (("q", H * D), ("k", Hkv * D), ("v", Hkv * Dv)):
             if f"{p}.attn_{n}.bias" in gguf.tensors:
                 exp[f"{p}.attn_{n}.bias"] = (width,)
+        if cfg.post_norms:
+            exp[f"{p}.post_attention_norm.weight"] = (d,)
+            exp[f"{p}.post_ffw_norm.weight"] = (d,)
         if cfg.qk_norm == "head":
             exp[f"{p}.attn_q_norm.weight"] = (D,)
             exp[f"{p}.attn_k_norm.weight"] = (D,)

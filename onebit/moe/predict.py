@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..backends.numpy_backend import EagerStep
 from ..errors import UsageError
 
 MODES = ("off", "router", "block")
@@ -347,41 +348,29 @@ class Predictor:
             self.trace = None
 
 
-class _ScratchStep:
-    """The ops `blocks.attention` needs, on numpy, for a speculative block: the rows' K/V go to
-    the predicted layer's scratch; attention reads the real cache's earlier positions plus them."""
+class _ScratchStep(EagerStep):
+    """numpy's eager ops for a speculative block, except attention: the rows' K/V go to the
+    predicted layer's scratch, and attention reads the real cache's earlier positions (views,
+    not copies) plus them."""
 
     def __init__(self, be, ctx: PauseContext, layer: int, k_scratch: np.ndarray, v_scratch: np.ndarray):
-        self.be, self.ctx, self.layer = be, ctx, layer
+        self.be, self.ctx, self.layer, self.hook = be, ctx, layer, None
         self.k_scratch, self.v_scratch = k_scratch, v_scratch
+        self.start = ctx.start
         self.pos = np.arange(ctx.start, ctx.start + ctx.rows, dtype=np.int64)
         self.tensor_names = be.gguf.tensors
 
-    def linear(self, x, name, bias=None):
-        y = self.be.linear(x, name)
-        return y + self.be.weight(bias) if bias is not None else y
-
-    def norm(self, x, name, eps):
-        return self.be.rms_norm(x, self.be.weight(name), eps)
-
-    @staticmethod
-    def view(x, shape):
-        return x.reshape(x.shape[0], *shape)
-
-    def rope(self, x, n_rot, theta, neox, scale):
-        return self.be.rope(x, self.pos, n_rot, theta, neox, scale)
-
-    def attention(self, layer, q, k, v, window=0):
-        """Causal GQA over the cache's first `start` positions and these rows (in the scratch),
-        without copying the cache: scores for both parts, one softmax, two weighted sums."""
+    def attention(self, layer, q, k, v, window=0, scale=None):
+        """Causal GQA over the cache's first `start` positions and these rows: scores for both
+        parts, one softmax, two weighted sums."""
         self.k_scratch[...] = k
         self.v_scratch[...] = v
         s = self.ctx.start
         kc, vc = self.ctx.keys(layer)[:s], self.ctx.values(layer)[:s]  # views of the real cache
         R, H, D = q.shape
-        Hkv, Dv = k.shape[1], v.shape[2]
+        Hkv = k.shape[1]
         qg = q.reshape(R, Hkv, H // Hkv, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
-        scale = np.float32(1.0 / np.sqrt(D))
+        scale = np.float32(1.0 / np.sqrt(D) if scale is None else scale)
         sc = (qg @ kc.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, s]
         sn = (qg @ self.k_scratch.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, R]
         mask_n = np.arange(R)[None, :] > np.arange(R)[:, None]  # causal among the rows
@@ -391,4 +380,4 @@ class _ScratchStep:
         sn = np.where(mask_n, np.float32(-np.inf), sn)
         p = self.be.softmax(np.concatenate([sc, sn], axis=-1))
         out = p[..., :s] @ vc.transpose(1, 0, 2)[:, None] + p[..., s:] @ self.v_scratch.transpose(1, 0, 2)[:, None]
-        return out.transpose(2, 0, 1, 3).reshape(R, H * Dv)
+        return out.transpose(2, 0, 1, 3).reshape(R, H * v.shape[2])

@@ -139,6 +139,17 @@ class GraphConsts:
             s = self._vecs[name] = buf.slice(0, max(w.nbytes, 16))
         return s
 
+    def scalar(self, value: float) -> Slice:
+        """A one-float buffer holding `value` (an elementwise op's broadcast operand)."""
+        key = f"scalar:{float(value)!r}"
+        s = self._vecs.get(key)
+        if s is None:
+            buf = self.be.dev.buffer(16)
+            buf.write(np.array([value, 0, 0, 0], np.float32))
+            self._buffers.append(buf)
+            s = self._vecs[key] = buf.slice(0, 16)
+        return s
+
     def row_tensor(self, name: str) -> DeviceTensor:
         """A 1-D weight as a [1, n] F32 matrix (for a dot product by mul_mv)."""
         t = self._tensors.get(name)

@@ -316,13 +316,14 @@ class Recorder:
     def view(x: Val, shape) -> Val:
         return Val(x.s, (x.rows, *shape), x.dtype, base=x)
 
-    def rope(self, x: Val, n_rot: int, theta: float, neox: bool, scale: float) -> Val:
+    def rope(self, x: Val, n_rot: int, theta: float, neox: bool, scale: float, factors: Optional[str] = None) -> Val:
         R, H, D = x.shape
         out = self._new(x.shape)
-        self.k.rope(self.seq, x.s, self.rec.pos, out.s, R, H, D, n_rot, theta, neox, scale)
+        f = self.be.consts.vec(factors) if factors is not None else None
+        self.k.rope(self.seq, x.s, self.rec.pos, out.s, R, H, D, n_rot, theta, neox, scale, factors=f)
         return out
 
-    def attention(self, layer: int, q: Val, k: Val, v: Val, window: int = 0) -> Val:
+    def attention(self, layer: int, q: Val, k: Val, v: Val, window: int = 0, scale: Optional[float] = None) -> Val:
         R, H, D = q.shape
         _, Hkv, Dv = v.shape
         kv = self.rec.kv
@@ -330,7 +331,7 @@ class Recorder:
         self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D)
         self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv)
         out = self._new((R, H * Dv))
-        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity, window)
+        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity, window, scale)
         return out
 
     def residual(self, x: Val, y: Val) -> Val:
@@ -354,6 +355,21 @@ class Recorder:
     def swiglu(self, a: Val, b: Val) -> Val:
         out = self._new(a.shape)
         self.k.elementwise(self.seq, "swiglu", a.s, b.s, out.s, a.size)
+        return out
+
+    def geglu(self, a: Val, b: Val) -> Val:
+        out = self._new(a.shape)
+        self.k.elementwise(self.seq, "geglu", a.s, b.s, out.s, a.size)
+        return out
+
+    def scale(self, x: Val, s: float) -> Val:
+        out = self._new(x.shape)
+        self.k.elementwise(self.seq, "mul", x.s, self.be.consts.scalar(s), out.s, x.size, 1)
+        return out
+
+    def softcap(self, x: Val, cap: float) -> Val:
+        out = self._new(x.shape)
+        self.k.elementwise(self.seq, "softcap", x.s, self.be.consts.scalar(cap), out.s, x.size, 1)
         return out
 
     def route(self, logits: Val, k: int, norm: bool):

@@ -272,7 +272,8 @@ class Kernels:
 
     def elementwise(self, seq: Sequence, op: str, a: Slice, b: Optional[Slice], out: Slice, n: int,
                     nb: Optional[int] = None) -> None:
-        """out = a + b | a * b | silu(a) | silu(a) * b over n floats (b repeats every nb)."""
+        """out = a + b | a * b | silu(a) | silu(a) * b | gelu(a) * b | b * tanh(a / b) over n floats
+        (b repeats every nb)."""
         p = self.pipeline(op, 3, (256,))
         gx, gy = self._grid(math.ceil(n / 256))
         seq.dispatch(p, (a, b if b is not None else a, out), _push("2I", n, nb or n), (gx, gy, 1), writes=(2,))
@@ -286,14 +287,16 @@ class Kernels:
 
     def rope(self, seq: Sequence, x: Slice, pos: Slice, out: Slice, n_rows: int, n_heads: int, head_dim: int,
              n_rot: int, theta: float, neox: bool, scale: float = 1.0, x_stride: Optional[int] = None,
-             out_stride: Optional[int] = None) -> None:
+             out_stride: Optional[int] = None, factors: Optional[Slice] = None) -> None:
+        """factors: [n_rot/2] floats that divide each frequency (Llama 3's `rope_freqs.weight`)."""
         if head_dim % 2 or n_rot % 2 or n_rot > head_dim:
             raise VulkanKernelError(f"kernel rope: n_rot {n_rot} / head_dim {head_dim} must be even, n_rot <= head_dim")
-        p = self.pipeline("rope", 3, (self.wg,))
+        p = self.pipeline("rope", 4, (self.wg,))
         row = n_heads * head_dim
-        push = _push("5I2fI", n_heads, head_dim, n_rot, x_stride or row, out_stride or row, math.log2(theta), scale,
-                     int(neox))
-        seq.dispatch(p, (x, pos, out), push, (math.ceil(n_heads * head_dim // 2 / self.wg), n_rows, 1), writes=(2,))
+        push = _push("5I2f2I", n_heads, head_dim, n_rot, x_stride or row, out_stride or row, math.log2(theta), scale,
+                     int(neox), int(factors is not None))
+        seq.dispatch(p, (x, pos, out, factors if factors is not None else pos), push,
+                     (math.ceil(n_heads * head_dim // 2 / self.wg), n_rows, 1), writes=(2,))
 
     def softmax_topk(self, seq: Sequence, logits: Slice, ids: Slice, wts: Slice, n_rows: int, n_experts: int, k: int,
                      norm: bool, stride: Optional[int] = None) -> None:
@@ -311,9 +314,11 @@ class Kernels:
         seq.dispatch(p, (x, out), _push("2I", n, stride or n), (gx, gy, 1), writes=(1,))
 
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
-                  n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0) -> None:
+                  n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0,
+                  scale: Optional[float] = None) -> None:
         """Causal GQA attention of rows at positions pos[r] over cached positions 0..n_kv-1 (with a
-        window > 0: only the last `window` positions up to pos[r]).
+        window > 0: only the last `window` positions up to pos[r]); scores q.k * scale (default
+        1/sqrt(head_dim)).
         q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv]; out: [R, H * Dv]."""
         cpu = self.reduce == "none"
         max_dv = ATTN_MAX_D if cpu else ATTN_DV_PER_THREAD * self.wg
@@ -326,7 +331,7 @@ class Kernels:
         else:
             p = self.pipeline("attn", 5, (self.wg,))
         push = _push("9IfI", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
-                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim), int(window))
+                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim) if scale is None else scale, int(window))
         seq.dispatch(p, (q, k, v, pos, out), push, (n_heads, n_rows, 1), writes=(4,))
 
     def set_rows(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int,

@@ -115,10 +115,12 @@ class VulkanOps:
         return self._run(lambda s: self.k.rms_norm(s, xs, ws, out[0], rows, n, eps), out)
 
     def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool,
-             scale: float = 1.0) -> np.ndarray:
+             scale: float = 1.0, factors: Optional[np.ndarray] = None) -> np.ndarray:
         R, H, D = x.shape
         xs, ps, out = self._in(x), self._in(pos, np.int32), self._out(x.shape)
-        return self._run(lambda s: self.k.rope(s, xs, ps, out[0], R, H, D, n_rot, theta, neox, scale), out)
+        fs = self._in(factors) if factors is not None else None
+        return self._run(lambda s: self.k.rope(s, xs, ps, out[0], R, H, D, n_rot, theta, neox, scale,
+                                               factors=fs), out)
 
     def router(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
         R, E = logits.shape
@@ -145,18 +147,26 @@ class VulkanOps:
     def swiglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return self._binary("swiglu", a, b)
 
+    def geglu(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._binary("geglu", a, b)
+
+    def softcap(self, a: np.ndarray, cap: float) -> np.ndarray:
+        return self._binary("softcap", a, np.array([cap], np.float32))
+
     def argmax(self, x: np.ndarray) -> np.ndarray:
         n = x.shape[-1]
         rows = x.size // n
         xs, out = self._in(x), self._out(x.shape[:-1], np.int32)
         return self._run(lambda s: self.k.argmax(s, xs, out[0], rows, n), out)
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0) -> np.ndarray:
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
+                  scale: Optional[float] = None) -> np.ndarray:
         R, H, D = q.shape
         S, Hkv, Dv = v.shape
         qs, ks, vs, ps = self._in(q), self._in(k), self._in(v), self._in(q_pos, np.int32)
         out = self._out((R, H * Dv))
-        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S, window), out)
+        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S, window, scale),
+                         out)
 
     def set_rows(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
         n = int(np.prod(dst.shape[1:]))

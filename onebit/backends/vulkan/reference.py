@@ -53,8 +53,9 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return _NP.rms_norm(x, w, eps)
 
 
-def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0) -> np.ndarray:
-    return _NP.rope(x, pos, n_rot, theta, neox, scale)
+def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0,
+         factors: Optional[np.ndarray] = None) -> np.ndarray:
+    return _NP.rope(x, pos, n_rot, theta, neox, scale, factors)
 
 
 def router(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -77,12 +78,21 @@ def swiglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return _NP.silu(a) * b
 
 
+def geglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _NP.gelu_tanh(a) * b
+
+
+def softcap(a: np.ndarray, cap: float) -> np.ndarray:
+    return _NP.softcap(a, cap)
+
+
 def argmax(x: np.ndarray) -> np.ndarray:
     return np.argmax(x, axis=-1)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0) -> np.ndarray:
-    return _NP.attention(q, k, v, q_pos, window)
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
+              scale: Optional[float] = None) -> np.ndarray:
+    return _NP.attention(q, k, v, q_pos, window, scale)
 
 
 def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
