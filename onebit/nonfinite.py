@@ -75,11 +75,11 @@ class CheckedStep(EagerStep):
     def linear(self, x, name, bias=None):
         return self._at("linear", super().linear(x, name, bias), name, weights=((bias, None),) if bias else ())
 
-    def rope(self, x, n_rot, theta, neox, scale):
-        return self._at("rope", super().rope(x, n_rot, theta, neox, scale))
+    def rope(self, x, *args):
+        return self._at("rope", super().rope(x, *args))
 
-    def attention(self, layer, q, k, v, window=0):
-        return self._at("attention", super().attention(layer, q, k, v, window), layer=layer)
+    def attention(self, layer, q, k, v, *args):
+        return self._at("attention", super().attention(layer, q, k, v, *args), layer=layer)
 
     def add(self, a, b):
         return self._at("add", a + b)
@@ -89,6 +89,15 @@ class CheckedStep(EagerStep):
 
     def swiglu(self, a, b):
         return self._at("swiglu", super().swiglu(a, b))
+
+    def geglu(self, a, b):
+        return self._at("geglu", super().geglu(a, b))
+
+    def scale(self, x, *args):
+        return self._at("scale", super().scale(x, *args))
+
+    def softcap(self, x, *args):
+        return self._at("softcap", super().softcap(x, *args))
 
     def route(self, logits, k, norm):
         return self._at("route", super().route(logits, k, norm))
