@@ -141,21 +141,9 @@ MAX_SEED_TRIES = 60
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-# Gemma's turn format (the fixture's own wording of it): a system message opens the first
-# user turn; the assistant's role is "model".
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set ns = namespace(system='') %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
-    "{% else %}"
-    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
-    "{% if message['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
-    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
+# Gemma's turn format, as onebit renders a Gemma file without a template (the same text).
+sys.path.insert(0, str(REPO_ROOT))
+from onebit.chat_template import GEMMA_TEMPLATE  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------
