@@ -289,3 +289,38 @@ def test_prefetch_never_evicts_what_the_current_layer_needs():
         assert (0, 1) in pool.where and (0, 2) in pool.where and (1, 4) in pool.where
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_gate_runs_whichever_state_makes_decode_faster(monkeypatch, faster):
+    """With prediction on costing 1 s a step and off 2 s (or the reverse), the gate spends most
+    windows in the faster state and still tries the other now and then."""
+    import time as time_mod
+
+    from onebit.moe.predict import Gate
+
+    g = Gate()
+    clock = [0.0]
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
+    states = []
+    for _ in range(400):
+        on = g.step(1)
+        states.append(on)
+        clock[0] += 1.0 if on == faster else 2.0
+    share = sum(s == faster for s in states[40:]) / len(states[40:])
+    assert 0.7 < share < 1.0  # mostly the faster state, exploring the other
+    assert g.mean[faster] < g.mean[not faster]
+
+
+def test_prompt_rows_do_not_feed_the_gate(monkeypatch):
+    import time as time_mod
+
+    from onebit.moe.predict import Gate
+
+    g = Gate()
+    clock = [0.0]
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
+    for _ in range(50):
+        g.step(32)
+        clock[0] += 5.0
+    assert g.windows == 0 and g.on

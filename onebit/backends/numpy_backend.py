@@ -34,7 +34,7 @@ class NumpyBackend:
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
         """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
         if self.predictor is not None:
-            self.predictor.begin()
+            self.predictor.begin(len(ids))
         logits = model.schedule(EagerStep(self, ids, cache, hook), last_only)
         cache.offset += len(ids)
         return logits

@@ -23,7 +23,8 @@ a running mean over recent tokens) is tracked whether or not they were issued. B
 PAUSE_BELOW the layer's prefetches stop (a wrong read costs drive time a demand read may
 need); they resume above RESUME_ABOVE. Candidates past the top-k (depth) are issued only
 while their own precision stays above DEEP_ABOVE. Predictions for layers more than one
-ahead are issued only while that layer's precision is above AHEAD_ABOVE.
+ahead are issued only while that layer's precision is above AHEAD_ABOVE. When streaming, a
+`Gate` over all of it turns prediction off while decode steps have been faster without it.
 """
 
 from __future__ import annotations
@@ -159,6 +160,50 @@ class _Pending:
     distance: int = 1  # how many MoE layers ahead it was made
 
 
+class Gate:
+    """Prediction on or off by measured decode time: whichever has made decode steps faster.
+
+    Decode forwards (one row) are timed start to start in windows of WINDOW; each window's
+    mean goes to a running mean for the state it ran in. The gate then runs the faster state,
+    trying the other one window in EXPLORE (and whenever it has no measurement yet). Off means
+    no prediction at all (no prefetches, no prediction compute). Only timing decides, and
+    only which experts are read ahead depends on it, never the output."""
+
+    WINDOW, EXPLORE, DECAY = 8, 6, 0.7
+
+    def __init__(self):
+        self.on = True
+        self.mean: dict[bool, Optional[float]] = {True: None, False: None}
+        self._t: Optional[float] = None
+        self._acc: list[float] = []
+        self.windows = 0
+        self.switches = 0
+
+    def step(self, rows: int) -> bool:
+        import time
+
+        now = time.perf_counter()
+        if self._t is not None and rows == 1:
+            self._acc.append(now - self._t)
+        self._t = now if rows == 1 else None
+        if len(self._acc) >= self.WINDOW:
+            m = sorted(self._acc)[len(self._acc) // 2]  # the window's median step
+            old = self.mean[self.on]
+            self.mean[self.on] = m if old is None else self.DECAY * old + (1 - self.DECAY) * m
+            self._acc = []
+            self.windows += 1
+            other = not self.on
+            if self.mean[other] is None or self.windows % self.EXPLORE == 0:
+                nxt = other
+            else:
+                nxt = min((True, False), key=lambda k: self.mean[k])
+            if nxt != self.on:
+                self.switches += 1
+                self.on = nxt
+                self._t = None  # the first step after a switch carries the old state's work
+        return self.on
+
+
 class PauseContext:
     """What a backend hands the predictor at a pause point: the rows' positions and a view of
     the real cache's earlier keys and values (read only)."""
@@ -193,6 +238,8 @@ class Predictor:
         self.scratch = {l: (np.zeros((1, cfg.n_kv_heads, cfg.head_dim), np.float32),
                             np.zeros((1, cfg.n_kv_heads, cfg.head_dim_v), np.float32)) for l in self.targets}
         self.forwards = 0
+        self.gate = Gate()
+        self.active = True
         self.trace = None
         if settings.out:
             try:
@@ -209,13 +256,17 @@ class Predictor:
 
     # -- the pause point ------------------------------------------------------------------
 
-    def begin(self) -> None:
-        """A forward starts: predictions left from the last one are dropped."""
+    def begin(self, rows: int = 1) -> None:
+        """A forward over `rows` rows starts: predictions left from the last one are dropped;
+        the gate may switch (see Gate)."""
         self.pending.clear()
         self.older.clear()
         self.forwards += 1
+        self.active = self.gate.step(rows) if self.pool is not None else True
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
+        if not self.active:
+            return
         self._score(layer, ids)
         i = self.moe_layers.index(layer)
         nxt = [l for l in self.moe_layers[i + 1 : i + 1 + self.s.ahead]]

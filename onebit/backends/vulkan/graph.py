@@ -509,7 +509,7 @@ class Recording:
         if predictor is not None:
             from ...moe.predict import PauseContext
 
-            predictor.begin()
+            predictor.begin(self.R)
             kv = self.kv
             ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l])
         try:
