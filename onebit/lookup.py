@@ -88,14 +88,15 @@ class DraftPolicy:
     E(tokens | d) = 1 + sum over i <= d of prod_{j <= i} a(n_j), where a(n) is the rate at which
     a draft behind an n-token match turned out right, given the drafts before it were (counted
     for every proposal against the tokens that actually followed, so it is learned while
-    drafting is off too; a Beta(1, 1) start). T(R) is the running mean time of decode forwards
-    over R rows; a row count not yet measured is assumed to cost T(1) * (1 + 0.1 (R - 1)), an
-    optimistic guess that the first measurement replaces."""
+    drafting is off too; a cautious Beta(1, 3) start: a = 0.25 until proposals say more). T(R)
+    is the running mean time of decode forwards over R rows, kept with the network across
+    generations (`times`); a row count not yet measured is assumed to cost
+    T(1) * (1 + 0.1 (R - 1)), a guess that the first measurement replaces."""
 
-    def __init__(self, n_max: int = NGRAM_MAX, decay: float = 0.9):
-        self.hits = [1.0] * (n_max + 1)  # by match length; Beta(1, 1) prior
-        self.tries = [2.0] * (n_max + 1)
-        self.time: dict[int, float] = {}
+    def __init__(self, n_max: int = NGRAM_MAX, decay: float = 0.9, times: Optional[dict] = None):
+        self.hits = [1.0] * (n_max + 1)  # by match length; Beta(1, 3) prior
+        self.tries = [4.0] * (n_max + 1)
+        self.time: dict[int, float] = {} if times is None else times
         self.decay = decay
         self._open: Optional[tuple[int, list[int], list[int]]] = None  # (start, drafts, lengths) to score
 

@@ -335,6 +335,7 @@ def test_model_generate_takes_lookup():
     want = [r.token for r in m.generate(ids, max_tokens=30)]
     got = [r.token for r in m.generate(ids, max_tokens=30, lookup=6, lookup_stats=st)]
     assert got == want and st.forwards > 0
+    assert 1 in m.net.draft_times and len(m.net.draft_times) > 1  # row-count timings kept for the next one
     with pytest.raises(UsageError):
         list(m.generate(ids, max_tokens=3, lookup=-2))
 
@@ -498,10 +499,10 @@ def test_policy_learns_the_accept_rate_from_every_proposal():
     p.choose(toks, [7, 8, 9], [2, 2, 2])  # proposed after [1, 2, 3]
     toks += [7, 8]  # two right so far: still open
     p.score(toks)
-    assert p.tries[2] == 2.0
+    assert p.tries[2] == 4.0
     toks += [5]  # the third was wrong
     p.score(toks)
-    assert (p.hits[2], p.tries[2]) == (3.0, 5.0)
+    assert (p.hits[2], p.tries[2]) == (3.0, 7.0)
 
 
 # -- streamed experts ---------------------------------------------------------------------
