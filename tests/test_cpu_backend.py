@@ -55,7 +55,7 @@ def test_matmul(rng, name, rows):
     w = random_blocks(name, (37, n_in(name)), rng)  # 37 rows: not a multiple of the work chunk
     x = rng.standard_normal((rows, n_in(name))).astype(np.float32)
     out = np.full((rows, 37), np.nan, np.float32)
-    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id, K.LUT, K.M)
+    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
     close(out, x @ QTYPES_BY_NAME[name].dequantize(w).T, TOL[name], name)
 
 
@@ -89,7 +89,7 @@ def test_expert_ffn_matches_numpy(rng, name):
     experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts)
     got = np.zeros_like(x)
     qt = Part.qtype
-    K.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt, K.LUT, K.M)
+    K.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt)
     close(got, want, TOL[name], name)
 
     # Split into groups of experts (a streaming pool with few slots): the same bits.
@@ -97,7 +97,7 @@ def test_expert_ffn_matches_numpy(rng, name):
     for a, b in ((0, 2), (2, len(experts))):
         o = offs[a : b + 1]
         K.expert_ffn(split, x, ro(gate), ro(up), ro(down), experts[a:b], o - o[0], rows[o[0] : o[-1]],
-                     rw[o[0] : o[-1]], qt, qt, qt, K.LUT, K.M)
+                     rw[o[0] : o[-1]], qt, qt, qt)
     assert np.array_equal(split, got)
 
 

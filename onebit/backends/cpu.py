@@ -83,7 +83,8 @@ class CpuBackend(NumpyBackend):
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)
         out = np.empty((x.shape[0], t.shape[0]), np.float32)  # [R, out]
-        self.K.matmul(out, _f32(x), raw, t.qtype, self.K.LUT, self.K.M)
+        small = x.shape[0] * raw.shape[0] * t.shape[-1] < self.K.SERIAL_WORK
+        (self.K.matmul_serial if small else self.K.matmul)(out, _f32(x), raw, t.qtype)
         return out
 
     # -- mixture of experts -------------------------------------------------------------
@@ -109,7 +110,7 @@ class CpuBackend(NumpyBackend):
         """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j)."""
         g, u, d = parts
         self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw,
-                          g.qtype, u.qtype, d.qtype, self.K.LUT, self.K.M)
+                          g.qtype, u.qtype, d.qtype)
 
     def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         parts, fast = self._expert_parts(layer)
