@@ -542,7 +542,156 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
             o[d] += yp[d] * w
 
 
-KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert)
+# -- the small ops of a decode step (serial: each is microseconds of work) --------------------
+# Their numpy twins (`NumpyBackend.rms_norm`, `rope`, `attention`, `route`) run the same float32
+# arithmetic in another summation order.
+
+
+@njit(cache=True, fastmath=FM)
+def rms_norm(out, x, w, eps):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for x, out: [n, D], w: [D]."""
+    n, D = x.shape
+    for r in range(n):
+        xr = x[r]
+        ss = np.float32(0)
+        for i in range(D):
+            ss += xr[i] * xr[i]
+        s = np.sqrt(ss / np.float32(D) + np.float32(eps))
+        o = out[r]
+        for i in range(D):
+            o[i] = xr[i] / s * w[i]
+
+
+@njit(cache=True)
+def rope(out, x, pos, inv_freq, scale, neox):
+    """out = x rotated in its first 2 * len(inv_freq) dims: x, out: [R, H, D], pos: [R]."""
+    R, H, D = x.shape
+    half = inv_freq.shape[0]
+    out[:] = x
+    for r in range(R):
+        for i in range(half):
+            ang = np.float64(pos[r]) * scale * inv_freq[i]
+            c, s = np.float32(np.cos(ang)), np.float32(np.sin(ang))
+            ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(H):
+                a, b = x[r, h, ia], x[r, h, ib]
+                out[r, h, ia] = a * c - b * s
+                out[r, h, ib] = a * s + b * c
+
+
+@njit(cache=True, fastmath=FM)
+def attention(out, q, k, v, q_pos, window):
+    """Causal GQA attention for few rows (decode): q: [R, H, D] at positions q_pos; k: [S, Hkv,
+    D], v: [S, Hkv, Dv]; out: [R, H, Dv]. Row r sees keys 0..q_pos[r] (the last `window` only,
+    if > 0)."""
+    R, H, D = q.shape
+    S, Hkv, Dv = v.shape
+    group = H // Hkv
+    scale = np.float32(1.0 / np.sqrt(D))
+    p = np.empty(S, np.float32)
+    for r in range(R):
+        lo = max(0, q_pos[r] - window + 1) if window > 0 else 0
+        hi = min(S, q_pos[r] + 1)
+        for h in range(H):
+            kh = h // group
+            qr = q[r, h]
+            m = -np.inf
+            for s in range(lo, hi):
+                ks = k[s, kh]
+                t = np.float32(0)
+                for i in range(D):
+                    t += qr[i] * ks[i]
+                t *= scale
+                p[s] = t
+                m = max(m, t)
+            tot = np.float32(0)
+            for s in range(lo, hi):
+                e = np.float32(np.exp(p[s] - m))
+                p[s] = e
+                tot += e
+            o = out[r, h]
+            o[:] = 0
+            for s in range(lo, hi):
+                ps = p[s] / tot
+                vs = v[s, kh]
+                for i in range(Dv):
+                    o[i] += ps * vs[i]
+
+
+@njit(cache=True)
+def route(logits, k, norm):
+    """Softmax over experts, the top k (ties: the lower id first, as a stable argsort):
+    logits [R, E] -> ids [R, k] int64, weights [R, k] float32."""
+    R, E = logits.shape
+    ids = np.empty((R, k), np.int64)
+    wts = np.empty((R, k), np.float32)
+    probs = np.empty(E, np.float32)
+    taken = np.zeros(E, np.bool_)
+    for r in range(R):
+        m = logits[r, 0]
+        for e in range(1, E):
+            m = max(m, logits[r, e])
+        tot = np.float32(0)
+        for e in range(E):
+            probs[e] = np.exp(logits[r, e] - m)
+            tot += probs[e]
+        taken[:] = False
+        for j in range(k):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                    best = e
+            taken[best] = True
+            ids[r, j] = best
+            wts[r, j] = probs[best] / tot
+        if norm:
+            s = np.float32(0)
+            for j in range(k):
+                s += wts[r, j]
+            for j in range(k):
+                wts[r, j] = wts[r, j] / s
+    return ids, wts
+
+
+@njit(cache=True)
+def routed_rows(ids, weights, n_experts):
+    """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
+    experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]],
+    in row order)."""
+    R, k = ids.shape
+    count = np.zeros(n_experts + 1, np.int64)
+    for r in range(R):
+        for j in range(k):
+            count[ids[r, j] + 1] += 1
+    n = 0
+    for e in range(n_experts):
+        n += count[e + 1] > 0
+        count[e + 1] += count[e]
+    experts = np.empty(n, np.int64)
+    offs = np.empty(n + 1, np.int64)
+    i = 0
+    for e in range(n_experts):
+        if count[e + 1] > count[e]:
+            experts[i] = e
+            offs[i] = count[e]
+            i += 1
+    offs[n] = R * k
+    rows = np.empty(R * k, np.int64)
+    rw = np.empty(R * k, np.float32)
+    fill = count[:n_experts].copy()
+    for r in range(R):
+        for j in range(k):
+            e = ids[r, j]
+            rows[fill[e]] = r
+            rw[fill[e]] = weights[r, j]
+            fill[e] += 1
+    return experts, offs, rows, rw
+
+
+SMALL_OPS = (rms_norm, rope, attention, route, routed_rows)
+
+
+KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert)  # + SMALL_OPS
 _warm = False
 
 
@@ -555,7 +704,8 @@ def warm_up() -> tuple[float, int]:
     if _warm:
         return 0.0, 0
     t0 = time.perf_counter()
-    before = sum(len(k.stats.cache_misses) for k in KERNELS)
+    kernels = KERNELS + SMALL_OPS
+    before = sum(len(k.stats.cache_misses) for k in kernels)
     w = np.zeros((2, 2, 34), np.uint8)
     w.flags.writeable = False
     x = np.zeros((1, 32), np.float32)
@@ -568,5 +718,16 @@ def warm_up() -> tuple[float, int]:
     h.flags.writeable = False
     offs = np.array([0, 1], np.int64)
     expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
+    xr = x.view()
+    xr.flags.writeable = False  # the small ops take read-only inputs (cpu._ro32)
+    rms_norm(np.empty_like(x), xr, xr[0], 1e-6)
+    q = np.zeros((1, 2, 4), np.float32)
+    q.flags.writeable = False
+    pos, inv = ids.view(), np.ones(2)
+    pos.flags.writeable = inv.flags.writeable = False
+    rope(np.empty_like(q), q, pos, inv, 1.0, True)
+    attention(np.empty_like(q), q, q, q, pos, 0)
+    ids2, w2 = route(xr, 2, True)
+    routed_rows(ids2, w2, 32)
     _warm = True
-    return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in KERNELS) - before
+    return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in kernels) - before
