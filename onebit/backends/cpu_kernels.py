@@ -1,14 +1,20 @@
 """numba kernels of the cpu backend: they read quantized blocks straight from the file map.
 
-A weight row is decoded block by block into a small float32 buffer on the worker's stack
-(one row: at most a few KiB, in L1) and dotted with every activation row that needs it, so
-no float32 copy of a weight matrix is ever made and each row's bytes are read once per call.
-Activations stay float32: results differ from the numpy twins (`quants.QTYPES[..].dequantize`
-then matmul) only by float32 rounding of the decode and the summation order.
+Products (`matmul`, `matmul3`, `expert_ffn`) dot each weight row with up to four float32
+activation rows at once through `dot1` / `dot4`: LLVM vector IR (numba intrinsics, below)
+that decodes a block 32 weights at a time in registers and multiplies them into one 32-wide
+accumulator per activation row. No float32 copy of a weight matrix is ever made and a row's
+bytes are read once per four activation rows. Activations stay float32 (no 8-bit activation
+blocks): results differ from the numpy twins (`quants.QTYPES[..].dequantize` then matmul)
+only by float32 rounding of the decode and the summation order. `decode_row` (plain numba)
+serves get_rows.
 
-Threads split output rows (`prange`); each output element is written by one thread in a
-fixed order, so results do not depend on the thread count or on where the bytes live (file
-map or a streaming pool's slot). Compiled once per machine and cached on disk (cache=True).
+Threads split output rows, or whole experts (`prange`); each output element is written by one
+thread in a fixed order, so results do not depend on the thread count or on where the bytes
+live (file map or a streaming pool's slot). A decode token runs about 3 parallel regions per
+layer (q/k/v, attention output, experts); smaller products and the small ops run serially.
+Compiled once per machine and cached on disk (cache=True); `warm_up` loads every signature a
+forward uses when the backend opens.
 """
 
 from __future__ import annotations
