@@ -51,7 +51,7 @@ def ro(a):
     return a
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])  # mat-vec; mat-mat with a partial group of 4 rows
+@pytest.mark.parametrize("rows", [1, 3, 9, 14])  # mat-vec; mat-mat in groups of 8 and 4 rows, and single rows
 @pytest.mark.parametrize("name", TYPES)
 def test_matmul(rng, name, rows):
     w = random_blocks(name, (37, n_in(name)), rng)  # 37 rows: not a multiple of the work chunk
@@ -73,21 +73,22 @@ def test_matmul_float_rows_with_a_tail(rng, name, rows):
 
 
 def test_rows_of_one_call_and_fused_projections_give_the_same_bits(rng):
-    """A row's product is the same bits whether it is dotted alone or with 3 others (mat-vec vs
-    mat-mat), in the parallel or the serial kernel, and in matmul3 (q, k, v in one region)."""
+    """A row's product is the same bits whether it is dotted alone or with 3 or 7 others (mat-vec
+    vs mat-mat), in the parallel or the serial kernel, and in matmul3 (q, k, v in one region)."""
     names = ["Q4_K", "Q6_K", "Q8_0"]
     ws = [ro(random_blocks(n, (40 + 9 * i, 512), rng)) for i, n in enumerate(names)]
     qts = [QTYPES_BY_NAME[n].type_id for n in names]
-    x = rng.standard_normal((6, 512)).astype(np.float32)
-    fused = np.full((6, sum(w.shape[0] for w in ws)), np.nan, np.float32)
+    R = 13  # one group of 8, one of 4, one row
+    x = rng.standard_normal((R, 512)).astype(np.float32)
+    fused = np.full((R, sum(w.shape[0] for w in ws)), np.nan, np.float32)
     K.matmul3(fused, x, *ws, *qts)
     col = 0
     for w, qt in zip(ws, qts):
-        whole = np.full((6, w.shape[0]), np.nan, np.float32)
+        whole = np.full((R, w.shape[0]), np.nan, np.float32)
         K.matmul(whole, x, w, qt)
         assert np.array_equal(fused[:, col : col + w.shape[0]], whole)
         col += w.shape[0]
-        for r in range(6):
+        for r in range(R):
             one = np.full((1, w.shape[0]), np.nan, np.float32)
             K.matmul_serial(one, x[r : r + 1], w, qt)
             assert np.array_equal(one[0], whole[r])
@@ -178,7 +179,7 @@ def test_get_rows(rng, name):
 @pytest.mark.parametrize("name", TYPES)
 def test_expert_ffn_matches_numpy(rng, name):
     """The fused routed-expert kernel == NumpyBackend.expert_ffn summed over the chosen experts."""
-    E, hidden, dim, R, k = 6, 2 * max(QTYPES_BY_NAME[name].block_size, 32), n_in(name), 5, 3
+    E, hidden, dim, R, k = 6, 2 * max(QTYPES_BY_NAME[name].block_size, 32), n_in(name), 17, 3  # some expert serves 8+ rows
     gate, up = (random_blocks(name, (E, hidden, dim), rng) for _ in range(2))
     down = random_blocks(name, (E, dim, hidden), rng)
     x = rng.standard_normal((R, dim)).astype(np.float32)
