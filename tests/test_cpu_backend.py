@@ -179,7 +179,8 @@ def test_get_rows(rng, name):
 @pytest.mark.parametrize("name", TYPES)
 def test_expert_ffn_matches_numpy(rng, name):
     """The fused routed-expert kernel == NumpyBackend.expert_ffn summed over the chosen experts."""
-    E, hidden, dim, R, k = 6, 2 * max(QTYPES_BY_NAME[name].block_size, 32), n_in(name), 17, 3  # some expert serves 8+ rows
+    # 17 rows of 3 experts each over 6 experts: some expert serves 8+ rows (the dot8 path)
+    E, hidden, dim, R, k = 6, 2 * max(QTYPES_BY_NAME[name].block_size, 32), n_in(name), 17, 3
     gate, up = (random_blocks(name, (E, hidden, dim), rng) for _ in range(2))
     down = random_blocks(name, (E, dim, hidden), rng)
     x = rng.standard_normal((R, dim)).astype(np.float32)

@@ -194,7 +194,8 @@ def decode_row(qt, b, out, lut, m):
 
 # -- fused dot products as LLVM vector IR ---------------------------------------------------
 
-I8, I16, I32, I64, FLT, HALF = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.HalfType()
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+FLT, HALF = ir.FloatType(), ir.HalfType()
 FAST = ("contract",)  # fuse multiply-adds; no reassociation, no nnan/ninf (inputs may hold inf or nan)
 W = 32  # weights per decoded group: one accumulator vector
 
