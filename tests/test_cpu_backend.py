@@ -9,6 +9,7 @@ numpy and greedy tokens identical; streamed == resident bit for bit (tests/test_
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +25,9 @@ from onebit.quants import QTYPES, QTYPES_BY_NAME
 
 TYPES = sorted(QTYPES[t].name for t in K.SUPPORTED)
 # Relative tolerance (of the largest |reference| value) per weight type. Activations stay
-# float32 and the weights decode to the reference's float32 values (up to one rounding of
-# scale * quant), so what differs is the order of float32 sums: the same bound for every type.
+# float32 (no 8-bit activation blocks) and the weights decode to the reference's float32
+# values (up to one rounding of scale * quant, or a fused multiply-add), so what differs is the
+# order of float32 sums: the same bound for every type.
 TOL = {t: 2e-5 for t in TYPES}
 LOGIT_TOL = 1e-4  # whole forward passes, of the largest |logit| (as tests/test_vulkan_backend.py)
 
@@ -49,14 +51,119 @@ def ro(a):
     return a
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9])  # mat-vec; mat-mat with a partial group of 4 rows
+@pytest.mark.parametrize("rows", [1, 3, 9, 14])  # mat-vec; mat-mat in groups of 8 and 4 rows, and single rows
 @pytest.mark.parametrize("name", TYPES)
 def test_matmul(rng, name, rows):
     w = random_blocks(name, (37, n_in(name)), rng)  # 37 rows: not a multiple of the work chunk
     x = rng.standard_normal((rows, n_in(name))).astype(np.float32)
     out = np.full((rows, 37), np.nan, np.float32)
-    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id, K.LUT, K.M)
+    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
     close(out, x @ QTYPES_BY_NAME[name].dequantize(w).T, TOL[name], name)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_matmul_float_rows_with_a_tail(rng, name, rows):
+    """Float rows decode 32 weights at a time, then the last len % 32 one by one."""
+    w = random_blocks(name, (19, 101), rng)
+    x = rng.standard_normal((rows, 101)).astype(np.float32)
+    out = np.full((rows, 19), np.nan, np.float32)
+    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
+    close(out, x @ QTYPES_BY_NAME[name].dequantize(w).T, TOL[name], name)
+
+
+def test_rows_of_one_call_and_fused_projections_give_the_same_bits(rng):
+    """A row's product is the same bits whether it is dotted alone or with 3 or 7 others (mat-vec
+    vs mat-mat), in the parallel or the serial kernel, and in matmul3 (q, k, v in one region)."""
+    names = ["Q4_K", "Q6_K", "Q8_0"]
+    ws = [ro(random_blocks(n, (40 + 9 * i, 512), rng)) for i, n in enumerate(names)]
+    qts = [QTYPES_BY_NAME[n].type_id for n in names]
+    R = 13  # one group of 8, one of 4, one row
+    x = rng.standard_normal((R, 512)).astype(np.float32)
+    fused = np.full((R, sum(w.shape[0] for w in ws)), np.nan, np.float32)
+    K.matmul3(fused, x, *ws, *qts)
+    col = 0
+    for w, qt in zip(ws, qts):
+        whole = np.full((R, w.shape[0]), np.nan, np.float32)
+        K.matmul(whole, x, w, qt)
+        assert np.array_equal(fused[:, col : col + w.shape[0]], whole)
+        col += w.shape[0]
+        for r in range(R):
+            one = np.full((1, w.shape[0]), np.nan, np.float32)
+            K.matmul_serial(one, x[r : r + 1], w, qt)
+            assert np.array_equal(one[0], whole[r])
+
+
+def test_small_ops_match_numpy(rng):
+    """The serial kernels CpuStep runs for few-row forwards against NumpyBackend's ops."""
+    be = NumpyBackend
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    K.rms_norm(out, x, w, 1e-6)
+    close(out, be.rms_norm(x, w, 1e-6), 1e-6)
+
+    pos = np.array([0, 5, 17], np.int64)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    for neox in (True, False):
+        inv = 1e4 ** (-np.arange(0, 12, 2, dtype=np.float64) / 12)  # n_rot 12 of 16 dims
+        got = np.full_like(q, np.nan)
+        K.rope(got, q, pos, inv, 1.0, neox)
+        close(got, be.rope(q, pos, 12, 1e4, neox), 1e-6)
+
+    S, Hkv = 18, 2
+    k = rng.standard_normal((S, Hkv, 16)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv, 8)).astype(np.float32)
+    for window in (0, 4):
+        got = np.full((3, 4, 8), np.nan, np.float32)
+        K.attention(got, q, k, v, pos, window)
+        close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window), 1e-5)
+
+    logits = rng.standard_normal((5, 12)).astype(np.float32)
+    logits[0, 3] = logits[0, 7]  # a tie: the lower id first, as numpy's stable argsort
+    for norm in (True, False):
+        ids, wts = K.route(logits, 4, norm)
+        want_ids, want_w = be.route(be, logits, 4, norm)
+        assert np.array_equal(ids, want_ids)
+        close(wts, want_w, 1e-6)
+
+    experts, offs, rows, rw = K.routed_rows(want_ids, want_w, 12)
+    flat = want_ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    assert np.array_equal(experts, np.unique(flat))
+    assert np.array_equal(offs, np.searchsorted(flat[order], np.append(experts, 12)))
+    assert np.array_equal(rows, order // 4) and np.array_equal(rw, want_w.reshape(-1)[order])
+
+
+def test_no_compile_in_a_forward_pass():
+    """Every kernel signature a forward uses (prefill, decode, streamed experts) is made when the
+    backend opens, so no compile lands in the per-token path. A fresh process: this one's earlier
+    tests may have compiled extra signatures."""
+    import subprocess
+    import sys
+
+    code = f"""
+import numpy as np, onebit
+from onebit.backends import cpu_kernels as K
+kernels = K.KERNELS + K.SMALL_OPS
+for name in ("qwen3moe-f32", "q3moe256-Q4_K_M", "qwen2moe-f32"):
+    m = onebit.load({str(fixture_path("qwen3moe-f32.gguf").parent)!r} + "/" + name + ".gguf", backend="cpu")
+    before = [len(k.signatures) for k in kernels]
+    cache = m.new_cache()
+    m.net.forward(np.arange(1, 12), cache)
+    for t in range(3):
+        m.net.forward(np.array([t + 1]), cache)
+    after = [len(k.signatures) for k in kernels]
+    assert before == after, (name, [k.__name__ for k, a, b in zip(kernels, after, before) if a != b])
+s = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu", slots=4)
+before = [len(k.signatures) for k in kernels]
+s.logits([1, 2, 3])
+assert before == [len(k.signatures) for k in kernels], "streaming"
+print("ok")
+"""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -72,7 +179,8 @@ def test_get_rows(rng, name):
 @pytest.mark.parametrize("name", TYPES)
 def test_expert_ffn_matches_numpy(rng, name):
     """The fused routed-expert kernel == NumpyBackend.expert_ffn summed over the chosen experts."""
-    E, hidden, dim, R, k = 6, 2 * max(QTYPES_BY_NAME[name].block_size, 32), n_in(name), 5, 3
+    # 17 rows of 3 experts each over 6 experts: some expert serves 8+ rows (the dot8 path)
+    E, hidden, dim, R, k = 6, 2 * max(QTYPES_BY_NAME[name].block_size, 32), n_in(name), 17, 3
     gate, up = (random_blocks(name, (E, hidden, dim), rng) for _ in range(2))
     down = random_blocks(name, (E, dim, hidden), rng)
     x = rng.standard_normal((R, dim)).astype(np.float32)
@@ -86,10 +194,10 @@ def test_expert_ffn_matches_numpy(rng, name):
     with np.errstate(over="ignore"):  # exp in silu of large random gate values
         for e in np.unique(ids):
             NumpyBackend.expert_ffn(NumpyBackend, want, x, ids, wts, int(e), [Part] * 3, [gate[e], up[e], down[e]])
-    experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts)
+    experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
     got = np.zeros_like(x)
     qt = Part.qtype
-    K.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt, K.LUT, K.M)
+    K.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt)
     close(got, want, TOL[name], name)
 
     # Split into groups of experts (a streaming pool with few slots): the same bits.
@@ -97,7 +205,7 @@ def test_expert_ffn_matches_numpy(rng, name):
     for a, b in ((0, 2), (2, len(experts))):
         o = offs[a : b + 1]
         K.expert_ffn(split, x, ro(gate), ro(up), ro(down), experts[a:b], o - o[0], rows[o[0] : o[-1]],
-                     rw[o[0] : o[-1]], qt, qt, qt, K.LUT, K.M)
+                     rw[o[0] : o[-1]], qt, qt, qt)
     assert np.array_equal(split, got)
 
 

@@ -1,9 +1,11 @@
-"""The cpu backend: the numpy backend's schedule, with its weight products in numba kernels.
+"""The cpu backend: the numpy backend's schedule, with its ops in numba kernels.
 
 Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in
-`cpu_kernels`, reading the quantized blocks where they lie (file map or pool slot); the
-small ops (norms, rope, attention, routing) are the numpy twins'. A tensor whose type the
-kernels do not decode takes the numpy reference path (said once, on stderr).
+`cpu_kernels`, reading the quantized blocks where they lie (file map or pool slot); the q, k
+and v projections of one input run in one parallel region (`SIBLINGS`). The small ops (norms,
+rope, decode attention, routing) run in serial kernels, where numpy's per-call overhead would
+cost more than the work. A tensor whose type the kernels do not decode takes the numpy
+reference path (said once, on stderr).
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ def _f32(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
+def _ro32(x: np.ndarray) -> np.ndarray:
+    """Float32, C order, read-only: the one array type the small-op kernels are compiled for."""
+    return _readonly(np.asarray(x, dtype=np.float32))
+
+
+# Projections of one input that a schedule reads one after another: the first call computes
+# them all in one parallel region (each bit-identical to its own call), and the others are
+# handed out when asked for with the same input array in the same forward.
+SIBLINGS = {".attn_q.weight": (".attn_k.weight", ".attn_v.weight")}
+FEW_ROWS = 4  # attention of at most this many query rows runs in the serial kernel
+
+
 def threads() -> int:
     import numba
 
@@ -56,6 +70,15 @@ class CpuBackend(NumpyBackend):
             sys.stderr.write(f"onebit: note: {msg}\n")
             log.info(msg)
         self._raw: dict[str, tuple] = {}
+        self._inv_freq: dict[tuple, np.ndarray] = {}
+        self._siblings: dict[str, tuple] = {}  # name -> (input, product) made with a sibling
+
+    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
+        self._siblings.clear()  # projections of this step's inputs only
+        try:
+            return super().forward(model, ids, cache, hook=hook, last_only=last_only)
+        finally:
+            self._siblings.clear()
 
     def describe(self) -> str:
         return f"{self.threads} threads"
@@ -78,28 +101,76 @@ class CpuBackend(NumpyBackend):
         self.K.get_rows(out, raw, np.asarray(ids, dtype=np.int64), t.qtype, self.K.LUT, self.K.M)
         return out
 
+    def linear3(self, x: np.ndarray, names) -> list[np.ndarray] | None:
+        """x @ W.T for three matrices of the same input width in one parallel region, or None
+        when one of them takes another path."""
+        got = [self._kernel_raw(n) for n in names]
+        if any(raw is None or raw.ndim != 2 for _, raw in got):
+            return None
+        widths = [t.shape[0] for t, _ in got]
+        out = np.empty((x.shape[0], sum(widths)), np.float32)  # [R, N0 + N1 + N2]
+        (t0, w0), (t1, w1), (t2, w2) = got
+        self.K.matmul3(out, _f32(x), w0, w1, w2, t0.qtype, t1.qtype, t2.qtype)
+        return np.split(out, np.cumsum(widths[:2]), axis=1)
+
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        hit = self._siblings.pop(name, None)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        for suffix, others in SIBLINGS.items():  # q: compute k and v with it, hand them out next
+            if name.endswith(suffix):
+                names = [name] + [name[: -len(suffix)] + o for o in others]
+                if all(n in self.gguf.tensors for n in names):
+                    ys = self.linear3(x, names)
+                    if ys is not None:
+                        self._siblings.update((n, (x, y)) for n, y in zip(names[1:], ys[1:]))
+                        return ys[0]
         t, raw = self._kernel_raw(name)
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)
         out = np.empty((x.shape[0], t.shape[0]), np.float32)  # [R, out]
-        self.K.matmul(out, _f32(x), raw, t.qtype, self.K.LUT, self.K.M)
+        small = x.shape[0] * raw.shape[0] * t.shape[-1] < self.K.SERIAL_WORK
+        (self.K.matmul_serial if small else self.K.matmul)(out, _f32(x), raw, t.qtype)
         return out
+
+    # -- the small ops: serial kernels (numpy's per-call overhead would cost more than the work)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        x2 = _ro32(x).reshape(-1, w.shape[-1])  # [rows, D]: a norm over the last axis
+        out = np.empty(x2.shape, np.float32)
+        self.K.rms_norm(out, x2, _ro32(w), float(eps))
+        return out.reshape(x.shape)
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0):
+        inv = self._inv_freq.get((n_rot, theta))
+        if inv is None:
+            inv = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
+            inv = self._inv_freq[(n_rot, theta)] = _readonly(inv)
+        out = np.empty(x.shape, np.float32)  # [R, H, D]
+        self.K.rope(out, _ro32(x), _readonly(np.asarray(pos, np.int64)), inv, float(scale), bool(neox))
+        return out
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0):
+        R, H, _ = q.shape
+        if R > FEW_ROWS:  # a prompt: numpy's batched products beat a serial loop
+            return super().attention(q, k, v, q_pos, window)
+        out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
+        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), _readonly(np.asarray(q_pos, np.int64)), int(window))
+        return out.reshape(R, -1)  # [R, H*Dv]
+
+    def route(self, logits: np.ndarray, k: int, norm: bool):
+        return self.K.route(_ro32(logits), int(k), bool(norm))
 
     # -- mixture of experts -------------------------------------------------------------
 
     @staticmethod
-    def routed_rows(ids: np.ndarray, weights: np.ndarray):
+    def routed_rows(ids: np.ndarray, weights: np.ndarray, n_experts: int):
         """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
         experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]])."""
-        flat = ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        experts, counts = np.unique(flat[order], return_counts=True)
-        offs = np.zeros(len(experts) + 1, np.int64)
-        np.cumsum(counts, out=offs[1:])
-        rows = (order // ids.shape[1]).astype(np.int64)
-        rw = np.ascontiguousarray(weights.reshape(-1)[order], dtype=np.float32)
-        return experts.astype(np.int64), offs, rows, rw
+        from . import cpu_kernels as K
+
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        return K.routed_rows(ids, np.ascontiguousarray(weights, dtype=np.float32), int(n_experts))
 
     def _expert_parts(self, layer: int):
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
@@ -109,7 +180,7 @@ class CpuBackend(NumpyBackend):
         """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j)."""
         g, u, d = parts
         self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw,
-                          g.qtype, u.qtype, d.qtype, self.K.LUT, self.K.M)
+                          g.qtype, u.qtype, d.qtype)
 
     def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         parts, fast = self._expert_parts(layer)
@@ -117,7 +188,7 @@ class CpuBackend(NumpyBackend):
             return super().experts(x, layer, ids, weights)
         x = _f32(x)
         out = np.zeros_like(x)
-        experts, offs, rows, rw = self.routed_rows(ids, weights)
+        experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
         raws = [self._kernel_raw(t.name)[1] for t in parts]
         self.expert_call(out, x, parts, raws, experts, offs, rows, rw)
         return out
@@ -135,7 +206,7 @@ class StreamingCpuBackend(CpuBackend):
         parts, fast = self._expert_parts(layer)
         x = _f32(x)
         out = np.zeros_like(x)
-        experts, offs, rows, rw = self.routed_rows(ids, weights)
+        experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
         cap = self.pool.capacity(layer)
         ci = self.pool.class_of_layer[layer]
         bufs = [_readonly(self.pool.buffers[ci][p]) for p in EXPERT_PARTS]  # [slots, rows, row_bytes]
@@ -154,3 +225,4 @@ class StreamingCpuBackend(CpuBackend):
             finally:
                 self.pool.release(layer, group)
         return out
+

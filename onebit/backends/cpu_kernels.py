@@ -1,14 +1,20 @@
 """numba kernels of the cpu backend: they read quantized blocks straight from the file map.
 
-A weight row is decoded block by block into a small float32 buffer on the worker's stack
-(one row: at most a few KiB, in L1) and dotted with every activation row that needs it, so
-no float32 copy of a weight matrix is ever made and each row's bytes are read once per call.
-Activations stay float32: results differ from the numpy twins (`quants.QTYPES[..].dequantize`
-then matmul) only by float32 rounding of the decode and the summation order.
+Products (`matmul`, `matmul3`, `expert_ffn`) dot each weight row with up to four float32
+activation rows at once through `dot1` / `dot4` / `dot8`: LLVM vector IR (numba intrinsics, below)
+that decodes a block 32 weights at a time in registers and multiplies them into one 32-wide
+accumulator per activation row. No float32 copy of a weight matrix is ever made and a row's
+bytes are read once per eight activation rows. Activations stay float32 (no 8-bit activation
+blocks): results differ from the numpy twins (`quants.QTYPES[..].dequantize` then matmul)
+only by float32 rounding of the decode and the summation order. `decode_row` (plain numba)
+serves get_rows.
 
-Threads split output rows (`prange`); each output element is written by one thread in a
-fixed order, so results do not depend on the thread count or on where the bytes live (file
-map or a streaming pool's slot). Compiled once per machine and cached on disk (cache=True).
+Threads split output rows, or whole experts (`prange`); each output element is written by one
+thread in a fixed order, so results do not depend on the thread count or on where the bytes
+live (file map or a streaming pool's slot). A decode token runs about 3 parallel regions per
+layer (q/k/v, attention output, experts); smaller products and the small ops run serially.
+Compiled once per machine and cached on disk (cache=True); `warm_up` loads every signature a
+forward uses when the backend opens.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ import numpy as np
 # waits out a scheduler tick (measured: 1.0 vs 8.4 tok/s decode on 2 cores under load 6).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from numba import njit, prange  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
-from ..quants import QTYPES_BY_NAME
+from ..quants import QTYPES_BY_NAME  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -183,92 +192,553 @@ def decode_row(qt, b, out, lut, m):
                         y3[l] = s4 * np.float32(np.int32((c[l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32)
 
 
-@njit(inline="always", fastmath=FM)
-def _dot(a, b, n):
-    s = np.float32(0)
-    for k in range(n):
-        s += a[k] * b[k]
-    return s
+# -- fused dot products as LLVM vector IR ---------------------------------------------------
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+FLT, HALF = ir.FloatType(), ir.HalfType()
+FAST = ("contract",)  # fuse multiply-adds; no reassociation, no nnan/ninf (inputs may hold inf or nan)
+W = 32  # weights per decoded group: one accumulator vector
 
 
-@njit(inline="always", fastmath=FM)
-def _dot4(w, x0, x1, x2, x3, n):
-    s0 = s1 = s2 = s3 = np.float32(0)
-    for k in range(n):
-        v = w[k]
-        s0 += v * x0[k]
-        s1 += v * x1[k]
-        s2 += v * x2[k]
-        s3 += v * x3[k]
-    return s0, s1, s2, s3
+def _vec(t, n=W):
+    return ir.VectorType(t, n)
 
 
-CHUNK = 8  # weight rows per parallel work item (one decode buffer each)
+def _const(t, v):
+    return ir.Constant(t, v)
 
 
-@njit(parallel=True, fastmath=FM, cache=True)
-def matmul(out, x, w, qt, lut, m):
+def _splat(b, s, n=W):
+    v = b.insert_element(ir.Constant(_vec(s.type, n), ir.Undefined), s, _const(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [0] * n))
+
+
+def _two(b, s0, s1):
+    """<s0 x16, s1 x16>: a scale per 16 weights (Q6_K)."""
+    v = b.insert_element(ir.Constant(_vec(FLT, 2), ir.Undefined), s0, _const(I32, 0))
+    v = b.insert_element(v, s1, _const(I32, 1))
+    return b.shuffle_vector(v, v, ir.Constant(_vec(I32), [0] * 16 + [1] * 16))
+
+
+def _load(b, base, off, ty, align=1):
+    p = b.gep(base, [_const(I64, off)]) if isinstance(off, int) else b.gep(base, [off])
+    return b.load(b.bitcast(p, ir.PointerType(ty)), align=align)
+
+
+def _byte(b, base, off):
+    return b.zext(_load(b, base, off, I8), I32)
+
+
+def _f16(b, base, off):
+    return b.fpext(_load(b, base, off, HALF), FLT)
+
+
+def _hsum(b, v, n=W):
+    while n > 1:
+        h = n // 2
+        lo = b.shuffle_vector(v, v, ir.Constant(_vec(I32, h), list(range(h))))
+        hi = b.shuffle_vector(v, v, ir.Constant(_vec(I32, h), list(range(h, n))))
+        v = b.fadd(lo, hi, flags=FAST)
+        n = h
+    return b.extract_element(v, _const(I32, 0))
+
+
+def _nibbles(b, q16):
+    """16 bytes -> 32: the low nibbles, then the high ones (Q4_0, MXFP4)."""
+    lo = b.and_(q16, ir.Constant(_vec(I8, 16), [15] * 16))
+    hi = b.lshr(q16, ir.Constant(_vec(I8, 16), [4] * 16))
+    return b.shuffle_vector(lo, hi, ir.Constant(_vec(I32), list(range(32))))
+
+
+def _v8(v):
+    return ir.Constant(_vec(I8), [v] * W)
+
+
+def _ir_scale_min_k4(b, blk, j):
+    """Q4_K/Q5_K: 6-bit scale and min of sub-block j from the 12 bytes at blk + 4, as float."""
+    s = lambda i: _byte(b, blk, 4 + i)  # noqa: E731
+    c63, c15 = _const(I32, 63), _const(I32, 15)
+    if j < 4:
+        sc, m = b.and_(s(j), c63), b.and_(s(j + 4), c63)
+    else:
+        sc = b.or_(b.and_(s(j + 4), c15), b.shl(b.lshr(s(j - 4), _const(I32, 6)), _const(I32, 4)))
+        m = b.or_(b.lshr(s(j + 4), _const(I32, 4)), b.shl(b.lshr(s(j), _const(I32, 6)), _const(I32, 4)))
+    return b.uitofp(sc, FLT), b.uitofp(m, FLT)
+
+
+def _groups(b, name, blk):
+    """The weight groups of one block at byte pointer blk: [(first weight, <32 x float>)]."""
+    V = _vec(FLT)
+    if name == "F32":
+        return [(0, _load(b, blk, 0, V))]
+    if name == "F16":
+        return [(0, b.fpext(_load(b, blk, 0, _vec(HALF)), V))]
+    if name == "BF16":
+        u = b.shl(b.zext(_load(b, blk, 0, _vec(I16)), _vec(I32)), ir.Constant(_vec(I32), [16] * W))
+        return [(0, b.bitcast(u, V))]
+    if name == "Q8_0":
+        q = b.sitofp(_load(b, blk, 2, _vec(I8)), V)
+        return [(0, b.fmul(_splat(b, _f16(b, blk, 0)), q))]
+    if name == "Q4_0":
+        q = b.sub(_nibbles(b, _load(b, blk, 2, _vec(I8, 16))), _v8(8))
+        return [(0, b.fmul(_splat(b, _f16(b, blk, 0)), b.sitofp(q, V)))]
+    if name == "MXFP4":  # e2m1 magnitudes 0 1 2 3 4 6 8 12 (doubled, as ggml), sign in bit 3
+        e = _byte(b, blk, 0)
+        small = b.shl(_const(I32, 0x00200000), e)
+        big = b.shl(b.sub(e, _const(I32, 1)), _const(I32, 23))
+        d = b.bitcast(b.select(b.icmp_unsigned("<", e, _const(I32, 2)), small, big), FLT)
+        n = b.zext(_nibbles(b, _load(b, blk, 1, _vec(I8, 16))), _vec(I32))
+        c = lambda v: ir.Constant(_vec(I32), [v] * W)  # noqa: E731
+        mag = b.and_(n, c(7))
+        wide = b.shl(b.or_(c(2), b.and_(mag, c(1))), b.sub(b.lshr(mag, c(1)), c(1)))
+        val = b.select(b.icmp_unsigned("<", mag, c(4)), mag, wide)
+        val = b.select(b.icmp_unsigned("!=", b.and_(n, c(8)), c(0)), b.sub(c(0), val), val)
+        return [(0, b.fmul(_splat(b, d), b.sitofp(val, V)))]
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
+        qs = 16 if name == "Q4_K" else 48
+        qh = _load(b, blk, 16, _vec(I8)) if name == "Q5_K" else None
+        out = []
+        for j in range(4):
+            q = _load(b, blk, qs + 32 * j, _vec(I8))
+            for half, nib in enumerate((b.and_(q, _v8(15)), b.lshr(q, _v8(4)))):
+                sub = 2 * j + half
+                if qh is not None:
+                    nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
+                sc, m = _ir_scale_min_k4(b, blk, sub)
+                ds, dm = b.fmul(d, sc), b.fmul(dmin, m)
+                w = b.fsub(b.fmul(_splat(b, ds), b.uitofp(nib, V)), _splat(b, dm))
+                out.append((32 * sub, w))
+        return out
+    if name == "Q6_K":
+        d = _f16(b, blk, 208)
+        out = []
+        for half in range(2):
+            a, c = _load(b, blk, 64 * half, _vec(I8)), _load(b, blk, 64 * half + 32, _vec(I8))
+            qh = _load(b, blk, 128 + 32 * half, _vec(I8))
+            for g, low in enumerate((b.and_(a, _v8(15)), b.and_(c, _v8(15)), b.lshr(a, _v8(4)), b.lshr(c, _v8(4)))):
+                hi = b.shl(b.and_(b.lshr(qh, _v8(2 * g)), _v8(3)), _v8(4))
+                q = b.sitofp(b.sub(b.or_(low, hi), _v8(32)), V)
+                s0, s1 = (b.sitofp(_load(b, blk, 192 + 8 * half + 2 * g + k, I8), FLT) for k in range(2))
+                out.append((128 * half + 32 * g, b.fmul(_two(b, b.fmul(d, s0), b.fmul(d, s1)), q)))
+        return out
+    raise KeyError(name)
+
+
+def _groups1(b, name, p):
+    """One weight of a float type at byte pointer p, as float."""
+    if name == "F32":
+        return _load(b, p, 0, FLT)
+    if name == "F16":
+        return b.fpext(_load(b, p, 0, HALF), FLT)
+    return b.bitcast(b.shl(b.zext(_load(b, p, 0, I16), I32), _const(I32, 16)), FLT)
+
+
+IR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _make_dot(name: str, rows: int):
+    qt = QTYPES_BY_NAME[name]
+    elem = qt.type_size if qt.block_size == 1 else 0  # float types: bytes per weight; 32 per group
+    bs, ts = (W, W * elem) if elem else (qt.block_size, qt.type_size)
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        w = context.make_array(sig.args[0])(context, b, args[0])
+        xs = [context.make_array(t)(context, b, a).data for t, a in zip(sig.args[1:], args[1:])]
+        nbytes = b.extract_value(w.shape, 0)
+        nb = b.udiv(nbytes, _const(I64, ts))
+        accs = [cgutils.alloca_once_value(b, ir.Constant(_vec(FLT), [0.0] * W)) for _ in xs]
+        with cgutils.for_range(b, nb) as loop:
+            i = loop.index
+            blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
+            first = b.mul(i, _const(I64, bs))
+            for off, wv in _groups(b, name, blk):
+                k = b.add(first, _const(I64, off))
+                for x, acc in zip(xs, accs):
+                    xv = _load(b, x, k, _vec(FLT), align=4)
+                    b.store(b.fadd(b.load(acc), b.fmul(wv, xv, flags=FAST), flags=FAST), acc)
+        sums = [_hsum(b, b.load(acc)) for acc in accs]
+        if elem:  # a float row's last len % 32 weights, one at a time
+            tails = [cgutils.alloca_once_value(b, ir.Constant(FLT, 0.0)) for _ in xs]
+            first = b.mul(nb, _const(I64, W))
+            with cgutils.for_range(b, b.sub(b.udiv(nbytes, _const(I64, elem)), first)) as loop:
+                k = b.add(first, loop.index)
+                wv = _groups1(b, name, b.gep(w.data, [b.mul(k, _const(I64, elem))]))
+                for x, t in zip(xs, tails):
+                    xv = b.load(b.gep(x, [k]), align=4)
+                    b.store(b.fadd(b.load(t), b.fmul(wv, xv, flags=FAST), flags=FAST), t)
+            sums = [b.fadd(s, b.load(t)) for s, t in zip(sums, tails)]
+        if rows == 1:
+            return sums[0]
+        return context.make_tuple(b, sig.return_type, sums)
+
+    def typer(typingctx, w, *xs):
+        ok = (isinstance(w, types.Array) and w.ndim == 1 and w.dtype == types.uint8 and w.layout == "C"
+              and all(isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float32 and x.layout == "C"
+                      for x in xs))
+        if not ok:
+            return None
+        ret = types.float32 if rows == 1 else types.UniTuple(types.float32, rows)
+        return ret(w, *xs), codegen
+
+    if rows == 1:
+        def dot(typingctx, w, x):
+            return typer(typingctx, w, x)
+    elif rows == 4:
+        def dot(typingctx, w, x0, x1, x2, x3):
+            return typer(typingctx, w, x0, x1, x2, x3)
+    else:
+        def dot(typingctx, w, x0, x1, x2, x3, x4, x5, x6, x7):
+            return typer(typingctx, w, x0, x1, x2, x3, x4, x5, x6, x7)
+    dot.__name__ = f"dot{rows}_{name.lower()}"
+    return intrinsic(dot)
+
+
+DOT1 = {n: _make_dot(n, 1) for n in IR_TYPES}
+DOT4 = {n: _make_dot(n, 4) for n in IR_TYPES}
+DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
+
+
+# -- the kernels ---------------------------------------------------------------------------
+
+(d1_f32, d1_f16, d1_bf16, d1_q8_0, d1_q4_0, d1_mxfp4, d1_q4_k, d1_q5_k, d1_q6_k) = (DOT1[n] for n in IR_TYPES)
+(d4_f32, d4_f16, d4_bf16, d4_q8_0, d4_q4_0, d4_mxfp4, d4_q4_k, d4_q5_k, d4_q6_k) = (DOT4[n] for n in IR_TYPES)
+(d8_f32, d8_f16, d8_bf16, d8_q8_0, d8_q4_0, d8_mxfp4, d8_q4_k, d8_q5_k, d8_q6_k) = (DOT8[n] for n in IR_TYPES)
+
+
+@njit(inline="always")
+def dot1(qt, w, x):
+    """Weight row w (raw bytes of type qt) . float32 row x."""
+    if qt == Q8_0:
+        return d1_q8_0(w, x)
+    if qt == Q4_K:
+        return d1_q4_k(w, x)
+    if qt == Q6_K:
+        return d1_q6_k(w, x)
+    if qt == Q5_K:
+        return d1_q5_k(w, x)
+    if qt == Q4_0:
+        return d1_q4_0(w, x)
+    if qt == MXFP4:
+        return d1_mxfp4(w, x)
+    if qt == F16:
+        return d1_f16(w, x)
+    if qt == BF16:
+        return d1_bf16(w, x)
+    return d1_f32(w, x)
+
+
+@njit(inline="always")
+def dot4(qt, w, x0, x1, x2, x3):
+    """Weight row w . four float32 rows, decoding w once; each result == dot1's bits."""
+    if qt == Q8_0:
+        return d4_q8_0(w, x0, x1, x2, x3)
+    if qt == Q4_K:
+        return d4_q4_k(w, x0, x1, x2, x3)
+    if qt == Q6_K:
+        return d4_q6_k(w, x0, x1, x2, x3)
+    if qt == Q5_K:
+        return d4_q5_k(w, x0, x1, x2, x3)
+    if qt == Q4_0:
+        return d4_q4_0(w, x0, x1, x2, x3)
+    if qt == MXFP4:
+        return d4_mxfp4(w, x0, x1, x2, x3)
+    if qt == F16:
+        return d4_f16(w, x0, x1, x2, x3)
+    if qt == BF16:
+        return d4_bf16(w, x0, x1, x2, x3)
+    return d4_f32(w, x0, x1, x2, x3)
+
+
+@njit(inline="always")
+def dot8(qt, w, x0, x1, x2, x3, x4, x5, x6, x7):
+    """Weight row w . eight float32 rows (prompts), decoding w once; each result == dot1's bits."""
+    if qt == Q8_0:
+        return d8_q8_0(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == Q4_K:
+        return d8_q4_k(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == Q6_K:
+        return d8_q6_k(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == Q5_K:
+        return d8_q5_k(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == Q4_0:
+        return d8_q4_0(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == MXFP4:
+        return d8_mxfp4(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == F16:
+        return d8_f16(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    if qt == BF16:
+        return d8_bf16(w, x0, x1, x2, x3, x4, x5, x6, x7)
+    return d8_f32(w, x0, x1, x2, x3, x4, x5, x6, x7)
+
+
+@njit(cache=True)
+def matmul_rows(out, x, w, qt, n0, n1, col):
+    """out[:, col + n] = x @ row n of w, for n in [n0, n1)."""
+    R = x.shape[0]
+    for n in range(n0, n1):
+        row = w[n]
+        r = 0
+        while r + 8 <= R:
+            t = dot8(qt, row, x[r], x[r + 1], x[r + 2], x[r + 3], x[r + 4], x[r + 5], x[r + 6], x[r + 7])
+            for i in range(8):
+                out[r + i, col + n] = t[i]
+            r += 8
+        while r + 4 <= R:
+            s0, s1, s2, s3 = dot4(qt, row, x[r], x[r + 1], x[r + 2], x[r + 3])
+            out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
+            r += 4
+        while r < R:
+            out[r, col + n] = dot1(qt, row, x[r])
+            r += 1
+
+
+CHUNK = 16  # weight rows per parallel work item
+# Below this many weights x rows a product runs on the calling thread: waking a worker costs more
+# than the work (on a busy machine a woken worker may wait a scheduler tick for a core).
+SERIAL_WORK = 1 << 19
+
+
+@njit(parallel=True, cache=True)
+def matmul(out, x, w, qt):
     """out[R, N] = x[R, K] @ W.T for raw weight rows w: uint8 [N, row_bytes] of type qt."""
     N = w.shape[0]
-    R, K = x.shape
     for c in prange((N + CHUNK - 1) // CHUNK):
-        buf = np.empty(K, np.float32)
-        for n in range(c * CHUNK, min(N, (c + 1) * CHUNK)):
-            decode_row(qt, w[n], buf, lut, m)
-            r = 0
-            while r + 4 <= R:
-                s0, s1, s2, s3 = _dot4(buf, x[r], x[r + 1], x[r + 2], x[r + 3], K)
-                out[r, n], out[r + 1, n], out[r + 2, n], out[r + 3, n] = s0, s1, s2, s3
-                r += 4
-            while r < R:
-                out[r, n] = _dot(buf, x[r], K)
-                r += 1
+        matmul_rows(out, x, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
 
 
-@njit(parallel=True, fastmath=FM, cache=True)
+@njit(cache=True)
+def matmul_serial(out, x, w, qt):
+    matmul_rows(out, x, w, qt, 0, w.shape[0], 0)
+
+
+@njit(parallel=True, cache=True)
+def matmul3(out, x, w0, w1, w2, qt0, qt1, qt2):
+    """Three products of one x in one parallel region (q, k, v): out[R, N0 + N1 + N2] = x @
+    [W0; W1; W2].T. Each output column is computed exactly as `matmul` computes it."""
+    N0, N1, N2 = w0.shape[0], w1.shape[0], w2.shape[0]
+    c0 = (N0 + CHUNK - 1) // CHUNK
+    c1 = c0 + (N1 + CHUNK - 1) // CHUNK
+    for c in prange(c1 + (N2 + CHUNK - 1) // CHUNK):
+        if c < c0:
+            matmul_rows(out, x, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), 0)
+        elif c < c1:
+            matmul_rows(out, x, w1, qt1, (c - c0) * CHUNK, min(N1, (c - c0 + 1) * CHUNK), N0)
+        else:
+            matmul_rows(out, x, w2, qt2, (c - c1) * CHUNK, min(N2, (c - c1 + 1) * CHUNK), N0 + N1)
+
+
+@njit(cache=True)
 def get_rows(out, w, ids, qt, lut, m):
     """out[r] = row ids[r] of w (uint8 [N, row_bytes]) decoded to float32."""
-    for r in prange(ids.shape[0]):
+    for r in range(ids.shape[0]):
         decode_row(qt, w[ids[r]], out[r], lut, m)
 
 
-@njit(parallel=True, fastmath=FM, cache=True)
-def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd, lut, m):
+@njit(cache=True)
+def one_expert(y, x, gate, up, down, e, rows, qg, qu, qd):
+    """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows))."""
+    n = rows.shape[0]
+    hidden = gate.shape[1]
+    h = np.empty((n, hidden), np.float32)  # [rows, hidden]
+    for i in range(hidden):
+        gr, ur = gate[e, i], up[e, i]
+        p = 0
+        while p + 8 <= n:
+            x0, x1, x2, x3 = x[rows[p]], x[rows[p + 1]], x[rows[p + 2]], x[rows[p + 3]]
+            x4, x5, x6, x7 = x[rows[p + 4]], x[rows[p + 5]], x[rows[p + 6]], x[rows[p + 7]]
+            g = dot8(qg, gr, x0, x1, x2, x3, x4, x5, x6, x7)
+            u = dot8(qu, ur, x0, x1, x2, x3, x4, x5, x6, x7)
+            for t in range(8):
+                h[p + t, i] = g[t] / (np.float32(1) + np.exp(-g[t])) * u[t]
+            p += 8
+        while p + 4 <= n:
+            x0, x1, x2, x3 = x[rows[p]], x[rows[p + 1]], x[rows[p + 2]], x[rows[p + 3]]
+            g0, g1, g2, g3 = dot4(qg, gr, x0, x1, x2, x3)
+            u0, u1, u2, u3 = dot4(qu, ur, x0, x1, x2, x3)
+            h[p, i] = g0 / (np.float32(1) + np.exp(-g0)) * u0
+            h[p + 1, i] = g1 / (np.float32(1) + np.exp(-g1)) * u1
+            h[p + 2, i] = g2 / (np.float32(1) + np.exp(-g2)) * u2
+            h[p + 3, i] = g3 / (np.float32(1) + np.exp(-g3)) * u3
+            p += 4
+        while p < n:
+            g = dot1(qg, gr, x[rows[p]])
+            h[p, i] = g / (np.float32(1) + np.exp(-g)) * dot1(qu, ur, x[rows[p]])
+            p += 1
+    matmul_rows(y, h, down[e], qd, 0, down.shape[1], 0)
+
+
+@njit(parallel=True, cache=True)
+def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
     """out[rows] += rw * down(silu(gate(x)) * up(x)) over the chosen experts, in order.
 
     gate, up: uint8 [E, hidden, row_bytes]; down: uint8 [E, dim, row_bytes] (a file's expert
     tensor or a pool's slots). Expert j of the call is gate[sel[j]]; the activation rows it
-    serves are rows[offs[j]:offs[j+1]] with weights rw[...]. Each out element adds its experts'
-    terms in order j = 0, 1, ..., so a call split into groups of j gives the same bits.
+    serves are rows[offs[j]:offs[j+1]] with weights rw[...]. One parallel region: a thread
+    runs whole experts into y; then each out element adds its experts' terms in order j = 0,
+    1, ..., so a call split into groups of j gives the same bits.
     """
-    n_sel = sel.shape[0]
-    hidden = gate.shape[1]
     dim = x.shape[1]
-    h = np.empty((rows.shape[0], hidden), np.float32)  # [routed rows, hidden]
-    items = n_sel * hidden
-    for c in prange((items + CHUNK - 1) // CHUNK):
-        gb = np.empty(dim, np.float32)
-        ub = np.empty(dim, np.float32)
-        for it in range(c * CHUNK, min(items, (c + 1) * CHUNK)):
-            j = it // hidden
-            i = it - j * hidden
-            decode_row(qg, gate[sel[j], i], gb, lut, m)
-            decode_row(qu, up[sel[j], i], ub, lut, m)
-            for p in range(offs[j], offs[j + 1]):
-                xr = x[rows[p]]
-                g = _dot(gb, xr, dim)
-                u = _dot(ub, xr, dim)
-                h[p, i] = g / (np.float32(1) + np.exp(-g)) * u
-    for c in prange((dim + CHUNK - 1) // CHUNK):
-        db = np.empty(hidden, np.float32)
-        for d in range(c * CHUNK, min(dim, (c + 1) * CHUNK)):
-            for j in range(n_sel):
-                decode_row(qd, down[sel[j], d], db, lut, m)
-                for p in range(offs[j], offs[j + 1]):
-                    out[rows[p], d] += _dot(db, h[p], hidden) * rw[p]
+    y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
+    for j in prange(sel.shape[0]):
+        one_expert(y[offs[j] : offs[j + 1]], x, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]], qg, qu, qd)
+    for p in range(rows.shape[0]):
+        o, yp, w = out[rows[p]], y[p], rw[p]
+        for d in range(dim):
+            o[d] += yp[d] * w
 
 
-KERNELS = (matmul, get_rows, expert_ffn)
+# -- the small ops of a decode step (serial: each is microseconds of work) --------------------
+# Their numpy twins (`NumpyBackend.rms_norm`, `rope`, `attention`, `route`) run the same float32
+# arithmetic in another summation order.
+
+
+@njit(cache=True, fastmath=FM)
+def rms_norm(out, x, w, eps):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for x, out: [n, D], w: [D]."""
+    n, D = x.shape
+    for r in range(n):
+        xr = x[r]
+        ss = np.float32(0)
+        for i in range(D):
+            ss += xr[i] * xr[i]
+        s = np.sqrt(ss / np.float32(D) + np.float32(eps))
+        o = out[r]
+        for i in range(D):
+            o[i] = xr[i] / s * w[i]
+
+
+@njit(cache=True)
+def rope(out, x, pos, inv_freq, scale, neox):
+    """out = x rotated in its first 2 * len(inv_freq) dims: x, out: [R, H, D], pos: [R]."""
+    R, H, D = x.shape
+    half = inv_freq.shape[0]
+    out[:] = x
+    for r in range(R):
+        for i in range(half):
+            ang = np.float64(pos[r]) * scale * inv_freq[i]
+            c, s = np.float32(np.cos(ang)), np.float32(np.sin(ang))
+            ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(H):
+                a, b = x[r, h, ia], x[r, h, ib]
+                out[r, h, ia] = a * c - b * s
+                out[r, h, ib] = a * s + b * c
+
+
+@njit(cache=True, fastmath=FM)
+def attention(out, q, k, v, q_pos, window):
+    """Causal GQA attention for few rows (decode): q: [R, H, D] at positions q_pos; k: [S, Hkv,
+    D], v: [S, Hkv, Dv]; out: [R, H, Dv]. Row r sees keys 0..q_pos[r] (the last `window` only,
+    if > 0)."""
+    R, H, D = q.shape
+    S, Hkv, Dv = v.shape
+    group = H // Hkv
+    scale = np.float32(1.0 / np.sqrt(D))
+    p = np.empty(S, np.float32)
+    for r in range(R):
+        lo = max(0, q_pos[r] - window + 1) if window > 0 else 0
+        hi = min(S, q_pos[r] + 1)
+        for h in range(H):
+            kh = h // group
+            qr = q[r, h]
+            m = -np.inf
+            for s in range(lo, hi):
+                ks = k[s, kh]
+                t = np.float32(0)
+                for i in range(D):
+                    t += qr[i] * ks[i]
+                t *= scale
+                p[s] = t
+                m = max(m, t)
+            tot = np.float32(0)
+            for s in range(lo, hi):
+                e = np.float32(np.exp(p[s] - m))
+                p[s] = e
+                tot += e
+            o = out[r, h]
+            o[:] = 0
+            for s in range(lo, hi):
+                ps = p[s] / tot
+                vs = v[s, kh]
+                for i in range(Dv):
+                    o[i] += ps * vs[i]
+
+
+@njit(cache=True)
+def route(logits, k, norm):
+    """Softmax over experts, the top k (ties: the lower id first, as a stable argsort):
+    logits [R, E] -> ids [R, k] int64, weights [R, k] float32."""
+    R, E = logits.shape
+    ids = np.empty((R, k), np.int64)
+    wts = np.empty((R, k), np.float32)
+    probs = np.empty(E, np.float32)
+    taken = np.zeros(E, np.bool_)
+    for r in range(R):
+        m = logits[r, 0]
+        for e in range(1, E):
+            m = max(m, logits[r, e])
+        tot = np.float32(0)
+        for e in range(E):
+            probs[e] = np.exp(logits[r, e] - m)
+            tot += probs[e]
+        taken[:] = False
+        for j in range(k):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                    best = e
+            taken[best] = True
+            ids[r, j] = best
+            wts[r, j] = probs[best] / tot
+        if norm:
+            s = np.float32(0)
+            for j in range(k):
+                s += wts[r, j]
+            for j in range(k):
+                wts[r, j] = wts[r, j] / s
+    return ids, wts
+
+
+@njit(cache=True)
+def routed_rows(ids, weights, n_experts):
+    """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
+    experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]],
+    in row order)."""
+    R, k = ids.shape
+    count = np.zeros(n_experts + 1, np.int64)
+    for r in range(R):
+        for j in range(k):
+            count[ids[r, j] + 1] += 1
+    n = 0
+    for e in range(n_experts):
+        n += count[e + 1] > 0
+        count[e + 1] += count[e]
+    experts = np.empty(n, np.int64)
+    offs = np.empty(n + 1, np.int64)
+    i = 0
+    for e in range(n_experts):
+        if count[e + 1] > count[e]:
+            experts[i] = e
+            offs[i] = count[e]
+            i += 1
+    offs[n] = R * k
+    rows = np.empty(R * k, np.int64)
+    rw = np.empty(R * k, np.float32)
+    fill = count[:n_experts].copy()
+    for r in range(R):
+        for j in range(k):
+            e = ids[r, j]
+            rows[fill[e]] = r
+            rw[fill[e]] = weights[r, j]
+            fill[e] += 1
+    return experts, offs, rows, rw
+
+
+SMALL_OPS = (rms_norm, rope, attention, route, routed_rows)
+
+
+KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert)  # + SMALL_OPS
 _warm = False
 
 
@@ -281,17 +751,30 @@ def warm_up() -> tuple[float, int]:
     if _warm:
         return 0.0, 0
     t0 = time.perf_counter()
-    before = sum(len(k.stats.cache_misses) for k in KERNELS)
+    kernels = KERNELS + SMALL_OPS
+    before = sum(len(k.stats.cache_misses) for k in kernels)
     w = np.zeros((2, 2, 34), np.uint8)
     w.flags.writeable = False
     x = np.zeros((1, 32), np.float32)
     ids = np.zeros(1, np.int64)
-    matmul(np.empty((1, 2), np.float32), x, w[0], Q8_0, LUT, M)
+    matmul(np.empty((1, 2), np.float32), x, w[0], Q8_0)
+    matmul_serial(np.empty((1, 2), np.float32), x, w[0], Q8_0)
+    matmul3(np.empty((1, 6), np.float32), x, w[0], w[0], w[0], Q8_0, Q8_0, Q8_0)
     get_rows(np.empty((1, 32), np.float32), w[0], ids, Q8_0, LUT, M)
     h = np.zeros((1, 32, 34), np.uint8)  # one expert: hidden 32, dim 32
     h.flags.writeable = False
     offs = np.array([0, 1], np.int64)
-    expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32),
-               Q8_0, Q8_0, Q8_0, LUT, M)
+    expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
+    xr = x.view()
+    xr.flags.writeable = False  # the small ops take read-only inputs (cpu._ro32)
+    rms_norm(np.empty_like(x), xr, xr[0], 1e-6)
+    q = np.zeros((1, 2, 4), np.float32)
+    q.flags.writeable = False
+    pos, inv = ids.view(), np.ones(2)
+    pos.flags.writeable = inv.flags.writeable = False
+    rope(np.empty_like(q), q, pos, inv, 1.0, True)
+    attention(np.empty_like(q), q, q, q, pos, 0)
+    ids2, w2 = route(xr, 2, True)
+    routed_rows(ids2, w2, 32)
     _warm = True
-    return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in KERNELS) - before
+    return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in kernels) - before
