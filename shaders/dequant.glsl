@@ -68,6 +68,34 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define A_TYPE TQ1_0
 #elif defined(TYPE_TQ2_0)
 #define A_TYPE TQ2_0
+#elif defined(TYPE_Q4_1)
+#define A_TYPE Q4_1
+#elif defined(TYPE_Q5_0)
+#define A_TYPE Q5_0
+#elif defined(TYPE_Q5_1)
+#define A_TYPE Q5_1
+#elif defined(TYPE_Q2_K)
+#define A_TYPE Q2_K
+#elif defined(TYPE_Q3_K)
+#define A_TYPE Q3_K
+#elif defined(TYPE_IQ1_S)
+#define A_TYPE IQ1_S
+#elif defined(TYPE_IQ1_M)
+#define A_TYPE IQ1_M
+#elif defined(TYPE_IQ2_XXS)
+#define A_TYPE IQ2_XXS
+#elif defined(TYPE_IQ2_XS)
+#define A_TYPE IQ2_XS
+#elif defined(TYPE_IQ2_S)
+#define A_TYPE IQ2_S
+#elif defined(TYPE_IQ3_XXS)
+#define A_TYPE IQ3_XXS
+#elif defined(TYPE_IQ3_S)
+#define A_TYPE IQ3_S
+#elif defined(TYPE_IQ4_NL)
+#define A_TYPE IQ4_NL
+#elif defined(TYPE_IQ4_XS)
+#define A_TYPE IQ4_XS
 #else
 #error "define one TYPE_<name>"
 #endif
@@ -75,6 +103,17 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 layout(binding = A_BINDING, std430) readonly buffer WeightBlocks { A_TYPE data_a[]; };
 layout(binding = A_BINDING, std430) readonly buffer WeightU16 { uint16_t data_a16[]; };
 layout(binding = A_BINDING, std430) readonly buffer WeightU32 { uint data_a32[]; };
+
+#if defined(TYPE_IQ1_S) || defined(TYPE_IQ1_M) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || \
+    defined(TYPE_IQ2_S) || defined(TYPE_IQ3_XXS) || defined(TYPE_IQ3_S) || defined(TYPE_IQ4_NL) || defined(TYPE_IQ4_XS)
+// The IQ types' codebook, bound after the kernel's own buffers (GRID_BINDING, set by each
+// .comp) and packed by kernels.grid_words: IQ2 grids two words of four magnitude bytes per
+// entry, IQ3 grids one word, IQ1 grids one word of eight nibbles (value + 1), IQ4 the 16
+// int8 levels in four words. A buffer, not a GLSL constant array: lavapipe's compile time grows
+// steeply with constant arrays of this size.
+#define A_GRID
+layout(binding = GRID_BINDING, std430) readonly buffer Grid { uint grid[]; };
+#endif
 
 // Four bytes starting at 16-bit word hw (2-byte aligned), little endian.
 uint load_u32_at16(uint hw) {
@@ -252,6 +291,249 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint w = load_u32_at16(ib * 33u + 16u * (iu >> 2) + 2u * g);
     return unpack_bytes((w >> (2u * (iu & 3u))) & 0x03030303u);
 }
+
+#elif defined(TYPE_Q4_1)
+// 20 bytes = 5 words: f16 d, f16 m, 16 bytes of nibbles laid out as Q4_0's; w = d q + m.
+#define QK 32u
+#define QU 32u
+#define A_HAS_MIN
+vec2 get_dm(uint ib, uint iu) { return vec2(data_a[ib].dm); }
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint w = data_a32[ib * 5u + 1u + (g & 3u)];
+    return unpack_bytes((g >= 4u ? (w >> 4) : w) & 0x0F0F0F0Fu);
+}
+
+#elif defined(TYPE_Q5_0) || defined(TYPE_Q5_1)
+// Q5_0: 22 bytes = 11 halfwords: f16 d, 32 high bits qh, nibbles as Q4_0's; w = d (q - 16).
+// Q5_1: 24 bytes = 12 halfwords: f16 d, f16 m, qh, nibbles; w = d q + m. Bit j of qh is
+// weight j's fifth bit.
+#if defined(TYPE_Q5_0)
+#define Q5_HW 11u
+#define Q5_QH 1u
+#else
+#define Q5_HW 12u
+#define Q5_QH 2u
+#endif
+#define QK 32u
+#define QU 32u
+#define A_HAS_MIN
+vec2 get_dm(uint ib, uint iu) {
+#if defined(TYPE_Q5_0)
+    float d = float(data_a[ib].d);
+    return vec2(d, -16.0 * d);
+#else
+    return vec2(data_a[ib].dm);
+#endif
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint ql = load_u32_at16(ib * Q5_HW + Q5_QH + 2u + 2u * (g & 3u));
+    uint h = load_u32_at16(ib * Q5_HW + Q5_QH) >> (4u * g);
+    return unpack_bytes((g >= 4u ? (ql >> 4) : ql) & 0x0F0F0F0Fu) + 16.0 * vec4(uvec4(h, h >> 1, h >> 2, h >> 3) & 1u);
+}
+
+#elif defined(TYPE_Q2_K)
+// 84 bytes = 21 words: 16 scale bytes (low nibble scale, high nibble min, one per 16 weights),
+// 64 bytes of 2-bit quants, f16 d, f16 dmin. Weight 128n + 32j + 16h + l is bits 2j of byte
+// 32n + 16h + l and uses scale 8n + 2j + h (= its unit); w = d sc q - dmin m.
+#define QK 256u
+#define QU 16u
+#define A_HAS_MIN
+vec2 get_dm(uint ib, uint iu) {
+    uint sc = uint(data_a[ib].scales[iu]);
+    vec2 dm = vec2(data_a[ib].dm);
+    return vec2(dm.x * float(sc & 15u), -dm.y * float(sc >> 4));
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint byte = 32u * (iu >> 3) + 16u * (iu & 1u) + 4u * g;
+    uint w = data_a32[ib * 21u + 4u + byte / 4u];
+    return unpack_bytes((w >> (2u * ((iu >> 1) & 3u))) & 0x03030303u);
+}
+
+#elif defined(TYPE_Q3_K)
+// 110 bytes = 55 halfwords: hmask[32], qs[64], 12 bytes of 6-bit scales, f16 d. Weight
+// 128n + 32j + 16h + l: low 2 bits are bits 2j of qs[32n + 16h + l], the third is bit 4n + j of
+// hmask[16h + l]; unit s = 8n + 2j + h has scale (low nibble of scales[s % 8], nibble s / 8) |
+// (bits 2 (s / 4) of scales[8 + s % 4]) << 4, minus 32; w = d sc (q - 4).
+#define QK 256u
+#define QU 16u
+#define A_HAS_MIN
+vec2 get_dm(uint ib, uint iu) {
+    uint lo = (uint(data_a[ib].scales[iu & 7u]) >> (4u * (iu >> 3))) & 15u;
+    uint hi = (uint(data_a[ib].scales[8u + (iu & 3u)]) >> (2u * (iu >> 2))) & 3u;
+    float d = float(data_a[ib].d) * float(int(lo | (hi << 4)) - 32);
+    return vec2(d, -4.0 * d);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint n = iu >> 3, j = (iu >> 1) & 3u, h = iu & 1u;
+    uint ql = load_u32_at16(ib * 55u + (32u + 32u * n + 16u * h + 4u * g) / 2u);
+    uint hm = load_u32_at16(ib * 55u + (16u * h + 4u * g) / 2u);
+    return unpack_bytes(((ql >> (2u * j)) & 0x03030303u) | (((hm >> (4u * n + j)) & 0x01010101u) << 2));
+}
+
+#elif defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || defined(TYPE_IQ2_S) || defined(TYPE_IQ3_XXS) || defined(TYPE_IQ3_S)
+// Codebook types: get_q4 returns grid magnitudes times signs, get_dm the
+// run's scale. Sign fields of 7 bits imply an 8th that makes the count of negatives even.
+vec4 signs4(uint bits) {  // +-1 for bits 0..3 (set: negative)
+    return vec4(1.0) - 2.0 * vec4(uvec4(bits, bits >> 1, bits >> 2, bits >> 3) & 1u);
+}
+uint even_signs(uint s7) {
+    return s7 | ((bitCount(s7) & 1u) << 7);
+}
+#define QK 256u
+
+#if defined(TYPE_IQ2_XXS)
+// 66 bytes = 33 halfwords: f16 d; per 32 weights (unit iu) a u32 of 4 grid indices (8 weights
+// each) and a u32 of four 7-bit sign fields with a 4-bit scale s on top; w = d (0.5 + s) / 4 * g.
+#define QU 32u
+vec2 get_dm(uint ib, uint iu) {
+    uint aux = load_u32_at16(ib * 33u + 3u + 4u * iu);
+    return vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.25, 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint l = g >> 1;
+    uint gi = (load_u32_at16(ib * 33u + 1u + 4u * iu) >> (8u * l)) & 255u;
+    uint s = even_signs((load_u32_at16(ib * 33u + 3u + 4u * iu) >> (7u * l)) & 127u);
+    return unpack_bytes(grid[2u * gi + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+}
+
+#elif defined(TYPE_IQ2_XS)
+// 74 bytes = 37 halfwords: f16 d; 32 u16 (9-bit grid index, 7-bit sign field), one per 8
+// weights; 8 bytes of 4-bit scales, one per 16 weights (the unit); w = d (0.5 + s) / 4 * g.
+#define QU 16u
+vec2 get_dm(uint ib, uint iu) {
+    uint s = (uint(data_a[ib].scales[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    return vec2(float(data_a[ib].d) * (0.5 + float(s)) * 0.25, 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint q = uint(data_a16[ib * 37u + 1u + 2u * iu + (g >> 1)]);
+    uint s = even_signs(q >> 9);
+    return unpack_bytes(grid[2u * (q & 511u) + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+}
+
+#elif defined(TYPE_IQ2_S)
+// 82 bytes: f16 d; 32 low bytes of 10-bit grid indices; 32 sign bytes; 8 bytes of the indices'
+// high 2 bits; 8 bytes of 4-bit scales, one per 16 weights (the unit).
+#define QU 16u
+vec2 get_dm(uint ib, uint iu) {
+    uint s = (uint(data_a[ib].scales[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    return vec2(float(data_a[ib].d) * (0.5 + float(s)) * 0.25, 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint l = 2u * (iu & 1u) + (g >> 1);  // 8-weight group within the 32
+    uint i = 4u * (iu >> 1) + l;
+    uint gi = uint(data_a[ib].qs[i]) | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
+    uint s = uint(data_a[ib].qs[32u + i]);
+    return unpack_bytes(grid[2u * gi + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+}
+
+#elif defined(TYPE_IQ3_XXS)
+// 98 bytes = 49 halfwords: f16 d; 64 grid indices (4 weights each); per 32 weights (the unit)
+// a u32 of four 7-bit sign fields and a 4-bit scale s on top; w = d (0.5 + s) / 2 * g.
+#define QU 32u
+vec2 get_dm(uint ib, uint iu) {
+    uint aux = load_u32_at16(ib * 49u + 33u + 2u * iu);
+    return vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.5, 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint gi = uint(data_a[ib].qs[8u * iu + g]);
+    uint s = even_signs((load_u32_at16(ib * 49u + 33u + 2u * iu) >> (7u * (g >> 1))) & 127u);
+    return unpack_bytes(grid[gi]) * signs4(s >> (4u * (g & 1u)));
+}
+
+#else  // IQ3_S
+// 110 bytes: f16 d; 64 low bytes of 9-bit grid indices (4 weights each); 8 bytes of high
+// bits; 32 sign bytes (a bit per weight); 4 bytes of 4-bit scales, one per 32 weights (the
+// unit); w = d (1 + 2 s) * g.
+#define QU 32u
+vec2 get_dm(uint ib, uint iu) {
+    uint s = (uint(data_a[ib].scales[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    return vec2(float(data_a[ib].d) * float(1u + 2u * s), 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint gi = uint(data_a[ib].qs[8u * iu + g]) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
+    uint s = uint(data_a[ib].signs[4u * iu + (g >> 1)]);
+    return unpack_bytes(grid[gi]) * signs4(s >> (4u * (g & 1u)));
+}
+#endif
+
+#elif defined(TYPE_IQ1_S)
+// 50 bytes = 25 halfwords: f16 d; 32 low bytes of 11-bit grid indices (8 weights each); per 32
+// weights (the unit) a u16: four 3-bit index highs, a 3-bit scale s, the delta's sign on top.
+// Grid words hold value + 1 per nibble: w = dl (v + delta) = dl * nibble + dl (delta - 1).
+#define QK 256u
+#define QU 32u
+#define A_HAS_MIN
+vec2 get_dm(uint ib, uint iu) {
+    uint qh = uint(data_a[ib].qh[iu]);
+    float dl = float(data_a[ib].d) * float(2u * ((qh >> 12) & 7u) + 1u);
+    float delta = (qh & 0x8000u) != 0u ? -0.125 : 0.125;
+    return vec2(dl, dl * (delta - 1.0));
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint l = g >> 1;
+    uint gi = uint(data_a[ib].qs[4u * iu + l]) | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
+    uint n = grid[gi] >> (16u * (g & 1u));
+    return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
+}
+
+#elif defined(TYPE_IQ1_M)
+// 56 bytes = 14 words: 32 low bytes of 11-bit grid indices (8 weights each); 16 bytes of
+// nibbles, one per index (3 high index bits, the delta's sign in bit 3); four u16 of four
+// 3-bit scales (one per 16 weights, the unit) whose top nibbles make the f16 d. The delta
+// changes every 8 weights, inside a unit, so get_q4 returns v + delta.
+#define QK 256u
+#define QU 16u
+vec2 get_dm(uint ib, uint iu) {
+    uint s0 = uint(data_a[ib].scales[0]), s1 = uint(data_a[ib].scales[1]);
+    uint s2 = uint(data_a[ib].scales[2]), s3 = uint(data_a[ib].scales[3]);
+    uint d16 = (s0 >> 12) | ((s1 >> 8) & 0xF0u) | ((s2 >> 4) & 0xF00u) | (s3 & 0xF000u);
+    uint s = (uint(data_a[ib].scales[iu >> 2]) >> (3u * (iu & 3u))) & 7u;
+    return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint i = 2u * iu + (g >> 1);
+    uint nib = (uint(data_a[ib].qh[i >> 1]) >> (4u * (i & 1u))) & 15u;
+    uint gi = uint(data_a[ib].qs[i]) | ((nib & 7u) << 8);
+    uint n = grid[gi] >> (16u * (g & 1u));
+    float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
+    return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
+}
+
+#elif defined(TYPE_IQ4_NL) || defined(TYPE_IQ4_XS)
+// Nibbles select one of 16 non-linear levels. IQ4_NL: 18 bytes = 9 halfwords, f16 d, nibbles
+// laid out as Q4_0's; w = d * level. IQ4_XS: 136 bytes = 34 words: f16 d, u16 of the 6-bit
+// scales' high 2 bits, 4 bytes of their low nibbles, 128 bytes of nibbles laid out per 32
+// weights (the unit) as IQ4_NL's; w = d (s - 32) * level.
+// The levels are int8s packed four to a word in grid[0..3]: every lane reads the same four
+// words (no per-lane gathers) and selects its level with compares and shifts.
+vec4 levels4(uint w) {
+    const uvec4 lv = uvec4(grid[0], grid[1], grid[2], grid[3]);
+    uvec4 n = uvec4(w, w >> 8, w >> 16, w >> 24) & 15u;
+    uvec4 word = mix(mix(uvec4(lv.x), uvec4(lv.y), greaterThanEqual(n, uvec4(4u))),
+                     mix(uvec4(lv.z), uvec4(lv.w), greaterThanEqual(n, uvec4(12u))), greaterThanEqual(n, uvec4(8u)));
+    return vec4(ivec4(word << (24u - 8u * (n & 3u))) >> 24);
+}
+#if defined(TYPE_IQ4_NL)
+#define QK 32u
+#define QU 32u
+vec2 get_dm(uint ib, uint iu) { return vec2(float(data_a[ib].d), 0.0); }
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint w = load_u32_at16(ib * 9u + 1u + 2u * (g & 3u));
+    return levels4(g >= 4u ? (w >> 4) : w);
+}
+#else
+#define QK 256u
+#define QU 32u
+vec2 get_dm(uint ib, uint iu) {
+    uint lo = (uint(data_a[ib].scales_l[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    uint hi = (uint(data_a[ib].scales_h) >> (2u * iu)) & 3u;
+    return vec2(float(data_a[ib].d) * float(int(lo | (hi << 4)) - 32), 0.0);
+}
+vec4 get_q4(uint ib, uint iu, uint g) {
+    uint w = data_a32[ib * 34u + 2u + 4u * iu + (g & 3u)];
+    return levels4(g >= 4u ? (w >> 4) : w);
+}
+#endif
 #endif
 
 #endif  // block-quantized types

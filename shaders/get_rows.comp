@@ -2,6 +2,8 @@
 // get_rows (embedding lookup): out[r, :] = dequantized W[ids[r], :], ids read on the device.
 // The binding holds rows [row0, row0 + nrows); ids outside it are left to another dispatch.
 #include "common.glsl"
+// IQ weight types also read their codebook, bound after this kernel's own buffers.
+#define GRID_BINDING 3
 #include "types.glsl"
 #include "dequant.glsl"
 

@@ -3,6 +3,8 @@
 // A workgroup of 64 threads computes a 32 (rows of W) x 32 (rows of x) tile; each 32-wide
 // slice of k is dequantized into shared memory once and used by all 32 rows of x.
 #include "common.glsl"
+// IQ weight types also read their codebook, bound after this kernel's own buffers.
+#define GRID_BINDING 3
 #include "types.glsl"
 #include "dequant.glsl"
 

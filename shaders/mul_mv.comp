@@ -12,6 +12,12 @@
 // wants (lavapipe: lanes are SIMD slots and every lane's load costs the same, uniform or not).
 // A workgroup then covers WG * NR rows.
 #include "common.glsl"
+// IQ weight types also read their codebook, bound after this kernel's own buffers.
+#ifdef MUL_ID
+#define GRID_BINDING 5
+#else
+#define GRID_BINDING 3
+#endif
 #include "types.glsl"
 #include "dequant.glsl"
 

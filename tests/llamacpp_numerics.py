@@ -14,8 +14,9 @@ import numpy as np
 from onebit.backends import numpy_backend as nb
 from onebit.quants import QTYPES
 
-Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0"}
-Q8_0_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q1_0"}
+Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
+              "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"}
+Q8_0_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q1_0", "IQ4_NL"}
 
 
 def round_activation(x: np.ndarray, qtype: int) -> np.ndarray:

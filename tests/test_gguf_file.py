@@ -129,10 +129,10 @@ def test_unknown_tensor_type(small, tmp_path):
     name = b"token_embd.weight"
     i = data.index(name) + len(name) + 4 + 16  # after n_dims and two dims
     assert struct.unpack_from("<I", data, i)[0] == 0  # F32
-    data[i : i + 4] = struct.pack("<I", 23)  # IQ4_XS: a real type we do not run
+    data[i : i + 4] = struct.pack("<I", 40)  # NVFP4: a real type we do not run
     p = tmp_path / "type.gguf"
     p.write_bytes(bytes(data))
-    with pytest.raises(UnsupportedModelError, match="IQ4_XS"):
+    with pytest.raises(UnsupportedModelError, match="NVFP4"):
         GGUFFile(p)
     data[i : i + 4] = struct.pack("<I", 777)
     p.write_bytes(bytes(data))

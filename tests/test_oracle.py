@@ -17,7 +17,7 @@ HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
 
 
 def test_fixtures_present():
-    assert len(REFS) >= 18, "oracle fixtures missing: run tools/make_fixtures.py"
+    assert len(REFS) >= 30, "oracle fixtures missing: run tools/make_fixtures.py"
     arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
     assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3"}
 
@@ -60,13 +60,16 @@ def test_f32_matches_transformers(ref_path, backend):
 # Measured: at 48 positions these fall 1-2 positions short of the bar (cosines 0.988-0.9989 at
 # 3-4 positions). test_quantized_difference_is_llama_cpp_activation_rounding shows the cause:
 # llama.cpp rounds activations to Q8_K for these types; modelling that gives cosine >= 0.9999.
-BELOW_BAR = {"q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0"}
+# The same holds for four of the IQ files (3-17 positions; IQ types are dotted against Q8_K
+# activations too): q3moe256-IQ1_S, -IQ2_XXS, -IQ3_XXS, -IQ4_XS.
+BELOW_BAR = {"q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0", "q3moe256-IQ1_S", "q3moe256-IQ2_XXS",
+             "q3moe256-IQ3_XXS", "q3moe256-IQ4_XS"}
 
 
 def _llama_param(p):
     name = p.name.replace(".ref.npz", "")
     if name in BELOW_BAR:
-        reason = "llama.cpp's Q8_K activation rounding moves 3-4 of 48 positions below cosine 0.999"
+        reason = "llama.cpp's Q8_K activation rounding moves 3-17 of 48 positions below cosine 0.999"
         return pytest.param(p, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))
     return pytest.param(p, id=name)
 
@@ -85,7 +88,8 @@ def test_matches_llama_cpp(ref_path, backend):
 
 
 # Files whose big matrices llama.cpp multiplies against Q8_K-rounded activations.
-Q8K_REFS = [p for p in REFS if any(t in p.name for t in ("Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0"))]
+Q8K_REFS = [p for p in REFS if any(t in p.name for t in ("Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "Q2_K", "IQ1_S",
+                                                         "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ4_XS"))]
 
 
 @pytest.mark.parametrize("ref_path", Q8K_REFS, ids=lambda p: p.name.replace(".ref.npz", ""))

@@ -7,9 +7,12 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from onebit.quants import QTYPES, Q1_0
+from onebit.backends.vulkan.reference import random_blocks
+from onebit.quants import EVEN_SIGNS, QTYPES, QTYPES_BY_NAME, Q1_0, iq_grid
 
-REQUIRED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q1_0", "TQ1_0", "TQ2_0"]
+IQ_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"]
+REQUIRED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "MXFP4", "Q1_0", "TQ1_0", "TQ2_0", *IQ_TYPES]
 
 
 @pytest.mark.parametrize("name", REQUIRED)
@@ -111,3 +114,52 @@ def test_k_quants_decode_hand_built_blocks(name):
     want = np.array([[v for blk in range(2) for v in _decode_k_block(name, row[blk * ts : (blk + 1) * ts])]
                      for row in raw], np.float64)
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-7)
+
+
+# -- IQ types: our decoders (onebit/quants.py) against gguf-py's, an independent implementation --
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_iq_types_match_gguf_on_random_blocks(name):
+    """Random bytes (every index, sign and scale bit pattern; finite f16 scales of both signs),
+    several rows of several blocks: ours equals gguf-py's decoder exactly, in the row layout."""
+    rng = np.random.default_rng(3)
+    cls = QTYPES_BY_NAME[name]
+    raw = random_blocks(name, (5, 6 * cls.block_size), rng)
+    out = cls.dequantize(raw)
+    assert out.shape == (5, 6 * cls.block_size) and out.dtype == np.float32
+    np.testing.assert_array_equal(out, gq.dequantize(raw, GGMLQuantizationType[name]))
+    assert np.isfinite(out).all() and np.abs(out).max() > 0
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_iq_types_decode_leading_dims(name):
+    """An expert tensor [E, rows, row_bytes] decodes like its rows one by one."""
+    rng = np.random.default_rng(4)
+    cls = QTYPES_BY_NAME[name]
+    raw = random_blocks(name, (3, 2, 256), rng)
+    out = cls.dequantize(raw)
+    assert out.shape == (3, 2, 256)
+    np.testing.assert_array_equal(out[2, 1], cls.dequantize(raw[2, 1][None])[0])
+
+
+def test_iq_sign_table_has_even_parity():
+    """The 7-bit sign fields of IQ2_XXS / IQ2_XS / IQ3_XXS: the implied 8th sign keeps the
+    number of negative weights even, and the low 7 signs are the index bits."""
+    neg = EVEN_SIGNS < 0
+    assert (neg.sum(axis=1) % 2 == 0).all()
+    for i in (0, 1, 77, 127):
+        assert [bool(neg[i, j]) for j in range(7)] == [bool(i >> j & 1) for j in range(7)]
+
+
+def test_iq_grids_shapes_and_values():
+    """Grid magnitudes are the format's levels: IQ2 {8, 25, 43}, IQ3_XXS steps of 8 from 4,
+    IQ3_S odd 1..15, IQ1 {-1, 0, 1}."""
+    levels = {"IQ2_XXS": {8, 25, 43}, "IQ2_XS": {8, 25, 43}, "IQ2_S": {8, 25, 43},
+              "IQ3_XXS": {4, 12, 20, 28, 36, 44, 52, 62}, "IQ3_S": set(range(1, 16, 2)), "IQ1_S": {-1, 0, 1}}
+    shapes = {"IQ2_XXS": (256, 8), "IQ2_XS": (512, 8), "IQ2_S": (1024, 8), "IQ3_XXS": (256, 4), "IQ3_S": (512, 4),
+              "IQ1_S": (2048, 8)}
+    for name, want in levels.items():
+        g = iq_grid(name)
+        assert g.shape == shapes[name] and set(np.unique(g).astype(int)) <= want, name
+        assert len(np.unique(g, axis=0)) == len(g), f"{name}: grid entries repeat"

@@ -18,7 +18,8 @@ from onebit.backends.vulkan.backend import VulkanBackend
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
         "llama3rope-f32", "gemma3-f32"]
 QUANT = ["q3moe256-" + t for t in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
-                                   "Q1_0", "TQ1_0", "TQ2_0")]
+                                   "Q1_0", "TQ1_0", "TQ2_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "IQ1_S", "IQ1_M",
+                                   "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")]
 # Both backends dequantize to the same float32 weights; only float32 summation order differs.
 LOGIT_TOL = 1e-4
 
@@ -45,6 +46,10 @@ def test_vulkan_matches_numpy(name):
     ids = np.load(fixture_path(f"{name}.ref.npz"))["tokens"][:12].astype(np.int64)
     ref, vk = onebit.load(path, backend="numpy"), onebit.load(path, backend="vulkan")
     assert isinstance(vk.be, VulkanBackend) and vk.be.tensors  # the weights really are on the device
+    # every matrix runs in its own type's shaders (none dequantized to F32 at load)
+    moved = {n: (t.type_name, vk.be.tensors[n].type_name) for n, t in vk.gguf.tensors.items()
+             if n in vk.be.tensors and vk.be.tensors[n].type_name != t.type_name}
+    assert not moved, moved
     want, got = ref.logits(ids), vk.logits(ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
     assert _greedy(vk, ids[:6], 6) == _greedy(ref, ids[:6], 6)

@@ -227,7 +227,11 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 
 # Quant types the engine supports; made from q3moe256-f32.gguf with llama-quantize.
 QUANT_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
-               "Q1_0", "TQ1_0", "TQ2_0")
+               "Q1_0", "TQ1_0", "TQ2_0",
+               # the legacy and K types with a default mix of their own (Q2_K's holds Q3_K)
+               "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+               # the IQ types (IQ3_XXS's mix holds IQ2_S and IQ3_S; IQ2_S's would be IQ2_XS)
+               "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 
 FIXTURES = [
     Fixture("qwen3moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -369,11 +373,27 @@ def convert_to_gguf(lc: LlamaCpp, hf_dir: Path, out: Path, pre: str, model_name:
 
 
 def quantize_gguf(lc: LlamaCpp, src: Path, dst: Path, qtype: str) -> list[str]:
-    """llama-quantize src -> dst. Returns the extra flags used."""
+    """llama-quantize src -> dst. Returns the extra flags used (paths relative to dst's dir)."""
     flags = QUANTIZE_FLAGS.get(qtype, [])
-    run_quiet([str(lc.quantize), *flags, str(src), str(dst), qtype, "2"],
+    args = list(flags)
+    if qtype in NEEDS_IMATRIX:
+        imatrix = src.with_name(src.name.replace("-f32.gguf", ".imatrix.gguf"))
+        if not imatrix.exists():
+            # onebit's own dependencies are needed; $ONEBIT_PYTHON may name a venv that has them
+            python = os.environ.get("ONEBIT_PYTHON", sys.executable)
+            run_quiet([python, str(REPO_ROOT / "tools" / "make_imatrix.py"), str(src), str(imatrix)],
+                      env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), what=f"imatrix for {src.name}")
+        args += ["--imatrix", str(imatrix)]
+        flags = [*flags, "--imatrix", imatrix.name]
+    run_quiet([str(lc.quantize), *args, str(src), str(dst), qtype, "2"],
               what=f"quantize {qtype}")
     return flags
+
+
+# llama-quantize refuses these without an importance matrix; tools/make_imatrix.py makes one
+# (<fixture>.imatrix.gguf, kept with the fixtures) by running onebit's numpy engine over the
+# reference text, as llama.cpp's llama-imatrix would.
+NEEDS_IMATRIX = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS"}
 
 
 # Extra llama-quantize flags per type. None are needed with llama.cpp as vendored in
@@ -743,6 +763,10 @@ def main() -> None:
     ap.add_argument("--only", default="",
                     help="comma-separated fixture names: make just these (a trial run; write "
                          "them to a scratch --out, the manifest then lists only them)")
+    ap.add_argument("--only-quants", default="",
+                    help="comma-separated quant types: (re)make just these q3moe256 files from the "
+                         "q3moe256-f32.gguf already in --out, keeping every other file and merging "
+                         "the manifest and README")
     args = ap.parse_args()
     fixtures = [fx for fx in FIXTURES if not args.only or fx.name in args.only.split(",")]
     # torch and ggml each bring an OpenMP runtime; with the default active wait policy
@@ -755,6 +779,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     print(f"llama.cpp: {lc.src}\nlibllama: {lc.lib_dir}\nout: {out}\nwork: {work}")
+    if args.only_quants:
+        return remake_quants(lc, out, [t for t in args.only_quants.split(",") if t])
 
     # 1. Tokenizers, trained offline on stdlib docstrings.
     corpus = build_corpus()
@@ -820,6 +846,44 @@ def main() -> None:
     (out / "tokenizer_cases.json").write_text(json.dumps(
         dict(strings=TOKENIZER_STRINGS, cases=tok_cases, same_tokenizer_as=tok_alias),
         ensure_ascii=False, indent=1) + "\n")
+    write_manifest(out, files)
+    write_readme(out, files)
+    total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"total size of {out}: {total / 2**20:.2f} MiB")
+
+
+def info_from_manifest(entry: dict) -> dict:
+    """A manifest entry back into the per-file info write_manifest / write_readme take."""
+    info = dict(entry, types=entry["tensors"], hf_dir=None,
+                meta=dict(arch=entry["arch"], tokenizer_model=entry["tokenizer"]["model"],
+                          tokenizer_pre=entry["tokenizer"]["pre"]))
+    info["tokenizer"] = entry["tokenizer"]["source"]
+    return info
+
+
+def remake_quants(lc: LlamaCpp, out: Path, qtypes: list[str]) -> None:
+    """--only-quants: quantize q3moe256-f32.gguf into `qtypes` and record their llama.cpp oracles;
+    every other file and its entry stay as they are. These files carry `logits_llama` only
+    (the HF model is not kept between runs; a full run adds `logits_hf_dequant`)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    files = {name: info_from_manifest(e) for name, e in manifest["files"].items()}
+    f32 = out / "q3moe256-f32.gguf"
+    f32_logits = np.load(out / "q3moe256-f32.ref.npz")["logits_llama"]
+    llama_cpp = import_llama_cpp(lc)
+    for qtype in qtypes:
+        dst = out / f"q3moe256-{qtype}.gguf"
+        flags = quantize_gguf(lc, f32, dst, qtype)
+        info = dict(files[f32.name], quant=qtype, quantize_flags=flags, hf_dir=None)
+        for k in ("hf_vs_llama", "min_router_margin", "hf_dequant_vs_llama", "has_logits_hf"):
+            info.pop(k, None)
+        llm = open_llama(llama_cpp, dst)
+        ref = llama_oracle(llm, info)
+        llm.close()
+        info["vs_f32_llama"] = compare(ref["logits_llama"], f32_logits)
+        np.savez(out / dst.name.replace(".gguf", ".ref.npz"), **ref)
+        info.update(has_logits_hf=False, types=tensor_types(dst), meta=gguf_meta(dst), bytes=dst.stat().st_size)
+        files[dst.name] = info
+        report_line(dst.name, info)
     write_manifest(out, files)
     write_readme(out, files)
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -1001,7 +1065,7 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
     for fx in FIXTURES:
         spec = TOKENIZERS[fx.tokenizer]
         info = files.get(f"{fx.name}-f32.gguf")
-        if info is None:   # not made in this (--only) run
+        if info is None:   # not made in this run (--only, --only-quants)
             continue
         shape = ", ".join(f"{k}={v}" for k, v in fx.config.items())
         pad = f" ({fx.vocab_pad} [PAD] rows past the tokenizer)" if fx.vocab_pad else ""

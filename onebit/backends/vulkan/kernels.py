@@ -18,18 +18,39 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from ...quants import QTYPES_BY_NAME
+from ...quants import QTYPES_BY_NAME, iq4_values, iq_grid
 from .device import Buffer, Device, Pipeline, Sequence, Slice, VulkanKernelError
 
 # Weights per shader block where it differs from the GGML block: float rows are read in runs of 16.
 SHADER_QK = {"F32": 16, "F16": 16, "BF16": 16}
 # Units (runs of weights sharing one scale) per shader block: QK / QU in shaders/dequant.glsl.
-UNITS_PER_BLOCK = {"Q1_0": 4, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "TQ1_0": 16, "TQ2_0": 8}
+UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "TQ1_0": 16, "TQ2_0": 8,
+                   "IQ1_S": 8, "IQ1_M": 16, "IQ2_XXS": 8, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 8, "IQ3_S": 8,
+                   "IQ4_XS": 8}
 # Weight types with shaders: those shaders/variants.py built a get_rows variant for.
 SUPPORTED_TYPES = tuple(sorted(
     v[len("get_rows_"):] for v in json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())
     ["variants"] if v.startswith("get_rows_")
 ))
+
+# Types whose shaders read a codebook buffer (shaders/dequant.glsl, GRID_BINDING): which grid.
+GRID_OF = {"IQ1_S": "IQ1_S", "IQ1_M": "IQ1_S", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
+           "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ4_NL": "IQ4", "IQ4_XS": "IQ4"}
+
+
+def grid_words(grid: str) -> np.ndarray:
+    """The codebook `grid` packed as the shaders read it (uint32): IQ2 entries (8 magnitudes
+    below 256) as two words of four bytes, IQ3 entries (4) as one word, IQ1 entries (8 values
+    of -1, 0, 1) as one word of nibbles holding value + 1, IQ4 the 16 int8 levels in 4 words."""
+    if grid == "IQ4":
+        return iq4_values().astype(np.int8).view(np.uint32)
+    g = iq_grid(grid).astype(np.int64)
+    if grid.startswith("IQ1"):
+        nib = (g + 1) << (4 * np.arange(8))
+        return nib.sum(axis=1).astype(np.uint32)
+    b = g.reshape(-1, 4) << (8 * np.arange(4))
+    return b.sum(axis=1).astype(np.uint32)
+
 
 MAX_EXPERTS = 1024  # softmax_topk.comp keeps one row of logits in shared memory
 MAX_TOPK = 32
@@ -165,6 +186,7 @@ class Kernels:
         # memory and barriers are slow there), so it is always used.
         self.mv_max_rows = 1 << 30 if dev.info.type == "cpu" else 4
         self.wg = 64
+        self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
     # -- pipelines ------------------------------------------------------------------------
 
@@ -183,6 +205,16 @@ class Kernels:
 
     def pipeline(self, variant: str, n_bindings: int, spec: Seq[int | float] = ()) -> Pipeline:
         return self.dev.pipeline(variant, self.spirv(variant), n_bindings, spec)
+
+    def _extra(self, type_name: str) -> tuple[Slice, ...]:
+        """Buffers a weight type's shaders bind after the kernel's own: an IQ type's codebook."""
+        grid = GRID_OF.get(type_name)
+        if grid is None:
+            return ()
+        buf = self._grids.get(grid)
+        if buf is None:
+            buf = self._grids[grid] = self.dev.upload(grid_words(grid))
+        return (buf.slice(0, buf.size),)
 
     def _grid(self, n: int) -> tuple[int, int]:
         """Fold n workgroups into (x, y) under maxComputeWorkGroupCount; kernels use flat_group()."""
@@ -206,7 +238,9 @@ class Kernels:
     def _mv_rows(self, type_name: str) -> int:
         if self.reduce != "none":
             return self.mv_rows
-        return max(2, min(self.mv_rows, self.mv_unrolled // UNITS_PER_BLOCK.get(type_name, 1)))
+        # codebook lookups are per-lane gathers, each many instructions on lavapipe: fewer rows
+        cost = UNITS_PER_BLOCK.get(type_name, 1) * (4 if type_name in GRID_OF else 1)
+        return max(2, min(self.mv_rows, self.mv_unrolled // cost))
 
     def _mv_rows_per_group(self, type_name: str) -> int:
         return self._mv_rows(type_name) * (self.mv_wg if self.reduce == "none" else 1)
@@ -221,21 +255,24 @@ class Kernels:
                accumulate: bool = False) -> None:
         """y[r, :] (+)= W @ x[r, :] for r < n_rows; W: [out, in]."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
-        p = self.pipeline(f"mul_mv_{w.type_name}_{self.reduce}", 3, (self.mv_wg, self._mv_rows(w.type_name)))
+        extra = self._extra(w.type_name)
+        p = self.pipeline(f"mul_mv_{w.type_name}_{self.reduce}", 3 + len(extra),
+                          (self.mv_wg, self._mv_rows(w.type_name)))
         for part in w.parts:
             gx, gy = self._grid(math.ceil(part.count / self._mv_rows_per_group(w.type_name)))
             push = _push("10I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0)
-            seq.dispatch(p, (part.slice, x, y), push, (gx, gy, n_rows), writes=(2,))
+            seq.dispatch(p, (part.slice, x, y, *extra), push, (gx, gy, n_rows), writes=(2,))
 
     def mul_mm(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
                accumulate: bool = False) -> None:
         """Tiled y[r, :] (+)= W @ x[r, :] for r < n_rows (prefill)."""
         self._check_rows("mul_mm", w.type_name, w.ncols, x_stride)
-        p = self.pipeline(f"mul_mm_{w.type_name}", 3)
+        extra = self._extra(w.type_name)
+        p = self.pipeline(f"mul_mm_{w.type_name}", 3 + len(extra))
         for part in w.parts:
             push = _push("7I", w.ncols, part.count, part.start, n_rows, x_stride, y_stride, int(accumulate))
             groups = (math.ceil(part.count / 32), math.ceil(n_rows / 32), 1)  # 32 x 32 output tiles
-            seq.dispatch(p, (part.slice, x, y), push, groups, writes=(2,))
+            seq.dispatch(p, (part.slice, x, y, *extra), push, groups, writes=(2,))
 
     def mul_mv_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
                   k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
@@ -249,7 +286,9 @@ class Kernels:
         """
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
-        p = self.pipeline(f"mul_mv_id_{w.type_name}_{self.reduce}", 5, (self.mv_wg, self._mv_rows(w.type_name)))
+        extra = self._extra(w.type_name)
+        p = self.pipeline(f"mul_mv_id_{w.type_name}_{self.reduce}", 5 + len(extra),
+                          (self.mv_wg, self._mv_rows(w.type_name)))
         nrows = w.shape[1]
         gx, gy = self._grid(math.ceil(nrows / self._mv_rows_per_group(w.type_name)))
         gz = n_tokens if mode == "sum" else n_tokens * k
@@ -257,18 +296,19 @@ class Kernels:
             acc = int(mode == "sum" and (accumulate or i > 0))
             push = _push("10I", w.ncols, nrows, 0, x_stride, y_stride, flags | acc, k, x_slot_stride, part.start,
                          part.count)
-            seq.dispatch(p, (part.slice, x, y, ids, wts), push, (gx, gy, gz), writes=(2,))
+            seq.dispatch(p, (part.slice, x, y, ids, wts, *extra), push, (gx, gy, gz), writes=(2,))
 
     # -- lookups and elementwise --------------------------------------------------------------
 
     def get_rows(self, seq: Sequence, w: DeviceTensor, ids: Slice, out: Slice, n_ids: int, out_stride: int) -> None:
         """out[r, :] = dequantized W[ids[r], :]."""
         self._check_rows("get_rows", w.type_name, w.ncols, out_stride)
-        p = self.pipeline(f"get_rows_{w.type_name}", 3, (self.wg,))
+        extra = self._extra(w.type_name)
+        p = self.pipeline(f"get_rows_{w.type_name}", 3 + len(extra), (self.wg,))
         gx = math.ceil(w.ncols // 4 / self.wg)
         for part in w.parts:
             push = _push("4I", w.ncols, part.count, part.start, out_stride)
-            seq.dispatch(p, (part.slice, ids, out), push, (gx, n_ids, 1), writes=(2,))
+            seq.dispatch(p, (part.slice, ids, out, *extra), push, (gx, n_ids, 1), writes=(2,))
 
     def elementwise(self, seq: Sequence, op: str, a: Slice, b: Optional[Slice], out: Slice, n: int,
                     nb: Optional[int] = None) -> None:

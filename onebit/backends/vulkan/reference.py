@@ -102,8 +102,19 @@ def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
 
 
 # Byte offsets of the f16 scales in each block type; random bytes elsewhere are all valid.
-_F16_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q1_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-               "TQ1_0": (52,), "TQ2_0": (64,)}
+_F16_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q1_0": (0,),
+               "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "TQ1_0": (52,), "TQ2_0": (64,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+               "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def _iq1_m_set_d(raw: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M keeps its f16 d in the top nibbles of the four u16 scale words (bytes 48..55)."""
+    bits = d.astype(np.float16).view(np.uint16).astype(np.uint16)
+    sc = raw[:, 48:56].copy().view("<u2") & np.uint16(0x0FFF)
+    for k in range(4):
+        sc[:, k] |= ((bits >> np.uint16(4 * k)) & np.uint16(15)) << np.uint16(12)
+    raw[:, 48:56] = sc.view(np.uint8)
 
 
 def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -128,4 +139,6 @@ def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generat
     for off in _F16_SCALES.get(type_name, ()):
         d = rng.uniform(0.002, 0.05, nb) * rng.choice([-1.0, 1.0], nb)
         raw[:, off : off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    if type_name == "IQ1_M":
+        _iq1_m_set_d(raw, rng.uniform(0.002, 0.05, nb) * rng.choice([-1.0, 1.0], nb))
     return raw.reshape(*lead, n // cls.block_size * cls.type_size)
