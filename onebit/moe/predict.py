@@ -164,8 +164,9 @@ class Gate:
     """Prediction on or off by measured decode time: whichever has made decode steps faster.
 
     Decode forwards (one row) are timed start to start in windows of WINDOW; each window's
-    mean goes to a running mean for the state it ran in. The gate then runs the faster state,
-    trying the other one window in EXPLORE (and whenever it has no measurement yet). Off means
+    mean goes to a running mean for the state it ran in. The gate starts on, runs the faster
+    state, and tries the other one window in EXPLORE (so a short generation is not spent
+    measuring the off state). Off means
     no prediction at all (no prefetches, no prediction compute). Only timing decides, and
     only which experts are read ahead depends on it, never the output."""
 
@@ -193,8 +194,10 @@ class Gate:
             self._acc = []
             self.windows += 1
             other = not self.on
-            if self.mean[other] is None or self.windows % self.EXPLORE == 0:
-                nxt = other
+            if self.windows % self.EXPLORE == 0:
+                nxt = other  # try the other state now and then (off is first tried after EXPLORE windows)
+            elif self.mean[other] is None:
+                nxt = self.on
             else:
                 nxt = min((True, False), key=lambda k: self.mean[k])
             if nxt != self.on:
