@@ -141,19 +141,24 @@ class CpuBackend(NumpyBackend):
         self.K.rms_norm(out, x2, _ro32(w), float(eps))
         return out.reshape(x.shape)
 
-    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0):
+    def rope(self, x: np.ndarray, pos: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float = 1.0,
+             factors: np.ndarray | None = None):
+        """numpy's rope in a serial kernel; `factors` (rope_freqs.weight) divide the frequencies."""
         inv = self._inv_freq.get((n_rot, theta))
         if inv is None:
             inv = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
             inv = self._inv_freq[(n_rot, theta)] = _readonly(inv)
+        if factors is not None:
+            inv = _readonly(inv / np.asarray(factors, dtype=np.float64).reshape(-1)[: n_rot // 2])
         out = np.empty(x.shape, np.float32)  # [R, H, D]
         self.K.rope(out, _ro32(x), _readonly(np.asarray(pos, np.int64)), inv, float(scale), bool(neox))
         return out
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0):
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
+                  scale: float | None = None):
         R, H, _ = q.shape
-        if R > FEW_ROWS:  # a prompt: numpy's batched products beat a serial loop
-            return super().attention(q, k, v, q_pos, window)
+        if R > FEW_ROWS or scale is not None:  # a prompt (numpy's batched products beat a serial
+            return super().attention(q, k, v, q_pos, window, scale)  # loop), or a score scale of its own
         out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
         self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), _readonly(np.asarray(q_pos, np.int64)), int(window))
         return out.reshape(R, -1)  # [R, H*Dv]
