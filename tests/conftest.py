@@ -24,3 +24,28 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+def run_cli(monkeypatch, capsys, *args):
+    """`onebit ARGS` in this process: (exit code, stdout, stderr)."""
+    import sys
+
+    from onebit.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["onebit", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def greedy_tokens(m, ids: np.ndarray, n: int) -> list[int]:
+    """n greedy tokens after prompt ids, one forward per token."""
+    cache = m.new_cache()
+    logits = m.net.forward(ids, cache, last_only=True)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(logits[-1]))
+        out.append(tok)
+        logits = m.net.forward(np.array([tok], np.int64), cache)
+    return out

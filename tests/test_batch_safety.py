@@ -16,22 +16,12 @@ import sys
 import pytest
 
 import onebit
-from conftest import fixture_path
+from conftest import fixture_path, run_cli
 from onebit import batch
 from onebit.errors import UsageError
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
 
-
-def run_cli(monkeypatch, capsys, *args):
-    """`onebit ARGS` in this process: (exit code, stdout, stderr)."""
-    from onebit.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["onebit", *args])
-    with pytest.raises(SystemExit) as e:
-        main()
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 def onebit_proc(*args, input=None, timeout=120):

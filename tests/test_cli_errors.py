@@ -7,19 +7,10 @@ import sys
 
 import pytest
 
-from conftest import fixture_path
+from conftest import fixture_path, run_cli
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
 
-
-def run_cli(monkeypatch, capsys, *args):
-    from onebit.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["onebit", *args])
-    with pytest.raises(SystemExit) as e:
-        main()
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 @pytest.mark.parametrize("args, what", [

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import onebit
-from conftest import fixture_path
+from conftest import fixture_path, greedy_tokens
 from onebit.backends import cpu_kernels as K
 from onebit.backends import resolve
 from onebit.backends.cpu import CpuBackend
@@ -209,16 +209,6 @@ def test_expert_ffn_matches_numpy(rng, name):
     assert np.array_equal(split, got)
 
 
-def _greedy(m, ids: np.ndarray, n: int) -> list[int]:
-    cache = m.new_cache()
-    logits = m.net.forward(ids, cache, last_only=True)
-    out = []
-    for _ in range(n):
-        tok = int(np.argmax(logits[-1]))
-        out.append(tok)
-        logits = m.net.forward(np.array([tok], np.int64), cache)
-    return out
-
 
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32"]
 QUANT = ["q3moe256-" + t for t in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
@@ -233,7 +223,7 @@ def test_cpu_matches_numpy(name):
     assert isinstance(cpu.be, CpuBackend)
     want, got = ref.logits(ids), cpu.logits(ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
-    assert _greedy(cpu, ids[:6], 6) == _greedy(ref, ids[:6], 6)
+    assert greedy_tokens(cpu, ids[:6], 6) == greedy_tokens(ref, ids[:6], 6)
 
 
 def test_types_without_a_kernel_fall_back_and_say_so_once(capsys):

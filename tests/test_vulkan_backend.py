@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import onebit
-from conftest import fixture_path
+from conftest import fixture_path, greedy_tokens
 from onebit.backends import BACKENDS
 from onebit.backends.vulkan.backend import VulkanBackend
 
@@ -29,16 +29,6 @@ def vulkan_registered(monkeypatch):
     monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)
 
 
-def _greedy(m, ids: np.ndarray, n: int) -> list[int]:
-    cache = m.new_cache()
-    logits = m.net.forward(ids, cache, last_only=True)
-    out = []
-    for _ in range(n):
-        tok = int(np.argmax(logits[-1]))
-        out.append(tok)
-        logits = m.net.forward(np.array([tok], np.int64), cache)
-    return out
-
 
 @pytest.mark.parametrize("name", ARCH + QUANT)
 def test_vulkan_matches_numpy(name):
@@ -52,4 +42,4 @@ def test_vulkan_matches_numpy(name):
     assert not moved, moved
     want, got = ref.logits(ids), vk.logits(ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
-    assert _greedy(vk, ids[:6], 6) == _greedy(ref, ids[:6], 6)
+    assert greedy_tokens(vk, ids[:6], 6) == greedy_tokens(ref, ids[:6], 6)
