@@ -267,6 +267,19 @@ class ExpertPool:
         self.stats.stall_seconds += time.perf_counter() - t0
         return out
 
+    def pinned_groups(self, layer: int, experts: list[int]):
+        """Yield (start, group, slots) over `experts` in groups of at most capacity(layer) (a
+        prompt may route to more experts than fit at once), each group acquired (pinned)
+        while the caller uses it and released after."""
+        cap = self.capacity(layer)
+        for start in range(0, len(experts), cap):
+            group = experts[start : start + cap]
+            slots = self.acquire(layer, group)
+            try:
+                yield start, group, slots
+            finally:
+                self.release(layer, group)
+
     def release(self, layer: int, experts: Iterable[int]) -> None:
         with self.lock:
             for e in experts:

@@ -212,22 +212,16 @@ class StreamingCpuBackend(CpuBackend):
         x = _f32(x)
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
-        cap = self.pool.capacity(layer)
         ci = self.pool.class_of_layer[layer]
         bufs = [_readonly(self.pool.buffers[ci][p]) for p in EXPERT_PARTS]  # [slots, rows, row_bytes]
-        for start in range(0, len(experts), cap):  # a prefill may route to more experts than fit
-            group = [int(e) for e in experts[start : start + cap]]
-            slots = self.pool.acquire(layer, group)
-            try:
-                if fast:
-                    o = offs[start : start + len(group) + 1]
-                    self.expert_call(out, x, parts, bufs, np.asarray(slots, np.int64), o - o[0],
-                                     rows[o[0] : o[-1]], rw[o[0] : o[-1]])
-                else:
-                    for e, slot in zip(group, slots):
-                        raws = [self.pool.slot_view(layer, slot, p) for p in EXPERT_PARTS]
-                        self.expert_ffn(out, x, ids, weights, e, parts, raws)
-            finally:
-                self.pool.release(layer, group)
+        for start, group, slots in self.pool.pinned_groups(layer, [int(e) for e in experts]):
+            if fast:
+                o = offs[start : start + len(group) + 1]
+                self.expert_call(out, x, parts, bufs, np.asarray(slots, np.int64), o - o[0],
+                                 rows[o[0] : o[-1]], rw[o[0] : o[-1]])
+            else:
+                for e, slot in zip(group, slots):
+                    raws = [self.pool.slot_view(layer, slot, p) for p in EXPERT_PARTS]
+                    self.expert_ffn(out, x, ids, weights, e, parts, raws)
         return out
 

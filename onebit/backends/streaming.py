@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS as PARTS
-from ..memory.pool import StreamReadError
 from .numpy_backend import NumpyBackend
 
 
@@ -24,18 +23,9 @@ class StreamingNumpyBackend(NumpyBackend):
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in PARTS]
         out = np.zeros_like(x)
         experts = [int(e) for e in np.unique(ids)]
-        cap = self.pool.capacity(layer)
-        for start in range(0, len(experts), cap):  # a prefill may route to more experts than fit
-            group = experts[start : start + cap]
-            try:
-                slots = self.pool.acquire(layer, group)
-            except StreamReadError:
-                self.gguf.check_unchanged()  # a file that changed under us says how
-                raise
-            try:
-                for e, slot in zip(group, slots):
-                    raws = [self.pool.slot_view(layer, slot, p) for p in PARTS]
-                    self.expert_ffn(out, x, ids, weights, e, parts, raws)
-            finally:
-                self.pool.release(layer, group)
+        # (a read that fails because the file changed is named by the model's forward)
+        for _, group, slots in self.pool.pinned_groups(layer, experts):
+            for e, slot in zip(group, slots):
+                raws = [self.pool.slot_view(layer, slot, p) for p in PARTS]
+                self.expert_ffn(out, x, ids, weights, e, parts, raws)
         return out
