@@ -86,11 +86,15 @@ def _int(g: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi: int
     return v
 
 
-def _float(g: GGUFFile, key: str, default: float, lo: float = 0.0, hi: float = float("inf")) -> float:
-    """A finite number with lo < v <= hi (every float the configs read must be positive)."""
+def _float(g: GGUFFile, key: str, default: float, lo: float = 0.0, hi: float = float("inf"),
+           zero_is_off: bool = False) -> float:
+    """A finite number with lo < v <= hi (every float the configs read must be positive), or
+    exactly 0 where 0 means the feature is off (`zero_is_off`, e.g. Gemma's logit softcap)."""
     v = g.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
         raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is not a finite number")
+    if zero_is_off and v == 0:
+        return 0.0
     if not lo < v <= hi:
         bound = f"> {lo:g}" if hi == float("inf") else f"in ({lo:g}, {hi:g}]"
         raise ModelFileError(f"{g.path}: metadata {key!r} = {v!r} is out of range (must be {bound})")

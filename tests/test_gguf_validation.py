@@ -178,3 +178,17 @@ def test_bad_rope_dimension_on_the_command_line(tmp_path, n):
     p = rewrite(QWEN3MOE, tmp_path / "m.gguf", meta={"qwen3moe.rope.dimension_count": n})
     line = assert_one_line_error(onebit("generate", "--model", str(p), "--prompt", "x", "--max-tokens", "1"))
     assert str(p) in line and "rope.dimension_count" in line
+
+
+def test_a_zero_logit_softcap_means_off(tmp_path):
+    """Gemma files write final_logit_softcapping = 0 when there is none (Gemma 3): that is off,
+    not an out-of-range value; the logits are then the uncapped ones."""
+    import onebit
+
+    src = fixture_path("gemma3-f32.gguf")
+    p = rewrite(src, tmp_path / "g.gguf", meta={"gemma3.final_logit_softcapping": 0.0})
+    m = onebit.load(p, backend="numpy")
+    assert m.cfg.final_logit_softcap == 0.0
+    ids = np.load(fixture_path("gemma3-f32.ref.npz"))["tokens"][:6].astype(np.int64)
+    capped = onebit.load(src, backend="numpy").logits(ids)
+    assert np.abs(m.logits(ids)).max() > np.abs(capped).max()  # no cap applied

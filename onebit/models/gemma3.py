@@ -36,7 +36,7 @@ class Model(TransformerLM):
             rope_scale_swa=1.0,
             attn_scale=1.0 / math.sqrt(head_scale),
             embed_scale=math.sqrt(cfg.dim),
-            final_logit_softcap=_float(gguf, f"{a}.final_logit_softcapping", 0.0),
+            final_logit_softcap=_float(gguf, f"{a}.final_logit_softcapping", 0.0, zero_is_off=True),
             post_norms=True,
         )
 
