@@ -40,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 DEFAULT_FIXTURES = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen3-f32",
-                    "qwen2-f32", "q3moe256-Q4_K_M", "q3moe256-Q8_0", "q3moe256-TQ1_0", "q3moe256-MXFP4_MOE"]
+                    "qwen2-f32", "gemma3-f32", "llama3rope-f32", "q3moe256-Q4_K_M", "q3moe256-Q8_0",
+                    "q3moe256-TQ1_0", "q3moe256-MXFP4_MOE", "q3moe256-Q5_0", "q3moe256-IQ2_XS", "q3moe256-IQ4_NL"]
 CASE_TIMEOUT = 30.0  # seconds; a healthy case takes well under one
 PEAK_LIMIT = 256 << 20  # tracemalloc peak per case (fixtures are at most a few MB)
 AS_LIMIT = 8 << 30  # address space of the worker: a backstop against a runaway allocation
@@ -137,8 +138,13 @@ def layout(buf: bytes) -> Layout:
 
 
 def _put(buf: bytearray, pos: int, fmt: str, value) -> None:
+    """Write value at pos if it fits there (in the buffer, and in the field's type: an edge
+    value too wide for a small integer field is skipped)."""
     if 0 <= pos and pos + struct.calcsize(fmt) <= len(buf):
-        struct.pack_into(fmt, buf, pos, value)
+        try:
+            struct.pack_into(fmt, buf, pos, value)
+        except struct.error:
+            pass
 
 
 def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, list[str]]:
