@@ -160,7 +160,7 @@ class Model:
                 raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
             from .backends.numpy_backend import NumpyBackend
 
-            host = self.be if isinstance(self.be, NumpyBackend) else None  # numpy or cpu: its own ops
+            host = self.be if isinstance(self.be, NumpyBackend) else _host_backend(self.gguf)
             self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host)
         self.be.predictor = self.predictor
 
@@ -241,6 +241,17 @@ class Model:
         yield from stream_generate(self, ids, max_tokens=max_tokens, sampler=sampler, processors=procs,
                                    stop=stop, cache=cache, hook=hook if hook is not None else self.hook,
                                    lookup=lookup_budget(lookup), lookup_stats=lookup_stats)
+
+
+def _host_backend(gguf):
+    """Host ops for a device backend's predictor: the cpu backend's kernels (no float32 copy of
+    a weight, unlike numpy's reference ops), or numpy's where numba is unusable."""
+    try:
+        from .backends.cpu import CpuBackend
+
+        return CpuBackend(gguf)
+    except Exception:  # noqa: BLE001 (numba missing or failing: the reference ops still work)
+        return None
 
 
 def _predicted_layers(cfg, predict) -> str:
