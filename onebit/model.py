@@ -146,12 +146,9 @@ class Model:
     def set_predict(self, settings) -> None:
         """Routing prediction at every MoE pause point (a moe.predict.PredictSettings, or a mode
         name: off, router, block), feeding the expert pool's prefetch queue when streaming."""
-        from .moe.predict import PredictSettings, Predictor, settings_from
+        from .moe.predict import Predictor, as_settings
 
-        if isinstance(settings, str):
-            settings = settings_from({}, mode=settings)
-        if not isinstance(settings, PredictSettings):
-            raise UsageError(f"predict must be a mode name or PredictSettings, got {settings!r}")
+        settings = as_settings(settings)
         if self.predictor is not None:
             self.predictor.close()
         self.predictor = None
@@ -256,11 +253,10 @@ def _host_backend(gguf):
 
 def _predicted_layers(cfg, predict) -> str:
     """The --layers spec a plan reserves prediction scratch for: the layers `predict` predicts."""
-    from .moe.predict import PredictSettings, settings_from
+    from .moe.predict import as_settings
 
-    if isinstance(predict, str):
-        predict = settings_from({}, mode=predict)
-    if not isinstance(predict, PredictSettings) or not predict.on:
+    predict = as_settings(predict)
+    if not predict.on:
         return ""
     if predict.layers:
         return predict.layers

@@ -182,6 +182,7 @@ class EagerStep:
 
     def __init__(self, be: NumpyBackend, ids: np.ndarray, cache, hook=None):
         self.be, self.ids, self.cache, self.hook = be, ids, cache, hook
+        self._pause_ctx = None
         self.start = cache.offset
         self.pos = np.arange(self.start, self.start + len(ids), dtype=np.int64)  # [R]
         self.tensor_names = be.gguf.tensors
@@ -237,11 +238,12 @@ class EagerStep:
             self.hook(layer, ids, logits)
         predictor = self.be.predictor
         if predictor is not None:
-            from ..moe.predict import PauseContext
+            if self._pause_ctx is None:  # made once per forward, at its first pause point
+                from ..moe.predict import PauseContext
 
-            c = self.cache
-            ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values)
-            predictor.at_pause(ctx, layer, ids, logits, h)
+                c = self.cache
+                self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values)
+            predictor.at_pause(self._pause_ctx, layer, ids, logits, h)
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return self.be.experts(x, layer, ids, weights)

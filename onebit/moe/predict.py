@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -128,6 +129,17 @@ def settings_from(env=None, **given) -> PredictSettings:
     return s
 
 
+def as_settings(predict) -> PredictSettings:
+    """PredictSettings from what `onebit.load(predict=...)` takes: None, a mode name, or settings."""
+    if predict is None:
+        return PredictSettings()
+    if isinstance(predict, str):
+        return settings_from({}, mode=predict)
+    if not isinstance(predict, PredictSettings):
+        raise UsageError(f"predict must be a mode name or PredictSettings, got {predict!r}")
+    return predict
+
+
 def scratch_kv_bytes(cfg, rows: int = 1) -> int:
     """Bytes of one predicted layer's scratch state: this step's keys and values (float32)."""
     return 4 * rows * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v)
@@ -178,11 +190,8 @@ class Gate:
         self._t: Optional[float] = None
         self._acc: list[float] = []
         self.windows = 0
-        self.switches = 0
 
     def step(self, rows: int) -> bool:
-        import time
-
         now = time.perf_counter()
         if self._t is not None and rows == 1:
             self._acc.append(now - self._t)
@@ -201,7 +210,6 @@ class Gate:
             else:
                 nxt = min((True, False), key=lambda k: self.mean[k])
             if nxt != self.on:
-                self.switches += 1
                 self.on = nxt
                 self._t = None  # the first step after a switch carries the old state's work
         return self.on
@@ -272,10 +280,9 @@ class Predictor:
             return
         self._score(layer, ids)
         i = self.moe_layers.index(layer)
-        nxt = [l for l in self.moe_layers[i + 1 : i + 1 + self.s.ahead]]
-        keep = [int(e) for e in np.unique(ids)]
+        keep = [(layer, int(e)) for e in np.unique(ids)]  # what this layer routes to: never evicted
         r = h
-        for j, target in enumerate(nxt):
+        for j, target in enumerate(self.moe_layers[i + 1 : i + 1 + self.s.ahead]):
             if self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain):
                 r = self._block(ctx, target, r)
             if target not in self.stats:
@@ -286,7 +293,7 @@ class Predictor:
             if issue and self.pool is not None:
                 deep = st.deep_precision >= DEEP_ABOVE
                 send = set().union(*[sel if deep else base for sel, base, _ in rows])
-                self.pool.prefetch(target, sorted(send), keep=[(layer, e) for e in keep])
+                self.pool.prefetch(target, sorted(send), keep=keep)
                 st.prefetched += len(send)
                 st.issued += 1
             old = self.pending.get(target)
@@ -299,15 +306,14 @@ class Predictor:
         p = self.pending.pop(layer, None)
         if p is None or layer not in self.stats:
             return
+        actual = [set(int(e) for e in row) for row in ids]
         for dist, rows in [(p.distance, p.rows)] + self.older.pop(layer, []):
             acc = self.by_distance.setdefault(dist, [0, 0])
-            for (sel, _, _), routed_row in zip(rows, ids):
-                routed = set(int(e) for e in routed_row)
+            for (sel, _, _), routed in zip(rows, actual):
                 acc[0] += len(routed & sel)
                 acc[1] += len(routed)
         st = self.stats[layer]
-        for (sel, base, top), routed_row in zip(p.rows, ids):
-            routed = set(int(e) for e in routed_row)
+        for (sel, base, top), routed in zip(p.rows, actual):
             hit = routed & sel
             st.predictions += 1
             st.routed += len(routed)
@@ -323,10 +329,10 @@ class Predictor:
         elif not st.paused and st.precision < PAUSE_BELOW:
             st.paused = True
         if self.trace is not None:
-            for r, ((sel, base, top), routed_row) in enumerate(zip(p.rows, ids)):
+            for r, ((sel, base, top), routed) in enumerate(zip(p.rows, actual)):
                 self.trace.write(json.dumps({"forward": self.forwards, "row": r, "layer": layer,
                                              "predicted": sorted(sel), "top": sorted(top),
-                                             "actual": sorted(int(e) for e in routed_row),
+                                             "actual": sorted(routed),
                                              "issued": p.issued}) + "\n")
 
     # -- ranking --------------------------------------------------------------------------

@@ -347,30 +347,26 @@ class Recorder:
         x._arena, x.s, y.redo = None, None, None  # a later use of x fails loudly
         return out
 
-    def add(self, a: Val, b: Val) -> Val:
+    def _elementwise(self, op: str, a: Val, b: Slice, *broadcast) -> Val:
+        """out = op(a, b) elementwise (b: a Val's slice, or a broadcast scalar with `1`)."""
         out = self._new(a.shape)
-        self.k.elementwise(self.seq, "add", a.s, b.s, out.s, a.size)
+        self.k.elementwise(self.seq, op, a.s, b, out.s, a.size, *broadcast)
         return out
+
+    def add(self, a: Val, b: Val) -> Val:
+        return self._elementwise("add", a, b.s)
 
     def swiglu(self, a: Val, b: Val) -> Val:
-        out = self._new(a.shape)
-        self.k.elementwise(self.seq, "swiglu", a.s, b.s, out.s, a.size)
-        return out
+        return self._elementwise("swiglu", a, b.s)
 
     def geglu(self, a: Val, b: Val) -> Val:
-        out = self._new(a.shape)
-        self.k.elementwise(self.seq, "geglu", a.s, b.s, out.s, a.size)
-        return out
+        return self._elementwise("geglu", a, b.s)
 
     def scale(self, x: Val, s: float) -> Val:
-        out = self._new(x.shape)
-        self.k.elementwise(self.seq, "mul", x.s, self.be.consts.scalar(s), out.s, x.size, 1)
-        return out
+        return self._elementwise("mul", x, self.be.consts.scalar(s), 1)
 
     def softcap(self, x: Val, cap: float) -> Val:
-        out = self._new(x.shape)
-        self.k.elementwise(self.seq, "softcap", x.s, self.be.consts.scalar(cap), out.s, x.size, 1)
-        return out
+        return self._elementwise("softcap", x, self.be.consts.scalar(cap), 1)
 
     def route(self, logits: Val, k: int, norm: bool):
         R, E = logits.shape
