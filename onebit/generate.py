@@ -53,7 +53,7 @@ def generate_step(
     lookup = lookup if lookup > 0 and cache.can_trim else 0
     drafter = NgramDrafter(tokens) if lookup else None
     # row-count timings outlive one generation: they belong to the network on this machine
-    policy = DraftPolicy(times=net.__dict__.setdefault("draft_times", {})) if lookup else None
+    policy = DraftPolicy(times=getattr(net, "draft_times", None)) if lookup else None
     yielded = 0
     logits = None
     if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens

@@ -2,9 +2,9 @@
 
 Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in
 `cpu_kernels`, reading the quantized blocks where they lie (file map or pool slot); the q, k
-and v projections of one input run in one parallel region (`SIBLINGS`). The small ops (norms,
-rope, decode attention, routing) run in serial kernels, where numpy's per-call overhead would
-cost more than the work. A tensor whose type the kernels do not decode takes the numpy
+and v projections of one input run in one parallel region (the schedule's `linears` op).
+The small ops (norms, rope, decode attention, routing) run in serial kernels, where numpy's
+per-call overhead would cost more than the work. A tensor whose type the kernels do not decode takes the numpy
 reference path (said once, on stderr).
 """
 
@@ -42,7 +42,6 @@ def _ro32(x: np.ndarray) -> np.ndarray:
 # Projections of one input that a schedule reads one after another: the first call computes
 # them all in one parallel region (each bit-identical to its own call), and the others are
 # handed out when asked for with the same input array in the same forward.
-SIBLINGS = {".attn_q.weight": (".attn_k.weight", ".attn_v.weight")}
 FEW_ROWS = 4  # attention of at most this many query rows runs in the serial kernel
 
 
@@ -71,14 +70,6 @@ class CpuBackend(NumpyBackend):
             log.info(msg)
         self._raw: dict[str, tuple] = {}
         self._inv_freq: dict[tuple, np.ndarray] = {}
-        self._siblings: dict[str, tuple] = {}  # name -> (input, product) made with a sibling
-
-    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
-        self._siblings.clear()  # projections of this step's inputs only
-        try:
-            return super().forward(model, ids, cache, hook=hook, last_only=last_only)
-        finally:
-            self._siblings.clear()
 
     def describe(self) -> str:
         return f"{self.threads} threads"
@@ -101,9 +92,11 @@ class CpuBackend(NumpyBackend):
         self.K.get_rows(out, raw, np.asarray(ids, dtype=np.int64), t.qtype, self.K.LUT, self.K.M)
         return out
 
-    def linear3(self, x: np.ndarray, names) -> list[np.ndarray] | None:
-        """x @ W.T for three matrices of the same input width in one parallel region, or None
-        when one of them takes another path."""
+    def linears(self, x: np.ndarray, names) -> list[np.ndarray] | None:
+        """x @ W.T for three matrices of the same input width (q, k, v) in one parallel region,
+        or None when there are not three or one of them takes another path."""
+        if len(names) != 3:
+            return None
         got = [self._kernel_raw(n) for n in names]
         if any(raw is None or raw.ndim != 2 for _, raw in got):
             return None
@@ -114,17 +107,6 @@ class CpuBackend(NumpyBackend):
         return np.split(out, np.cumsum(widths[:2]), axis=1)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        hit = self._siblings.pop(name, None)
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        for suffix, others in SIBLINGS.items():  # q: compute k and v with it, hand them out next
-            if name.endswith(suffix):
-                names = [name] + [name[: -len(suffix)] + o for o in others]
-                if all(n in self.gguf.tensors for n in names):
-                    ys = self.linear3(x, names)
-                    if ys is not None:
-                        self._siblings.update((n, (x, y)) for n, y in zip(names[1:], ys[1:]))
-                        return ys[0]
         t, raw = self._kernel_raw(name)
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)

@@ -197,6 +197,13 @@ class EagerStep:
         y = self.be.linear(x, name)
         return y + self.be.weight(bias) if bias is not None else y
 
+    def linears(self, x: np.ndarray, names, biases) -> list[np.ndarray]:
+        fused = getattr(self.be, "linears", None)  # e.g. cpu: one parallel region for all of them
+        ys = fused(x, names) if fused is not None else None
+        if ys is None:
+            return [self.linear(x, n, b) for n, b in zip(names, biases)]
+        return [y + self.be.weight(b) if b is not None else y for y, b in zip(ys, biases)]
+
     @staticmethod
     def view(x: np.ndarray, shape) -> np.ndarray:
         return x.reshape(x.shape[0], *shape)

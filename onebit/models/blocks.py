@@ -7,6 +7,7 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     embed(name)               get_rows of the step's token ids from a table -> [R, dim]
     norm(x, name, eps)        RMS norm over the last axis, times weight `name`
     linear(x, name, bias)     x @ W.T (+ bias): [R, in] -> [R, out]
+    linears(x, names, biases) linear of one input by several matrices (a backend may fuse them)
     view(x, shape)            the same values in another shape
     rope(x, n_rot, theta, neox, scale, factors)  x: [R, H, D] rotated at the rows' positions
                               (factors: a tensor of per-frequency divisors, or None)
@@ -48,9 +49,8 @@ def attention(g, cfg: ModelConfig, layer: int, x):
         name = f"{p}.attn_{n}.bias"
         return name if cfg.attn_bias and name in g.tensor_names else None
 
-    q = g.linear(x, f"{p}.attn_q.weight", bias("q"))  # [R, H*D]
-    k = g.linear(x, f"{p}.attn_k.weight", bias("k"))  # [R, Hkv*D]
-    v = g.linear(x, f"{p}.attn_v.weight", bias("v"))  # [R, Hkv*Dv]
+    q, k, v = g.linears(x, [f"{p}.attn_{n}.weight" for n in "qkv"], [bias(n) for n in "qkv"])
+    # q: [R, H*D], k: [R, Hkv*D], v: [R, Hkv*Dv]
     if cfg.qk_norm == "full":  # olmoe: one norm over the whole projection
         q = g.norm(q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
         k = g.norm(k, f"{p}.attn_k_norm.weight", cfg.norm_eps)

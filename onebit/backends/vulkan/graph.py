@@ -294,6 +294,9 @@ class Recorder:
         self.k.rms_norm(self.seq, x.s, self.be.consts.vec(name), out.s, x.size // n, n, eps)
         return out
 
+    def linears(self, x: Val, names, biases) -> list[Val]:
+        return [self.linear(x, n, b) for n, b in zip(names, biases)]
+
     def linear(self, x: Val, name: str, bias: Optional[str] = None) -> Val:
         t = self._tensor(name)
         n_in, n_out = x.width, t.shape[0]
