@@ -145,6 +145,26 @@ def test_ring_equals_full_cache_bit_for_bit(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_larger_window_ring_equals_full_cache(backend, tmp_path):
+    """The fixture with window 20 (tests/ggufedit.py): a 28-position ring (20 + 8), 120 positions
+    in chunks of 1, of 7 and of 33 (longer than the window and than the ring)."""
+    from ggufedit import rewrite
+
+    path = rewrite(fixture_path(f"{GEMMA}.gguf"), tmp_path / "w20.gguf", meta={"gemma3.attention.sliding_window": 20})
+    m = onebit.load(path, backend=backend)
+    try:
+        assert m.cfg.sliding_window == 20
+        ids = tokens(120)
+        for chunk in (1, 7, 33):
+            ring = m.net.make_cache(swa_rows=ROWS)
+            got, want = chunked(m, ids, ring, chunk), chunked(m, ids, m.net.make_cache(swa_rows=0), chunk)
+            np.testing.assert_array_equal(got, want, err_msg=f"{backend}, chunks of {chunk}")
+            assert ring[0].capacity == 28 and ring[0].keys.shape[0] == 28 and ring[0].held_from == 120 - 28
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ring_oracle(backend):
     """The fixture's reference prompt (48 positions) through a wrapping ring, in chunks of 5,
     against HF transformers and llama.cpp at the bars of tests/test_oracle.py."""
