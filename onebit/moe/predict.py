@@ -221,7 +221,7 @@ class PauseContext:
 
     def __init__(self, start: int, rows: int, keys, values):
         self.start, self.rows = start, rows
-        self.keys, self.values = keys, values  # layer -> [>= start, Hkv, D] arrays
+        self.keys, self.values = keys, values  # layer -> [S, Hkv, D] arrays, position p in row p % S
 
 
 class Predictor:

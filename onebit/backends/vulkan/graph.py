@@ -22,7 +22,9 @@ the rest of the segment runs: the same kernels, per row, as one pass, so the res
 same bit for bit.
 
 The KV cache lives in device memory (`DeviceKV`), mapped on the host, so trim / snapshot /
-restore work on it as on host arrays. qwen2moe's shared-expert gate has no kernel of its
+restore work on it as on host arrays. A sliding-window layer's buffers are a ring (position p
+in row p % its rows: set_rows and attn wrap), and a forward runs in chunks no longer than the
+rows its rings are sized for. qwen2moe's shared-expert gate has no kernel of its
 own: it is a two-way softmax over [g, 0] (softmax([g, 0])[0] = sigmoid(g)), and the shared
 expert's down projection runs as a one-part expert tensor whose second "expert" lies
 outside the part, so the expert kernel adds sigmoid(g) * down(h) and skips the other.
