@@ -252,11 +252,18 @@ def test_kv_bytes_equal_the_host_caches(ctx, rows):
 
 @pytest.mark.parametrize("ctx", [3, 100, 512])
 def test_kv_bytes_equal_the_device_caches(ctx):
+    """What a new device KV storage allocates (the runner makes one per cache unless an idle one
+    of at least that capacity is there to reuse)."""
+    from onebit.backends.vulkan.graph import DeviceKV
+
     m = load("vulkan")
     for rows in (0, ROWS, SWA_ROWS):
-        cache = m.be.make_cache(m.cfg, ctx, rows)
-        assert cache.storage.nbytes == kv_cache_bytes(m.cfg, ctx, swa_rows=rows)
-        del cache
+        kv = DeviceKV(m.be.dev, m.cfg, ctx, rows)
+        try:
+            assert kv.nbytes == kv_cache_bytes(m.cfg, ctx, swa_rows=rows)
+            assert sum(kb.size + vb.size for kb, vb in kv.buffers) == kv.nbytes  # the buffers themselves
+        finally:
+            kv.destroy()
 
 
 def test_plan_counts_the_rings(monkeypatch, capsys):
