@@ -77,10 +77,11 @@ class RingKVCache:
       start .. start+R-1 therefore reads window - 1 + R positions, after writing its own R: a
       ring of window + R - 1 positions holds all of them. `rows` (SWA_ROWS = 256 by default,
       the prefill chunk of generate and the largest forward the Vulkan runner records) is the R
-      the ring is sized for: capacity = window + rows - 1. (llama.cpp sizes its SWA cache
-      alike: min(context, window + one ubatch), padded to 256 cells.) A forward of more rows still runs here: `write`
-      returns the earlier positions the rows need and their own K/V together, read before the
-      ring overwrites them; the Vulkan runner splits such a forward into chunks of `rows`.
+      the ring is sized for: capacity = window + rows - 1 (rows below MIN_SWA_ROWS count as
+      MIN_SWA_ROWS). llama.cpp sizes its SWA cache alike: min(context, window + one ubatch),
+      padded to 256 cells. A forward of more rows still runs here: `write` returns the earlier
+      positions the rows need and their own K/V together, read before the ring overwrites
+      them; the Vulkan runner splits such a forward into chunks of `rows`.
     - Trimming to length L needs positions L - window + 1 .. L - 1 still held. After a forward
       of R <= rows rows at start, the ring holds start + R - capacity .. start + R - 1, so a trim
       back to any L >= start (lookup decoding rejects drafts of its last forward only, at most

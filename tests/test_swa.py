@@ -58,7 +58,7 @@ def chunked(m, ids, cache, chunk: int) -> np.ndarray:
 
 
 def test_ring_size_facts():
-    from memory.plan import PREFILL_ROWS  # noqa: the plan's prefill chunk
+    from onebit.memory.plan import PREFILL_ROWS
     from onebit.backends.vulkan.graph import MAX_ROWS
 
     assert MIN_SWA_ROWS == 1 + MAX_DRAFTS  # a verify forward's rows: rejected drafts always trim
