@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onebit.backends.numpy_backend import NumpyBackend
-from onebit.cache import kv_cache_bytes
+from onebit.cache import SWA_ROWS, kv_cache_bytes, layer_positions
 from onebit.config import ModelConfig
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
@@ -185,8 +185,7 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                                                        if t.name in expert_names])
     items = [PlanItem("resident weights", sum(by_type.values()),
                       ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])))]
-    items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes),
-                          f"{ctx} tokens x {cfg.n_layers} layers"))
+    items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes), _kv_detail(cfg, ctx)))
     items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
                           f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
@@ -234,6 +233,18 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
             advice.append(f"everything but the expert slots needs {format_bytes(fixed)}: more memory is needed "
                           f"(with these slots the plan is short by {format_bytes(over)})")
     return plan
+
+
+def _kv_detail(cfg: ModelConfig, ctx: int) -> str:
+    """'N tokens x L layers', and the sliding-window layers' rings (min(ctx, window + rows - 1))."""
+    swa = [i for i in range(cfg.n_layers) if cfg.layer_window(i) > 0]
+    full = cfg.n_layers - len(swa)
+    if not swa:
+        return f"{ctx} tokens x {full} layers"
+    ring = layer_positions(cfg, swa[0], ctx)
+    windows = sorted({cfg.layer_window(i) for i in swa})
+    return (f"{ctx} tokens x {full} layers, {ring} x {len(swa)} sliding-window layers "
+            f"(window {'/'.join(map(str, windows))} + {SWA_ROWS - 1})")
 
 
 def _split_slots(classes: list[SizeClass], n: int, floor: int = 1) -> list[int]:

@@ -1,7 +1,8 @@
 """Caches typed per layer, held by the `Cache` of one sequence, which also holds the position.
 
 A layer's cache is the state its mixer keeps between forward passes: `KVCache` for attention
-(keys and values by position). Every layer cache says whether it can `trim` (drop the last
+(keys and values by position), `RingKVCache` for a sliding-window attention layer (the last
+positions only, as a ring). Every layer cache says whether it can `trim` (drop the last
 positions in place) and gives a `snapshot` / `restore` of its state; speculative decoding and
 chat prefix reuse roll back through `Cache.trim`, or through snapshot / restore where a
 layer cannot trim.
@@ -56,6 +57,133 @@ class KVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
+SWA_ROWS = 256  # rows one forward may write into a ring before reading it (generate's prefill chunk,
+# the Vulkan runner's MAX_ROWS): a ring holds window + SWA_ROWS - 1 positions
+MIN_SWA_ROWS = 9  # 1 + lookup.MAX_DRAFTS: a verify forward's rows, so rejected drafts can always be trimmed
+
+
+def ring_capacity(window: int, rows: int = SWA_ROWS) -> int:
+    """Positions a sliding-window layer's ring holds: window + rows - 1 (see `RingKVCache`)."""
+    return window + max(rows, MIN_SWA_ROWS) - 1
+
+
+class RingKVCache:
+    """Keys and values of one sliding-window attention layer: only its last `capacity` positions,
+    position p in row p % capacity (rows grown in steps up to `capacity`, so a short sequence
+    never holds more than it uses).
+
+    The slack, from the facts of who reads what:
+    - A row at position p attends to positions p - window + 1 .. p. A forward of R rows at
+      start .. start+R-1 therefore reads window - 1 + R positions, after writing its own R: a
+      ring of window + R - 1 positions holds all of them. `rows` (SWA_ROWS = 256 by default,
+      the prefill chunk of generate and the largest forward the Vulkan runner records) is the R
+      the ring is sized for: capacity = window + rows - 1 (rows below MIN_SWA_ROWS count as
+      MIN_SWA_ROWS). llama.cpp sizes its SWA cache alike: min(context, window + one ubatch),
+      padded to 256 cells. A forward of more rows still runs here: `write` returns the earlier
+      positions the rows need and their own K/V together, read before the ring overwrites
+      them; the Vulkan runner splits such a forward into chunks of `rows`.
+    - Trimming to length L needs positions L - window + 1 .. L - 1 still held. After a forward
+      of R <= rows rows at start, the ring holds start + R - capacity .. start + R - 1, so a trim
+      back to any L >= start (lookup decoding rejects drafts of its last forward only, at most
+      MAX_DRAFTS = 8 rows, and rows >= MIN_SWA_ROWS = 9) always succeeds.
+    - Further back (a chat turn that keeps a common prefix shorter than what was run since) the
+      ring may no longer hold what the prefix's end needs: `can_trim_to` says so, and the caller
+      runs the prefix again (trimming to 0 always succeeds).
+    `held_from` is the first position still held (positions below it were overwritten).
+    snapshot / restore copy the ring (at most `capacity` positions) and `held_from`."""
+
+    step = 256
+    can_trim = True
+
+    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, window: int, capacity: int = 0,
+                 rows: int = SWA_ROWS):
+        self.window = int(window)
+        self.capacity = ring_capacity(self.window, rows)
+        self.rows = self.rows_for(self.window, rows)  # rows a forward writes before reading, at most
+        n = min(int(capacity), self.capacity)  # capacity > 0: allocate (and touch) it now, as planned
+        self.keys = np.zeros((n, n_kv_heads, head_dim), np.float32)  # [rows held, Hkv, D]
+        self.values = np.zeros((n, n_kv_heads, head_dim_v), np.float32)
+        if n:
+            self.keys.fill(0)
+            self.values.fill(0)
+        self.held_from = 0
+
+    @staticmethod
+    def rows_for(window: int, rows: int = SWA_ROWS) -> int:
+        """The most rows one forward may write into a ring sized for `rows` and still read."""
+        return ring_capacity(window, rows) - window + 1
+
+    def _need(self, length: int) -> int:
+        """The first position a row at position `length` reads (besides its own)."""
+        return max(0, length - self.window + 1)
+
+    def can_trim_to(self, length: int) -> bool:
+        need = self._need(length)
+        return need >= length or need >= self.held_from
+
+    def trim(self, length: int) -> None:
+        """The sequence is now `length` positions long; positions past it are overwritten later."""
+        if not self.can_trim_to(length):
+            raise ValueError(f"a sliding-window ring of {self.capacity} positions no longer holds position "
+                             f"{self._need(length)} (it holds {self.held_from} on): restore a snapshot or run "
+                             "the prefix again")
+        if length == 0:
+            self.held_from = 0
+
+    def advance(self, start: int, n: int) -> None:
+        """Positions start .. start+n-1 are being written (on the host or the device): check the
+        rows can read what they need, and note what the ring no longer holds."""
+        if not self.can_trim_to(start):
+            raise ValueError(f"sliding-window ring: position {self._need(start)} was overwritten")
+        self.held_from = max(self.held_from, start + n - self.capacity)
+
+    def _room(self, n: int) -> None:
+        if n > self.keys.shape[0]:
+            cap = min((n + self.step - 1) // self.step * self.step, self.capacity)
+            self.keys = _grow(self.keys, cap)
+            self.values = _grow(self.values, cap)
+
+    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return keys and
+        values holding every position these rows read, position p in row p % (their length)
+        (the attention op's contract): the ring itself, or, for a forward of more rows than the
+        ring is sized for, the earlier positions they read and their own, read before writing."""
+        R = k.shape[0]
+        n = start + R
+        self.advance(start, R)
+        self._room(n)
+        C = self.keys.shape[0]
+        if R <= self.rows or n <= C:
+            slots = np.arange(start, n) % C
+            self.keys[slots] = k
+            self.values[slots] = v
+            return self.keys, self.values
+        lo = self._need(start)
+        old = np.arange(lo, start) % C
+        keys, values = np.concatenate([self.keys[old], k]), np.concatenate([self.values[old], v])
+        m = min(R, C)  # the ring keeps the last C positions
+        last = np.arange(n - m, n) % C
+        self.keys[last] = k[R - m :]
+        self.values[last] = v[R - m :]
+        shift = lo % (n - lo)  # row p % (n - lo) holds position p
+        return np.roll(keys, shift, axis=0), np.roll(values, shift, axis=0)
+
+    def snapshot(self, length: int):
+        rows = self.keys.shape[0] if self.held_from or length > self.keys.shape[0] else length
+        return self.keys[:rows].copy(), self.values[:rows].copy(), self.held_from
+
+    def restore(self, state) -> None:
+        k, v, held_from = state
+        self._room(k.shape[0])
+        self.keys[: k.shape[0]] = k
+        self.values[: v.shape[0]] = v
+        self.held_from = held_from
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:
     out = np.zeros((cap, *a.shape[1:]), a.dtype)
     out[: a.shape[0]] = a
@@ -82,11 +210,19 @@ class Cache:
     def can_trim(self) -> bool:
         return all(c.can_trim for c in self.layers)
 
+    def can_trim_to(self, length: int) -> bool:
+        """Whether `trim` can bring the sequence back to `length` positions (a sliding-window
+        ring may no longer hold what that length's next row reads)."""
+        if length >= self.offset:
+            return True
+        return all(c.can_trim_to(length) if hasattr(c, "can_trim_to") else c.can_trim for c in self.layers)
+
     def trim(self, n: int) -> int:
         """Drop the last n positions (fewer if it holds fewer); returns how many were dropped."""
         n = max(0, min(self.offset, n))
-        if n and not self.can_trim:
-            raise ValueError("this cache cannot trim: restore a snapshot instead")
+        if n and not self.can_trim_to(self.offset - n):
+            raise ValueError(f"this cache cannot trim back to {self.offset - n} positions: restore a snapshot "
+                             "instead (or run the sequence again)")
         self.offset -= n
         for c in self.layers:
             c.trim(self.offset)
@@ -105,10 +241,27 @@ class Cache:
         return sum(c.nbytes for c in self.layers)
 
 
-def make_cache(cfg, capacity: int = 0) -> Cache:
-    return Cache([KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity) for _ in range(cfg.n_layers)])
+def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
+    """A cache per layer: sliding-window layers get a ring sized for forwards of `swa_rows` rows
+    (0: no rings, every layer holds every position)."""
+    def layer(i: int):
+        w = cfg.layer_window(i)
+        if w > 0 and swa_rows:
+            return RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, w, capacity, swa_rows)
+        return KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity)
+
+    return Cache([layer(i) for i in range(cfg.n_layers)])
 
 
-def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4) -> int:
-    """Bytes of every layer's keys and values for n_ctx positions."""
-    return cfg.n_layers * n_ctx * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes
+def layer_positions(cfg, layer: int, n_ctx: int, swa_rows: int = SWA_ROWS) -> int:
+    """Positions layer `layer`'s cache holds for a context of n_ctx: a sliding-window layer's
+    ring holds at most `ring_capacity` of them."""
+    w = cfg.layer_window(layer)
+    return min(n_ctx, ring_capacity(w, swa_rows)) if w > 0 and swa_rows else n_ctx
+
+
+def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4, swa_rows: int = SWA_ROWS) -> int:
+    """Bytes of every layer's keys and values for n_ctx positions (sliding-window layers: their
+    ring's positions)."""
+    per_pos = cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes
+    return sum(layer_positions(cfg, i, n_ctx, swa_rows) for i in range(cfg.n_layers)) * per_pos

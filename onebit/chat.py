@@ -97,6 +97,8 @@ class ChatSession:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # always run at least one token to get logits
+        if not self.cache.can_trim_to(common):  # a sliding-window ring no longer holds what the
+            common = 0  # prefix's end reads: run the prefix again
         self.cache.trim(len(self.cached) - common)
         self.cached = ids[:common]
         stats = TurnStats(prompt_tokens=len(ids), prompt_tokens_computed=len(ids) - common, dropped_turns=dropped)

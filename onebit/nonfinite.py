@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from .backends.numpy_backend import EagerStep, NumpyBackend, dequantize
-from .cache import make_cache
+from .cache import RingKVCache, make_cache
 from .gguf_file import EXPERT_PARTS
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
@@ -121,7 +121,12 @@ def first_nonfinite(model, ids: np.ndarray, cache, last_only: bool) -> Optional[
     fresh = make_cache(cfg)
     try:
         for layer in range(cfg.n_layers):
-            keys, values = cache[layer].keys, cache[layer].values
+            c = cache[layer]
+            if isinstance(c, RingKVCache):  # a sliding-window ring: the same ring, copied
+                fresh.layers[layer] = RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, c.window, 0, c.rows)
+                fresh[layer].restore(c.snapshot(start))
+                continue
+            keys, values = c.keys, c.values
             if start:
                 fresh[layer].write(0, np.array(keys[:start]), np.array(values[:start]))
     except (AttributeError, IndexError, TypeError, ValueError):  # a cache without keys/values

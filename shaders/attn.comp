@@ -1,6 +1,7 @@
 #version 450
 // Causal GQA attention over the KV cache, for decode (one row) and prefill (rows at pos[r]).
 //   q: [R, H, D]   k: [S, Hkv, D]   v: [S, Hkv, Dv]   out: [R, H * Dv]
+// Position p of k and v is row p % S (S > every position, or a sliding-window layer's ring).
 // One workgroup per (head, row). Two ways to split it:
 // - default (GPUs): keys in chunks of CH positions, scores in shared memory, an online softmax
 //   across chunks; each thread owns output dims tid + WG * j.
@@ -28,7 +29,7 @@ layout(push_constant) uniform Push {
     uint n_kv_heads;
     uint head_dim;     // D
     uint head_dim_v;   // Dv
-    uint n_kv;         // S: cached positions
+    uint n_kv;         // S: rows of k and v (position p in row p % S)
     uint q_stride;     // floats between rows of q
     uint k_stride;     // floats between positions of k
     uint v_stride;     // floats between positions of v
@@ -58,7 +59,7 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint WG = gl_WorkGroupSize.x;
     const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
-    const uint n_valid = min(pc.n_kv, uint(pos[r]) + 1u);
+    const uint n_valid = uint(pos[r]) + 1u;
     const uint j0 = first_key(uint(pos[r]));
     vec4 qv[HD / 4u];
     [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
@@ -72,7 +73,7 @@ void main() {
         acc[d] = vec4(0.0);
     }
     for (uint j = j0 + tid; j < n_valid; j += WG) {
-        const uint kb = (j * pc.k_stride + kvh * HD) / 4u;
+        const uint kb = ((j % pc.n_kv) * pc.k_stride + kvh * HD) / 4u;
         float s = 0.0;
         [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
             s += dot(qv[d], k4[kb + d]);
@@ -87,7 +88,7 @@ void main() {
         }
         const float p = exp(s - m);
         l += p;
-        const uint vb = (j * pc.v_stride + kvh * HDV) / 4u;
+        const uint vb = ((j % pc.n_kv) * pc.v_stride + kvh * HDV) / 4u;
         [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
             acc[d] += p * v4[vb + d];
         }
@@ -125,7 +126,7 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint WG = gl_WorkGroupSize.x;
     const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
-    const uint n_valid = min(pc.n_kv, uint(pos[r]) + 1u);
+    const uint n_valid = uint(pos[r]) + 1u;
     const uint j0 = first_key(uint(pos[r]));
     const uint D = pc.head_dim;
     for (uint d = tid; d < D; d += WG) {
@@ -142,7 +143,7 @@ void main() {
         const uint cn = min(CH, n_valid - c0);
         float cmax = -1.0 / 0.0;
         for (uint j = tid; j < cn; j += WG) {
-            const uint kb = (c0 + j) * pc.k_stride + kvh * D;
+            const uint kb = ((c0 + j) % pc.n_kv) * pc.k_stride + kvh * D;
             float dotv = 0.0;
             for (uint d = 0u; d < D; d++) {
                 dotv += qs[d] * kc[kb + d];
@@ -166,9 +167,9 @@ void main() {
             const uint d = tid + WG * jd;
             if (d < pc.head_dim_v) {
                 float a = acc[jd] * alpha;
-                const uint vb = c0 * pc.v_stride + kvh * pc.head_dim_v + d;
+                const uint vb = kvh * pc.head_dim_v + d;
                 for (uint j = 0u; j < cn; j++) {
-                    a += sc[j] * vc[vb + j * pc.v_stride];
+                    a += sc[j] * vc[vb + ((c0 + j) % pc.n_kv) * pc.v_stride];
                 }
                 acc[jd] = a;
             }

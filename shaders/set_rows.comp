@@ -1,6 +1,7 @@
 #version 450
 // Scatter rows: dst[pos[r] * dst_stride + i] = src[r * src_stride + i] (writes K/V into the cache
 // at positions read on the device, so a recorded decode step needs no new push constants).
+// dst_rows > 0: row pos[r] % dst_rows (a sliding-window layer's ring).
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -13,6 +14,7 @@ layout(push_constant) uniform Push {
     uint n;            // floats per row
     uint src_stride;
     uint dst_stride;
+    uint dst_rows;     // 0: no wrap
 } pc;
 
 void main() {
@@ -21,5 +23,6 @@ void main() {
     if (i >= pc.n) {
         return;
     }
-    dst[uint(pos[r]) * pc.dst_stride + i] = src[r * pc.src_stride + i];
+    const uint row = pc.dst_rows > 0u ? uint(pos[r]) % pc.dst_rows : uint(pos[r]);
+    dst[row * pc.dst_stride + i] = src[r * pc.src_stride + i];
 }

@@ -302,6 +302,35 @@ def test_attention_scale(ops_by_reduce, rng, reduce):
     close(ops_by_reduce[reduce].attention(q, k, v, pos, 4, 0.5), want, rng, 1e-5, f"attention scale {reduce}")
 
 
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_attention_over_a_ring(ops_by_reduce, rng, window, reduce):
+    """A sliding-window ring (k, v of S rows holding position p in row p % S, positions far past
+    S): the kernel against its numpy twin, and the twin against the same positions in order."""
+    H, Hkv, D, Dv, S = 4, 2, 32, 32, window + 8
+    for top, R in ((300, 1), (61, 9), (S + 3, 4)):
+        q = rng.standard_normal((R, H, D)).astype(np.float32)
+        full_k = rng.standard_normal((top, Hkv, D)).astype(np.float32)
+        full_v = rng.standard_normal((top, Hkv, Dv)).astype(np.float32)
+        held = np.arange(top - S, top)
+        k, v = np.zeros((S, Hkv, D), np.float32), np.zeros((S, Hkv, Dv), np.float32)
+        k[held % S], v[held % S] = full_k[held], full_v[held]
+        pos = np.arange(top - R, top)
+        want = ref.attention(q, k, v, pos, window)
+        np.testing.assert_array_equal(want, ref.attention(q, full_k, full_v, pos, window))
+        close(ops_by_reduce[reduce].attention(q, k, v, pos, window), want, rng, 1e-5,
+              f"attention ring window={window} top={top} R={R} {reduce}")
+
+
+def test_set_rows_wraps_into_a_ring(ops, rng):
+    dst = rng.standard_normal((12, 2, 8)).astype(np.float32)
+    src = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    pos = np.arange(58, 63)  # rows 10, 11, 0, 1, 2
+    want = ref.set_rows(dst, src, pos, wrap=True)
+    np.testing.assert_array_equal(want[[10, 11, 0, 1, 2]], src)
+    np.testing.assert_array_equal(ops.set_rows(dst, src, pos, wrap=True), want)
+
+
 def test_set_rows(ops, rng):
     dst = rng.standard_normal((10, 2, 8)).astype(np.float32)
     src = rng.standard_normal((2, 2, 8)).astype(np.float32)

@@ -629,8 +629,8 @@ def rope(out, x, pos, inv_freq, scale, neox):
 @njit(cache=True, fastmath=FM)
 def attention(out, q, k, v, q_pos, window):
     """Causal GQA attention for few rows (decode): q: [R, H, D] at positions q_pos; k: [S, Hkv,
-    D], v: [S, Hkv, Dv]; out: [R, H, Dv]. Row r sees keys 0..q_pos[r] (the last `window` only,
-    if > 0)."""
+    D], v: [S, Hkv, Dv] holding position p in row p % S (a sliding-window ring: S is its
+    capacity); out: [R, H, Dv]. Row r sees positions 0..q_pos[r] (the last `window` only, if > 0)."""
     R, H, D = q.shape
     S, Hkv, Dv = v.shape
     group = H // Hkv
@@ -638,29 +638,29 @@ def attention(out, q, k, v, q_pos, window):
     p = np.empty(S, np.float32)
     for r in range(R):
         lo = max(0, q_pos[r] - window + 1) if window > 0 else 0
-        hi = min(S, q_pos[r] + 1)
+        hi = q_pos[r] + 1
         for h in range(H):
             kh = h // group
             qr = q[r, h]
             m = -np.inf
             for s in range(lo, hi):
-                ks = k[s, kh]
+                ks = k[s % S, kh]
                 t = np.float32(0)
                 for i in range(D):
                     t += qr[i] * ks[i]
                 t *= scale
-                p[s] = t
+                p[s % S] = t
                 m = max(m, t)
             tot = np.float32(0)
             for s in range(lo, hi):
-                e = np.float32(np.exp(p[s] - m))
-                p[s] = e
+                e = np.float32(np.exp(p[s % S] - m))
+                p[s % S] = e
                 tot += e
             o = out[r, h]
             o[:] = 0
             for s in range(lo, hi):
-                ps = p[s] / tot
-                vs = v[s, kh]
+                ps = p[s % S] / tot
+                vs = v[s % S, kh]
                 for i in range(Dv):
                     o[i] += ps * vs[i]
 

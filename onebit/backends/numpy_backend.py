@@ -126,19 +126,29 @@ class NumpyBackend:
         """Causal GQA attention (window > 0: each row sees only the last `window` positions;
         scores q.k times `scale`, default 1/sqrt(D)).
 
-        q: [R, H, D] at positions q_pos; k: [S, Hkv, D], v: [S, Hkv, Dv] for positions 0..S-1.
+        q: [R, H, D] at positions q_pos; k: [S, Hkv, D], v: [S, Hkv, Dv] hold position p in row
+        p % S (a cache of every position: S > every position, row p; a sliding-window ring:
+        S = its capacity). Only the positions some row sees are read, in position order.
         Returns [R, H * Dv].
         """
         R, H, D = q.shape
         S, Hkv, Dv = v.shape
         group = H // Hkv
+        hi = int(q_pos.max()) + 1 if R else 0
+        lo = max(0, int(q_pos.min()) - window + 1) if window > 0 and R else 0
+        if hi <= S:
+            k, v = k[lo:hi], v[lo:hi]
+        else:  # a ring
+            rows = np.arange(lo, hi) % S
+            k, v = k[rows], v[rows]
+        kpos = np.arange(lo, hi)  # [S'] the positions read
         qg = q.reshape(R, Hkv, group, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
-        kt = k.transpose(1, 2, 0)  # [Hkv, D, S]
+        kt = k.transpose(1, 2, 0)  # [Hkv, D, S']
         scale = 1.0 / np.sqrt(D) if scale is None else scale
-        scores = (qg @ kt[:, None]) * np.float32(scale)  # [Hkv, G, R, S]
-        mask = np.arange(S)[None, :] > q_pos[:, None]  # [R, S]
+        scores = (qg @ kt[:, None]) * np.float32(scale)  # [Hkv, G, R, S']
+        mask = kpos[None, :] > q_pos[:, None]  # [R, S']
         if window > 0:
-            mask |= np.arange(S)[None, :] <= q_pos[:, None] - window
+            mask |= kpos[None, :] <= q_pos[:, None] - window
         scores = np.where(mask, np.float32(-np.inf), scores)
         p = self.softmax(scores)
         out = p @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, R, Dv]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import Cache, make_cache
+from ..cache import SWA_ROWS, Cache, make_cache
 from ..config import ModelConfig
 from ..errors import NonFiniteError, OnebitError, UsageError
 from . import blocks
@@ -46,10 +46,14 @@ class TransformerLM:
             x = g.last_row(x)  # [1, dim]
         return blocks.output_head(g, self.cfg, x)  # [R, vocab]
 
-    def make_cache(self, capacity: int | None = None) -> Cache:
+    def make_cache(self, capacity: int | None = None, swa_rows: int = SWA_ROWS) -> Cache:
+        """A cache for one sequence; sliding-window layers hold a ring sized for forwards of
+        `swa_rows` rows (0: every layer holds every position)."""
         capacity = self.kv_capacity if capacity is None else capacity
         device_cache = getattr(self.be, "make_cache", None)  # the backend's own (device memory)
-        return device_cache(self.cfg, capacity) if device_cache is not None else make_cache(self.cfg, capacity)
+        if device_cache is not None:
+            return device_cache(self.cfg, capacity, swa_rows)
+        return make_cache(self.cfg, capacity, swa_rows)
 
     def forward(self, ids, cache: Cache, hook=None, last_only: bool = False) -> np.ndarray:
         """Logits [R, vocab] (or [1, vocab]: the last row) for token ids [R] at the cache's next

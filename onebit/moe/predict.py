@@ -221,7 +221,7 @@ class PauseContext:
 
     def __init__(self, start: int, rows: int, keys, values):
         self.start, self.rows = start, rows
-        self.keys, self.values = keys, values  # layer -> [>= start, Hkv, D] arrays
+        self.keys, self.values = keys, values  # layer -> [S, Hkv, D] arrays, position p in row p % S
 
 
 class Predictor:
@@ -426,7 +426,14 @@ class _ScratchStep(EagerStep):
         self.k_scratch[...] = k
         self.v_scratch[...] = v
         s = self.ctx.start
-        kc, vc = self.ctx.keys(layer)[:s], self.ctx.values(layer)[:s]  # views of the real cache
+        kc, vc = self.ctx.keys(layer), self.ctx.values(layer)  # position p in row p % len (a ring)
+        lo = max(0, s - window + 1) if window > 0 else 0
+        if s <= kc.shape[0]:
+            kc, vc = kc[lo:s], vc[lo:s]  # views of the real cache
+        else:  # a sliding-window ring: its positions, in order
+            rows = np.arange(lo, s) % kc.shape[0]
+            kc, vc = kc[rows], vc[rows]
+        s = s - lo  # positions lo .. start-1 read
         R, H, D = q.shape
         Hkv = k.shape[1]
         qg = q.reshape(R, Hkv, H // Hkv, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
@@ -435,7 +442,7 @@ class _ScratchStep(EagerStep):
         sn = (qg @ self.k_scratch.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, R]
         mask_n = np.arange(R)[None, :] > np.arange(R)[:, None]  # causal among the rows
         if window > 0:
-            sc = np.where(np.arange(s)[None, :] <= self.pos[:, None] - window, np.float32(-np.inf), sc)
+            sc = np.where(np.arange(lo, lo + s)[None, :] <= self.pos[:, None] - window, np.float32(-np.inf), sc)
             mask_n |= self.pos[None, :] <= self.pos[:, None] - window
         sn = np.where(mask_n, np.float32(-np.inf), sn)
         p = self.be.softmax(np.concatenate([sc, sn], axis=-1))

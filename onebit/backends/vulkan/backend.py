@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from ...cache import SWA_ROWS
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
@@ -93,9 +94,10 @@ class VulkanBackend:
         finally:
             del cache
 
-    def make_cache(self, cfg, capacity: int = 0):
-        """A sequence whose KV cache is in device memory."""
-        return self.runner.make_cache(cfg, capacity)
+    def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS):
+        """A sequence whose KV cache is in device memory (sliding-window layers: rings sized for
+        forwards of `swa_rows` rows, 0: none)."""
+        return self.runner.make_cache(cfg, capacity, swa_rows)
 
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
         return self.runner.forward(model, ids, cache, hook=hook, last_only=last_only)

@@ -22,7 +22,9 @@ the rest of the segment runs: the same kernels, per row, as one pass, so the res
 same bit for bit.
 
 The KV cache lives in device memory (`DeviceKV`), mapped on the host, so trim / snapshot /
-restore work on it as on host arrays. qwen2moe's shared-expert gate has no kernel of its
+restore work on it as on host arrays. A sliding-window layer's buffers are a ring (position p
+in row p % its rows: set_rows and attn wrap), and a forward runs in chunks no longer than the
+rows its rings are sized for. qwen2moe's shared-expert gate has no kernel of its
 own: it is a two-way softmax over [g, 0] (softmax([g, 0])[0] = sigmoid(g)), and the shared
 expert's down projection runs as a one-part expert tensor whose second "expert" lies
 outside the part, so the expert kernel adds sigmoid(g) * down(h) and skips the other.
@@ -37,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...cache import Cache, KVCache
+from ...cache import SWA_ROWS, Cache, KVCache, RingKVCache, layer_positions
 from .device import Buffer, Slice, VulkanKernelError
 from .kernels import DeviceTensor, Part
 
@@ -65,22 +67,27 @@ def row_chunks(n: int, limit: int = MAX_ROWS) -> list[int]:
 
 
 class DeviceKV:
-    """Every layer's keys [cap, Hkv, D] and values [cap, Hkv, Dv] in mapped device buffers."""
+    """Every layer's keys [cap, Hkv, D] and values [cap, Hkv, Dv] in mapped device buffers; a
+    sliding-window layer's ring holds at most its `ring_capacity` positions (`swa_rows`: the
+    rows its forwards are sized for, 0: no rings), position p in row p % its rows."""
 
-    def __init__(self, dev, cfg, capacity: int):
+    def __init__(self, dev, cfg, capacity: int, swa_rows: int = SWA_ROWS):
         self.dev, self.cfg = dev, cfg
         self.capacity = int(capacity)
+        self.swa_rows = int(swa_rows)
+        self.rings = [i for i in range(cfg.n_layers) if swa_rows and cfg.layer_window(i) > 0]
         self.users: "weakref.WeakSet[DeviceCache]" = weakref.WeakSet()
         self.recordings: dict = {}
         self._alloc()
 
     def _alloc(self) -> None:
         cfg, cap = self.cfg, self.capacity
-        kshape, vshape = (cap, cfg.n_kv_heads, cfg.head_dim), (cap, cfg.n_kv_heads, cfg.head_dim_v)
         self.buffers: list[tuple[Buffer, Buffer]] = []
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
-        for _ in range(cfg.n_layers):
+        for layer in range(cfg.n_layers):
+            n = layer_positions(cfg, layer, cap, self.swa_rows)
+            kshape, vshape = (n, cfg.n_kv_heads, cfg.head_dim), (n, cfg.n_kv_heads, cfg.head_dim_v)
             kb = self.dev.buffer(int(np.prod(kshape)) * 4, host_visible=True)
             vb = self.dev.buffer(int(np.prod(vshape)) * 4, host_visible=True)
             if not (kb.host_visible and vb.host_visible):
@@ -100,6 +107,16 @@ class DeviceKV:
     def v_slice(self, layer: int) -> Slice:
         return self.buffers[layer][1].slice(0, self.values[layer].nbytes)
 
+    def rows(self, layer: int) -> int:
+        """Positions layer's buffers hold (position p in row p % rows)."""
+        return self.keys[layer].shape[0]
+
+    @property
+    def forward_rows(self) -> int:
+        """The most rows one recorded forward may have: a ring's rows read after they are written."""
+        return min(RingKVCache.rows_for(self.cfg.layer_window(i), self.swa_rows) for i in self.rings) if self.rings \
+            else MAX_ROWS
+
     @property
     def in_use(self) -> bool:
         return len(self.users) > 0
@@ -112,7 +129,7 @@ class DeviceKV:
         old_bufs, old_k, old_v = self.buffers, self.keys, self.values
         self.capacity = cap
         self._alloc()
-        for layer in range(self.cfg.n_layers):
+        for layer in range(self.cfg.n_layers):  # (a ring that already wrapped keeps its size)
             self.keys[layer][: old_k[layer].shape[0]] = old_k[layer]
             self.values[layer][: old_v[layer].shape[0]] = old_v[layer]
         del old_k, old_v
@@ -158,11 +175,36 @@ class DeviceKVCache(KVCache):
         return super().write(start, k, v)
 
 
+class DeviceRingKVCache(RingKVCache):
+    """One sliding-window layer's ring in a `DeviceKV`: the device writes and reads it; the host
+    keeps what it holds (`advance`, called by the runner per forward), trims and snapshots it."""
+
+    def __init__(self, storage: DeviceKV, layer: int):
+        self.storage, self.layer = storage, layer
+        self.window = storage.cfg.layer_window(layer)
+        self.capacity = layer_positions(storage.cfg, layer, 1 << 62, storage.swa_rows)
+        self.rows = self.capacity - self.window + 1
+        self.held_from = 0
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.storage.keys[self.layer]
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.storage.values[self.layer]
+
+    def _room(self, n: int) -> None:
+        if n > self.keys.shape[0] and self.keys.shape[0] < self.capacity:
+            self.storage.grow(n)  # every layer's buffers at once
+
+
 class DeviceCache(Cache):
     """A sequence whose layers' K/V live in one `DeviceKV`."""
 
     def __init__(self, storage: DeviceKV):
-        super().__init__([DeviceKVCache(storage, layer) for layer in range(storage.cfg.n_layers)])
+        super().__init__([DeviceRingKVCache(storage, layer) if layer in storage.rings else DeviceKVCache(storage, layer)
+                          for layer in range(storage.cfg.n_layers)])
         self.storage = storage
         storage.users.add(self)
 
@@ -331,10 +373,11 @@ class Recorder:
         _, Hkv, Dv = v.shape
         kv = self.rec.kv
         kc, vc = kv.k_slice(layer), kv.v_slice(layer)
-        self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D)
-        self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv)
+        n_kv = kv.rows(layer)  # position p in row p % n_kv (a sliding-window ring wraps)
+        self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
+        self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
         out = self._new((R, H * Dv))
-        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, kv.capacity, window, scale)
+        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, n_kv, window, scale)
         return out
 
     def residual(self, x: Val, y: Val) -> Val:
@@ -649,16 +692,16 @@ class GraphRunner:
         self.be = be
         self.storages: list[DeviceKV] = []
 
-    def make_cache(self, cfg, capacity: int = 0) -> DeviceCache:
+    def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> DeviceCache:
         want = max(int(capacity), 1)
-        free = [s for s in self.storages if not s.in_use and s.cfg is cfg]
+        free = [s for s in self.storages if not s.in_use and s.cfg is cfg and s.swa_rows == swa_rows]
         pick = next((s for s in free if s.capacity >= want), None)
         for s in free:  # idle storages that will not be reused: give their memory back
             if s is not pick:
                 self.storages.remove(s)
                 s.destroy()
         if pick is None:  # positions past a reused storage's length are never read: no clearing
-            pick = DeviceKV(self.be.dev, cfg, int(capacity) if capacity else MIN_CAPACITY)
+            pick = DeviceKV(self.be.dev, cfg, int(capacity) if capacity else MIN_CAPACITY, swa_rows)
             self.storages.append(pick)
         return DeviceCache(pick)
 
@@ -681,8 +724,12 @@ class GraphRunner:
         # All-row logits are one binding: keep it under the device's limit.
         limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range
                                                        // (4 * cfg.vocab_size)))
+        limit = min(limit, kv.forward_rows)  # a ring's rows must still hold what they read
+        rings = [cache[i] for i in kv.rings]
         out, s = [], 0
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
+            for c in rings:
+                c.advance(cache.offset, R)
             rec = self._recording(model, kv, R, last_only, pauses, observe)
             logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
             cache.offset += R

@@ -356,10 +356,11 @@ class Kernels:
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
                   n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0,
                   scale: Optional[float] = None) -> None:
-        """Causal GQA attention of rows at positions pos[r] over cached positions 0..n_kv-1 (with a
+        """Causal GQA attention of rows at positions pos[r] over cached positions 0..pos[r] (with a
         window > 0: only the last `window` positions up to pos[r]); scores q.k * scale (default
         1/sqrt(head_dim)).
-        q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv]; out: [R, H * Dv]."""
+        q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv], S = n_kv, holding position p in row p % S
+        (a sliding-window ring: S is its capacity); out: [R, H * Dv]."""
         cpu = self.reduce == "none"
         max_dv = ATTN_MAX_D if cpu else ATTN_DV_PER_THREAD * self.wg
         bad_dims = head_dim > ATTN_MAX_D or head_dim_v > max_dv or (cpu and (head_dim | head_dim_v) % 4)
@@ -375,10 +376,11 @@ class Kernels:
         seq.dispatch(p, (q, k, v, pos, out), push, (n_heads, n_rows, 1), writes=(4,))
 
     def set_rows(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int,
-                 src_stride: Optional[int] = None, dst_stride: Optional[int] = None) -> None:
-        """dst[pos[r], :n] = src[r, :n] (K/V into the cache at device-side positions)."""
+                 src_stride: Optional[int] = None, dst_stride: Optional[int] = None, dst_rows: int = 0) -> None:
+        """dst[pos[r], :n] = src[r, :n] (K/V into the cache at device-side positions); with
+        dst_rows > 0, row pos[r] % dst_rows (a sliding-window ring)."""
         p = self.pipeline("set_rows", 3, (self.wg,))
-        seq.dispatch(p, (src, pos, dst), _push("3I", n, src_stride or n, dst_stride or n),
+        seq.dispatch(p, (src, pos, dst), _push("4I", n, src_stride or n, dst_stride or n, dst_rows),
                      (math.ceil(n / self.wg), n_rows, 1), writes=(2,))
 
     def copy(self, seq: Sequence, src: Slice, dst: Slice) -> None:

@@ -168,9 +168,10 @@ class VulkanOps:
         return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S, window, scale),
                          out)
 
-    def set_rows(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def set_rows(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray, wrap: bool = False) -> np.ndarray:
         n = int(np.prod(dst.shape[1:]))
         d = self._in(dst)  # not poisoned: rows not in pos must keep their values
         out = (d, dst.shape, np.dtype(np.float32))
         ss, ps = self._in(src), self._in(pos, np.int32)
-        return self._run(lambda s: self.k.set_rows(s, ss, ps, d, len(pos), n), out)
+        rows = len(dst) if wrap else 0
+        return self._run(lambda s: self.k.set_rows(s, ss, ps, d, len(pos), n, dst_rows=rows), out)

@@ -95,9 +95,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, wi
     return _NP.attention(q, k, v, q_pos, window, scale)
 
 
-def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray, wrap: bool = False) -> np.ndarray:
+    """dst with row pos[r] (wrap: pos[r] % len(dst), a sliding-window ring) set to src[r]."""
     out = dst.copy()
-    out[pos] = src
+    out[pos % len(dst) if wrap else pos] = src
     return out
 
 
