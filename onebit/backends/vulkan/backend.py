@@ -139,6 +139,18 @@ class GraphConsts:
             s = self._vecs[name] = buf.slice(0, max(w.nbytes, 16))
         return s
 
+    def array(self, values: np.ndarray) -> Slice:
+        """A float32 buffer holding `values` (arrays the config computes: YaRN's RoPE divisors)."""
+        w = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        key = f"array:{w.tobytes().hex()}"
+        s = self._vecs.get(key)
+        if s is None:
+            buf = self.be.dev.buffer(max(w.nbytes, 16))
+            buf.write(w)
+            self._buffers.append(buf)
+            s = self._vecs[key] = buf.slice(0, max(w.nbytes, 16))
+        return s
+
     def scalar(self, value: float) -> Slice:
         """A one-float buffer holding `value` (an elementwise op's broadcast operand)."""
         key = f"scalar:{float(value)!r}"
