@@ -35,6 +35,16 @@ class TransformerLM:
         """Every tensor the schedule reads, with its shape (numpy order)."""
         return blocks.expected_tensors(self.cfg, gguf)
 
+    @staticmethod
+    def mixer(g, cfg: ModelConfig, layer: int, x):
+        """Layer's token mixer over x = norm(residual) (the predictor runs it speculatively)."""
+        return blocks.attention(g, cfg, layer, x)
+
+    @staticmethod
+    def router_names(layer: int) -> tuple[str, str, str | None]:
+        """GGUF names of the layer's FFN norm, router weight and router bias (None: no bias)."""
+        return f"blk.{layer}.ffn_norm.weight", f"blk.{layer}.ffn_gate_inp.weight", None
+
     def layer(self, g, i: int, x):
         """Layer i of the schedule, as block calls on the running step `g`."""
         return blocks.decoder_layer(g, self.cfg, i, x)

@@ -39,11 +39,21 @@ class Model(TransformerLM):
             attn_bias=True,
         )
 
+    @staticmethod
+    def mixer(g, cfg, layer: int, x):
+        return attention(g, cfg, layer, x)
+
+    @staticmethod
+    def router_names(layer: int) -> tuple[str, str, str | None]:
+        p = f"blk.{layer}"
+        return f"{p}.post_attention_norm.weight", f"{p}.ffn_gate_inp.weight", f"{p}.ffn_gate_inp.bias"
+
     def layer(self, g, i: int, x):
         cfg, p = self.cfg, f"blk.{i}"
         h = g.residual(x, attention(g, cfg, i, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps)))
-        hn = g.norm(h, f"{p}.post_attention_norm.weight", cfg.norm_eps)
-        logits = g.linear(hn, f"{p}.ffn_gate_inp.weight", f"{p}.ffn_gate_inp.bias")  # [R, E]
+        norm, router, bias = self.router_names(i)
+        hn = g.norm(h, norm, cfg.norm_eps)
+        logits = g.linear(hn, router, bias)  # [R, E]
         ids, weights = g.route(logits, cfg.n_experts_used, True)  # softmax over the top k
         g.pause(i, ids, logits, h)
         return g.residual(h, g.experts(i, hn, ids, weights, GLU))

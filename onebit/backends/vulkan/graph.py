@@ -423,8 +423,9 @@ class Recorder:
         record(self.seq, tensors, index, False)
         if pp is not None:
             pp.weights, pp.y, pp.span, pp.record_experts = w, y, (start, len(self.seq.ops)), record
-        # Not where passes over row groups accumulate into y itself, nor over several parts.
-        if (pp is None or pp.table is None) and len(tensors[2].parts) == 1:
+        # Not where passes over row groups accumulate into y itself, nor over several parts, nor
+        # with down biases (x + (S + B) whether streamed or not: the same bits).
+        if (pp is None or pp.table is None) and len(tensors[2].parts) == 1 and biases is None:
             y.redo = (start, len(self.seq.ops), lambda out, acc: record(self.seq, tensors, index, acc, out))
         return y
 

@@ -1,0 +1,269 @@
+"""gpt-oss: its features each proven by the oracle, its new kernels against their twins, and
+the invariants every MoE architecture keeps (backends agree, streamed == resident, prediction
+changes nothing).
+
+The oracle figures themselves (HF transformers and llama.cpp, gptoss-f32, gptossmx-f32 and
+gptossmx-MXFP4_MOE) are tests/test_oracle.py's, which run every fixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import onebit
+from conftest import cosine_rows, fixture_path, greedy_tokens
+from onebit.backends import BACKENDS
+from onebit.backends import numpy_backend as nb
+from onebit.backends.vulkan import reference as ref
+from onebit.backends.vulkan.backend import VulkanBackend
+from onebit.models import gpt_oss
+from onebit.moe.predict import settings_from
+
+F32 = "gptoss-f32"
+FILES = [F32, "gptossmx-MXFP4_MOE"]
+
+
+@pytest.fixture(autouse=True)
+def vulkan_registered(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)
+
+
+def _tokens(name: str, n: int = 48) -> np.ndarray:
+    return np.load(fixture_path(f"{name}.ref.npz"))["tokens"][:n].astype(np.int64)
+
+
+def _hf_cos(model) -> np.ndarray:
+    hf = np.load(fixture_path(f"{F32}.ref.npz"))["logits_hf"]
+    return cosine_rows(model.logits(_tokens(F32)), hf)
+
+
+# -- the config -----------------------------------------------------------------------------
+
+def test_config_from_the_file():
+    cfg = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy").cfg
+    assert cfg.arch == "gpt-oss" and cfg.n_experts == 4 and cfg.n_experts_used == 2
+    assert cfg.swa_layers == (0, 2) and cfg.sliding_window == 4  # even layers slide, odd are full
+    assert cfg.rope_neox and cfg.rope_yarn_factor == 4.0 and cfg.rope_yarn_orig_ctx == 64
+    divisors, mscale = cfg.yarn_rope(cfg.rope_theta)
+    assert divisors[0] == 1.0 and divisors[-1] == pytest.approx(4.0)  # fast kept, slow interpolated
+    assert 1.0 < divisors[2] < 4.0  # and one ramped between (the fixture puts the ramp there)
+    assert mscale == pytest.approx(1 + 0.1 * np.log(4.0))
+
+
+def test_yarn_is_refused_where_the_architecture_does_not_apply_it(tmp_path):
+    """A file of another architecture that asks for YaRN is refused, not run without it."""
+    from ggufedit import rewrite
+
+    dst = tmp_path / "yarn.gguf"
+    rewrite(fixture_path("qwen3moe-f32.gguf"), dst, meta={"qwen3moe.rope.scaling.type": "yarn"})
+    with pytest.raises(onebit.errors.UnsupportedModelError, match="yarn"):
+        onebit.load(dst, backend="numpy")
+
+
+# -- every feature is seen by the oracle ------------------------------------------------------
+
+def test_the_f32_fixture_matches_transformers():
+    cos = _hf_cos(onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy"))
+    assert cos.min() >= 0.99999
+
+
+def _no_sinks(monkeypatch):
+    orig = nb.EagerStep.attention
+    monkeypatch.setattr(nb.EagerStep, "attention", lambda self, layer, q, k, v, window=0, scale=None, sinks=None:
+                        orig(self, layer, q, k, v, window, scale))
+
+
+def _plain_swiglu(monkeypatch):
+    monkeypatch.setattr(nb.NumpyBackend, "glu_oai", staticmethod(lambda g, u, alpha, limit: nb.NumpyBackend.silu(g) * u))
+
+
+def _unclamped(monkeypatch):
+    orig = nb.NumpyBackend.glu_oai
+    monkeypatch.setattr(nb.NumpyBackend, "glu_oai", staticmethod(lambda g, u, alpha, limit: orig(g, u, alpha, 1e30)))
+
+
+def _no_expert_biases(monkeypatch):
+    monkeypatch.setattr(nb.NumpyBackend, "expert_biases", lambda self, layer: None)
+
+
+def _no_router_bias(monkeypatch):
+    monkeypatch.setattr(gpt_oss.Model, "router_names",
+                        staticmethod(lambda i: (f"blk.{i}.post_attention_norm.weight", f"blk.{i}.ffn_gate_inp.weight", None)))
+
+
+FEATURES = {
+    "sinks": _no_sinks,
+    "clamped swiglu": _plain_swiglu,
+    "the clamp": _unclamped,
+    "expert biases": _no_expert_biases,
+    "router bias": _no_router_bias,
+    "sliding window": dict(swa_layers=()),
+    "yarn": dict(rope_yarn_factor=0.0),
+    "yarn's ramp": dict(rope_yarn_beta_fast=1e6, rope_yarn_beta_slow=1e6 * 2),  # every frequency interpolated
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_each_feature_turned_off_breaks_the_oracle(feature, monkeypatch):
+    """Turn one feature off: transformers must notice, so the oracle test proves each of them."""
+    change = FEATURES[feature]
+    model = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
+    if isinstance(change, dict):
+        model = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
+        model.net.cfg = dataclasses.replace(model.net.cfg, **change)
+    else:
+        change(monkeypatch)
+    cos = _hf_cos(model)
+    assert (cos < 0.9999).mean() > 0.2, f"{feature} off: min cos {cos.min():.6f}"
+
+
+def test_the_clamp_is_reached():
+    """The fixture's expert gate values cross the limit (else the clamp would be untested)."""
+    seen = []
+    orig = nb.NumpyBackend.glu_oai
+
+    def spy(g, u, alpha, limit):
+        seen.append((float(g.max()), float(np.abs(u).max())))
+        return orig(g, u, alpha, limit)
+
+    model = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
+    model.net.be.glu_oai = spy
+    model.logits(_tokens(F32))
+    assert max(g for g, _ in seen) > gpt_oss.GLU[1] and max(u for _, u in seen) > gpt_oss.GLU[1]
+
+
+# -- the new kernels against their twins --------------------------------------------------------
+
+def _attention_by_loops(q, k, v, pos, window, scale, sinks):
+    R, H, D = q.shape
+    S, Hkv, Dv = v.shape
+    out = np.zeros((R, H, Dv), np.float64)
+    for r in range(R):
+        keys = [j for j in range(S) if j <= pos[r] and (window == 0 or j > pos[r] - window)]
+        for h in range(H):
+            kvh = h // (H // Hkv)
+            s = np.array([q[r, h] @ k[j, kvh] for j in keys], np.float64) * scale
+            m = max(s.max(), sinks[h])
+            p = np.exp(s - m)
+            out[r, h] = p @ v[keys, kvh] / (p.sum() + np.exp(sinks[h] - m))
+    return out.reshape(R, H * Dv)
+
+
+@pytest.fixture(scope="module")
+def vk_ops():
+    from onebit.backends.vulkan.ops import VulkanOps
+
+    return {red: VulkanOps(reduce=red) for red in ("none", "subgroup")}
+
+
+@pytest.mark.parametrize("reduce", ["none", "subgroup"])
+@pytest.mark.parametrize("S,R,window", [(1, 1, 0), (40, 1, 4), (300, 1, 0), (60, 7, 5), (30, 3, 0)])
+def test_attention_sinks(vk_ops, S, R, window, reduce):
+    """numpy's sinks against plain loops; the Vulkan kernel (both reductions) and the cpu kernel
+    against numpy. A sink larger than every score is included (it dominates the denominator)."""
+    from onebit.backends import cpu_kernels as K
+
+    rng = np.random.default_rng(S * 10 + R)
+    H, Hkv, D = 8, 2, 32
+    q = rng.standard_normal((R, H, D)).astype(np.float32)
+    k = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    sinks = (2 * rng.standard_normal(H)).astype(np.float32)
+    sinks[3] = 40.0
+    pos = np.arange(S - R, S)
+    want = ref.attention(q, k, v, pos, window, 0.2, sinks)
+    np.testing.assert_allclose(want, _attention_by_loops(q, k, v, pos, window, 0.2, sinks), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(vk_ops[reduce].attention(q, k, v, pos, window, 0.2, sinks), want, rtol=0, atol=2e-5)
+    got = np.empty((R, H, D), np.float32)
+    K.attention_sinks(got, q, k, v, pos.astype(np.int64), window, 0.2, sinks)
+    np.testing.assert_allclose(got.reshape(R, -1), want, rtol=0, atol=2e-5)
+    # without sinks the kernel is what it was
+    np.testing.assert_allclose(vk_ops[reduce].attention(q, k, v, pos, window, 0.2),
+                               ref.attention(q, k, v, pos, window, 0.2), rtol=0, atol=2e-5)
+
+
+def test_expert_bias_kernels(vk_ops):
+    rng = np.random.default_rng(5)
+    R, k, F, E, dim = 5, 2, 96, 4, 64
+    g = (4 * rng.standard_normal((R, k, F))).astype(np.float32)  # beyond the limit in places
+    u = (4 * rng.standard_normal((R, k, F))).astype(np.float32)
+    ids = rng.integers(0, E, (R, k))
+    bg, bu = rng.standard_normal((E, F)).astype(np.float32), rng.standard_normal((E, F)).astype(np.float32)
+    alpha, limit = gpt_oss.GLU
+    want = ref.expert_glu_oai(g, u, ids, bg, bu, alpha, limit)
+    a = np.minimum(g + bg[ids], limit)  # the twin against its definition, written out
+    b = np.clip(u + bu[ids], -limit, limit)
+    np.testing.assert_allclose(want, a / (1 + np.exp(-alpha * a)) * (b + 1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(vk_ops["none"].expert_glu_oai(g, u, ids, bg, bu, alpha, limit), want,
+                               rtol=1e-5, atol=1e-5)
+    y = rng.standard_normal((R, dim)).astype(np.float32)
+    w = rng.random((R, k)).astype(np.float32)
+    bd = rng.standard_normal((E, dim)).astype(np.float32)
+    want = ref.expert_down_bias(y, ids, w, bd)
+    loops = y.astype(np.float64).copy()
+    for r in range(R):
+        for s in range(k):
+            loops[r] += w[r, s] * bd[ids[r, s]]
+    np.testing.assert_allclose(want, loops, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(vk_ops["none"].expert_down_bias(y, ids, w, bd), want, rtol=1e-6, atol=1e-6)
+
+
+# -- backends agree, streamed == resident, prediction changes nothing -----------------------------
+
+@pytest.mark.parametrize("backend", ["cpu", "vulkan"])
+@pytest.mark.parametrize("name", FILES)
+def test_backend_matches_numpy(name, backend):
+    """Prefill logits within 1e-4 of numpy's, and greedy tokens identical (decode steps)."""
+    path = fixture_path(f"{name}.gguf")
+    ids = _tokens(name, 12)
+    want_m, got_m = onebit.load(path, backend="numpy"), onebit.load(path, backend=backend)
+    assert got_m.be.name == backend
+    want, got = want_m.logits(ids), got_m.logits(ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert greedy_tokens(got_m, ids[:6], 8) == greedy_tokens(want_m, ids[:6], 8)
+
+
+def _decode(m, ids, n=8):
+    cache = m.new_cache()
+    out = [m.net.forward(ids, cache)]
+    for _ in range(n):
+        out.append(m.net.forward(np.array([int(out[-1][-1].argmax())]), cache))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
+def test_streamed_equals_resident_bit_for_bit(backend):
+    path = fixture_path(f"{FILES[1]}.gguf")
+    ids = _tokens(FILES[1], 12)
+    want = _decode(onebit.load(path, backend=backend), ids)
+    for slots in (2, 3):
+        m = onebit.load(path, backend=backend, slots=slots, budget="1GiB")
+        try:
+            assert m.pool is not None and m.pool.n_slots == slots
+            got = _decode(m, ids)
+            assert m.pool.stats.demand_misses > 0
+        finally:
+            m.close()
+        assert np.array_equal(got, want), f"{backend} slots={slots}"
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
+@pytest.mark.parametrize("mode", ["router", "block"])
+def test_prediction_is_bit_identical_and_predicts(backend, mode):
+    """Prediction (the router with its bias and norm; the block with sinks and YaRN) never
+    changes the output, and on this model it ranks the next layer's experts well above chance."""
+    path = fixture_path(f"{F32}.gguf")
+    ids = _tokens(F32, 12)
+    want = _decode(onebit.load(path, backend=backend), ids)
+    m = onebit.load(path, backend=backend, slots=3, budget="1GiB", predict=settings_from({}, mode=mode))
+    try:
+        got = _decode(m, ids)
+        st = m.predictor.stats
+    finally:
+        m.close()
+    assert np.array_equal(got, want)
+    routed = sum(s.routed for s in st.values())
+    assert routed and sum(s.top_hits for s in st.values()) / routed > 0.5  # chance: k / E = 0.5
