@@ -267,3 +267,154 @@ def test_prediction_is_bit_identical_and_predicts(backend, mode):
     assert np.array_equal(got, want)
     routed = sum(s.routed for s in st.values())
     assert routed and sum(s.top_hits for s in st.values()) / routed > 0.5  # chance: k / E = 0.5
+
+
+# -- harmony chat ---------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import re  # noqa: E402
+
+from onebit.chat import ChatSession  # noqa: E402
+from onebit.chat_template import render_chat  # noqa: E402
+from onebit.harmony import HarmonyStream, is_harmony, split_reply  # noqa: E402
+
+DATE = re.compile(r"Current date: \d{4}-\d{2}-\d{2}")
+ANALYSIS, FINAL = "The user greets me; I greet back.", "Hello! How can I help?"
+REPLY = f"<|channel|>analysis<|message|>{ANALYSIS}<|end|><|start|>assistant<|channel|>final<|message|>{FINAL}"
+
+
+@pytest.fixture(scope="module")
+def chat_model():
+    return onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_harmony_template_renders_as_transformers(chat_model, i):
+    """The file's template (llama.cpp's gpt-oss template) rendered by onebit == transformers'
+    apply_chat_template on the same conversations (the current date aside)."""
+    case = json.loads(fixture_path(f"{F32}.chat.json").read_text())["cases"][i]
+    got = render_chat(chat_model.chat_template, case["messages"], case["add_generation_prompt"],
+                      bos_token="<|startoftext|>", eos_token="<|return|>", **case["kwargs"])
+    assert DATE.search(got) and DATE.search(case["text"])
+    assert DATE.sub("", got) == DATE.sub("", case["text"])
+
+
+def test_the_fixture_is_a_harmony_model(chat_model):
+    tok = chat_model.tokenizer
+    assert is_harmony(chat_model)
+    stops = {tok.decode([t]) for t in tok.stop_ids}
+    assert {"<|return|>", "<|call|>"} <= stops and "<|end|>" not in stops  # <|end|> ends a message only
+    assert not is_harmony(onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy"))
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
+def test_harmony_stream_splits_channels_however_the_text_arrives(piece):
+    s = HarmonyStream()
+    for i in range(0, len(REPLY), piece):
+        s.feed(REPLY[i : i + piece])
+    s.feed("", final=True)
+    assert (s.thinking, s.content) == (ANALYSIS, FINAL)
+
+
+def test_harmony_stream_edge_cases():
+    assert split_reply("no header at all, a <| stray") == ("", "no header at all, a <| stray")
+    assert split_reply("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}") == ("", "")
+    assert split_reply("<|channel|>commentary<|message|>Let me check.<|end|>") == ("", "Let me check.")
+    assert split_reply("<|channel|>analysis<|message|>a<b<|end|>") == ("a<b", "")
+
+
+class Scripted:
+    """A sampler that writes a given reply (token by token), whatever the logits."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def __call__(self, logits):
+        return self.ids.pop(0)
+
+
+def _script(model, text=REPLY, stop="<|return|>"):
+    return Scripted(model.tokenize(text, add_special=False) + [model.tokenizer.token_to_id(stop)])
+
+
+def test_chat_session_parses_the_channels_and_stores_the_turn(chat_model):
+    s = ChatSession(chat_model, temperature=0.0, max_tokens=200, system="Be kind.")
+    s.sampler = _script(chat_model)
+    got = list(s.send("Hi!"))
+    assert "".join(r.text for r in got) == FINAL and "".join(r.reasoning for r in got) == ANALYSIS
+    assert s.last.finish_reason == "stop"  # at <|return|>
+    assert s.history[-1] == {"role": "assistant", "content": FINAL, "thinking": ANALYSIS}
+    # the next turn renders the stored turn through the template (its reasoning dropped, as the
+    # template does for earlier turns) and reuses the cached prompt
+    s.sampler = _script(chat_model, "<|channel|>final<|message|>Bye.")
+    assert "".join(r.text for r in s.send("Bye")) == "Bye."
+    assert 0 < s.last.prompt_tokens_computed < s.last.prompt_tokens
+    text = chat_model.apply_chat_template(s.messages()[:-1])
+    assert f"<|start|>assistant<|channel|>final<|message|>{FINAL}<|end|>" in text and ANALYSIS not in text
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_chat_repl_hides_or_dims_the_reasoning(chat_model, monkeypatch, capsys, show):
+    from onebit import chat as chat_mod
+    from onebit.cli import chat_repl
+
+    lines = iter(["Hi!"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr(chat_mod, "make_sampler", lambda *a, **kw: _script(chat_model))
+    monkeypatch.setattr(chat_repl, "_colour", lambda: True)
+    chat_repl.run_chat(chat_model, show_reasoning=show, temperature=0.0, max_tokens=200)
+    out = capsys.readouterr().out.replace("\033[0m\033[2m", "")  # (dimmed piece by piece as it streams)
+    assert FINAL in out and "<|channel|>" not in out
+    assert (f"\033[2m{ANALYSIS}\033[0m\n{FINAL}" in out) == show and (ANALYSIS in out) == show
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_generate_keeps_the_final_text_and_the_reasoning_per_flag(chat_model, monkeypatch, show):
+    from onebit import batch
+    from onebit import model as model_mod
+
+    monkeypatch.setattr(model_mod, "make_sampler", lambda *a, **kw: _script(chat_model))
+    item = batch.PromptItem("1", 1, prompt="Hi!")
+    rec = batch.generate_one(chat_model, item, chat=True, system=None, seed=None, max_tokens=200,
+                             show_reasoning=show)
+    assert rec["text"] == FINAL and rec["finish_reason"] == "stop"
+    assert rec.get("reasoning") == (ANALYSIS if show else None)
+    raw = batch.generate_one(chat_model, item, chat=False, system=None, seed=None, max_tokens=200)
+    assert "<|channel|>" in raw["text"]  # without the chat template nothing is parsed
+
+
+def test_onebit_chat_in_a_terminal_shows_a_reply_through_the_harmony_template():
+    """`onebit chat` on the gpt-oss fixture (a random model: it writes no channel headers, so its
+    text is the reply) in a real terminal: the reply is shown, the chat goes on, /quit."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("tmux") is None:
+        pytest.fail("tmux is not installed (apt-get install tmux)")
+    from test_chat_tmux import Term
+
+    t = Term([sys.executable, "-m", "onebit.cli.main", "chat", str(fixture_path(f"{F32}.gguf")), "--max-tokens", "12",
+              "--temp", "0", "--backend", "numpy", "--show-reasoning"])
+    try:
+        s = t.wait_for(t.at_prompt(1))
+        assert "gpt-oss" in s
+        t.send("Hello there", "Enter")
+        s = t.wait_for(t.at_prompt(2))
+        reply = s.split("> Hello there", 1)[1].split("\n> ", 1)[0].strip()
+        assert reply and "<|" not in reply
+        t.send("/stats", "Enter")
+        s = t.wait_for(lambda s: "finish: length" in s)
+        t.send("/quit", "Enter")
+        s = t.wait_for(lambda s: "EXITED" in s)
+        assert "EXITED 0" in s and "Traceback" not in s
+    finally:
+        t.kill()
+    del subprocess

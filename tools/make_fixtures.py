@@ -873,6 +873,9 @@ def main() -> None:
         path = out / fname
         llm = open_llama(llama_cpp, path)
         if info["hf_dir"] is not None:
+            if TOKENIZERS[info["tokenizer"]].chat_template_file:   # transformers' renderings of it
+                (out / fname.replace(".gguf", ".chat.json")).write_text(json.dumps(
+                    dict(cases=chat_template_cases(info["hf_dir"])), ensure_ascii=False, indent=1) + "\n")
             ref = f32_oracles(llm, path, info)
             f32_logits[info["fixture"]] = ref["logits_llama"]
             # tokenizer cases, once per distinct tokenizer
@@ -993,6 +996,39 @@ def quantized_oracles(llm, path: Path, info: dict, hf_dir: Path,
         if "router_margin" in ref:
             info["min_router_margin"] = float(ref["router_margin"].min())
     return ref
+
+
+# Conversations rendered by transformers' apply_chat_template for files whose tokenizer carries
+# a template of its own (gpt-oss's harmony): system / developer messages, earlier assistant turns
+# with their reasoning (`thinking`), a closed last assistant turn, template variables.
+CHAT_CASES = [
+    dict(messages=[{"role": "user", "content": "Hello there"}]),
+    dict(messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]),
+    dict(messages=[{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Bonjour"}]),
+    dict(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"},
+                   {"role": "assistant", "content": "Paris.", "thinking": "Easy: Paris."},
+                   {"role": "user", "content": "And of Italy?"},
+                   {"role": "assistant", "content": "Rome.", "thinking": "Rome, obviously."},
+                   {"role": "user", "content": "Thanks! <b>bye</b>\n  see you"}]),
+    dict(messages=[{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4", "thinking": "Two plus two is four."}],
+         add_generation_prompt=False),
+    dict(messages=[{"role": "user", "content": "Who are you?"}],
+         kwargs=dict(reasoning_effort="high", model_identity="You are a test model.")),
+]
+
+
+def chat_template_cases(hf_dir: Path) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    out = []
+    for case in CHAT_CASES:
+        gen = case.get("add_generation_prompt", True)
+        kwargs = case.get("kwargs", {})
+        text = tok.apply_chat_template(case["messages"], tokenize=False, add_generation_prompt=gen, **kwargs)
+        out.append(dict(messages=case["messages"], add_generation_prompt=gen, kwargs=kwargs, text=text))
+    return out
 
 
 def tokenizer_cases(llm) -> dict[str, list[list[int]]]:
@@ -1200,7 +1236,8 @@ Trained offline by the script on Python standard-library docstrings plus a few
 multilingual lines. BPE ones are byte-level (all 256 byte symbols in the base alphabet),
 with HF pre-tokenizer regexes that mirror llama.cpp's for the chosen `pre`; special tokens
 come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, except `spm-gemma`
-(Gemma's turns).
+(Gemma's turns) and `bpe-o200k` (gpt-oss's harmony template, llama.cpp's
+`models/templates/openai-gpt-oss-120b.jinja`).
 
 {chr(10).join(tok_lines)}
 
@@ -1223,6 +1260,11 @@ come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, excep
   k minus router logit k+1 (k = experts used) from that HF run. Where it is tiny, rounding
   may pick other experts and the logits at that position jump; mask such positions when
   comparing against `logits_llama`.
+
+`<file>.chat.json` (f32 files whose tokenizer carries a template of its own: gpt-oss's
+harmony template, as llama.cpp ships it): `cases`, each `messages`, `add_generation_prompt`,
+template variables `kwargs` and `text`, transformers' `apply_chat_template` rendering (its
+"Current date" line is the day the script ran).
 
 `tokenizer_cases.json`: `strings`; `cases[<gguf>]` = `special` (llama.cpp tokenize with
 add_special=True, parse_special=True) and `plain` (both False), one list of ids per string,
