@@ -418,3 +418,22 @@ def test_onebit_chat_in_a_terminal_shows_a_reply_through_the_harmony_template():
     finally:
         t.kill()
     del subprocess
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_cli_generate_show_reasoning(show, tmp_path):
+    """The flag reaches the results: `reasoning` is a field with it and absent without it; the
+    streamed form prints the reply alone on stdout."""
+    import subprocess
+    import sys
+
+    flag = ["--show-reasoning"] if show else []
+    base = [sys.executable, "-m", "onebit.cli.main", "generate", "--model", str(fixture_path(f"{F32}.gguf")),
+            "--prompt", "Hello", "--max-tokens", "5", "--backend", "numpy"]
+    r = subprocess.run([*base, "--json", *flag], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert ("reasoning" in out) == show and len(out["tokens"]) == 5 and "<|" not in out["text"]
+    r = subprocess.run([*base, *flag], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert r.stdout.rstrip("\n") == out["text"]  # greedy: the same reply, streamed

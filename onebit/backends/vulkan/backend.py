@@ -43,8 +43,8 @@ class VulkanBackend:
         store = WeightStore(self.dev)
         names = []
         for name, t in gguf.tensors.items():
-            if len(t.shape) < 2 or self._streamed(name):
-                continue
+            if len(t.shape) < 2 or name.endswith(".bias") or self._streamed(name):
+                continue  # (1-D tensors and biases, gpt-oss's [E, F] expert biases too: GraphConsts)
             raw, type_name = t.raw, t.type_name
             if type_name not in SUPPORTED_TYPES or t.shape[-1] % shader_qk(type_name):
                 if t.shape[-1] % shader_qk("F32"):
