@@ -156,9 +156,12 @@ def run_chat(model, system=None, show_reasoning: bool = False, **settings) -> No
                     print(f"{st.dim}(context full: dropped the {session.last.dropped_turns} oldest "
                           f"exchange(s)){st.reset}")
                 first = False
-                if r.reasoning and show_reasoning:  # harmony (gpt-oss): the analysis channel, dimmed
-                    sys.stdout.write(f"{st.dim}{visible(r.reasoning)}{st.reset}")
+                if r.reasoning and not thought:  # harmony (gpt-oss): the analysis channel, dimmed or hidden
                     thought = True
+                    if not show_reasoning:
+                        sys.stdout.write(f"{st.dim}(reasoning; --show-reasoning shows it){st.reset}")
+                if r.reasoning and show_reasoning:
+                    sys.stdout.write(f"{st.dim}{visible(r.reasoning)}{st.reset}")
                 if r.text:
                     if thought:
                         sys.stdout.write("\n")

@@ -9,6 +9,11 @@ gptossmx-MXFP4_MOE) are tests/test_oracle.py's, which run every fixture.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +24,9 @@ from onebit.backends import BACKENDS
 from onebit.backends import numpy_backend as nb
 from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.backend import VulkanBackend
+from onebit.chat import ChatSession
+from onebit.chat_template import render_chat
+from onebit.harmony import HarmonyStream, is_harmony, split_reply
 from onebit.models import gpt_oss
 from onebit.moe.predict import settings_from
 
@@ -112,7 +120,6 @@ def test_each_feature_turned_off_breaks_the_oracle(feature, monkeypatch):
     change = FEATURES[feature]
     model = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
     if isinstance(change, dict):
-        model = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
         model.net.cfg = dataclasses.replace(model.net.cfg, **change)
     else:
         change(monkeypatch)
@@ -268,15 +275,9 @@ def test_prediction_is_bit_identical_and_predicts(backend, mode):
     routed = sum(s.routed for s in st.values())
     assert routed and sum(s.top_hits for s in st.values()) / routed > 0.5  # chance: k / E = 0.5
 
-
 # -- harmony chat ---------------------------------------------------------------------------------
 
-import json  # noqa: E402
-import re  # noqa: E402
 
-from onebit.chat import ChatSession  # noqa: E402
-from onebit.chat_template import render_chat  # noqa: E402
-from onebit.harmony import HarmonyStream, is_harmony, split_reply  # noqa: E402
 
 DATE = re.compile(r"Current date: \d{4}-\d{2}-\d{2}")
 ANALYSIS, FINAL = "The user greets me; I greet back.", "Hello! How can I help?"
@@ -373,6 +374,7 @@ def test_chat_repl_hides_or_dims_the_reasoning(chat_model, monkeypatch, capsys, 
     out = capsys.readouterr().out.replace("\033[0m\033[2m", "")  # (dimmed piece by piece as it streams)
     assert FINAL in out and "<|channel|>" not in out
     assert (f"\033[2m{ANALYSIS}\033[0m\n{FINAL}" in out) == show and (ANALYSIS in out) == show
+    assert ("(reasoning; --show-reasoning shows it)" in out) == (not show)
 
 
 @pytest.mark.parametrize("show", [False, True])
@@ -393,10 +395,6 @@ def test_generate_keeps_the_final_text_and_the_reasoning_per_flag(chat_model, mo
 def test_onebit_chat_in_a_terminal_shows_a_reply_through_the_harmony_template():
     """`onebit chat` on the gpt-oss fixture (a random model: it writes no channel headers, so its
     text is the reply) in a real terminal: the reply is shown, the chat goes on, /quit."""
-    import shutil
-    import subprocess
-    import sys
-
     if shutil.which("tmux") is None:
         pytest.fail("tmux is not installed (apt-get install tmux)")
     from test_chat_tmux import Term
@@ -417,16 +415,12 @@ def test_onebit_chat_in_a_terminal_shows_a_reply_through_the_harmony_template():
         assert "EXITED 0" in s and "Traceback" not in s
     finally:
         t.kill()
-    del subprocess
 
 
 @pytest.mark.parametrize("show", [False, True])
 def test_cli_generate_show_reasoning(show, tmp_path):
     """The flag reaches the results: `reasoning` is a field with it and absent without it; the
     streamed form prints the reply alone on stdout."""
-    import subprocess
-    import sys
-
     flag = ["--show-reasoning"] if show else []
     base = [sys.executable, "-m", "onebit.cli.main", "generate", "--model", str(fixture_path(f"{F32}.gguf")),
             "--prompt", "Hello", "--max-tokens", "5", "--backend", "numpy"]

@@ -1164,6 +1164,8 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
             continue
         shape = ", ".join(f"{k}={v}" for k, v in fx.config.items())
         pad = f" ({fx.vocab_pad} [PAD] rows past the tokenizer)" if fx.vocab_pad else ""
+        if fx.gains:
+            shape += "; after init, scaled: " + ", ".join(f"`{n}` x{g:g}" for n, g in fx.gains)
         fx_lines.append(f"- **{fx.name}** — `{fx.hf_class}`, seed {info['seed']}, vocab "
                         f"{spec.vocab_size + fx.vocab_pad}{pad}; {shape}. "
                         f"Tokenizer `{fx.tokenizer}`.")
