@@ -233,6 +233,17 @@ def test_backend_matches_numpy(name, backend):
     assert greedy_tokens(got_m, ids[:6], 8) == greedy_tokens(want_m, ids[:6], 8)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
+def test_rows_in_one_forward_equal_single_row_steps(backend):
+    """Invariant 7 over sinks, the window (4) and YaRN: 20 rows at once == 20 one-row steps."""
+    m = onebit.load(fixture_path(f"{F32}.gguf"), backend=backend)
+    ids = _tokens(F32, 20)
+    whole = m.net.forward(ids, m.new_cache())
+    cache = m.new_cache()
+    steps = np.concatenate([m.net.forward(ids[i : i + 1], cache) for i in range(len(ids))])
+    np.testing.assert_allclose(steps, whole, rtol=0, atol=1e-4 * np.abs(whole).max())
+
+
 def _decode(m, ids, n=8):
     cache = m.new_cache()
     out = [m.net.forward(ids, cache)]
