@@ -93,7 +93,7 @@ def format_stats(session) -> str:
     return "\n".join(lines)
 
 
-def run_chat(model, system=None, **settings) -> None:
+def run_chat(model, system=None, show_reasoning: bool = False, **settings) -> None:
     from onebit.chat import ChatSession
     from onebit.errors import OnebitError
 
@@ -150,13 +150,23 @@ def run_chat(model, system=None, **settings) -> None:
             continue
         try:
             replies = session.send(text)
-            first = True
+            first, thought = True, False
             for r in replies:
                 if first and session.last.dropped_turns:
                     print(f"{st.dim}(context full: dropped the {session.last.dropped_turns} oldest "
                           f"exchange(s)){st.reset}")
                 first = False
-                sys.stdout.write(visible(r.text))
+                if r.reasoning and not thought:  # harmony (gpt-oss): the analysis channel, dimmed or hidden
+                    thought = True
+                    if not show_reasoning:
+                        sys.stdout.write(f"{st.dim}(reasoning; --show-reasoning shows it){st.reset}")
+                if r.reasoning and show_reasoning:
+                    sys.stdout.write(f"{st.dim}{visible(r.reasoning)}{st.reset}")
+                if r.text:
+                    if thought:
+                        sys.stdout.write("\n")
+                        thought = False
+                    sys.stdout.write(visible(r.text))
                 sys.stdout.flush()
             if session.last.finish_reason == "length":
                 sys.stdout.write(f"\n{st.dim}(reply cut at --max-tokens or the context limit){st.reset}")

@@ -178,6 +178,10 @@ def generate(
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
+    show_reasoning: bool = typer.Option(
+        False, "--show-reasoning",
+        help="Models that reason in a channel of their own (gpt-oss): keep the reasoning, as a `reasoning` "
+             "field of each result (or on stderr for a streamed prompt). Default: dropped; `text` is the reply."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
     from onebit import batch
@@ -216,7 +220,7 @@ def generate(
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            repetition_penalty=repeat_penalty, stop=stop, lookup=lookup,
-                           lookup_stats=lookup_stats))
+                           lookup_stats=lookup_stats, show_reasoning=show_reasoning))
         finally:
             _finish(m, stats, lookup_stats)
     finally:
@@ -268,10 +272,21 @@ def _stream_one(m, item, chat, system, seed, gen) -> None:
 
     from .chat_repl import visible
 
+    from onebit.harmony import HarmonyStream, is_harmony
+
+    gen = dict(gen)
+    show_reasoning = gen.pop("show_reasoning", False)
+    channels = HarmonyStream() if chat and is_harmony(m) else None  # gpt-oss: print the final channel
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
     tty = sys.stdout.isatty()  # on a terminal, control characters in the output are shown escaped
     for r in m.generate(msgs if chat else item.prompt, seed=batch.prompt_seed(seed, item.id), **gen):
-        sys.stdout.write(visible(r.text) if tty else r.text)
+        text = r.text
+        if channels is not None:
+            thinking, text = channels.feed(text, final=r.finish_reason is not None)
+            if thinking and show_reasoning:
+                sys.stderr.write(visible(thinking))
+                sys.stderr.flush()
+        sys.stdout.write(visible(text) if tty else text)
         sys.stdout.flush()
     sys.stdout.write("\n")
 
@@ -380,6 +395,12 @@ def plan(
     raise typer.Exit(0 if p.fits else 1)
 
 
+SHOW_REASONING = typer.Option(
+    False, "--show-reasoning",
+    help="Models that reason in a channel of their own (gpt-oss, harmony format): show the reasoning "
+         "(dimmed in chat; a `reasoning` field in generate's output). Default: hidden / dropped.")
+
+
 @app.command()
 def chat(
     model: Optional[str] = MODEL_ARG,
@@ -410,6 +431,7 @@ def chat(
     moe_predict_chain: Optional[str] = P_CHAIN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
+    show_reasoning: bool = SHOW_REASONING,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
     from onebit.lookup import lookup_budget
@@ -429,7 +451,8 @@ def chat(
             raise UsageError(f"--ctx {m.context_length} leaves no room to chat: the chat template alone takes "
                              f"{n} tokens")
         run_chat(m, system=system, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                 min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, lookup=lookup)
+                 min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, lookup=lookup,
+                 show_reasoning=show_reasoning)
     finally:
         _finish(m, stats)
 

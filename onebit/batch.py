@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from .errors import OnebitError, UsageError
+from .harmony import is_harmony, split_reply
 
 MAX_LINE = 16 << 20  # a prompts-file line longer than this is not a prompt (e.g. /dev/zero)
 BOM = b"\xef\xbb\xbf"
@@ -354,6 +355,7 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
                  **gen: Any) -> dict[str, Any]:
     """Run one prompt to completion and return its result record; a prompt that does not fit
     the context gives an error record ({id, error, finish_reason: "error", prompt_tokens})."""
+    show_reasoning = gen.pop("show_reasoning", False)  # harmony (gpt-oss): keep the analysis channel
     ids = prompt_ids(model, item, chat=chat, system=system)
     why = too_long(model, len(ids))
     if why is not None:
@@ -364,9 +366,15 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
         if r.token is not None:
             tokens.append(r.token)
         last = r
+    text, extra = "".join(pieces), {}
+    if chat and is_harmony(model):  # the reply is the final channel; the reasoning kept apart or dropped
+        thinking, text = split_reply(text)
+        if show_reasoning:
+            extra["reasoning"] = thinking
     return {
         "id": item.id,
-        "text": "".join(pieces),
+        "text": text,
+        **extra,
         "tokens": tokens,
         "prompt_tokens": last.prompt_tokens,
         "generation_tokens": last.generation_tokens,

@@ -7,11 +7,13 @@ context, the oldest turns are dropped (the system message stays) and the caller 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from .errors import UsageError
+from .harmony import HarmonyStream, is_harmony
 from .generate import GenerationResponse, stream_generate
 from .lookup import LookupStats, lookup_budget
 from .sample import make_logits_processors, make_sampler
@@ -54,6 +56,7 @@ class ChatSession:
         self.total_generated = 0
         self.lookup = lookup_budget(lookup)
         self.lookup_stats = LookupStats()  # over the whole conversation
+        self.harmony = is_harmony(model)  # gpt-oss: replies in channels (harmony.py)
 
     def reset(self) -> None:
         self.history.clear()
@@ -110,8 +113,14 @@ class ChatSession:
         replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
                                   processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
                                   hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
+        channels = HarmonyStream() if self.harmony else None
         try:
             for r in replies:
+                if channels is not None:  # the reply's text, and its reasoning apart
+                    thinking, text = channels.feed(r.text, final=r.finish_reason is not None)
+                    r = dataclasses.replace(r, text=text, reasoning=thinking)
+                    if channels.thinking:
+                        self.history[-1]["thinking"] = channels.thinking
                 reply.append(r.text)
                 self.history[-1]["content"] = "".join(reply)
                 if r.token is not None:

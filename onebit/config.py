@@ -53,6 +53,10 @@ class ModelConfig:
     embed_scale: float = 1.0  # the token embeddings are multiplied by this (Gemma: sqrt(dim))
     final_logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
     post_norms: bool = False  # norms after the attention and the FFN too (Gemma's sandwich layer)
+    rope_yarn_factor: float = 0.0  # > 0: YaRN context extension by this factor (see yarn_rope)
+    rope_yarn_orig_ctx: int = 0  # the context the model was trained at before extension
+    rope_yarn_beta_fast: float = 32.0  # rotations per context above which a frequency is kept
+    rope_yarn_beta_slow: float = 1.0  # ...and below which it is interpolated by the factor
 
     @property
     def is_moe(self) -> bool:
@@ -67,6 +71,27 @@ class ModelConfig:
         if layer in self.swa_layers:
             return self.rope_theta_swa or self.rope_theta, self.rope_scale_swa or self.rope_scale
         return self.rope_theta, self.rope_scale
+
+    def yarn_rope(self, theta: float) -> tuple[np.ndarray, float] | None:
+        """YaRN as llama.cpp computes it (ext_factor 1): per-frequency divisors of the RoPE
+        frequencies [rope_dim / 2] and the magnitude scale of cos/sin, or None without YaRN.
+        Frequency i is interpolated (divided by the factor) below the correction range
+        [floor(low), ceil(high)] of pair indices, kept above it, and ramped linearly between."""
+        if self.rope_yarn_factor <= 0:
+            return None
+        n = self.rope_dim
+
+        def corr_dim(rotations: float) -> float:
+            return n * np.log(self.rope_yarn_orig_ctx / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+
+        low = max(0.0, np.floor(corr_dim(self.rope_yarn_beta_fast)))
+        high = min(n - 1.0, np.ceil(corr_dim(self.rope_yarn_beta_slow)))
+        i = np.arange(n // 2, dtype=np.float64)
+        keep = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1: extrapolate (keep)
+        freq_scale = 1.0 / self.rope_yarn_factor
+        mult = freq_scale * (1.0 - keep) + keep
+        mscale = 1.0 + 0.1 * np.log(self.rope_yarn_factor) if self.rope_yarn_factor > 1 else 1.0
+        return (1.0 / mult).astype(np.float32), float(mscale)
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether `layer`'s FFN is routed experts (else a dense SwiGLU)."""
@@ -118,8 +143,10 @@ def _check_layers_and_experts(g: GGUFFile, a: str, n_layers: int, n_experts: int
                                      f"{t.shape[0]} experts (shape {list(t.shape)})")
 
 
-def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", default_weights_norm=False) -> ModelConfig:
-    """Read the llama-family keys every supported architecture shares."""
+def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", default_weights_norm=False,
+                     yarn: bool = False) -> ModelConfig:
+    """Read the llama-family keys every supported architecture shares (`yarn`: the architecture
+    applies YaRN RoPE scaling; elsewhere a file that asks for it is refused)."""
     a = g.architecture
 
     def K(key: str) -> str:  # a gguf.constants key template for this architecture
@@ -150,8 +177,16 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
         raise ModelFileError(f"{g.path}: {len(tokens)} tokens but token_embd has only {vocab} rows")
     scaling = g.get(K(R.SCALING_TYPE), "none")
     rope_scale = 1.0
+    yarn_keys = {}
     if scaling == "linear":
         rope_scale = 1.0 / _float(g, K(R.SCALING_FACTOR), 1.0, lo=1e-6)
+    elif scaling == "yarn" and yarn:
+        yarn_keys = dict(
+            rope_yarn_factor=_float(g, K(R.SCALING_FACTOR), 1.0, lo=1e-6, hi=1e6),
+            rope_yarn_orig_ctx=_int(g, K(R.SCALING_ORIG_CTX_LEN), g.get(K(L.CONTEXT_LENGTH), 4096), hi=1 << 24),
+            rope_yarn_beta_fast=_float(g, f"{a}.rope.scaling.yarn_beta_fast", 32.0, hi=1e6),
+            rope_yarn_beta_slow=_float(g, f"{a}.rope.scaling.yarn_beta_slow", 1.0, hi=1e6),
+        )
     elif scaling not in ("none", None):
         raise UnsupportedModelError(f"{g.path}: RoPE scaling {scaling!r} is not supported yet")
     wnorm = g.get(K(L.EXPERT_WEIGHTS_NORM), default_weights_norm)
@@ -180,6 +215,7 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
         qk_norm=qk_norm,
         attn_bias="blk.0.attn_q.bias" in g.tensors,
         rope_factors="rope_freqs.weight" in g.tensors,
+        **yarn_keys,
     )
 
 

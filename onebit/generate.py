@@ -21,6 +21,7 @@ class GenerationResponse:
     generation_tokens: int
     prompt_time: float  # seconds until the first token (prompt pass + first sample)
     generation_time: float  # seconds after the first token
+    reasoning: str = ""  # harmony chats (gpt-oss): new reasoning text; `text` is then the reply only
 
     @property
     def prompt_tps(self) -> float:

@@ -135,7 +135,8 @@ class Model:
 
         from .gguf_file import is_expert_tensor
 
-        resident = [t for name, t in self.gguf.tensors.items() if not is_expert_tensor(name)]
+        # (an expert part's bias, gpt-oss, is small and resident too)
+        resident = [t for name, t in self.gguf.tensors.items() if not is_expert_tensor(name) or name.endswith(".bias")]
         total = sum(t.n_bytes for t in resident)
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
                   disable=True if total < (256 << 20) else None) as bar:

@@ -102,9 +102,9 @@ class CheckedStep(EagerStep):
     def route(self, logits, k, norm):
         return self._at("route", super().route(logits, k, norm))
 
-    def experts(self, layer, x, ids, weights):
+    def experts(self, layer, x, ids, weights, *args):
         read = [(f"blk.{layer}.{p}.weight", int(e)) for e in np.unique(ids) for p in EXPERT_PARTS]
-        return self._at("experts", super().experts(layer, x, ids, weights), layer=layer, weights=read)
+        return self._at("experts", super().experts(layer, x, ids, weights, *args), layer=layer, weights=read)
 
     def shared_expert(self, layer, x):
         parts = ("gate_inp_shexp", "gate_shexp", "up_shexp", "down_shexp")

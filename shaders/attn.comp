@@ -2,6 +2,8 @@
 // Causal GQA attention over the KV cache, for decode (one row) and prefill (rows at pos[r]).
 //   q: [R, H, D]   k: [S, Hkv, D]   v: [S, Hkv, Dv]   out: [R, H * Dv]
 // Position p of k and v is row p % S (S > every position, or a sliding-window layer's ring).
+//   sinks: [H] (with has_sinks, gpt-oss): a logit per head that joins the softmax's
+//   denominator and weights no value.
 // One workgroup per (head, row). Two ways to split it:
 // - default (GPUs): keys in chunks of CH positions, scores in shared memory, an online softmax
 //   across chunks; each thread owns output dims tid + WG * j.
@@ -23,6 +25,7 @@ layout(binding = 1, std430) readonly buffer K4 { vec4 k4[]; };
 layout(binding = 2, std430) readonly buffer V4 { vec4 v4[]; };
 layout(binding = 3, std430) readonly buffer Pos { int pos[]; };
 layout(binding = 4, std430) writeonly buffer Out { float o[]; };
+layout(binding = 5, std430) readonly buffer Sinks { float sinks[]; };
 
 layout(push_constant) uniform Push {
     uint n_heads;
@@ -36,6 +39,7 @@ layout(push_constant) uniform Push {
     uint out_stride;   // floats between rows of out
     float scale;       // 1 / sqrt(D)
     uint window;       // > 0: a row at pos attends to positions pos - window + 1 .. pos only
+    uint has_sinks;    // 1: sinks[h] joins the softmax's denominator
 } pc;
 
 // The first position row r attends to (sliding-window layers start later than 0).
@@ -93,9 +97,10 @@ void main() {
             acc[d] += p * v4[vb + d];
         }
     }
-    const float mx = wg_max(m);
+    const float mk = wg_max(m);
+    const float mx = pc.has_sinks != 0u ? max(mk, sinks[h]) : mk;
     const float f = m == -1.0 / 0.0 ? 0.0 : exp(m - mx);  // threads with no keys add nothing
-    const float total = wg_sum(l * f);
+    const float total = wg_sum(l * f) + (pc.has_sinks != 0u ? exp(sinks[h] - mx) : 0.0);
     [[unroll]] for (uint d0 = 0u; d0 < HDV; d0 += DC) {
         [[unroll]] for (uint c = 0u; c < DC; c += 4u) {
             const vec4 a = d0 + c < HDV ? acc[(d0 + c) / 4u] * f : vec4(0.0);
@@ -177,10 +182,16 @@ void main() {
         m = m_new;
         barrier();
     }
+    float c = 1.0;  // with a sink: acc / (l + exp(sink - m)), both rescaled to max(m, sink)
+    if (pc.has_sinks != 0u) {
+        const float ms = max(m, sinks[h]);
+        c = exp(m - ms);
+        l = l * c + exp(sinks[h] - ms);
+    }
     [[unroll]] for (uint jd = 0u; jd < DV_PER_THREAD; jd++) {
         const uint d = tid + WG * jd;
         if (d < pc.head_dim_v) {
-            o[r * pc.out_stride + h * pc.head_dim_v + d] = acc[jd] / l;
+            o[r * pc.out_stride + h * pc.head_dim_v + d] = acc[jd] * c / l;
         }
     }
 }

@@ -66,4 +66,7 @@ def variants() -> list[Variant]:
     out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
     for name in ("rms_norm", "rope", "softmax_topk", "argmax", "set_rows", "copy"):
         out.append(Variant(name, f"{name}.comp"))
+    # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
+    out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))
+    out.append(Variant("expert_down_bias", "expert_bias.comp", (("DOWN_BIAS", ""),)))
     return out

@@ -145,6 +145,23 @@ def test_ring_equals_full_cache_bit_for_bit(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gptoss_ring_equals_full_cache(backend):
+    """gpt-oss (sinks, window 4 on every other layer) through a 12-position ring: 60 positions in
+    chunks of 1, 9 and 40 give the logits of a cache of every position, bit for bit."""
+    m = onebit.load(fixture_path("gptoss-f32.gguf"), backend=backend)
+    try:
+        assert m.cfg.swa_layers and m.cfg.sliding_window == 4
+        ids = np.random.default_rng(7).integers(3, m.cfg.vocab_size, 60)
+        for chunk in (1, 9, 40):
+            ring = m.net.make_cache(swa_rows=ROWS)
+            assert [i for i, c in enumerate(ring) if isinstance(c, RingKVCache)] == list(m.cfg.swa_layers)
+            got, want = chunked(m, ids, ring, chunk), chunked(m, ids, m.net.make_cache(swa_rows=0), chunk)
+            np.testing.assert_array_equal(got, want, err_msg=f"{backend}, chunks of {chunk}")
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_larger_window_ring_equals_full_cache(backend, tmp_path):
     """The fixture with window 20 (tests/ggufedit.py): a 28-position ring (20 + 8), 120 positions
     in chunks of 1, of 7 and of 33 (longer than the window and than the ring)."""
@@ -340,11 +357,13 @@ def test_cpu_kernel_reads_the_ring():
         ring_k, ring_v = np.zeros((S, Hkv, D), np.float32), np.zeros((S, Hkv, D), np.float32)
         held = np.arange(max(0, top - S), top)
         ring_k[held % S], ring_v[held % S] = full_k[held], full_v[held]
-        got = be.attention(q, ring_k, ring_v, pos, window)
-        np.testing.assert_array_equal(got, be.attention(q, full_k, full_v, pos, window))
-        np.testing.assert_allclose(got, NumpyBackend.attention(be, q, full_k, full_v, pos, window), atol=1e-5)
-        np.testing.assert_array_equal(NumpyBackend.attention(be, q, ring_k, ring_v, pos, window),
-                                      NumpyBackend.attention(be, q, full_k, full_v, pos, window))
+        for scale, sinks in ((None, None), (0.3, rng.standard_normal(H).astype(np.float32))):  # gpt-oss: sinks
+            got = be.attention(q, ring_k, ring_v, pos, window, scale, sinks)
+            np.testing.assert_array_equal(got, be.attention(q, full_k, full_v, pos, window, scale, sinks))
+            np.testing.assert_allclose(got, NumpyBackend.attention(be, q, full_k, full_v, pos, window, scale, sinks),
+                                       atol=1e-5)
+            np.testing.assert_array_equal(NumpyBackend.attention(be, q, ring_k, ring_v, pos, window, scale, sinks),
+                                          NumpyBackend.attention(be, q, full_k, full_v, pos, window, scale, sinks))
 
 
 def test_block_prediction_reads_the_ring():

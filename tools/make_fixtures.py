@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -133,13 +133,20 @@ CORPUS_MAX_CHARS = 400_000
 # Router weights get a larger scale than the rest, so that expert choices are rarely
 # near-ties (a near-tie lets rounding pick another expert, and logits then jump).
 ROUTER_GAIN = 3.0
-ROUTER_WEIGHT = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
+ROUTER_WEIGHT = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)\.weight$")
 # ...and MoE fixtures take the first seed (fx.seed + 1000 * i) whose reference text routes
 # with at least this margin between the k-th and (k+1)-th router logit.
 MIN_ROUTER_MARGIN = 0.05
 MAX_SEED_TRIES = 60
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# gpt-oss (o200k_harmony): the special tokens its harmony chat template writes, and that
+# template itself, as llama.cpp ships it (data, read at fixture time).
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                    "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>",
+                    "<|endofprompt|>")
+HARMONY_TEMPLATE_FILE = "models/templates/openai-gpt-oss-120b.jinja"   # under llama.cpp's src
 
 # Gemma's turn format, as onebit renders a Gemma file without a template (the same text).
 sys.path.insert(0, str(REPO_ROOT))
@@ -164,6 +171,7 @@ class TokenizerSpec:
     dummy_prefix: bool = True       # spm: a space before the text (Llama); Gemma has none
     spm_ids: tuple[int, int, int, int] = (0, 1, 2, -1)  # spm: unk, bos, eos, pad ids
     chat_template: str = CHATML_TEMPLATE
+    chat_template_file: str = ""    # a template shipped with llama.cpp (path under its src)
 
 
 # HF pre-tokenizer regexes that mirror llama.cpp's (src/llama-vocab.cpp) for each `pre`,
@@ -172,6 +180,11 @@ _QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-4o, gpt-oss): tokenizer.json's regex; llama.cpp's "gpt-4o" is its rewrite
+_GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+                r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # llama.cpp's "default" pre-tokenizer applies these one after the other.
 _DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
@@ -179,6 +192,7 @@ PRE_REGEXES = {
     "qwen2": (_QWEN2_REGEX,),
     "llama-bpe": (_LLAMA3_REGEX,),
     "gpt-2": (_GPT2_REGEX,),
+    "gpt-4o": (_GPT4O_REGEX,),
     "default": _DEFAULT_REGEXES,
 }
 
@@ -197,6 +211,11 @@ TOKENIZERS = {
     # llama.cpp's fallback pre-tokenizer (several regexes in a row).
     "bpe-default": TokenizerSpec("bpe", 512, pre="default", bos="<|endoftext|>",
                                  eos="<|im_end|>", pad="<|endoftext|>"),
+    # gpt-oss (o200k_harmony): the harmony special tokens, <|return|> ends a reply, the
+    # real gpt-oss chat template.
+    "bpe-o200k": TokenizerSpec("bpe", 512, pre="gpt-4o", specials=HARMONY_SPECIALS,
+                               bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>",
+                               chat_template_file=HARMONY_TEMPLATE_FILE),
     # Llama 1/2 style SentencePiece with byte fallback; ChatML markers are control symbols.
     "spm": TokenizerSpec("spm", 640, specials=("<|im_start|>", "<|im_end|>"),
                          bos="<s>", eos="</s>", add_bos=True),
@@ -219,6 +238,7 @@ class Fixture:
     vocab_pad: int = 0   # extra vocab rows beyond the tokenizer (written as [PAD] tokens)
     quant_types: tuple[str, ...] = ()   # llama-quantize targets made from the f32 file
     norm_center: float = 1.0   # random norm weights are this + N(0, 0.2) (Gemma stores w - 1)
+    gains: tuple[tuple[str, float], ...] = ()   # (parameter name suffix, factor) after init
 
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -286,6 +306,29 @@ FIXTURES = [
     Fixture("qwen3", "Qwen3ForCausalLM", "Qwen3Config",
             dict(SMALL, intermediate_size=128, rms_norm_eps=1e-6, tie_word_embeddings=True),
             "bpe-qwen2", seed=7),
+    # gpt-oss: layers alternate sliding-window (window 4) and full attention; attention sinks
+    # (scaled up so they matter), biases everywhere, YaRN rope whose original context (64)
+    # and base put the ramp across the head's frequencies (truncate, as llama.cpp always
+    # does), router top-k then softmax, clamped SwiGLU (limit 7: the expert gate/up weights
+    # are scaled so the reference text crosses it). Expert widths are multiples of 32 (MXFP4).
+    Fixture("gptoss", "GptOssForCausalLM", "GptOssConfig",
+            dict(SMALL, num_hidden_layers=4, intermediate_size=64, num_local_experts=4,
+                 num_experts_per_tok=2, sliding_window=4, rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                      beta_fast=32.0, beta_slow=1.0, truncate=True,
+                                      original_max_position_embeddings=64)),
+            "bpe-o200k", seed=11, gains=(("sinks", 10.0), ("experts.gate_up_proj", 3.0))),
+    # gpt-oss quantized as the hub files are (llama-quantize MXFP4_MOE: MXFP4 experts, Q8_0
+    # elsewhere), from a model without the scaled expert weights: those make the model so
+    # sensitive that llama.cpp's Q8_0 rounding of activations moves a quarter of the
+    # positions below cosine 0.999 against any f32-activation engine.
+    Fixture("gptossmx", "GptOssForCausalLM", "GptOssConfig",
+            dict(SMALL, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=4, rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                      beta_fast=32.0, beta_slow=1.0, truncate=True,
+                                      original_max_position_embeddings=64)),
+            "bpe-o200k", seed=12, quant_types=("MXFP4_MOE",), gains=(("sinks", 10.0),)),
     # Every matmul row length (256 hidden, 4x64 heads, 256 expert ff) is a multiple of 256,
     # the block size of the K-quants and TQ types.
     Fixture("q3moe256", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
@@ -557,7 +600,7 @@ def make_hf_model(fx: Fixture, tok_spec: TokenizerSpec, tok_dir: Path, out_dir: 
     best = None
     for attempt in range(tries):
         seed = fx.seed + 1000 * attempt
-        model = init_hf_model(fx.hf_class, config, seed, fx.norm_center)
+        model = init_hf_model(fx.hf_class, config, seed, fx.norm_center, fx.gains)
         margin = router_margin(model, ref_tokens)
         if best is None or margin > best[2]:
             best = (seed, model, margin)
@@ -577,7 +620,7 @@ def make_hf_model(fx: Fixture, tok_spec: TokenizerSpec, tok_dir: Path, out_dir: 
                                    for k in ["vocab_size", *fx.config.keys()]})
 
 
-def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
+def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0, gains=()):
     import torch
     import transformers
 
@@ -593,6 +636,9 @@ def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif ROUTER_WEIGHT.search(name):
                 p.mul_(ROUTER_GAIN)
+            for suffix, gain in gains:
+                if name.endswith(suffix):
+                    p.mul_(gain)
     return model
 
 
@@ -767,6 +813,9 @@ def main() -> None:
                     help="comma-separated quant types: (re)make just these q3moe256 files from the "
                          "q3moe256-f32.gguf already in --out, keeping every other file and merging "
                          "the manifest and README")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: add the files made to the manifest, README and "
+                         "tokenizer_cases.json already in --out, keeping every other entry")
     args = ap.parse_args()
     fixtures = [fx for fx in FIXTURES if not args.only or fx.name in args.only.split(",")]
     # torch and ggml each bring an OpenMP runtime; with the default active wait policy
@@ -788,6 +837,8 @@ def main() -> None:
     tok_dirs: dict[str, Path] = {}
     for key in sorted({fx.tokenizer for fx in fixtures}):
         spec = TOKENIZERS[key]
+        if spec.chat_template_file:   # the template as llama.cpp ships it
+            spec = replace(spec, chat_template=(lc.src / spec.chat_template_file).read_text())
         tok_dirs[key] = work / "tokenizers" / key
         shutil.rmtree(tok_dirs[key], ignore_errors=True)
         (train_spm if spec.kind == "spm" else train_bpe)(spec, corpus, tok_dirs[key])
@@ -822,6 +873,9 @@ def main() -> None:
         path = out / fname
         llm = open_llama(llama_cpp, path)
         if info["hf_dir"] is not None:
+            if TOKENIZERS[info["tokenizer"]].chat_template_file:   # transformers' renderings of it
+                (out / fname.replace(".gguf", ".chat.json")).write_text(json.dumps(
+                    dict(cases=chat_template_cases(info["hf_dir"])), ensure_ascii=False, indent=1) + "\n")
             ref = f32_oracles(llm, path, info)
             f32_logits[info["fixture"]] = ref["logits_llama"]
             # tokenizer cases, once per distinct tokenizer
@@ -843,6 +897,13 @@ def main() -> None:
                     meta=gguf_meta(path), bytes=path.stat().st_size)
         report_line(fname, info)
 
+    if args.merge:   # the entries of the files not made in this run, as they were
+        old = json.loads((out / "manifest.json").read_text())["files"]
+        files = {**{n: info_from_manifest(e) for n, e in old.items() if n not in files}, **files}
+        cases = json.loads((out / "tokenizer_cases.json").read_text())
+        assert cases["strings"] == TOKENIZER_STRINGS
+        tok_cases = {**cases["cases"], **tok_cases}
+        tok_alias = {**cases["same_tokenizer_as"], **tok_alias}
     (out / "tokenizer_cases.json").write_text(json.dumps(
         dict(strings=TOKENIZER_STRINGS, cases=tok_cases, same_tokenizer_as=tok_alias),
         ensure_ascii=False, indent=1) + "\n")
@@ -927,13 +988,47 @@ def quantized_oracles(llm, path: Path, info: dict, hf_dir: Path,
     dequantize them; records the comparisons in `info`."""
     ref = llama_oracle(llm, info)
     info["vs_f32_llama"] = compare(ref["logits_llama"], f32_logits)
-    deq = hf_dequant_reference(path, hf_dir, ref["tokens"])
+    # (the GGUF -> HF name map is qwen3moe's: the q3moe256 files only)
+    deq = hf_dequant_reference(path, hf_dir, ref["tokens"]) if info["fixture"] == "q3moe256" else None
     if deq is not None:
         ref.update(deq)
         info["hf_dequant_vs_llama"] = compare(ref["logits_llama"], ref["logits_hf_dequant"])
         if "router_margin" in ref:
             info["min_router_margin"] = float(ref["router_margin"].min())
     return ref
+
+
+# Conversations rendered by transformers' apply_chat_template for files whose tokenizer carries
+# a template of its own (gpt-oss's harmony): system / developer messages, earlier assistant turns
+# with their reasoning (`thinking`), a closed last assistant turn, template variables.
+CHAT_CASES = [
+    dict(messages=[{"role": "user", "content": "Hello there"}]),
+    dict(messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]),
+    dict(messages=[{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Bonjour"}]),
+    dict(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"},
+                   {"role": "assistant", "content": "Paris.", "thinking": "Easy: Paris."},
+                   {"role": "user", "content": "And of Italy?"},
+                   {"role": "assistant", "content": "Rome.", "thinking": "Rome, obviously."},
+                   {"role": "user", "content": "Thanks! <b>bye</b>\n  see you"}]),
+    dict(messages=[{"role": "user", "content": "2+2?"},
+                   {"role": "assistant", "content": "4", "thinking": "Two plus two is four."}],
+         add_generation_prompt=False),
+    dict(messages=[{"role": "user", "content": "Who are you?"}],
+         kwargs=dict(reasoning_effort="high", model_identity="You are a test model.")),
+]
+
+
+def chat_template_cases(hf_dir: Path) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    out = []
+    for case in CHAT_CASES:
+        gen = case.get("add_generation_prompt", True)
+        kwargs = case.get("kwargs", {})
+        text = tok.apply_chat_template(case["messages"], tokenize=False, add_generation_prompt=gen, **kwargs)
+        out.append(dict(messages=case["messages"], add_generation_prompt=gen, kwargs=kwargs, text=text))
+    return out
 
 
 def tokenizer_cases(llm) -> dict[str, list[list[int]]]:
@@ -1069,6 +1164,8 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
             continue
         shape = ", ".join(f"{k}={v}" for k, v in fx.config.items())
         pad = f" ({fx.vocab_pad} [PAD] rows past the tokenizer)" if fx.vocab_pad else ""
+        if fx.gains:
+            shape += "; after init, scaled: " + ", ".join(f"`{n}` x{g:g}" for n, g in fx.gains)
         fx_lines.append(f"- **{fx.name}** — `{fx.hf_class}`, seed {info['seed']}, vocab "
                         f"{spec.vocab_size + fx.vocab_pad}{pad}; {shape}. "
                         f"Tokenizer `{fx.tokenizer}`.")
@@ -1141,7 +1238,8 @@ Trained offline by the script on Python standard-library docstrings plus a few
 multilingual lines. BPE ones are byte-level (all 256 byte symbols in the base alphabet),
 with HF pre-tokenizer regexes that mirror llama.cpp's for the chosen `pre`; special tokens
 come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, except `spm-gemma`
-(Gemma's turns).
+(Gemma's turns) and `bpe-o200k` (gpt-oss's harmony template, llama.cpp's
+`models/templates/openai-gpt-oss-120b.jinja`).
 
 {chr(10).join(tok_lines)}
 
@@ -1164,6 +1262,11 @@ come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, excep
   k minus router logit k+1 (k = experts used) from that HF run. Where it is tiny, rounding
   may pick other experts and the logits at that position jump; mask such positions when
   comparing against `logits_llama`.
+
+`<file>.chat.json` (f32 files whose tokenizer carries a template of its own: gpt-oss's
+harmony template, as llama.cpp ships it): `cases`, each `messages`, `add_generation_prompt`,
+template variables `kwargs` and `text`, transformers' `apply_chat_template` rendering (its
+"Current date" line is the day the script ran).
 
 `tokenizer_cases.json`: `strings`; `cases[<gguf>]` = `special` (llama.cpp tokenize with
 add_special=True, parse_special=True) and `plain` (both False), one list of ids per string,

@@ -137,8 +137,15 @@ class CpuBackend(NumpyBackend):
         return out
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
-                  scale: float | None = None):
-        R, H, _ = q.shape
+                  scale: float | None = None, sinks: np.ndarray | None = None):
+        R, H, D = q.shape
+        if sinks is not None:  # gpt-oss: its own q.k scale too
+            if R > FEW_ROWS:
+                return super().attention(q, k, v, q_pos, window, scale, sinks)
+            out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
+            self.K.attention_sinks(out, _ro32(q), _ro32(k), _ro32(v), _readonly(np.asarray(q_pos, np.int64)),
+                                   int(window), float(1.0 / np.sqrt(D) if scale is None else scale), _ro32(sinks))
+            return out.reshape(R, -1)  # [R, H*Dv]
         if R > FEW_ROWS or scale is not None:  # a prompt (numpy's batched products beat a serial
             return super().attention(q, k, v, q_pos, window, scale)  # loop), or a score scale of its own
         out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
@@ -163,21 +170,32 @@ class CpuBackend(NumpyBackend):
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         return parts, all(t.qtype in self.K.SUPPORTED for t in parts)
 
-    def expert_call(self, out, x, parts, raws, sel, offs, rows, rw) -> None:
-        """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j)."""
+    def expert_call(self, out, x, parts, raws, sel, offs, rows, rw, eids=None, biases=None, glu=None) -> None:
+        """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j); with `glu`
+        (gpt-oss), the clamped SwiGLU and the biases of experts eids[j]."""
         g, u, d = parts
-        self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw,
-                          g.qtype, u.qtype, d.qtype)
+        if glu is None:
+            self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw,
+                              g.qtype, u.qtype, d.qtype)
+            return
+        bg, bu, bd = biases
+        self.K.expert_ffn_oai(out, x, raws[0], raws[1], raws[2], sel, np.asarray(eids, np.int64), offs, rows, rw,
+                              g.qtype, u.qtype, d.qtype, bg, bu, bd, float(glu[0]), float(glu[1]))
 
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def expert_biases(self, layer: int):
+        b = super().expert_biases(layer)
+        return None if b is None else [_ro32(a) for a in b]
+
+    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         parts, fast = self._expert_parts(layer)
-        if not fast:
-            return super().experts(x, layer, ids, weights)
+        biases = self.expert_biases(layer)
+        if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
+            return super().experts(x, layer, ids, weights, glu)
         x = _f32(x)
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
         raws = [self._kernel_raw(t.name)[1] for t in parts]
-        self.expert_call(out, x, parts, raws, experts, offs, rows, rw)
+        self.expert_call(out, x, parts, raws, experts, offs, rows, rw, experts, biases, glu)
         return out
 
 
@@ -189,8 +207,10 @@ class StreamingCpuBackend(CpuBackend):
         super().__init__(gguf)
         self.pool = pool
 
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         parts, fast = self._expert_parts(layer)
+        biases = self.expert_biases(layer)
+        fast = fast and (biases is None) == (glu is None)
         x = _f32(x)
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
@@ -200,10 +220,10 @@ class StreamingCpuBackend(CpuBackend):
             if fast:
                 o = offs[start : start + len(group) + 1]
                 self.expert_call(out, x, parts, bufs, np.asarray(slots, np.int64), o - o[0],
-                                 rows[o[0] : o[-1]], rw[o[0] : o[-1]])
+                                 rows[o[0] : o[-1]], rw[o[0] : o[-1]], group, biases, glu)
             else:
                 for e, slot in zip(group, slots):
                     raws = [self.pool.slot_view(layer, slot, p) for p in EXPERT_PARTS]
-                    self.expert_ffn(out, x, ids, weights, e, parts, raws)
+                    self.expert_ffn(out, x, ids, weights, e, parts, raws, biases, glu)
         return out
 

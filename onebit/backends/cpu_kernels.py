@@ -589,6 +589,44 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
             o[d] += yp[d] * w
 
 
+@njit(cache=True, fastmath=FM)
+def one_expert_oai(y, x, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alpha, limit):
+    """gpt-oss's expert FFN: y[p] = down(glu(gate(x) + bg, up(x) + bu)) + bd for expert e's
+    weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
+    min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
+    n = rows.shape[0]
+    hidden = gate.shape[1]
+    h = np.empty((n, hidden), np.float32)  # [rows, hidden]
+    for i in range(hidden):
+        gr, ur = gate[e, i], up[e, i]
+        for p in range(n):
+            xr = x[rows[p]]
+            g = min(dot1(qg, gr, xr) + bg[i], np.float32(limit))
+            u = min(max(dot1(qu, ur, xr) + bu[i], np.float32(-limit)), np.float32(limit))
+            h[p, i] = g / (np.float32(1) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1))
+    matmul_rows(y, h, down[e], qd, 0, down.shape[1], 0)
+    for p in range(n):
+        for d in range(y.shape[1]):
+            y[p, d] += bd[d]
+
+
+@njit(parallel=True, cache=True)
+def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd, bg, bu, bd, alpha, limit):
+    """`expert_ffn` for gpt-oss experts (`one_expert_oai`): expert j's weights are gate[sel[j]]
+    and its biases bg[eids[j]], bu[eids[j]] ([E, hidden]), bd[eids[j]] ([E, dim]); the same
+    order of sums, so a call split into groups of j gives the same bits."""
+    dim = x.shape[1]
+    y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
+    for j in prange(sel.shape[0]):
+        e = eids[j]
+        one_expert_oai(y[offs[j] : offs[j + 1]], x, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]],
+                       qg, qu, qd, bg[e], bu[e], bd[e], alpha, limit)
+    for p in range(rows.shape[0]):
+        o, yp, w = out[rows[p]], y[p], rw[p]
+        for d in range(dim):
+            o[d] += yp[d] * w
+
+
 # -- the small ops of a decode step (serial: each is microseconds of work) --------------------
 # Their numpy twins (`NumpyBackend.rms_norm`, `rope`, `attention`, `route`) run the same float32
 # arithmetic in another summation order.
@@ -652,6 +690,44 @@ def attention(out, q, k, v, q_pos, window):
                 p[s % S] = t
                 m = max(m, t)
             tot = np.float32(0)
+            for s in range(lo, hi):
+                e = np.float32(np.exp(p[s % S] - m))
+                p[s % S] = e
+                tot += e
+            o = out[r, h]
+            o[:] = 0
+            for s in range(lo, hi):
+                ps = p[s % S] / tot
+                vs = v[s % S, kh]
+                for i in range(Dv):
+                    o[i] += ps * vs[i]
+
+
+@njit(cache=True, fastmath=FM)
+def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
+    """`attention` with a q.k scale of its own and attention sinks (gpt-oss): sinks[h] is a
+    logit of head h that joins the softmax's denominator and weights no value. k, v hold
+    position p in row p % S, as in `attention`."""
+    R, H, D = q.shape
+    S, Hkv, Dv = v.shape
+    group = H // Hkv
+    p = np.empty(S, np.float32)
+    for r in range(R):
+        lo = max(0, q_pos[r] - window + 1) if window > 0 else 0
+        hi = q_pos[r] + 1
+        for h in range(H):
+            kh = h // group
+            qr = q[r, h]
+            m = sinks[h]
+            for s in range(lo, hi):
+                ks = k[s % S, kh]
+                t = np.float32(0)
+                for i in range(D):
+                    t += qr[i] * ks[i]
+                t *= scale
+                p[s % S] = t
+                m = max(m, t)
+            tot = np.float32(np.exp(sinks[h] - m))
             for s in range(lo, hi):
                 e = np.float32(np.exp(p[s % S] - m))
                 p[s % S] = e
@@ -735,10 +811,11 @@ def routed_rows(ids, weights, n_experts):
     return experts, offs, rows, rw
 
 
-SMALL_OPS = (rms_norm, rope, attention, route, routed_rows)
+SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
 
 
-KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert)  # + SMALL_OPS
+KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert, expert_ffn_oai,
+           one_expert_oai)  # + SMALL_OPS
 _warm = False
 
 
@@ -765,6 +842,10 @@ def warm_up() -> tuple[float, int]:
     h.flags.writeable = False
     offs = np.array([0, 1], np.int64)
     expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
+    b = np.zeros((1, 32), np.float32)
+    b.flags.writeable = False
+    expert_ffn_oai(np.zeros((1, 32), np.float32), x, h, h, h, ids, ids, offs, ids, np.ones(1, np.float32),
+                   Q8_0, Q8_0, Q8_0, b, b, b, 1.702, 7.0)
     xr = x.view()
     xr.flags.writeable = False  # the small ops take read-only inputs (cpu._ro32)
     rms_norm(np.empty_like(x), xr, xr[0], 1e-6)
@@ -774,6 +855,7 @@ def warm_up() -> tuple[float, int]:
     pos.flags.writeable = inv.flags.writeable = False
     rope(np.empty_like(q), q, pos, inv, 1.0, True)
     attention(np.empty_like(q), q, q, q, pos, 0)
+    attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
     ids2, w2 = route(xr, 2, True)
     routed_rows(ids2, w2, 32)
     _warm = True

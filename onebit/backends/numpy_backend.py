@@ -122,9 +122,10 @@ class NumpyBackend:
     # -- attention ----------------------------------------------------------------------
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
-                  scale: float | None = None) -> np.ndarray:
+                  scale: float | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
         """Causal GQA attention (window > 0: each row sees only the last `window` positions;
-        scores q.k times `scale`, default 1/sqrt(D)).
+        scores q.k times `scale`, default 1/sqrt(D); sinks [H]: one logit per head that joins
+        the softmax's denominator and weights no value, gpt-oss).
 
         q: [R, H, D] at positions q_pos; k: [S, Hkv, D], v: [S, Hkv, Dv] hold position p in row
         p % S (a cache of every position: S > every position, row p; a sliding-window ring:
@@ -150,7 +151,13 @@ class NumpyBackend:
         if window > 0:
             mask |= kpos[None, :] <= q_pos[:, None] - window
         scores = np.where(mask, np.float32(-np.inf), scores)
-        p = self.softmax(scores)
+        if sinks is None:
+            p = self.softmax(scores)
+        else:
+            sink = np.asarray(sinks, np.float32).reshape(Hkv, group, 1, 1)
+            m = np.maximum(np.max(scores, axis=-1, keepdims=True), sink)
+            e = np.exp(scores - m)
+            p = e / (np.sum(e, axis=-1, keepdims=True) + np.exp(sink - m))
         out = p @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, R, Dv]
         return out.transpose(2, 0, 1, 3).reshape(R, H * Dv)
 
@@ -165,25 +172,49 @@ class NumpyBackend:
             w = w / np.sum(w, axis=-1, keepdims=True)
         return ids, w.astype(np.float32)
 
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)).
+    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+        """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)) (glu =
+        (alpha, limit): gpt-oss's clamped variant, see `glu_oai`; the parts' biases, where the
+        file has them, are added to their products).
 
         x: [R, dim]; ids, weights: [R, k]. Expert e of `ffn_gate_exps` is raw[e]: [hidden, dim].
         """
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
+        biases = self.expert_biases(layer)
         out = np.zeros_like(x)
         for e in np.unique(ids):
-            self.expert_ffn(out, x, ids, weights, int(e), parts, [t.raw[int(e)] for t in parts])
+            self.expert_ffn(out, x, ids, weights, int(e), parts, [t.raw[int(e)] for t in parts], biases, glu)
         return out
 
-    def expert_ffn(self, out, x, ids, weights, e: int, parts, raws) -> None:
+    def expert_biases(self, layer: int):
+        """[E, width] biases of the gate, up and down parts (gpt-oss), or None."""
+        names = [f"blk.{layer}.{p}.bias" for p in EXPERT_PARTS]
+        if names[0] not in self.gguf.tensors:
+            return None
+        return [self.weight(n).reshape(self.gguf.tensor(n).shape) for n in names]
+
+    @staticmethod
+    def glu_oai(gate: np.ndarray, up: np.ndarray, alpha: float, limit: float) -> np.ndarray:
+        """gpt-oss's SwiGLU: gate clamped above at limit, up to [-limit, limit], then
+        gate * sigmoid(alpha * gate) * (up + 1)."""
+        gate = np.minimum(gate, np.float32(limit))
+        up = np.clip(up, np.float32(-limit), np.float32(limit))
+        return gate / (np.float32(1.0) + np.exp(np.float32(-alpha) * gate)) * (up + np.float32(1.0))
+
+    def expert_ffn(self, out, x, ids, weights, e: int, parts, raws, biases=None, glu=None) -> None:
         """out[rows routed to e] += weight * down(silu(gate(x)) * up(x)), with expert e's raw
         gate/up/down bytes `raws` (from the file map, or from a streaming pool's slot)."""
         gate, up, down = (QTYPES[t.qtype].dequantize(r) for t, r in zip(parts, raws))
         rows, slot = np.nonzero(ids == e)
         xe = x[rows]  # [n, dim]
-        h = self.silu(xe @ gate.T) * (xe @ up.T)  # [n, hidden]
-        out[rows] += (h @ down.T) * weights[rows, slot][:, None]  # [n, dim]
+        g, u = xe @ gate.T, xe @ up.T  # [n, hidden]
+        if biases is not None:
+            g, u = g + biases[0][e], u + biases[1][e]
+        h = self.silu(g) * u if glu is None else self.glu_oai(g, u, *glu)
+        y = h @ down.T  # [n, dim]
+        if biases is not None:
+            y = y + biases[2][e]
+        out[rows] += y * weights[rows, slot][:, None]  # [n, dim]
 
 
 class EagerStep:
@@ -219,14 +250,17 @@ class EagerStep:
         return x.reshape(x.shape[0], *shape)
 
     def rope(self, x: np.ndarray, n_rot: int, theta: float, neox: bool, scale: float,
-             factors: str | None = None) -> np.ndarray:
-        f = self.be.weight(factors) if factors is not None else None
+             factors=None) -> np.ndarray:
+        """factors: a tensor name, or an array the config computed (YaRN's divisors)."""
+        f = self.be.weight(factors) if isinstance(factors, str) else factors
         return self.be.rope(x, self.pos, n_rot, theta, neox, scale, f)
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
-                  scale: float | None = None) -> np.ndarray:
+                  scale: float | None = None, sinks: str | None = None) -> np.ndarray:
         keys, values = self.cache[layer].write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
-        return self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
+        if sinks is None:
+            return self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
+        return self.be.attention(q, keys, values, self.pos, window, scale, self.be.weight(sinks))
 
     @staticmethod
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -262,8 +296,10 @@ class EagerStep:
                 self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values)
             predictor.at_pause(self._pause_ctx, layer, ids, logits, h)
 
-    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        return self.be.experts(x, layer, ids, weights)
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+        if glu is None:
+            return self.be.experts(x, layer, ids, weights)
+        return self.be.experts(x, layer, ids, weights, glu)
 
     def shared_expert(self, layer: int, x: np.ndarray) -> np.ndarray:
         """qwen2moe's always-on expert, scaled per row by a sigmoid gate."""

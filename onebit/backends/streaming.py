@@ -19,13 +19,14 @@ class StreamingNumpyBackend(NumpyBackend):
         super().__init__(gguf)
         self.pool = pool
 
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in PARTS]
+        biases = self.expert_biases(layer)
         out = np.zeros_like(x)
         experts = [int(e) for e in np.unique(ids)]
         # (a read that fails because the file changed is named by the model's forward)
         for _, group, slots in self.pool.pinned_groups(layer, experts):
             for e, slot in zip(group, slots):
                 raws = [self.pool.slot_view(layer, slot, p) for p in PARTS]
-                self.expert_ffn(out, x, ids, weights, e, parts, raws)
+                self.expert_ffn(out, x, ids, weights, e, parts, raws, biases, glu)
         return out

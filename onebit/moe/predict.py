@@ -233,7 +233,10 @@ class Predictor:
         from ..backends.numpy_backend import NumpyBackend
         from ..memory.plan import parse_layers
 
+        from ..models import model_class
+
         self.cfg, self.s, self.pool = cfg, settings, pool
+        self.arch = model_class(cfg.arch, str(getattr(gguf, "path", "")))  # its router names and mixer
         self.be = host if host is not None else NumpyBackend(gguf)
         self.k = cfg.n_experts_used
         self.moe_layers = [i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)]
@@ -340,16 +343,16 @@ class Predictor:
     def _router(self, layer: int, r: np.ndarray) -> np.ndarray:
         """Layer's router logits for residual r: [R, E]."""
         be = self.be
-        hn = be.rms_norm(r, be.weight(f"blk.{layer}.ffn_norm.weight"), self.cfg.norm_eps)
-        return be.linear(hn, f"blk.{layer}.ffn_gate_inp.weight")
+        norm, router, bias = self.arch.router_names(layer)
+        hn = be.rms_norm(r, be.weight(norm), self.cfg.norm_eps)
+        logits = be.linear(hn, router)
+        return logits if bias is None else logits + be.weight(bias)
 
     def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
         """r + layer's mixer over norm(r), its K/V for these rows in the layer's scratch."""
-        from ..models.blocks import attention
-
         step = _ScratchStep(self.be, ctx, layer, *self._scratch_for(layer, ctx.rows))
         x = self.be.rms_norm(r, self.be.weight(f"blk.{layer}.attn_norm.weight"), self.cfg.norm_eps)
-        return r + attention(step, self.cfg, layer, x)
+        return r + self.arch.mixer(step, self.cfg, layer, x)
 
     def _scratch_for(self, layer: int, rows: int):
         """The layer's scratch (a decode step: the one the plan counts); transient arrays for a
@@ -420,9 +423,9 @@ class _ScratchStep(EagerStep):
         self.pos = np.arange(ctx.start, ctx.start + ctx.rows, dtype=np.int64)
         self.tensor_names = be.gguf.tensors
 
-    def attention(self, layer, q, k, v, window=0, scale=None):
+    def attention(self, layer, q, k, v, window=0, scale=None, sinks=None):
         """Causal GQA over the cache's first `start` positions and these rows: scores for both
-        parts, one softmax, two weighted sums."""
+        parts, one softmax (with the sinks, gpt-oss, as one more column), two weighted sums."""
         self.k_scratch[...] = k
         self.v_scratch[...] = v
         s = self.ctx.start
@@ -445,6 +448,10 @@ class _ScratchStep(EagerStep):
             sc = np.where(np.arange(lo, lo + s)[None, :] <= self.pos[:, None] - window, np.float32(-np.inf), sc)
             mask_n |= self.pos[None, :] <= self.pos[:, None] - window
         sn = np.where(mask_n, np.float32(-np.inf), sn)
-        p = self.be.softmax(np.concatenate([sc, sn], axis=-1))
+        if sinks is None:
+            p = self.be.softmax(np.concatenate([sc, sn], axis=-1))
+        else:
+            sink = np.broadcast_to(self.be.weight(sinks).reshape(Hkv, H // Hkv, 1, 1), (*sc.shape[:3], 1))
+            p = self.be.softmax(np.concatenate([sc, sn, sink], axis=-1))[..., :-1]
         out = p[..., :s] @ vc.transpose(1, 0, 2)[:, None] + p[..., s:] @ self.v_scratch.transpose(1, 0, 2)[:, None]
         return out.transpose(2, 0, 1, 3).reshape(R, H * v.shape[2])

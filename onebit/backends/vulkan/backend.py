@@ -44,8 +44,8 @@ class VulkanBackend:
         store = WeightStore(self.dev)
         names = []
         for name, t in gguf.tensors.items():
-            if len(t.shape) < 2 or self._streamed(name):
-                continue
+            if len(t.shape) < 2 or name.endswith(".bias") or self._streamed(name):
+                continue  # (1-D tensors and biases, gpt-oss's [E, F] expert biases too: GraphConsts)
             raw, type_name = t.raw, t.type_name
             if type_name not in SUPPORTED_TYPES or t.shape[-1] % shader_qk(type_name):
                 if t.shape[-1] % shader_qk("F32"):
@@ -139,6 +139,18 @@ class GraphConsts:
             buf.write(w)
             self._buffers.append(buf)
             s = self._vecs[name] = buf.slice(0, max(w.nbytes, 16))
+        return s
+
+    def array(self, values: np.ndarray) -> Slice:
+        """A float32 buffer holding `values` (arrays the config computes: YaRN's RoPE divisors)."""
+        w = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        key = f"array:{w.tobytes().hex()}"
+        s = self._vecs.get(key)
+        if s is None:
+            buf = self.be.dev.buffer(max(w.nbytes, 16))
+            buf.write(w)
+            self._buffers.append(buf)
+            s = self._vecs[key] = buf.slice(0, max(w.nbytes, 16))
         return s
 
     def scalar(self, value: float) -> Slice:

@@ -361,14 +361,18 @@ class Recorder:
     def view(x: Val, shape) -> Val:
         return Val(x.s, (x.rows, *shape), x.dtype, base=x)
 
-    def rope(self, x: Val, n_rot: int, theta: float, neox: bool, scale: float, factors: Optional[str] = None) -> Val:
+    def rope(self, x: Val, n_rot: int, theta: float, neox: bool, scale: float, factors=None) -> Val:
         R, H, D = x.shape
         out = self._new(x.shape)
-        f = self.be.consts.vec(factors) if factors is not None else None
+        if factors is None or isinstance(factors, str):
+            f = self.be.consts.vec(factors) if factors is not None else None
+        else:  # an array from the config (YaRN's divisors)
+            f = self.be.consts.array(factors)
         self.k.rope(self.seq, x.s, self.rec.pos, out.s, R, H, D, n_rot, theta, neox, scale, factors=f)
         return out
 
-    def attention(self, layer: int, q: Val, k: Val, v: Val, window: int = 0, scale: Optional[float] = None) -> Val:
+    def attention(self, layer: int, q: Val, k: Val, v: Val, window: int = 0, scale: Optional[float] = None,
+                  sinks: Optional[str] = None) -> Val:
         R, H, D = q.shape
         _, Hkv, Dv = v.shape
         kv = self.rec.kv
@@ -377,7 +381,8 @@ class Recorder:
         self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
         self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
         out = self._new((R, H * Dv))
-        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, n_kv, window, scale)
+        sk = self.be.consts.vec(sinks) if sinks is not None else None
+        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, n_kv, window, scale, sk)
         return out
 
     def residual(self, x: Val, y: Val) -> Val:
@@ -426,7 +431,7 @@ class Recorder:
         if layer in self.rec.pause_layers:
             self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, h))
 
-    def experts(self, layer: int, x: Val, ids: Val, w: Val) -> Val:
+    def experts(self, layer: int, x: Val, ids: Val, w: Val, glu=None) -> Val:
         R, k = ids.shape
         tensors = self.be.expert_tensors(layer)
         gate = tensors[0]
@@ -439,21 +444,31 @@ class Recorder:
             index = pp.table = self.rec.fixed((R, k), np.int32)
         g, u, h, y = self._new((R, k, F)), self._new((R, k, F)), self._new((R, k, F)), self._new((R, dim))
         K = self.k
+        biases = None  # gpt-oss: the parts' biases (by expert id, resident), with the clamped SwiGLU
+        if glu is not None:
+            biases = [self.be.consts.vec(f"blk.{layer}.{p}.bias") for p in ("ffn_gate_exps", "ffn_up_exps",
+                                                                             "ffn_down_exps")]
 
         def record(seq, ts, idx: Val, accumulate: bool, out: Optional[Slice] = None) -> None:
             gt, ut, dt = ts
             K.mul_mv_id(seq, gt, x.s, g.s, idx.s, w.s, R, k, dim, 0, F)  # [R, k, F]
             K.mul_mv_id(seq, ut, x.s, u.s, idx.s, w.s, R, k, dim, 0, F)
-            K.elementwise(seq, "swiglu", g.s, u.s, h.s, R * k * F)
+            if biases is None:
+                K.elementwise(seq, "swiglu", g.s, u.s, h.s, R * k * F)
+            else:
+                K.expert_glu_oai(seq, g.s, u.s, ids.s, biases[0], biases[1], h.s, R * k, F, *glu)
             K.mul_mv_id(seq, dt, h.s, out or y.s, idx.s, w.s, R, k, k * F, F, dim, mode="sum",
                         accumulate=accumulate)  # [R, dim]
+            if biases is not None:  # weighted as the products are (row-group passes zero the others' weights)
+                K.expert_down_bias(seq, out or y.s, ids.s, w.s, biases[2], R, k, dim)
 
         start = len(self.seq.ops)
         record(self.seq, tensors, index, False)
         if pp is not None:
             pp.weights, pp.y, pp.span, pp.record_experts = w, y, (start, len(self.seq.ops)), record
-        # Not where passes over row groups accumulate into y itself, nor over several parts.
-        if (pp is None or pp.table is None) and len(tensors[2].parts) == 1:
+        # Not where passes over row groups accumulate into y itself, nor over several parts, nor
+        # with down biases (x + (S + B) whether streamed or not: the same bits).
+        if (pp is None or pp.table is None) and len(tensors[2].parts) == 1 and biases is None:
             y.redo = (start, len(self.seq.ops), lambda out, acc: record(self.seq, tensors, index, acc, out))
         return y
 

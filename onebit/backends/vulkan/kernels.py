@@ -318,6 +318,23 @@ class Kernels:
         gx, gy = self._grid(math.ceil(n / 256))
         seq.dispatch(p, (a, b if b is not None else a, out), _push("2I", n, nb or n), (gx, gy, 1), writes=(2,))
 
+    def expert_glu_oai(self, seq: Sequence, g: Slice, u: Slice, ids: Slice, bg: Slice, bu: Slice, h: Slice,
+                       n_slots: int, F: int, alpha: float, limit: float) -> None:
+        """gpt-oss: h = glu(g + bg[ids], u + bu[ids]) per expert slot; g, u, h: [n_slots, F],
+        ids: [n_slots] expert ids, bg, bu: [E, F] (glu: `NumpyBackend.glu_oai`)."""
+        p = self.pipeline("expert_glu_oai", 6, (256,))
+        n = n_slots * F
+        gx, gy = self._grid(math.ceil(n / 256))
+        seq.dispatch(p, (g, u, ids, bg, bu, h), _push("3I2f", n, F, 1, alpha, limit), (gx, gy, 1), writes=(5,))
+
+    def expert_down_bias(self, seq: Sequence, y: Slice, ids: Slice, wts: Slice, bd: Slice, n_rows: int, k: int,
+                         dim: int) -> None:
+        """gpt-oss: y[r] += sum_s wts[r, s] * bd[ids[r, s]]; y: [R, dim], ids/wts: [R, k], bd: [E, dim]."""
+        p = self.pipeline("expert_down_bias", 4, (256,))
+        n = n_rows * dim
+        gx, gy = self._grid(math.ceil(n / 256))
+        seq.dispatch(p, (y, ids, wts, bd), _push("3I2f", n, dim, k, 0.0, 0.0), (gx, gy, 1), writes=(0,))
+
     def rms_norm(self, seq: Sequence, x: Slice, w: Optional[Slice], out: Slice, n_rows: int, n: int, eps: float,
                  x_stride: Optional[int] = None, out_stride: Optional[int] = None) -> None:
         p = self.pipeline("rms_norm", 3, (self.wg,))
@@ -355,10 +372,10 @@ class Kernels:
 
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
                   n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0,
-                  scale: Optional[float] = None) -> None:
+                  scale: Optional[float] = None, sinks: Optional[Slice] = None) -> None:
         """Causal GQA attention of rows at positions pos[r] over cached positions 0..pos[r] (with a
         window > 0: only the last `window` positions up to pos[r]); scores q.k * scale (default
-        1/sqrt(head_dim)).
+        1/sqrt(head_dim)); sinks: [H] logits that join each head's softmax denominator (gpt-oss).
         q: [R, H, D]; k: [S, Hkv, D]; v: [S, Hkv, Dv], S = n_kv, holding position p in row p % S
         (a sliding-window ring: S is its capacity); out: [R, H * Dv]."""
         cpu = self.reduce == "none"
@@ -368,12 +385,14 @@ class Kernels:
             raise VulkanKernelError(f"kernel attn: head dims {head_dim}/{head_dim_v}, heads {n_heads}/{n_kv_heads} "
                                     "outside its limits")
         if cpu:  # one subgroup per workgroup; head dims are specialization constants
-            p = self.pipeline("attn_none", 5, (self.dev.info.subgroup_size, head_dim, head_dim_v))
+            p = self.pipeline("attn_none", 6, (self.dev.info.subgroup_size, head_dim, head_dim_v))
         else:
-            p = self.pipeline("attn", 5, (self.wg,))
-        push = _push("9IfI", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
-                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim) if scale is None else scale, int(window))
-        seq.dispatch(p, (q, k, v, pos, out), push, (n_heads, n_rows, 1), writes=(4,))
+            p = self.pipeline("attn", 6, (self.wg,))
+        push = _push("9If2I", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
+                     n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim) if scale is None else scale,
+                     int(window), int(sinks is not None))
+        seq.dispatch(p, (q, k, v, pos, out, sinks if sinks is not None else q), push, (n_heads, n_rows, 1),
+                     writes=(4,))
 
     def set_rows(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int,
                  src_stride: Optional[int] = None, dst_stride: Optional[int] = None, dst_rows: int = 0) -> None:

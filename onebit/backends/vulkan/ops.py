@@ -160,13 +160,29 @@ class VulkanOps:
         return self._run(lambda s: self.k.argmax(s, xs, out[0], rows, n), out)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
-                  scale: Optional[float] = None) -> np.ndarray:
+                  scale: Optional[float] = None, sinks: Optional[np.ndarray] = None) -> np.ndarray:
         R, H, D = q.shape
         S, Hkv, Dv = v.shape
         qs, ks, vs, ps = self._in(q), self._in(k), self._in(v), self._in(q_pos, np.int32)
+        ss = self._in(sinks) if sinks is not None else None
         out = self._out((R, H * Dv))
-        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S, window, scale),
+        return self._run(lambda s: self.k.attention(s, qs, ks, vs, ps, out[0], R, H, Hkv, D, Dv, S, window, scale,
+                                                    ss), out)
+
+    def expert_glu_oai(self, g: np.ndarray, u: np.ndarray, ids: np.ndarray, bg: np.ndarray, bu: np.ndarray,
+                       alpha: float, limit: float) -> np.ndarray:
+        R, k, F = g.shape
+        gs, us, ids_, bgs, bus = self._in(g), self._in(u), self._in(ids, np.int32), self._in(bg), self._in(bu)
+        out = self._out((R, k, F))
+        return self._run(lambda s: self.k.expert_glu_oai(s, gs, us, ids_, bgs, bus, out[0], R * k, F, alpha, limit),
                          out)
+
+    def expert_down_bias(self, y: np.ndarray, ids: np.ndarray, wts: np.ndarray, bd: np.ndarray) -> np.ndarray:
+        (R, k), dim = ids.shape, y.shape[1]
+        ys = self._in(y)  # not poisoned: the biases are added to it
+        out = (ys, y.shape, np.dtype(np.float32))
+        ids_, ws, bds = self._in(ids, np.int32), self._in(wts), self._in(bd)
+        return self._run(lambda s: self.k.expert_down_bias(s, ys, ids_, ws, bds, R, k, dim), out)
 
     def set_rows(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray, wrap: bool = False) -> np.ndarray:
         n = int(np.prod(dst.shape[1:]))

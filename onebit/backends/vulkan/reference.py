@@ -91,8 +91,19 @@ def argmax(x: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
-              scale: Optional[float] = None) -> np.ndarray:
-    return _NP.attention(q, k, v, q_pos, window, scale)
+              scale: Optional[float] = None, sinks: Optional[np.ndarray] = None) -> np.ndarray:
+    return _NP.attention(q, k, v, q_pos, window, scale, sinks)
+
+
+def expert_glu_oai(g: np.ndarray, u: np.ndarray, ids: np.ndarray, bg: np.ndarray, bu: np.ndarray,
+                   alpha: float, limit: float) -> np.ndarray:
+    """g, u: [R, k, F] gate and up products of experts ids [R, k]; bg, bu: [E, F]."""
+    return _NP.glu_oai(g + bg[ids], u + bu[ids], alpha, limit)
+
+
+def expert_down_bias(y: np.ndarray, ids: np.ndarray, wts: np.ndarray, bd: np.ndarray) -> np.ndarray:
+    """y: [R, dim] plus each row's experts' down biases bd: [E, dim], weighted."""
+    return y + np.einsum("rk,rkd->rd", wts, bd[ids])
 
 
 def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray, wrap: bool = False) -> np.ndarray:
