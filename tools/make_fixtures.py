@@ -141,6 +141,16 @@ MAX_SEED_TRIES = 60
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# GLM-4.5's special tokens (llama.cpp's converter looks up [gMASK], <|user|>, <|endoftext|> and
+# <|observation|> by name) and a short form of its turn format.
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                "<|observation|>"]
+GLM_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
 # Gemma's turn format, as onebit renders a Gemma file without a template (the same text).
 sys.path.insert(0, str(REPO_ROOT))
 from onebit.chat_template import GEMMA_TEMPLATE  # noqa: E402
@@ -180,6 +190,7 @@ PRE_REGEXES = {
     "llama-bpe": (_LLAMA3_REGEX,),
     "gpt-2": (_GPT2_REGEX,),
     "default": _DEFAULT_REGEXES,
+    "glm4": (_LLAMA3_REGEX,),  # llama.cpp: the chatglm4 regex (llama 3's), ignore_merges
 }
 
 TOKENIZERS = {
@@ -197,6 +208,10 @@ TOKENIZERS = {
     # llama.cpp's fallback pre-tokenizer (several regexes in a row).
     "bpe-default": TokenizerSpec("bpe", 512, pre="default", bos="<|endoftext|>",
                                  eos="<|im_end|>", pad="<|endoftext|>"),
+    # GLM-4.5 style: pre glm4 (llama.cpp: no BOS token, ignore_merges), GLM's specials.
+    "bpe-glm4": TokenizerSpec("bpe", 512, pre="glm4", specials=tuple(GLM_SPECIALS), bos="[gMASK]",
+                              eos="<|endoftext|>", pad="<|endoftext|>", ignore_merges=True,
+                              chat_template=GLM_TEMPLATE),
     # Llama 1/2 style SentencePiece with byte fallback; ChatML markers are control symbols.
     "spm": TokenizerSpec("spm", 640, specials=("<|im_start|>", "<|im_end|>"),
                          bos="<s>", eos="</s>", add_bos=True),
@@ -219,6 +234,7 @@ class Fixture:
     vocab_pad: int = 0   # extra vocab rows beyond the tokenizer (written as [PAD] tokens)
     quant_types: tuple[str, ...] = ()   # llama-quantize targets made from the f32 file
     norm_center: float = 1.0   # random norm weights are this + N(0, 0.2) (Gemma stores w - 1)
+    nextn_layers: int = 0      # GLM MTP layers saved beside the HF weights (see add_nextn_layers)
 
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -295,6 +311,20 @@ FIXTURES = [
                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                  norm_topk_prob=True, rms_norm_eps=1e-6),
             "bpe-qwen2", seed=8, quant_types=QUANT_TYPES),
+    # GLM-4.5: layer 0 dense, sigmoid router scores with a random expert-score correction bias
+    # (selection only), two expert groups of which one is used, renormalised top-k times a
+    # routed scaling factor, an ungated shared expert, partial NeoX rotary (8 of 16 dims),
+    # q/k/v biases, per-head q/k norms; plus one NextN (MTP) layer, which llama.cpp loads
+    # and does not run. Rows of 32: Q8_0 and Q4_0 quantize every matrix.
+    Fixture("glm4moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
+            dict(SMALL, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
+                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                 n_group=2, topk_group=1, attention_bias=True, use_qk_norm=True,
+                 rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.5)),
+            "bpe-glm4", seed=11, quant_types=("Q8_0", "Q4_0"), nextn_layers=1),
 ]
 
 
@@ -572,9 +602,46 @@ def make_hf_model(fx: Fixture, tok_spec: TokenizerSpec, tok_dir: Path, out_dir: 
         shutil.rmtree(out_dir)
     shutil.copytree(tok_dir, out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if fx.nextn_layers:
+        add_nextn_layers(out_dir, fx.nextn_layers, seed, fx.norm_center)
     # getattr, not to_dict(): configs alias some names (num_experts -> num_local_experts)
     return dict(seed=seed, config={k: getattr(config, k, None)
                                    for k in ["vocab_size", *fx.config.keys()]})
+
+
+def add_nextn_layers(hf_dir: Path, n: int, seed: int, norm_center: float) -> None:
+    """GLM-4.5's NextN (multi-token prediction) layers, which transformers' Glm4MoeForCausalLM
+    neither builds nor reads: per layer, the tensors of the last (MoE) decoder layer as saved,
+    with fresh random values, plus eh_proj, enorm, hnorm and shared_head.norm, under the names
+    of the real checkpoints. They go into a second file, model-nextn.safetensors (llama.cpp's
+    converter reads every model*.safetensors, transformers only model.safetensors), and
+    config.json counts them (num_nextn_predict_layers), as the real config does."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg_path = hf_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    last, d = cfg["num_hidden_layers"] - 1, cfg["hidden_size"]
+    std = cfg.get("initializer_range", 0.02)
+    prefix = f"model.layers.{last}."
+    saved = {k[len(prefix):]: v for k, v in load_file(hf_dir / "model.safetensors").items() if k.startswith(prefix)}
+    torch.manual_seed(seed + 1)
+    out = {}
+    for j in range(n):
+        p = f"model.layers.{cfg['num_hidden_layers'] + j}."
+        for name, t in sorted(saved.items()):
+            if name.endswith("bias"):
+                out[p + name] = 0.1 * torch.randn_like(t)
+            elif "norm" in name and t.ndim == 1:
+                out[p + name] = norm_center + 0.2 * torch.randn_like(t)
+            else:
+                out[p + name] = std * torch.randn_like(t) * (ROUTER_GAIN if ROUTER_WEIGHT.search("." + name) else 1)
+        out[p + "eh_proj.weight"] = std * torch.randn(d, 2 * d)
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            out[p + name + ".weight"] = norm_center + 0.2 * torch.randn(d)
+    save_file(out, hf_dir / "model-nextn.safetensors", metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = n
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
@@ -593,6 +660,9 @@ def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif ROUTER_WEIGHT.search(name):
                 p.mul_(ROUTER_GAIN)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM / DeepSeek V3: zeros in HF's init
+                b.normal_(0.0, 0.1)
     return model
 
 
@@ -615,8 +685,30 @@ def router_margin(model, tokens: list[int]) -> float:
         return float("inf")
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=True)
-    ranked = torch.stack(out.router_logits).sort(-1, descending=True).values
-    return float((ranked[..., top_k - 1] - ranked[..., top_k]).min())
+        return float(routing_margins(model, out.router_logits).min())
+
+
+def routing_margins(model, router_logits):
+    """[MoE layers, T]: the gap behind each router choice, k-th minus (k+1)-th of what the
+    router ranks: the logits, or for GLM sigmoid(logits) + the correction bias within the
+    chosen groups (and the gap between the last chosen group and the next)."""
+    import torch
+
+    top_k = model.config.num_experts_per_tok
+    logits = torch.stack(router_logits)  # [L, T, E]
+    if getattr(model.config, "model_type", "") != "glm4_moe":
+        ranked = logits.sort(-1, descending=True).values
+        return ranked[..., top_k - 1] - ranked[..., top_k]
+    routers = [m for m in model.modules() if type(m).__name__ == "Glm4MoeTopkRouter"]
+    sel = logits.sigmoid() + torch.stack([r.e_score_correction_bias for r in routers])[:, None, :]
+    E, G, used = sel.shape[-1], model.config.n_group, model.config.topk_group
+    gscore = sel.unflatten(-1, (G, E // G)).topk(2, dim=-1).values.sum(-1)  # [L, T, G]
+    granked = gscore.sort(-1, descending=True)
+    margins = [granked.values[..., used - 1] - granked.values[..., used]] if used < G else []
+    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(-1, granked.indices[..., :used], True)
+    ranked = sel.masked_fill(~keep.repeat_interleave(E // G, -1), float("-inf")).sort(-1, descending=True).values
+    margins.append(ranked[..., top_k - 1] - ranked[..., top_k])
+    return torch.stack(margins).min(0).values
 
 
 def hf_reference(hf_dir: Path, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -640,9 +732,8 @@ def hf_reference_from_model(model, tokens: np.ndarray) -> dict[str, np.ndarray]:
                     **({"output_router_logits": True} if top_k else {}))
     ref = {"logits_hf": out.logits[0].float().numpy()}
     if top_k:
-        # router_logits: one [T, n_experts] per layer
-        ranked = torch.stack(out.router_logits).sort(-1, descending=True).values
-        ref["router_margin"] = (ranked[..., top_k - 1] - ranked[..., top_k]).float().numpy()
+        # router_logits: one [T, n_experts] per MoE layer
+        ref["router_margin"] = routing_margins(model, out.router_logits).float().numpy()
     return ref
 
 
@@ -671,6 +762,8 @@ def hf_dequant_reference(gguf_path: Path, hf_dir: Path, tokens: np.ndarray) -> d
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    if gguf_meta(gguf_path)["arch"] != "qwen3moe":  # the one name table above
+        return None
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     params = dict(model.named_parameters())
@@ -767,6 +860,9 @@ def main() -> None:
                     help="comma-separated quant types: (re)make just these q3moe256 files from the "
                          "q3moe256-f32.gguf already in --out, keeping every other file and merging "
                          "the manifest and README")
+    ap.add_argument("--merge-into", type=Path, default=None,
+                    help="after the run, copy its files into this fixtures dir and add their manifest "
+                         "entries and tokenizer cases to its own (the other files there stay as they are)")
     args = ap.parse_args()
     fixtures = [fx for fx in FIXTURES if not args.only or fx.name in args.only.split(",")]
     # torch and ggml each bring an OpenMP runtime; with the default active wait policy
@@ -850,6 +946,28 @@ def main() -> None:
     write_readme(out, files)
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"total size of {out}: {total / 2**20:.2f} MiB")
+    if args.merge_into is not None:
+        merge_into(out, args.merge_into.resolve())
+
+
+def merge_into(src: Path, dst: Path) -> None:
+    """--merge-into: this run's files (src) join the fixtures in dst; dst's manifest and
+    tokenizer cases gain their entries, its README is rewritten from the merged manifest."""
+    new = json.loads((src / "manifest.json").read_text())
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for fname, entry in new["files"].items():
+        for name in (fname, entry["ref"]):
+            shutil.copyfile(src / name, dst / name)
+        manifest["files"][fname] = entry
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    cases = json.loads((dst / "tokenizer_cases.json").read_text())
+    added = json.loads((src / "tokenizer_cases.json").read_text())
+    assert cases["strings"] == added["strings"], "tokenizer strings differ: regenerate everything"
+    cases["cases"].update(added["cases"])
+    cases["same_tokenizer_as"].update(added["same_tokenizer_as"])
+    (dst / "tokenizer_cases.json").write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
+    write_readme(dst, {name: info_from_manifest(e) for name, e in manifest["files"].items()})
+    print(f"merged {', '.join(new['files'])} into {dst}")
 
 
 def info_from_manifest(entry: dict) -> dict:

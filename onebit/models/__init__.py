@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "glm4moe": "glm4moe",
 }
 
 

@@ -22,7 +22,7 @@ class TransformerLM:
         self.rows_run = 0
         self.draft_times: dict[int, float] = {}  # lookup decoding: seconds of a forward by row count
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
-        blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf))
+        blocks.check_tensors(gguf, self.expected_tensors())
         attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
         if attach is not None:
             attach(self)
@@ -30,6 +30,10 @@ class TransformerLM:
     @staticmethod
     def config(gguf) -> ModelConfig:
         raise NotImplementedError
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the schedule reads and its shape (numpy order)."""
+        return blocks.expected_tensors(self.cfg, self.gguf)
 
     def layer(self, g, i: int, x):
         """Layer i of the schedule, as block calls on the running step `g`."""
