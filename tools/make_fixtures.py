@@ -137,6 +137,8 @@ ROUTER_WEIGHT = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
 # ...and MoE fixtures take the first seed (fx.seed + 1000 * i) whose reference text routes
 # with at least this margin between the k-th and (k+1)-th router logit.
 MIN_ROUTER_MARGIN = 0.05
+# GLM's expert-score correction bias (zeros in HF's init): N(0, this), on sigmoid scores in (0, 1).
+EXPERT_BIAS_STD = 0.1
 MAX_SEED_TRIES = 60
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -662,7 +664,7 @@ def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
                 p.mul_(ROUTER_GAIN)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM / DeepSeek V3: zeros in HF's init
-                b.normal_(0.0, 0.1)
+                b.normal_(0.0, EXPERT_BIAS_STD)
     return model
 
 
