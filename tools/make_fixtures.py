@@ -729,10 +729,21 @@ def hf_reference_from_model(model, tokens: np.ndarray) -> dict[str, np.ndarray]:
     import torch
 
     top_k = getattr(model.config, "num_experts_per_tok", None)
+    # GLM: what HF's own router module took and chose, per MoE layer (a test checks onebit's
+    # routing rule against it on the same inputs)
+    routers = [m for m in model.modules() if type(m).__name__ == "Glm4MoeTopkRouter"]
+    seen: list[tuple] = []
+    hooks = [r.register_forward_hook(lambda mod, args, out: seen.append((args[0], out))) for r in routers]
     with torch.no_grad():
         out = model(torch.tensor(tokens[None, :], dtype=torch.long),
                     **({"output_router_logits": True} if top_k else {}))
+    for h in hooks:
+        h.remove()
     ref = {"logits_hf": out.logits[0].float().numpy()}
+    if routers:
+        ref["router_in"] = np.stack([x.reshape(-1, x.shape[-1]).numpy() for x, _ in seen])  # [L, T, dim]
+        ref["router_weights"] = np.stack([o[1].numpy() for _, o in seen]).astype(np.float32)  # [L, T, k]
+        ref["router_ids"] = np.stack([o[2].numpy() for _, o in seen]).astype(np.int32)  # [L, T, k]
     if top_k:
         # router_logits: one [T, n_experts] per MoE layer
         ref["router_margin"] = routing_margins(model, out.router_logits).float().numpy()
@@ -1280,6 +1291,9 @@ come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, excep
   Q1_0): HF transformers with every weight replaced by the GGUF's weight dequantized by
   gguf-py, float32 activations. An engine that dequantizes and computes in f32 should
   match this far more tightly than `logits_llama`.
+- `router_in`, `router_ids`, `router_weights` (glm4moe-f32 only): per MoE layer, the input
+  [{N_TOKENS}, dim] of HF's own router module and the experts [{N_TOKENS}, k] it chose (in its
+  order) with their weights.
 - `router_margin` float32 [n_layers, {N_TOKENS}] (MoE files with an HF oracle): router logit
   k minus router logit k+1 (k = experts used) from that HF run. Where it is tiny, rounding
   may pick other experts and the logits at that position jump; mask such positions when

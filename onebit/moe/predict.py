@@ -338,10 +338,17 @@ class Predictor:
     # -- ranking --------------------------------------------------------------------------
 
     def _router(self, layer: int, r: np.ndarray) -> np.ndarray:
-        """Layer's router logits for residual r: [R, E]."""
-        be = self.be
-        hn = be.rms_norm(r, be.weight(f"blk.{layer}.ffn_norm.weight"), self.cfg.norm_eps)
-        return be.linear(hn, f"blk.{layer}.ffn_gate_inp.weight")
+        """What layer's router ranks experts by, for residual r: [R, E]. Its logits; with
+        sigmoid routing (GLM) the route's own selection scores (sigmoid + correction bias, -inf
+        outside the chosen expert groups), so a prediction is ranked by the rule that routes."""
+        be, cfg = self.be, self.cfg
+        hn = be.rms_norm(r, be.weight(f"blk.{layer}.{cfg.ffn_norm}.weight"), cfg.norm_eps)
+        logits = be.linear(hn, f"blk.{layer}.ffn_gate_inp.weight")
+        if cfg.expert_gating != "sigmoid":
+            return logits
+        bias = f"blk.{layer}.exp_probs_b.bias"
+        b = be.weight(bias) if be.has(bias) else None
+        return be.selection_scores(logits, b, cfg.expert_groups, cfg.expert_groups_used)
 
     def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
         """r + layer's mixer over norm(r), its K/V for these rows in the layer's scratch."""
