@@ -199,7 +199,12 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
 def _set_aside_layers(g: GGUFFile, n_layers: int) -> None:
     """The tensors of layers n_layers and up (NextN / MTP layers, which llama.cpp skips too)
     leave `g.tensors` for `g.set_aside`: no backend uploads them, no plan, pool or info counts them."""
-    for name in [n for n in g.tensors if (m := _BLK_RE.match(n)) and int(m.group(1)) >= n_layers]:
+    names = [n for n in g.tensors if (m := _BLK_RE.match(n)) and int(m.group(1)) >= n_layers]
+    for i in sorted({int(_BLK_RE.match(n).group(1)) for n in names}):
+        if f"blk.{i}.nextn.eh_proj.weight" not in g.tensors:  # a count too large would drop real layers
+            raise ModelFileError(f"{g.path}: {g.architecture}.nextn_predict_layers makes layer {i} a NextN layer, "
+                                 f"but it has no blk.{i}.nextn.eh_proj.weight")
+    for name in names:
         g.set_aside[name] = g.tensors.pop(name)
 
 

@@ -19,7 +19,7 @@ HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
 def test_fixtures_present():
     assert len(REFS) >= 30, "oracle fixtures missing: run tools/make_fixtures.py"
     arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
-    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3"}
+    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3", "glm4moe"}
 
 
 # The reference backend and the cpu backend (numba kernels: same decoded weights, float32
@@ -62,7 +62,10 @@ def test_f32_matches_transformers(ref_path, backend):
 # llama.cpp rounds activations to Q8_K for these types; modelling that gives cosine >= 0.9999.
 # The same holds for four of the IQ files (3-17 positions; IQ types are dotted against Q8_K
 # activations too): q3moe256-IQ1_S, -IQ2_XXS, -IQ3_XXS, -IQ4_XS.
-BELOW_BAR = {"q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0", "q3moe256-IQ1_S", "q3moe256-IQ2_XXS",
+# glm4moe-Q8_0 / -Q4_0 (73% / 94% of positions): its sigmoid router scores sit close together
+# (smallest top-k margin 0.015), and llama.cpp's Q8_0 activation rounding flips experts there;
+# with that rounding modelled they pass (tests/test_glm4moe.py).
+BELOW_BAR = {"glm4moe-Q8_0", "glm4moe-Q4_0", "q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0", "q3moe256-IQ1_S", "q3moe256-IQ2_XXS",
              "q3moe256-IQ3_XXS", "q3moe256-IQ4_XS"}
 
 
