@@ -71,7 +71,7 @@ def test_recorded_decode_matches_numpy(name):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "vulkan"])
-@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "llama-f32", "gemma3-f32"])
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "llama-f32", "gemma3-f32", "glm4moe-f32"])
 def test_rows_in_one_forward_equal_single_steps(name, backend):
     """R rows in one forward == R one-row forwards, R = 1..9, after a 4-token prefix: numpy within
     float32 rounding (another matmul shape may sum in another order), Vulkan within kernel
