@@ -4,8 +4,8 @@ The routing rule against HF's own router module on the same inputs; each GLM fea
 fixture is load-bearing against HF; the NextN (MTP) layer in the file is loaded, set aside and
 never run, nor uploaded, planned or counted; prediction (router and block modes) ranks by the
 sigmoid + bias rule and leaves the output bit-identical on numpy, cpu and Vulkan, resident and
-streamed; the quantized files meet the llama.cpp bar once llama.cpp's activation rounding is
-modelled. (f32 vs transformers and llama.cpp: tests/test_oracle.py; backends vs numpy:
+streamed; a routing trace records the MoE layers only; the quantized files also meet the
+llama.cpp bar with llama.cpp's activation rounding modelled. (f32 vs transformers and llama.cpp: tests/test_oracle.py; backends vs numpy:
 test_cpu_backend.py, test_vulkan_graph.py; streamed == resident: test_pool.py,
 test_vulkan_streaming.py; tokenizer ids: test_tokenizer.py.)
 """
@@ -203,14 +203,28 @@ def test_streamed_with_prediction_equals_resident(backend):
         m.close()
 
 
+def test_routing_trace_has_the_moe_layers_only(tmp_path):
+    from onebit.moe.trace import TraceWriter, read_trace
+
+    m = onebit.load(F32, backend="numpy")
+    m.hook = TraceWriter(str(tmp_path / "t.jsonl"), m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
+    routed = []
+    ids = REF["tokens"][:5].astype(np.int64)
+    m.net.forward(ids, m.new_cache(), hook=lambda layer, e, lg: (routed.append((layer, e.tolist())), m.hook(layer, e, lg)))
+    m.hook.close()
+    tr = read_trace(str(tmp_path / "t.jsonl"))
+    assert tr.n_layers == 3 and {a.layer for a in tr.accesses} == {1, 2}
+    got = sorted((a.layer, sorted(a.experts)) for a in tr.accesses)
+    assert got == sorted((layer, sorted(row)) for layer, rows in routed for row in rows)
+
+
 # -- quantized files -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", ["glm4moe-Q8_0", "glm4moe-Q4_0"])
 def test_quantized_matches_llama_cpp_with_its_activation_rounding(name):
-    """With llama.cpp's Q8_0 activation rounding modelled, the quantized files meet the llama.cpp
-    bar (cosine >= 0.999 on >= 95% of positions; test_oracle marks the plain f32-activation run
-    of these files as below it, expert flips at near-tied sigmoid scores)."""
+    """With llama.cpp's Q8_0 activation rounding modelled too, the quantized files meet the
+    llama.cpp bar (cosine >= 0.999 on >= 95% of positions; test_oracle holds the plain run to it)."""
     from llamacpp_numerics import LlamaCppRoundingBackend
 
     m = onebit.load(FIXTURES / f"{name}.gguf", backend="numpy")
