@@ -237,6 +237,7 @@ class Fixture:
     quant_types: tuple[str, ...] = ()   # llama-quantize targets made from the f32 file
     norm_center: float = 1.0   # random norm weights are this + N(0, 0.2) (Gemma stores w - 1)
     nextn_layers: int = 0      # GLM MTP layers saved beside the HF weights (see add_nextn_layers)
+    ship_f32: bool = True      # False: the f32 file only feeds llama-quantize (too big to keep)
 
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -329,6 +330,19 @@ FIXTURES = [
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                       partial_rotary_factor=0.5)),
             "bpe-glm4", seed=11, quant_types=("Q8_0", "Q4_0"), nextn_layers=1),
+    # GLM-4.5-Air's shape of attention (no q/k norms) with every matmul row a multiple of 256,
+    # for a K-quant; only the quantized file is kept (the f32 one is 7 MiB).
+    Fixture("glm256", "Glm4MoeForCausalLM", "Glm4MoeConfig",
+            dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                 initializer_range=0.05, tie_word_embeddings=False, intermediate_size=256,
+                 moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2,
+                 n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                 routed_scaling_factor=2.5, n_group=1, topk_group=1, attention_bias=True,
+                 use_qk_norm=False, rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.5)),
+            "bpe-glm4", seed=12, quant_types=("Q4_K_M",), ship_f32=False),
 ]
 
 
@@ -914,7 +928,7 @@ def main() -> None:
         convert_to_gguf(lc, hf_dir, f32, spec.pre, model_name=f"onebit-fixture-{fx.name}")
         files[f32.name] = dict(fixture=fx.name, hf_dir=hf_dir, hf_class=fx.hf_class,
                                tokenizer=fx.tokenizer, quant="F32", quantize_flags=[],
-                               seed=made["seed"],
+                               seed=made["seed"], ship=fx.ship_f32,
                                config=made["config"])
         print(f"converted {f32.name} (seed {made['seed']})")
         for qtype in fx.quant_types:
@@ -935,10 +949,12 @@ def main() -> None:
         if info["hf_dir"] is not None:
             ref = f32_oracles(llm, path, info)
             f32_logits[info["fixture"]] = ref["logits_llama"]
-            # tokenizer cases, once per distinct tokenizer
-            first = next(f for f, i in files.items()
-                         if i["tokenizer"] == info["tokenizer"] and i["hf_dir"] is not None)
-            if first == fname:
+            # tokenizer cases, once per distinct tokenizer (from a file that is kept)
+            first = next((f for f, i in files.items() if i["tokenizer"] == info["tokenizer"]
+                          and i["hf_dir"] is not None and i["ship"]), None)
+            if not info["ship"]:
+                pass
+            elif first == fname:
                 tok_cases[fname] = tokenizer_cases(llm)
                 info["hf_tokenizer_mismatches"] = hf_tokenizer_mismatches(
                     info["hf_dir"], TOKENIZERS[info["tokenizer"]], tok_cases[fname])
@@ -954,6 +970,10 @@ def main() -> None:
                     meta=gguf_meta(path), bytes=path.stat().st_size)
         report_line(fname, info)
 
+    for fname in [f for f, i in files.items() if i["hf_dir"] is not None and not i["ship"]]:
+        (out / fname).unlink()  # it fed llama-quantize and the quantized files' vs-f32 figures
+        (out / fname.replace(".gguf", ".ref.npz")).unlink()
+        del files[fname]
     (out / "tokenizer_cases.json").write_text(json.dumps(
         dict(strings=TOKENIZER_STRINGS, cases=tok_cases, same_tokenizer_as=tok_alias),
         ensure_ascii=False, indent=1) + "\n")
@@ -1197,7 +1217,8 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
     fx_lines = []
     for fx in FIXTURES:
         spec = TOKENIZERS[fx.tokenizer]
-        info = files.get(f"{fx.name}-f32.gguf")
+        info = files.get(f"{fx.name}-f32.gguf") or next(
+            (i for i in files.values() if i["fixture"] == fx.name), None)   # its f32 not kept
         if info is None:   # not made in this run (--only, --only-quants)
             continue
         shape = ", ".join(f"{k}={v}" for k, v in fx.config.items())
@@ -1239,8 +1260,9 @@ same machine; another CPU or library version may move llama.cpp's logits in the 
 |---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-"f32 file": llama.cpp on this file vs llama.cpp on `q3moe256-f32.gguf` (what quantizing
-cost). "HF-dequant": vs `logits_hf_dequant` below (what llama.cpp's activation rounding and
+"f32 file": llama.cpp on this file vs llama.cpp on the f32 file it was quantized from,
+`<fixture>-f32.gguf` (what quantizing cost; glm256's f32 file is not kept, it is 7 MiB).
+"HF-dequant": vs `logits_hf_dequant` below (what llama.cpp's activation rounding and
 any expert flips cost). Router margins are from the HF run (on the dequantized weights for
 quantized files). `manifest.json` has the same facts per file, plus every tensor's type, the
 HF config, and the comparison numbers (max abs diff, min per-position cosine, argmax
@@ -1263,8 +1285,9 @@ six layers because llama.cpp (and the converter's GGUF) knows only the default p
 global layer in six; llama.cpp's gelu looks up fp16-rounded inputs in a table, which is its
 2e-3 from HF there. The converter stores Gemma's norm weights as 1 + w.
 
-`q3moe256-<TYPE>.gguf` = `llama-quantize q3moe256-f32.gguf <TYPE>`: every matmul row length
-is a multiple of 256. Types per file (the routers `ffn_gate_inp` and all norms stay F32):
+`<fixture>-<TYPE>.gguf` = `llama-quantize <fixture>-f32.gguf <TYPE>`; in q3moe256 and glm256
+every matmul row length is a multiple of 256. Types per file (the routers
+`ffn_gate_inp` and all norms stay F32):
 
 {chr(10).join(mix_lines)}
 
