@@ -74,8 +74,8 @@ def format_info(info: dict[str, Any]) -> str:
         f"head dim {info['head_dim']})",
     ]
     if info.get("nextn_layers"):
-        lines.append(f"nextn layers    {info['nextn_layers']} (MTP, {info['nextn_bytes'] / 2**20:.2f} MiB: in the file, "
-                     "not run, not counted here)")
+        mib = info["nextn_bytes"] / 2**20
+        lines.append(f"nextn layers    {info['nextn_layers']} (MTP, {mib:.2f} MiB: in the file, not run, not counted here)")
     if info["experts"]:
         shared = f", shared expert {info['shared_expert_hidden_dim']}" if info["shared_expert_hidden_dim"] else ""
         lines.append(f"experts         {info['experts']}, {info['experts_used']} used per token "

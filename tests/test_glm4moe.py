@@ -5,9 +5,12 @@ fixture is load-bearing against HF; the NextN (MTP) layer in the file is loaded,
 never run, nor uploaded, planned or counted; prediction (router and block modes) ranks by the
 sigmoid + bias rule and leaves the output bit-identical on numpy, cpu and Vulkan, resident and
 streamed; a routing trace records the MoE layers only; the quantized files also meet the
-llama.cpp bar with llama.cpp's activation rounding modelled. (f32 vs transformers and llama.cpp: tests/test_oracle.py; backends vs numpy:
-test_cpu_backend.py, test_vulkan_graph.py; streamed == resident: test_pool.py,
-test_vulkan_streaming.py; tokenizer ids: test_tokenizer.py.)
+llama.cpp bar with llama.cpp's activation rounding modelled.
+
+Elsewhere: f32 vs transformers and llama.cpp, quantized vs llama.cpp (test_oracle.py);
+backends vs numpy (test_cpu_backend.py, test_vulkan_graph.py); streamed == resident
+(test_pool.py, test_vulkan_streaming.py); tokenizer ids (test_tokenizer.py); the router kernel
+vs its numpy twin (test_vulkan_kernels.py).
 """
 
 from __future__ import annotations
@@ -210,7 +213,11 @@ def test_routing_trace_has_the_moe_layers_only(tmp_path):
     m.hook = TraceWriter(str(tmp_path / "t.jsonl"), m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
     routed = []
     ids = REF["tokens"][:5].astype(np.int64)
-    m.net.forward(ids, m.new_cache(), hook=lambda layer, e, lg: (routed.append((layer, e.tolist())), m.hook(layer, e, lg)))
+    def hook(layer, e, lg):
+        routed.append((layer, e.tolist()))
+        m.hook(layer, e, lg)
+
+    m.net.forward(ids, m.new_cache(), hook=hook)
     m.hook.close()
     tr = read_trace(str(tmp_path / "t.jsonl"))
     assert tr.n_layers == 3 and {a.layer for a in tr.accesses} == {1, 2}

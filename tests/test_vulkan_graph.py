@@ -25,7 +25,8 @@ from onebit.backends.vulkan.graph import DeviceCache, row_chunks
 
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
         "llama3rope-f32", "gemma3-f32", "glm4moe-f32"]
-QUANT = ["q3moe256-" + t for t in ("f32", "Q4_K_M", "Q8_0", "MXFP4_MOE")] + ["glm4moe-Q8_0", "glm256-Q4_K_M"]
+QUANT = ["q3moe256-" + t for t in ("f32", "Q4_K_M", "Q8_0", "MXFP4_MOE")]
+QUANT += ["glm4moe-Q8_0", "glm256-Q4_K_M"]
 LOGIT_TOL = 1e-4
 N_PROMPT, N_DECODE = 5, 8
 
