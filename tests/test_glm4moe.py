@@ -102,6 +102,23 @@ def test_glm_features_are_load_bearing(what, change):
     assert ok.mean() < 0.97, f"{what}: still matches HF at {ok.mean():.2f} of positions"
 
 
+@pytest.mark.parametrize("meta,match", [
+    ({"glm4moe.expert_group_count": 3}, "8 experts in 3 groups"),  # groups must split the experts evenly
+    ({"glm4moe.expert_group_count": 4, "glm4moe.expert_group_used_count": 1, "glm4moe.expert_used_count": 3},
+     "cannot give the top 3"),  # one group of two experts cannot hold a top 3
+    ({"glm4moe.expert_gating_func": 1}, "expert_gating_func 1 is not supported"),
+])
+def test_bad_routing_metadata_is_refused(tmp_path, meta, match):
+    from ggufedit import rewrite
+
+    from onebit.errors import OnebitError
+
+    dst = tmp_path / "bad.gguf"
+    rewrite(F32, dst, meta=meta)
+    with pytest.raises(OnebitError, match=match):
+        onebit.load(dst, backend="numpy")
+
+
 # -- NextN / MTP layers ---------------------------------------------------------------------
 
 
