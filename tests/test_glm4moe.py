@@ -107,6 +107,7 @@ def test_glm_features_are_load_bearing(what, change):
     ({"glm4moe.expert_group_count": 4, "glm4moe.expert_group_used_count": 1, "glm4moe.expert_used_count": 3},
      "cannot give the top 3"),  # one group of two experts cannot hold a top 3
     ({"glm4moe.expert_gating_func": 1}, "expert_gating_func 1 is not supported"),
+    ({"glm4moe.rope.dimension_sections": [4, 2, 2, 0]}, "multimodal RoPE"),
 ])
 def test_bad_routing_metadata_is_refused(tmp_path, meta, match):
     from ggufedit import rewrite

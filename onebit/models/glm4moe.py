@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from ..config import _float, _int, config_from_gguf
 from ..errors import ModelFileError, UnsupportedModelError
 from . import blocks
@@ -40,6 +42,10 @@ class Model(TransformerLM):
         if groups > 1 and (E % groups or E // groups < 2 or cfg.n_experts_used > used * (E // groups)):
             raise ModelFileError(f"{gguf.path}: {E} experts in {groups} groups of which {used} are used cannot "
                                  f"give the top {cfg.n_experts_used}")
+        sections = np.asarray(gguf.get(f"{a}.rope.dimension_sections", [0, 0])).reshape(-1)
+        if len(sections) >= 2 and sections[0] > 0 and sections[1] > 0:  # llama.cpp then uses M-RoPE
+            raise UnsupportedModelError(f"{gguf.path}: {a}.rope.dimension_sections asks for multimodal RoPE "
+                                        "(GLM-4.5V), which onebit does not support")
         shared = _int(gguf, f"{a}.expert_shared_count", 0, lo=0, hi=64)
         return dataclasses.replace(
             cfg,
