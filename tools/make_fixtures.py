@@ -3,7 +3,9 @@
 
 What it writes into --out (default tests/fixtures/):
   <name>-f32.gguf          tiny random HF models (one per architecture we support),
-                           converted by llama.cpp's own convert_hf_to_gguf.py at f32;
+                           converted by llama.cpp's own convert_hf_to_gguf.py at f32
+                           (glm4moe's with one NextN layer; glm256's is made, quantized
+                           and deleted: only glm256-Q4_K_M.gguf is kept);
   q3moe256-<TYPE>.gguf     one qwen3moe model whose every matmul row is a multiple of 256,
                            quantized by llama-quantize into each type we support;
   <file>.ref.npz           tokens + teacher-forced logits from llama.cpp (all files) and from
@@ -16,6 +18,9 @@ llama.cpp build from tools/build_llama_cpp.sh); tests never run it, they read it
 Usage:
   tools/build_llama_cpp.sh .llama-cpp
   python tools/make_fixtures.py --llama-cpp .llama-cpp --out tests/fixtures
+One fixture's files, added to the existing ones without touching the others:
+  python tools/make_fixtures.py --llama-cpp .llama-cpp --out /tmp/fx --only glm4moe,glm256 \
+      --merge-into tests/fixtures
 """
 from __future__ import annotations
 
