@@ -57,6 +57,13 @@ class ModelConfig:
     rope_yarn_orig_ctx: int = 0  # the context the model was trained at before extension
     rope_yarn_beta_fast: float = 32.0  # rotations per context above which a frequency is kept
     rope_yarn_beta_slow: float = 1.0  # ...and below which it is interpolated by the factor
+    ffn_norm: str = "ffn_norm"  # the norm before the FFN, blk.<i>.<ffn_norm>.weight (GLM: post_attention_norm)
+    expert_gating: str = "softmax"  # router scores: "softmax" over all experts, or "sigmoid" per expert (GLM)
+    expert_weights_scale: float = 1.0  # the kept routing weights are multiplied by this (routed scaling factor)
+    expert_groups: int = 1  # sigmoid routing: experts in this many equal groups, of which ...
+    expert_groups_used: int = 1  # ... only these many (by their two best scores) may be chosen
+    n_dense_lead: int = 0  # the first layers have a dense FFN, the rest routed experts (GLM, DeepSeek)
+    n_nextn_layers: int = 0  # NextN / MTP layers after the n_layers run: in the file, never run
 
     @property
     def is_moe(self) -> bool:
@@ -95,7 +102,7 @@ class ModelConfig:
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether `layer`'s FFN is routed experts (else a dense SwiGLU)."""
-        return self.is_moe
+        return self.is_moe and layer >= self.n_dense_lead
 
 
 def _int(g: GGUFFile, key: str, default: int | None = None, lo: int = 1, hi: int = MAX_DIM) -> int:
@@ -164,12 +171,17 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
     if rope_dim % 2 or rope_dim > head_dim:
         raise ModelFileError(f"{g.path}: metadata {K(R.DIMENSION_COUNT)!r} = {rope_dim} must be even and at most "
                              f"the head dimension {head_dim}")
-    n_layers = _int(g, K(L.BLOCK_COUNT), hi=MAX_LAYERS)
+    n_blocks = _int(g, K(L.BLOCK_COUNT), hi=MAX_LAYERS)
+    # NextN / MTP layers (GLM-4.5) are counted in block_count, after the layers that run.
+    n_nextn = _int(g, K(L.NEXTN_PREDICT_LAYERS), 0, lo=0, hi=n_blocks - 1)
+    n_layers = n_blocks - n_nextn
     n_experts = _int(g, K(L.EXPERT_COUNT), 0, lo=0, hi=MAX_EXPERTS)
     n_used = _int(g, K(L.EXPERT_USED_COUNT), 0, lo=0, hi=MAX_EXPERTS)
     if n_experts and not 1 <= n_used <= n_experts:
         raise ModelFileError(f"{g.path}: expert_used_count {n_used} is not between 1 and expert_count {n_experts}")
-    _check_layers_and_experts(g, a, n_layers, n_experts)
+    _check_layers_and_experts(g, a, n_blocks, n_experts)
+    if n_nextn:
+        _set_aside_layers(g, n_layers)
     tokens = g.get("tokenizer.ggml.tokens")
     embd = g.tensor("token_embd.weight")
     vocab = embd.shape[0]
@@ -216,7 +228,20 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
         attn_bias="blk.0.attn_q.bias" in g.tensors,
         rope_factors="rope_freqs.weight" in g.tensors,
         **yarn_keys,
+        n_nextn_layers=n_nextn,
     )
+
+
+def _set_aside_layers(g: GGUFFile, n_layers: int) -> None:
+    """The tensors of layers n_layers and up (NextN / MTP layers, which llama.cpp skips too)
+    leave `g.tensors` for `g.set_aside`: no backend uploads them, no plan, pool or info counts them."""
+    names = [n for n in g.tensors if (m := _BLK_RE.match(n)) and int(m.group(1)) >= n_layers]
+    for i in sorted({int(_BLK_RE.match(n).group(1)) for n in names}):
+        if f"blk.{i}.nextn.eh_proj.weight" not in g.tensors:  # a count too large would drop real layers
+            raise ModelFileError(f"{g.path}: {g.architecture}.nextn_predict_layers makes layer {i} a NextN layer, "
+                                 f"but it has no blk.{i}.nextn.eh_proj.weight")
+    for name in names:
+        g.set_aside[name] = g.tensors.pop(name)
 
 
 def swa_layers_from_gguf(g: GGUFFile, n_layers: int, default_pattern: int) -> tuple[int, ...]:

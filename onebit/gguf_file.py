@@ -274,6 +274,7 @@ class GGUFFile:
         self._identity: dict[str, tuple[int, int, int, int]] = {}  # part -> its stat at load
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, Tensor] = {}
+        self.set_aside: dict[str, Tensor] = {}  # tensors in the file that the model never reads (config.py)
         self.file_bytes = 0
         for i, part in enumerate(self.paths):
             meta, tensors = self._read_part(part)

@@ -35,6 +35,8 @@ def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
         "parameters": total,
         "active_parameters": active,
         "layers": cfg.n_layers,
+        "nextn_layers": cfg.n_nextn_layers,  # NextN / MTP layers in the file, not run nor counted above
+        "nextn_bytes": sum(t.n_bytes for t in getattr(g, "set_aside", {}).values()),
         "dim": cfg.dim,
         "heads": cfg.n_heads,
         "kv_heads": cfg.n_kv_heads,
@@ -71,6 +73,9 @@ def format_info(info: dict[str, Any]) -> str:
         f"layers          {info['layers']} (dim {info['dim']}, heads {info['heads']}/{info['kv_heads']} kv, "
         f"head dim {info['head_dim']})",
     ]
+    if info.get("nextn_layers"):
+        mib = info["nextn_bytes"] / 2**20
+        lines.append(f"nextn layers    {info['nextn_layers']} (MTP, {mib:.2f} MiB: in the file, not run, not counted here)")
     if info["experts"]:
         shared = f", shared expert {info['shared_expert_hidden_dim']}" if info["shared_expert_hidden_dim"] else ""
         lines.append(f"experts         {info['experts']}, {info['experts_used']} used per token "

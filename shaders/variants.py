@@ -64,7 +64,7 @@ def variants() -> list[Variant]:
     # attention: threads split each key chunk (GPUs), or each thread owns keys (CPU devices)
     out.append(Variant("attn", "attn.comp"))
     out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
-    for name in ("rms_norm", "rope", "softmax_topk", "argmax", "set_rows", "copy"):
+    for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy"):
         out.append(Variant(name, f"{name}.comp"))
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
     out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))

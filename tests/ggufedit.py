@@ -38,6 +38,8 @@ def rewrite(src, dst, *, meta: Optional[dict[str, Any]] = None, drop_meta=(), dr
             w.add_uint32(k, v)
         elif isinstance(v, float):
             w.add_float32(k, v)
+        elif isinstance(v, (list, tuple)):
+            w.add_array(k, list(v))
         else:
             w.add_string(k, v)
     for t in r.tensors:

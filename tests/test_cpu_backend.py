@@ -211,9 +211,10 @@ def test_expert_ffn_matches_numpy(rng, name):
 
 
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
-        "llama3rope-f32", "gemma3-f32"]
+        "llama3rope-f32", "gemma3-f32", "glm4moe-f32"]
 QUANT = ["q3moe256-" + t for t in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
                                    "Q1_0", "TQ1_0", "TQ2_0", "Q4_1", "Q5_0", "Q2_K", "IQ2_XS", "IQ4_NL")]
+QUANT += ["glm4moe-Q8_0", "glm4moe-Q4_0", "glm256-Q4_K_M"]
 
 
 @pytest.mark.parametrize("name", ARCH + QUANT)

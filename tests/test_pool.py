@@ -27,7 +27,8 @@ def decode_logits(model, prompt, n):
 
 
 @pytest.mark.parametrize("name,slot_counts", [(Q4K, [4, 5, 7]), ("qwen3moe-f32.gguf", [2, 3, 8, 15]),
-                                              ("qwen2moe-f32.gguf", [2, 9]), ("mixtral-f32.gguf", [2, 5])])
+                                              ("qwen2moe-f32.gguf", [2, 9]), ("mixtral-f32.gguf", [2, 5]),
+                                              ("glm4moe-f32.gguf", [2, 5])])
 @pytest.mark.parametrize("policy", ["global", "layer"])
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend):

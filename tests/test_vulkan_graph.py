@@ -24,8 +24,9 @@ from onebit.backends.vulkan.backend import VulkanBackend
 from onebit.backends.vulkan.graph import DeviceCache, row_chunks
 
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
-        "llama3rope-f32", "gemma3-f32"]
+        "llama3rope-f32", "gemma3-f32", "glm4moe-f32"]
 QUANT = ["q3moe256-" + t for t in ("f32", "Q4_K_M", "Q8_0", "MXFP4_MOE")]
+QUANT += ["glm4moe-Q8_0", "glm256-Q4_K_M"]
 LOGIT_TOL = 1e-4
 N_PROMPT, N_DECODE = 5, 8
 
@@ -71,7 +72,7 @@ def test_recorded_decode_matches_numpy(name):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "vulkan"])
-@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "llama-f32", "gemma3-f32"])
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen2moe-f32", "llama-f32", "gemma3-f32", "glm4moe-f32"])
 def test_rows_in_one_forward_equal_single_steps(name, backend):
     """R rows in one forward == R one-row forwards, R = 1..9, after a 4-token prefix: numpy within
     float32 rounding (another matmul shape may sum in another order), Vulkan within kernel

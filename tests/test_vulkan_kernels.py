@@ -206,6 +206,28 @@ def test_router_ties_pick_the_lower_expert(ops, rng):
     np.testing.assert_array_equal(ids, ref.router(logits, 2, True)[0])
 
 
+@pytest.mark.parametrize("groups,used", [(1, 1), (4, 2), (8, 3)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_router_sigmoid_topk(ops, rng, norm, groups, used):
+    """GLM-4.5's router (sigmoid scores, correction bias for the choice only, expert groups)
+    against its numpy twin; the bias must change the choice, and the weights stay unbiased."""
+    logits = rng.standard_normal((6, 64)).astype(np.float32) * 2
+    bias = rng.standard_normal(64).astype(np.float32) * 0.3
+    ids, w = ops.sigmoid_router(logits, bias, 4, norm, 2.5, groups, used)
+    want_ids, want_w = ref.sigmoid_router(logits, bias, 4, norm, 2.5, groups, used)
+    np.testing.assert_array_equal(ids, want_ids, err_msg=f"seed {rng.seed}")
+    close(w, want_w, rng, 1e-5, "sigmoid router weights")
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    direct = np.take_along_axis(s, want_ids, -1) * 2.5
+    if norm:
+        direct = 2.5 * direct / direct.sum(-1, keepdims=True)
+    np.testing.assert_allclose(want_w, direct, rtol=1e-5)  # weights: the unbiased scores
+    assert not np.array_equal(want_ids, ref.sigmoid_router(logits, None, 4, norm, 2.5, groups, used)[0])
+    if groups > 1:  # every chosen expert lies in one of the `used` groups picked
+        assert all(len(set(row // (64 // groups))) <= used for row in want_ids)
+        assert not np.array_equal(want_ids, ref.sigmoid_router(logits, bias, 4, norm, 2.5)[0])
+
+
 @pytest.mark.parametrize("op", ["add", "mul", "swiglu"])
 def test_binary(ops, rng, op):
     a = rng.standard_normal((3, 100)).astype(np.float32)

@@ -18,7 +18,7 @@ from onebit.backends.vulkan.graph import _row_groups, _slot_table
 from onebit.backends.vulkan.streaming import SlotArrays, StreamingVulkanBackend
 
 N_DECODE = 8
-CASES = [("q3moe256-Q4_K_M.gguf", [4, 6, 7]), ("qwen3moe-f32.gguf", [2, 8, 15])]
+CASES = [("q3moe256-Q4_K_M.gguf", [4, 6, 7]), ("qwen3moe-f32.gguf", [2, 8, 15]), ("glm4moe-f32.gguf", [2, 5])]
 _resident: dict[str, np.ndarray] = {}
 
 

@@ -3,7 +3,9 @@
 
 What it writes into --out (default tests/fixtures/):
   <name>-f32.gguf          tiny random HF models (one per architecture we support),
-                           converted by llama.cpp's own convert_hf_to_gguf.py at f32;
+                           converted by llama.cpp's own convert_hf_to_gguf.py at f32
+                           (glm4moe's with one NextN layer; glm256's is made, quantized
+                           and deleted: only glm256-Q4_K_M.gguf is kept);
   q3moe256-<TYPE>.gguf     one qwen3moe model whose every matmul row is a multiple of 256,
                            quantized by llama-quantize into each type we support;
   <file>.ref.npz           tokens + teacher-forced logits from llama.cpp (all files) and from
@@ -16,6 +18,9 @@ llama.cpp build from tools/build_llama_cpp.sh); tests never run it, they read it
 Usage:
   tools/build_llama_cpp.sh .llama-cpp
   python tools/make_fixtures.py --llama-cpp .llama-cpp --out tests/fixtures
+One fixture's files, added to the existing ones without touching the others:
+  python tools/make_fixtures.py --llama-cpp .llama-cpp --out /tmp/fx --only glm4moe,glm256 \
+      --merge-into tests/fixtures
 """
 from __future__ import annotations
 
@@ -137,6 +142,8 @@ ROUTER_WEIGHT = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)\.weight$")
 # ...and MoE fixtures take the first seed (fx.seed + 1000 * i) whose reference text routes
 # with at least this margin between the k-th and (k+1)-th router logit.
 MIN_ROUTER_MARGIN = 0.05
+# GLM's expert-score correction bias (zeros in HF's init): N(0, this), on sigmoid scores in (0, 1).
+EXPERT_BIAS_STD = 0.1
 MAX_SEED_TRIES = 60
 
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -147,6 +154,15 @@ HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constra
                     "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>",
                     "<|endofprompt|>")
 HARMONY_TEMPLATE_FILE = "models/templates/openai-gpt-oss-120b.jinja"   # under llama.cpp's src
+# GLM-4.5's special tokens (llama.cpp's converter looks up [gMASK], <|user|>, <|endoftext|> and
+# <|observation|> by name) and a short form of its turn format.
+GLM_SPECIALS = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                "<|observation|>"]
+GLM_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 # Gemma's turn format, as onebit renders a Gemma file without a template (the same text).
 sys.path.insert(0, str(REPO_ROOT))
@@ -194,6 +210,7 @@ PRE_REGEXES = {
     "gpt-2": (_GPT2_REGEX,),
     "gpt-4o": (_GPT4O_REGEX,),
     "default": _DEFAULT_REGEXES,
+    "glm4": (_LLAMA3_REGEX,),  # llama.cpp: the chatglm4 regex (llama 3's), ignore_merges
 }
 
 TOKENIZERS = {
@@ -216,6 +233,10 @@ TOKENIZERS = {
     "bpe-o200k": TokenizerSpec("bpe", 512, pre="gpt-4o", specials=HARMONY_SPECIALS,
                                bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>",
                                chat_template_file=HARMONY_TEMPLATE_FILE),
+    # GLM-4.5 style: pre glm4 (llama.cpp: no BOS token, ignore_merges), GLM's specials.
+    "bpe-glm4": TokenizerSpec("bpe", 512, pre="glm4", specials=tuple(GLM_SPECIALS), bos="[gMASK]",
+                              eos="<|endoftext|>", pad="<|endoftext|>", ignore_merges=True,
+                              chat_template=GLM_TEMPLATE),
     # Llama 1/2 style SentencePiece with byte fallback; ChatML markers are control symbols.
     "spm": TokenizerSpec("spm", 640, specials=("<|im_start|>", "<|im_end|>"),
                          bos="<s>", eos="</s>", add_bos=True),
@@ -239,6 +260,8 @@ class Fixture:
     quant_types: tuple[str, ...] = ()   # llama-quantize targets made from the f32 file
     norm_center: float = 1.0   # random norm weights are this + N(0, 0.2) (Gemma stores w - 1)
     gains: tuple[tuple[str, float], ...] = ()   # (parameter name suffix, factor) after init
+    nextn_layers: int = 0      # GLM MTP layers saved beside the HF weights (see add_nextn_layers)
+    ship_f32: bool = True      # False: the f32 file only feeds llama-quantize (too big to keep)
 
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -338,6 +361,35 @@ FIXTURES = [
                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                  norm_topk_prob=True, rms_norm_eps=1e-6),
             "bpe-qwen2", seed=8, quant_types=QUANT_TYPES),
+    # GLM-4.5: layer 0 dense, sigmoid router scores with a random expert-score correction bias
+    # (selection only), two expert groups of which one is used, renormalised top-k times a
+    # routed scaling factor, an ungated shared expert, partial NeoX rotary (8 of 16 dims),
+    # q/k/v biases, per-head q/k norms; plus one NextN (MTP) layer, which llama.cpp loads
+    # and does not run. Rows of 32: Q8_0 and Q4_0 quantize every matrix. Weights N(0, 0.05):
+    # at 0.1, llama.cpp's Q8_0 activation rounding moved a quarter of the positions of the
+    # quantized files below cosine 0.999 (with that rounding modelled they agreed).
+    Fixture("glm4moe", "Glm4MoeForCausalLM", "Glm4MoeConfig",
+            dict(SMALL, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=32,
+                 n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                 n_group=2, topk_group=1, attention_bias=True, use_qk_norm=True,
+                 rms_norm_eps=1e-5, initializer_range=0.05,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.5)),
+            "bpe-glm4", seed=11, quant_types=("Q8_0", "Q4_0"), nextn_layers=1),
+    # GLM-4.5-Air's shape of attention (no q/k norms) with every matmul row a multiple of 256,
+    # for a K-quant; only the quantized file is kept (the f32 one is 7 MiB).
+    Fixture("glm256", "Glm4MoeForCausalLM", "Glm4MoeConfig",
+            dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                 initializer_range=0.05, tie_word_embeddings=False, intermediate_size=256,
+                 moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2,
+                 n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+                 routed_scaling_factor=2.5, n_group=1, topk_group=1, attention_bias=True,
+                 use_qk_norm=False, rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.5)),
+            "bpe-glm4", seed=12, quant_types=("Q4_K_M",), ship_f32=False),
 ]
 
 
@@ -615,9 +667,46 @@ def make_hf_model(fx: Fixture, tok_spec: TokenizerSpec, tok_dir: Path, out_dir: 
         shutil.rmtree(out_dir)
     shutil.copytree(tok_dir, out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if fx.nextn_layers:
+        add_nextn_layers(out_dir, fx.nextn_layers, seed, fx.norm_center)
     # getattr, not to_dict(): configs alias some names (num_experts -> num_local_experts)
     return dict(seed=seed, config={k: getattr(config, k, None)
                                    for k in ["vocab_size", *fx.config.keys()]})
+
+
+def add_nextn_layers(hf_dir: Path, n: int, seed: int, norm_center: float) -> None:
+    """GLM-4.5's NextN (multi-token prediction) layers, which transformers' Glm4MoeForCausalLM
+    neither builds nor reads: per layer, the tensors of the last (MoE) decoder layer as saved,
+    with fresh random values, plus eh_proj, enorm, hnorm and shared_head.norm, under the names
+    of the real checkpoints. They go into a second file, model-nextn.safetensors (llama.cpp's
+    converter reads every model*.safetensors, transformers only model.safetensors), and
+    config.json counts them (num_nextn_predict_layers), as the real config does."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg_path = hf_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    last, d = cfg["num_hidden_layers"] - 1, cfg["hidden_size"]
+    std = cfg.get("initializer_range", 0.02)
+    prefix = f"model.layers.{last}."
+    saved = {k[len(prefix):]: v for k, v in load_file(hf_dir / "model.safetensors").items() if k.startswith(prefix)}
+    torch.manual_seed(seed + 1)
+    out = {}
+    for j in range(n):
+        p = f"model.layers.{cfg['num_hidden_layers'] + j}."
+        for name, t in sorted(saved.items()):
+            if name.endswith("bias"):
+                out[p + name] = 0.1 * torch.randn_like(t)
+            elif "norm" in name and t.ndim == 1:
+                out[p + name] = norm_center + 0.2 * torch.randn_like(t)
+            else:
+                out[p + name] = std * torch.randn_like(t) * (ROUTER_GAIN if ROUTER_WEIGHT.search("." + name) else 1)
+        out[p + "eh_proj.weight"] = std * torch.randn(d, 2 * d)
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            out[p + name + ".weight"] = norm_center + 0.2 * torch.randn(d)
+    save_file(out, hf_dir / "model-nextn.safetensors", metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = n
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0, gains=()):
@@ -639,6 +728,9 @@ def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0, ga
             for suffix, gain in gains:
                 if name.endswith(suffix):
                     p.mul_(gain)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM / DeepSeek V3: zeros in HF's init
+                b.normal_(0.0, EXPERT_BIAS_STD)
     return model
 
 
@@ -661,8 +753,30 @@ def router_margin(model, tokens: list[int]) -> float:
         return float("inf")
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=True)
-    ranked = torch.stack(out.router_logits).sort(-1, descending=True).values
-    return float((ranked[..., top_k - 1] - ranked[..., top_k]).min())
+        return float(routing_margins(model, out.router_logits).min())
+
+
+def routing_margins(model, router_logits):
+    """[MoE layers, T]: the gap behind each router choice, k-th minus (k+1)-th of what the
+    router ranks: the logits, or for GLM sigmoid(logits) + the correction bias within the
+    chosen groups (and the gap between the last chosen group and the next)."""
+    import torch
+
+    top_k = model.config.num_experts_per_tok
+    logits = torch.stack(router_logits)  # [L, T, E]
+    if getattr(model.config, "model_type", "") != "glm4_moe":
+        ranked = logits.sort(-1, descending=True).values
+        return ranked[..., top_k - 1] - ranked[..., top_k]
+    routers = [m for m in model.modules() if type(m).__name__ == "Glm4MoeTopkRouter"]
+    sel = logits.sigmoid() + torch.stack([r.e_score_correction_bias for r in routers])[:, None, :]
+    E, G, used = sel.shape[-1], model.config.n_group, model.config.topk_group
+    gscore = sel.unflatten(-1, (G, E // G)).topk(2, dim=-1).values.sum(-1)  # [L, T, G]
+    granked = gscore.sort(-1, descending=True)
+    margins = [granked.values[..., used - 1] - granked.values[..., used]] if used < G else []
+    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(-1, granked.indices[..., :used], True)
+    ranked = sel.masked_fill(~keep.repeat_interleave(E // G, -1), float("-inf")).sort(-1, descending=True).values
+    margins.append(ranked[..., top_k - 1] - ranked[..., top_k])
+    return torch.stack(margins).min(0).values
 
 
 def hf_reference(hf_dir: Path, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -681,14 +795,24 @@ def hf_reference_from_model(model, tokens: np.ndarray) -> dict[str, np.ndarray]:
     import torch
 
     top_k = getattr(model.config, "num_experts_per_tok", None)
+    # GLM: what HF's own router module took and chose, per MoE layer (a test checks onebit's
+    # routing rule against it on the same inputs)
+    routers = [m for m in model.modules() if type(m).__name__ == "Glm4MoeTopkRouter"]
+    seen: list[tuple] = []
+    hooks = [r.register_forward_hook(lambda mod, args, out: seen.append((args[0], out))) for r in routers]
     with torch.no_grad():
         out = model(torch.tensor(tokens[None, :], dtype=torch.long),
                     **({"output_router_logits": True} if top_k else {}))
+    for h in hooks:
+        h.remove()
     ref = {"logits_hf": out.logits[0].float().numpy()}
+    if routers:
+        ref["router_in"] = np.stack([x.reshape(-1, x.shape[-1]).numpy() for x, _ in seen])  # [L, T, dim]
+        ref["router_weights"] = np.stack([o[1].numpy() for _, o in seen]).astype(np.float32)  # [L, T, k]
+        ref["router_ids"] = np.stack([o[2].numpy() for _, o in seen]).astype(np.int32)  # [L, T, k]
     if top_k:
-        # router_logits: one [T, n_experts] per layer
-        ranked = torch.stack(out.router_logits).sort(-1, descending=True).values
-        ref["router_margin"] = (ranked[..., top_k - 1] - ranked[..., top_k]).float().numpy()
+        # router_logits: one [T, n_experts] per MoE layer
+        ref["router_margin"] = routing_margins(model, out.router_logits).float().numpy()
     return ref
 
 
@@ -717,6 +841,8 @@ def hf_dequant_reference(gguf_path: Path, hf_dir: Path, tokens: np.ndarray) -> d
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    if gguf_meta(gguf_path)["arch"] != "qwen3moe":  # the one name table above
+        return None
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     params = dict(model.named_parameters())
@@ -813,9 +939,9 @@ def main() -> None:
                     help="comma-separated quant types: (re)make just these q3moe256 files from the "
                          "q3moe256-f32.gguf already in --out, keeping every other file and merging "
                          "the manifest and README")
-    ap.add_argument("--merge", action="store_true",
-                    help="with --only: add the files made to the manifest, README and "
-                         "tokenizer_cases.json already in --out, keeping every other entry")
+    ap.add_argument("--merge-into", type=Path, default=None,
+                    help="after the run, copy its files into this fixtures dir and add their manifest "
+                         "entries and tokenizer cases to its own (the other files there stay as they are)")
     args = ap.parse_args()
     fixtures = [fx for fx in FIXTURES if not args.only or fx.name in args.only.split(",")]
     # torch and ggml each bring an OpenMP runtime; with the default active wait policy
@@ -854,7 +980,7 @@ def main() -> None:
         convert_to_gguf(lc, hf_dir, f32, spec.pre, model_name=f"onebit-fixture-{fx.name}")
         files[f32.name] = dict(fixture=fx.name, hf_dir=hf_dir, hf_class=fx.hf_class,
                                tokenizer=fx.tokenizer, quant="F32", quantize_flags=[],
-                               seed=made["seed"],
+                               seed=made["seed"], ship=fx.ship_f32,
                                config=made["config"])
         print(f"converted {f32.name} (seed {made['seed']})")
         for qtype in fx.quant_types:
@@ -878,10 +1004,12 @@ def main() -> None:
                     dict(cases=chat_template_cases(info["hf_dir"])), ensure_ascii=False, indent=1) + "\n")
             ref = f32_oracles(llm, path, info)
             f32_logits[info["fixture"]] = ref["logits_llama"]
-            # tokenizer cases, once per distinct tokenizer
-            first = next(f for f, i in files.items()
-                         if i["tokenizer"] == info["tokenizer"] and i["hf_dir"] is not None)
-            if first == fname:
+            # tokenizer cases, once per distinct tokenizer (from a file that is kept)
+            first = next((f for f, i in files.items() if i["tokenizer"] == info["tokenizer"]
+                          and i["hf_dir"] is not None and i["ship"]), None)
+            if not info["ship"]:
+                pass
+            elif first == fname:
                 tok_cases[fname] = tokenizer_cases(llm)
                 info["hf_tokenizer_mismatches"] = hf_tokenizer_mismatches(
                     info["hf_dir"], TOKENIZERS[info["tokenizer"]], tok_cases[fname])
@@ -897,13 +1025,10 @@ def main() -> None:
                     meta=gguf_meta(path), bytes=path.stat().st_size)
         report_line(fname, info)
 
-    if args.merge:   # the entries of the files not made in this run, as they were
-        old = json.loads((out / "manifest.json").read_text())["files"]
-        files = {**{n: info_from_manifest(e) for n, e in old.items() if n not in files}, **files}
-        cases = json.loads((out / "tokenizer_cases.json").read_text())
-        assert cases["strings"] == TOKENIZER_STRINGS
-        tok_cases = {**cases["cases"], **tok_cases}
-        tok_alias = {**cases["same_tokenizer_as"], **tok_alias}
+    for fname in [f for f, i in files.items() if i["hf_dir"] is not None and not i["ship"]]:
+        (out / fname).unlink()  # it fed llama-quantize and the quantized files' vs-f32 figures
+        (out / fname.replace(".gguf", ".ref.npz")).unlink()
+        del files[fname]
     (out / "tokenizer_cases.json").write_text(json.dumps(
         dict(strings=TOKENIZER_STRINGS, cases=tok_cases, same_tokenizer_as=tok_alias),
         ensure_ascii=False, indent=1) + "\n")
@@ -911,6 +1036,29 @@ def main() -> None:
     write_readme(out, files)
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"total size of {out}: {total / 2**20:.2f} MiB")
+    if args.merge_into is not None:
+        merge_into(out, args.merge_into.resolve())
+
+
+def merge_into(src: Path, dst: Path) -> None:
+    """--merge-into: this run's files (src) join the fixtures in dst; dst's manifest and
+    tokenizer cases gain their entries, its README is rewritten from the merged manifest."""
+    new = json.loads((src / "manifest.json").read_text())
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for fname, entry in new["files"].items():
+        chat = fname.replace(".gguf", ".chat.json")  # transformers' renderings of its template
+        for name in (fname, entry["ref"], *([chat] if (src / chat).exists() else [])):
+            shutil.copyfile(src / name, dst / name)
+        manifest["files"][fname] = entry
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    cases = json.loads((dst / "tokenizer_cases.json").read_text())
+    added = json.loads((src / "tokenizer_cases.json").read_text())
+    assert cases["strings"] == added["strings"], "tokenizer strings differ: regenerate everything"
+    cases["cases"].update(added["cases"])
+    cases["same_tokenizer_as"].update(added["same_tokenizer_as"])
+    (dst / "tokenizer_cases.json").write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n")
+    write_readme(dst, {name: info_from_manifest(e) for name, e in manifest["files"].items()})
+    print(f"merged {', '.join(new['files'])} into {dst}")
 
 
 def info_from_manifest(entry: dict) -> dict:
@@ -1159,7 +1307,8 @@ def write_readme(out: Path, files: dict[str, dict]) -> None:
     fx_lines = []
     for fx in FIXTURES:
         spec = TOKENIZERS[fx.tokenizer]
-        info = files.get(f"{fx.name}-f32.gguf")
+        info = files.get(f"{fx.name}-f32.gguf") or next(
+            (i for i in files.values() if i["fixture"] == fx.name), None)   # its f32 not kept
         if info is None:   # not made in this run (--only, --only-quants)
             continue
         shape = ", ".join(f"{k}={v}" for k, v in fx.config.items())
@@ -1203,8 +1352,9 @@ same machine; another CPU or library version may move llama.cpp's logits in the 
 |---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-"f32 file": llama.cpp on this file vs llama.cpp on `q3moe256-f32.gguf` (what quantizing
-cost). "HF-dequant": vs `logits_hf_dequant` below (what llama.cpp's activation rounding and
+"f32 file": llama.cpp on this file vs llama.cpp on the f32 file it was quantized from,
+`<fixture>-f32.gguf` (what quantizing cost; glm256's f32 file is not kept, it is 7 MiB).
+"HF-dequant": vs `logits_hf_dequant` below (what llama.cpp's activation rounding and
 any expert flips cost). Router margins are from the HF run (on the dequantized weights for
 quantized files). `manifest.json` has the same facts per file, plus every tensor's type, the
 HF config, and the comparison numbers (max abs diff, min per-position cosine, argmax
@@ -1227,8 +1377,9 @@ six layers because llama.cpp (and the converter's GGUF) knows only the default p
 global layer in six; llama.cpp's gelu looks up fp16-rounded inputs in a table, which is its
 2e-3 from HF there. The converter stores Gemma's norm weights as 1 + w.
 
-`q3moe256-<TYPE>.gguf` = `llama-quantize q3moe256-f32.gguf <TYPE>`: every matmul row length
-is a multiple of 256. Types per file (the routers `ffn_gate_inp` and all norms stay F32):
+`<fixture>-<TYPE>.gguf` = `llama-quantize <fixture>-f32.gguf <TYPE>`; in q3moe256 and glm256
+every matmul row length is a multiple of 256. Types per file (the routers
+`ffn_gate_inp` and all norms stay F32):
 
 {chr(10).join(mix_lines)}
 
@@ -1258,6 +1409,9 @@ come last in the vocab. Every tokenizer carries a `chat_template`: ChatML, excep
   Q1_0): HF transformers with every weight replaced by the GGUF's weight dequantized by
   gguf-py, float32 activations. An engine that dequantizes and computes in f32 should
   match this far more tightly than `logits_llama`.
+- `router_in`, `router_ids`, `router_weights` (glm4moe-f32 only): per MoE layer, the input
+  [{N_TOKENS}, dim] of HF's own router module and the experts [{N_TOKENS}, k] it chose (in its
+  order) with their weights.
 - `router_margin` float32 [n_layers, {N_TOKENS}] (MoE files with an HF oracle): router logit
   k minus router logit k+1 (k = experts used) from that HF run. Where it is tiny, rounding
   may pick other experts and the logits at that position jump; mask such positions when

@@ -4,7 +4,7 @@ Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in
 `cpu_kernels`, reading the quantized blocks where they lie (file map or pool slot); the q, k
 and v projections of one input run in one parallel region (the schedule's `linears` op).
 The small ops (norms, rope, decode attention, routing) run in serial kernels, where numpy's
-per-call overhead would cost more than the work. A tensor whose type the kernels do not decode takes the numpy
+per-call overhead would cost more than the work (sigmoid routing, glm4moe's, is still numpy's). A tensor whose type the kernels do not decode takes the numpy
 reference path (said once, on stderr).
 """
 

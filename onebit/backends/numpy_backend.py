@@ -172,6 +172,38 @@ class NumpyBackend:
             w = w / np.sum(w, axis=-1, keepdims=True)
         return ids, w.astype(np.float32)
 
+    @staticmethod
+    def selection_scores(logits: np.ndarray, bias: np.ndarray | None, groups: int = 1,
+                         groups_used: int = 1) -> np.ndarray:
+        """What sigmoid routing ranks experts by: sigmoid(logits) + bias [E] (the expert-score
+        correction bias), -inf outside the `groups_used` of `groups` equal groups of experts
+        whose two best such scores sum highest (ties: the lower group). [R, E] -> [R, E]."""
+        sel = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))
+        if bias is not None:
+            sel = sel + np.asarray(bias, np.float32).reshape(-1)
+        if groups > 1:
+            R, E = sel.shape
+            by_group = sel.reshape(R, groups, E // groups)  # [R, G, E/G]
+            top2 = -np.sort(-by_group, axis=-1)[..., :2].sum(-1)  # [R, G]
+            kept = np.argsort(-top2, axis=-1, kind="stable")[:, :groups_used]  # [R, used]
+            mask = np.ones((R, groups), bool)
+            np.put_along_axis(mask, kept, False, axis=-1)
+            sel = np.where(np.repeat(mask, E // groups, axis=-1), np.float32(-np.inf), sel)
+        return sel
+
+    def route_sigmoid(self, logits: np.ndarray, k: int, bias: np.ndarray | None, norm: bool, scale: float,
+                      groups: int = 1, groups_used: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """GLM-4.5 routing: the top k by `selection_scores` (ties: the lower expert), weighted by
+        their unbiased sigmoid scores, renormalised to sum 1 if `norm` (the sum clamped below at
+        2^-14, as llama.cpp does), times `scale`. logits: [R, E] -> ids [R, k], weights [R, k]."""
+        ids = np.argsort(-self.selection_scores(logits, bias, groups, groups_used), axis=-1, kind="stable")[:, :k]
+        w = np.float32(1.0) / (np.float32(1.0) + np.exp(-np.take_along_axis(logits, ids, axis=-1)))
+        if norm:
+            w = w / np.maximum(np.sum(w, axis=-1, keepdims=True), np.float32(6.103515625e-5))
+        if scale != 1.0:
+            w = w * np.float32(scale)
+        return ids, w.astype(np.float32)
+
     def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)) (glu =
         (alpha, limit): gpt-oss's clamped variant, see `glu_oai`; the parts' biases, where the
@@ -283,6 +315,11 @@ class EagerStep:
 
     def route(self, logits: np.ndarray, k: int, norm: bool):
         return self.be.route(logits, k, norm)
+
+    def route_sigmoid(self, logits: np.ndarray, k: int, bias: str | None, norm: bool, scale: float,
+                      groups: int = 1, groups_used: int = 1):
+        b = self.be.weight(bias) if bias is not None else None
+        return self.be.route_sigmoid(logits, k, b, norm, scale, groups, groups_used)
 
     def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         if self.hook is not None:

@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "qwen3": "qwen3",
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
+    "glm4moe": "glm4moe",
 }
 
 

@@ -20,6 +20,9 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     softcap(x, cap)           cap * tanh(x / cap)
     residual(x, y)            x + y, neither used again (a backend may add y into x in place)
     route(logits, k, norm)    softmax top-k -> ids [R, k], weights [R, k]
+    route_sigmoid(logits, k, bias, norm, scale, groups, groups_used)  sigmoid scores, top-k
+                              chosen by score + bias (tensor `bias`, or None) within the best
+                              groups, weighted by the scores (renormalised if norm) x scale
     pause(layer, ids, logits, h)  the pause point: the host may act before the layer's experts
                               run (h: the residual stream there, which a predictor ranks from)
     experts(layer, x, ids, w) the routed experts' SwiGLU FFN, weighted and summed -> [R, dim]
@@ -96,6 +99,26 @@ def moe_ffn(g, cfg: ModelConfig, layer: int, x, h):
     ids, weights = g.route(logits, cfg.n_experts_used, cfg.expert_weights_norm)  # [R, k]
     g.pause(layer, ids, logits, h)
     return g.experts(layer, x, ids, weights)  # [R, dim]
+
+
+def sigmoid_moe_ffn(g, cfg: ModelConfig, layer: int, x, h):
+    """Routed experts with sigmoid router scores (GLM-4.5): the expert-score correction bias
+    `exp_probs_b` steers the choice only; x = norm(h)."""
+    p = f"blk.{layer}"
+    logits = g.linear(x, f"{p}.ffn_gate_inp.weight")  # [R, E]
+    bias = f"{p}.exp_probs_b.bias"
+    ids, weights = g.route_sigmoid(logits, cfg.n_experts_used, bias if bias in g.tensor_names else None,
+                                   cfg.expert_weights_norm, cfg.expert_weights_scale, cfg.expert_groups,
+                                   cfg.expert_groups_used)  # [R, k]
+    g.pause(layer, ids, logits, h)
+    return g.experts(layer, x, ids, weights)  # [R, dim]
+
+
+def plain_shared_expert(g, layer: int, x):
+    """An always-on shared expert without a gate (GLM): down(silu(gate(x)) * up(x))."""
+    p = f"blk.{layer}"
+    h = g.swiglu(g.linear(x, f"{p}.ffn_gate_shexp.weight"), g.linear(x, f"{p}.ffn_up_shexp.weight"))  # [R, S]
+    return g.linear(h, f"{p}.ffn_down_shexp.weight")  # [R, dim]
 
 
 def decoder_layer(g, cfg: ModelConfig, layer: int, x):

@@ -341,12 +341,20 @@ class Predictor:
     # -- ranking --------------------------------------------------------------------------
 
     def _router(self, layer: int, r: np.ndarray) -> np.ndarray:
-        """Layer's router logits for residual r: [R, E]."""
-        be = self.be
+        """What layer's router ranks experts by, for residual r: [R, E]. Its logits; with
+        sigmoid routing (GLM) the route's own selection scores (sigmoid + correction bias, -inf
+        outside the chosen expert groups), so a prediction is ranked by the rule that routes."""
+        be, cfg = self.be, self.cfg
         norm, router, bias = self.arch.router_names(layer)
-        hn = be.rms_norm(r, be.weight(norm), self.cfg.norm_eps)
+        hn = be.rms_norm(r, be.weight(norm), cfg.norm_eps)
         logits = be.linear(hn, router)
-        return logits if bias is None else logits + be.weight(bias)
+        if bias is not None:
+            logits = logits + be.weight(bias)
+        if cfg.expert_gating != "sigmoid":
+            return logits
+        correction = f"blk.{layer}.exp_probs_b.bias"
+        b = be.weight(correction) if be.has(correction) else None
+        return be.selection_scores(logits, b, cfg.expert_groups, cfg.expert_groups_used)
 
     def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
         """r + layer's mixer over norm(r), its K/V for these rows in the layer's scratch."""

@@ -425,6 +425,14 @@ class Recorder:
         self.k.softmax_topk(self.seq, logits.s, ids.s, w.s, R, E, k, norm)
         return ids, w
 
+    def route_sigmoid(self, logits: Val, k: int, bias: Optional[str], norm: bool, scale: float,
+                      groups: int = 1, groups_used: int = 1):
+        R, E = logits.shape
+        ids, w = self._new((R, k), np.int32), self._new((R, k))
+        b = self.be.consts.vec(bias) if bias is not None else None
+        self.k.sigmoid_topk(self.seq, logits.s, b, ids.s, w.s, R, E, k, norm, scale, groups, groups_used)
+        return ids, w
+
     def pause(self, layer: int, ids: Val, logits: Val, h: Val) -> None:
         if self.rec.observe:  # kept (their buffers not reused) for the hook after the step
             self.rec.observed.append((layer, ids, logits))

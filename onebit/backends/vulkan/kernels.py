@@ -54,6 +54,7 @@ def grid_words(grid: str) -> np.ndarray:
 
 MAX_EXPERTS = 1024  # softmax_topk.comp keeps one row of logits in shared memory
 MAX_TOPK = 32
+MAX_GROUPS = 64  # sigmoid_topk.comp: expert groups per row
 ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 
@@ -364,6 +365,22 @@ class Kernels:
         gx, gy = self._grid(n_rows)
         seq.dispatch(p, (logits, ids, wts), _push("4I", n_experts, k, stride or n_experts, int(norm)), (gx, gy, 1),
                      writes=(1, 2))
+
+    def sigmoid_topk(self, seq: Sequence, logits: Slice, bias: Optional[Slice], ids: Slice, wts: Slice, n_rows: int,
+                     n_experts: int, k: int, norm: bool, scale: float = 1.0, groups: int = 1, groups_used: int = 1,
+                     stride: Optional[int] = None) -> None:
+        """GLM-4.5's router (numpy twin: NumpyBackend.route_sigmoid): the top k by sigmoid(logit)
+        + bias within the best `groups_used` of `groups` groups, weighted by sigmoid(logit)."""
+        bad_groups = groups < 1 or n_experts % groups or groups > MAX_GROUPS or not 1 <= groups_used <= groups
+        if n_experts > MAX_EXPERTS or not 0 < k <= min(MAX_TOPK, n_experts) or bad_groups:
+            raise VulkanKernelError(f"kernel sigmoid_topk: {n_experts} experts in {groups} groups ({groups_used} "
+                                    f"used) / top {k} outside its limits ({MAX_EXPERTS} experts, {MAX_GROUPS} "
+                                    f"groups, top {MAX_TOPK})")
+        p = self.pipeline("sigmoid_topk", 4, (self.wg,))
+        gx, gy = self._grid(n_rows)
+        flags = int(norm) | (2 if bias is not None else 0)
+        push = _push("6If", n_experts, k, stride or n_experts, flags, groups, groups_used, scale)
+        seq.dispatch(p, (logits, bias if bias is not None else logits, ids, wts), push, (gx, gy, 1), writes=(2, 3))
 
     def argmax(self, seq: Sequence, x: Slice, out: Slice, n_rows: int, n: int, stride: Optional[int] = None) -> None:
         p = self.pipeline("argmax", 2, (self.wg,))

@@ -128,6 +128,15 @@ class VulkanOps:
         ids, wts = self._out((R, k), np.int32), self._out((R, k))
         return self._run(lambda s: self.k.softmax_topk(s, ls, ids[0], wts[0], R, E, k, norm), ids, wts)
 
+    def sigmoid_router(self, logits: np.ndarray, bias: Optional[np.ndarray], k: int, norm: bool, scale: float = 1.0,
+                       groups: int = 1, groups_used: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        R, E = logits.shape
+        ls = self._in(logits)
+        bs = self._in(bias) if bias is not None else None
+        ids, wts = self._out((R, k), np.int32), self._out((R, k))
+        return self._run(lambda s: self.k.sigmoid_topk(s, ls, bs, ids[0], wts[0], R, E, k, norm, scale, groups,
+                                                       groups_used), ids, wts)
+
     def _binary(self, op: str, a: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
         a_s = self._in(a)
         b_s = self._in(b) if b is not None else None

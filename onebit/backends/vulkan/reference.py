@@ -62,6 +62,11 @@ def router(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarr
     return _NP.route(logits, k, norm)
 
 
+def sigmoid_router(logits: np.ndarray, bias: Optional[np.ndarray], k: int, norm: bool, scale: float = 1.0,
+                   groups: int = 1, groups_used: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    return _NP.route_sigmoid(logits, k, bias, norm, scale, groups, groups_used)
+
+
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a + b
 
