@@ -99,7 +99,7 @@ def _no_expert_biases(monkeypatch):
 
 def _no_router_bias(monkeypatch):
     monkeypatch.setattr(gpt_oss.Model, "router_names",
-                        staticmethod(lambda i: (f"blk.{i}.post_attention_norm.weight", f"blk.{i}.ffn_gate_inp.weight", None)))
+                        staticmethod(lambda cfg, i: (f"blk.{i}.post_attention_norm.weight", f"blk.{i}.ffn_gate_inp.weight", None)))
 
 
 FEATURES = {

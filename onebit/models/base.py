@@ -40,9 +40,10 @@ class TransformerLM:
         """Layer's token mixer over x = norm(residual) (the predictor runs it speculatively)."""
         return blocks.attention(g, cfg, layer, x)
 
-    def router_names(self, layer: int) -> tuple[str, str, str | None]:
+    @staticmethod
+    def router_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str | None]:
         """GGUF names of the layer's FFN norm, router weight and router bias (None: no bias)."""
-        return f"blk.{layer}.{self.cfg.ffn_norm}.weight", f"blk.{layer}.ffn_gate_inp.weight", None
+        return f"blk.{layer}.{cfg.ffn_norm}.weight", f"blk.{layer}.ffn_gate_inp.weight", None
 
     def layer(self, g, i: int, x):
         """Layer i of the schedule, as block calls on the running step `g`."""

@@ -44,14 +44,14 @@ class Model(TransformerLM):
         return attention(g, cfg, layer, x)
 
     @staticmethod
-    def router_names(layer: int) -> tuple[str, str, str | None]:
+    def router_names(cfg, layer: int) -> tuple[str, str, str | None]:
         p = f"blk.{layer}"
         return f"{p}.post_attention_norm.weight", f"{p}.ffn_gate_inp.weight", f"{p}.ffn_gate_inp.bias"
 
     def layer(self, g, i: int, x):
         cfg, p = self.cfg, f"blk.{i}"
         h = g.residual(x, attention(g, cfg, i, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps)))
-        norm, router, bias = self.router_names(i)
+        norm, router, bias = self.router_names(cfg, i)
         hn = g.norm(h, norm, cfg.norm_eps)
         logits = g.linear(hn, router, bias)  # [R, E]
         ids, weights = g.route(logits, cfg.n_experts_used, True)  # softmax over the top k

@@ -345,7 +345,7 @@ class Predictor:
         sigmoid routing (GLM) the route's own selection scores (sigmoid + correction bias, -inf
         outside the chosen expert groups), so a prediction is ranked by the rule that routes."""
         be, cfg = self.be, self.cfg
-        norm, router, bias = self.arch.router_names(layer)
+        norm, router, bias = self.arch.router_names(cfg, layer)
         hn = be.rms_norm(r, be.weight(norm), cfg.norm_eps)
         logits = be.linear(hn, router)
         if bias is not None:
