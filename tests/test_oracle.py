@@ -19,7 +19,7 @@ HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
 def test_fixtures_present():
     assert len(REFS) >= 30, "oracle fixtures missing: run tools/make_fixtures.py"
     arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
-    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3"}
+    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3", "qwen3next", "qwen35moe"}
 
 
 # The reference backend and the cpu backend (numba kernels: same decoded weights, float32

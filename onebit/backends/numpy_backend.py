@@ -144,6 +144,91 @@ class NumpyBackend:
         out = p @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, R, Dv]
         return out.transpose(2, 0, 1, 3).reshape(R, H * Dv)
 
+    # -- Gated DeltaNet (linear attention) ---------------------------------------------
+
+    @staticmethod
+    def sigmoid(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):  # exp -> inf: 1 / inf = 0, the right limit
+            return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+    @staticmethod
+    def softplus(x: np.ndarray) -> np.ndarray:
+        return np.logaddexp(np.float32(0.0), x).astype(np.float32)
+
+    def ssm_conv(self, x: np.ndarray, hist: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """silu of the depthwise causal conv of x: [R, C] after the history hist: [K-1, C] (the
+        previous rows' inputs, oldest first) with taps w: [C, K]; and the new history."""
+        K = w.shape[1]
+        full = np.concatenate([hist, x], axis=0)  # [K-1+R, C]
+        R = x.shape[0]
+        y = full[0:R] * w[:, 0]
+        for j in range(1, K):
+            y = y + full[j : j + R] * w[:, j]  # [R, C]
+        return self.silu(y), full[R:].copy()
+
+    def gdn_gates(self, b: np.ndarray, a: np.ndarray, dt_bias: np.ndarray, ssm_a: np.ndarray):
+        """beta = sigmoid(b) and the log decay g = softplus(a + dt_bias) * ssm_a (ssm_a = -exp(A_log),
+        so g < 0): b, a: [R, Hv] -> [R, Hv] each."""
+        return self.sigmoid(b), self.softplus(a + dt_bias) * ssm_a
+
+    @staticmethod
+    def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+        return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+
+    def delta_rule(self, q, k, v, g, beta, state, eps: float, tiled: bool = False, chunk: int = 0):
+        """The gated delta rule over R rows: q, k: [R, Hk, D] (l2-normalised here, q also scaled
+        by 1/sqrt(D)), v: [R, Hv, D], g (log decay), beta: [R, Hv], state: [Hv, D, D] (key x
+        value). Value head j reads key head j % Hk (`tiled`) or j // (Hv / Hk). Per row t and head:
+            S = exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T q_t.
+        `chunk` > 0: the chunked (WY) form in blocks of that many rows, the same sums in another
+        order. Returns o: [R, Hv, D] and the new state."""
+        R, Hk, D = q.shape
+        Hv = v.shape[1]
+        heads = np.arange(Hv) % Hk if tiled else np.arange(Hv) // (Hv // Hk)
+        q = self.l2_norm(q, eps)[:, heads] * np.float32(1.0 / np.sqrt(D))  # [R, Hv, D]
+        k = self.l2_norm(k, eps)[:, heads]
+        if chunk > 0:
+            return self._delta_chunked(q, k, v, g, beta, state, chunk)
+        S = state.copy()
+        o = np.empty_like(v)
+        decay = np.exp(g)  # [R, Hv]
+        for t in range(R):
+            S *= decay[t][:, None, None]
+            kv = np.einsum("hk,hkv->hv", k[t], S)  # [Hv, D]
+            u = (v[t] - kv) * beta[t][:, None]
+            S += k[t][:, :, None] * u[:, None, :]
+            o[t] = np.einsum("hk,hkv->hv", q[t], S)
+        return o, S
+
+    @staticmethod
+    def _delta_chunked(q, k, v, g, beta, state, C: int):
+        """In each block of C rows (G: g summed within the block, s <= t):
+            u = (I + A)^-1 beta (v - exp(G_t) k_t S0),  A_ts = beta_t exp(G_t - G_s) k_t.k_s (s < t)
+            o_t = exp(G_t) q_t S0 + sum_s exp(G_t - G_s) (q_t.k_s) u_s
+            S   = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T"""
+        R = q.shape[0]
+        S = state.copy()  # [H, Dk, Dv]
+        out = np.empty_like(v)
+        qh, kh, vh = (x.transpose(1, 0, 2) for x in (q, k, v))  # [H, R, D]
+        gh, bh = g.T.astype(np.float32), beta.T.astype(np.float32)  # [H, R]
+        for c0 in range(0, R, C):
+            sl = slice(c0, min(c0 + C, R))
+            qc, kc, vc, bc = qh[:, sl], kh[:, sl], vh[:, sl], bh[:, sl]
+            n = qc.shape[1]
+            G = np.cumsum(gh[:, sl], axis=1)  # [H, n]
+            diff = G[:, :, None] - G[:, None, :]  # [H, t, s]
+            lower = np.tril(np.ones((n, n), bool), -1)
+            dec = np.where(np.tril(np.ones((n, n), bool)), np.exp(np.minimum(diff, 0)), 0).astype(np.float32)
+            A = np.where(lower, bc[:, :, None] * dec * (kc @ kc.transpose(0, 2, 1)), 0).astype(np.float32)
+            eg = np.exp(G)[:, :, None]  # [H, n, 1]
+            rhs = bc[:, :, None] * (vc - eg * (kc @ S))  # [H, n, Dv]
+            u = np.linalg.solve(np.eye(n, dtype=np.float32) + A, rhs).astype(np.float32)
+            att = dec * (qc @ kc.transpose(0, 2, 1))  # [H, t, s], s <= t
+            out[sl] = (eg * (qc @ S) + att @ u).transpose(1, 0, 2)
+            tail = np.exp(G[:, -1:] - G)[:, :, None]  # [H, n, 1]
+            S = np.exp(G[:, -1])[:, None, None] * S + (kc * tail).transpose(0, 2, 1) @ u
+        return out, S.astype(np.float32)
+
     # -- mixture of experts -------------------------------------------------------------
 
     def route(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -174,6 +259,10 @@ class NumpyBackend:
         xe = x[rows]  # [n, dim]
         h = self.silu(xe @ gate.T) * (xe @ up.T)  # [n, hidden]
         out[rows] += (h @ down.T) * weights[rows, slot][:, None]  # [n, dim]
+
+
+DELTA_CHUNK = 64  # rows per block of the chunked delta rule (as transformers and llama.cpp)
+DELTA_CHUNK_MIN_ROWS = 16  # fewer rows (decode, verify rows) take the one-step-per-row form
 
 
 class EagerStep:
@@ -267,3 +356,35 @@ class EagerStep:
     @staticmethod
     def last_row(x: np.ndarray) -> np.ndarray:
         return x[-1:]
+
+    # -- hybrid (Gated DeltaNet) models ---------------------------------------------------
+
+    @staticmethod
+    def split(x: np.ndarray, sizes) -> list[np.ndarray]:
+        """x: [..., sum(sizes)] -> one array per size along the last axis."""
+        return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
+
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """x * sigmoid(gate) (gated attention's output gate)."""
+        return x * self.be.sigmoid(gate)
+
+    def recurrent(self, layer: int):
+        """Where `layer`'s recurrent state is read and written (the sequence's own cache)."""
+        return self.cache[layer]
+
+    def ssm_conv(self, layer: int, x: np.ndarray, name: str) -> np.ndarray:
+        """silu(causal conv of x: [R, C] after the layer's history), the history moved on."""
+        c = self.recurrent(layer)
+        y, c.conv[...] = self.be.ssm_conv(x, c.conv, self.be.weight(name))
+        return y  # [R, C]
+
+    def gdn_gates(self, b: np.ndarray, a: np.ndarray, dt_bias: str, ssm_a: str):
+        return self.be.gdn_gates(b, a, self.be.weight(dt_bias), self.be.weight(ssm_a))  # [R, Hv] x 2
+
+    def delta_rule(self, layer: int, q, k, v, g, beta, eps: float, tiled: bool = False) -> np.ndarray:
+        """The gated delta rule over the layer's state: one step per row for decode and verify
+        rows, the chunked form for a prompt chunk. -> [R, Hv, D]"""
+        c = self.recurrent(layer)
+        chunk = DELTA_CHUNK if q.shape[0] >= DELTA_CHUNK_MIN_ROWS else 0
+        o, c.state[...] = self.be.delta_rule(q, k, v, g, beta, c.state, eps, tiled, chunk)
+        return o

@@ -15,6 +15,8 @@ ARCHITECTURES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma3": "gemma3",
+    "qwen3next": "qwen3next",
+    "qwen35moe": "qwen35moe",
 }
 
 

@@ -22,7 +22,7 @@ class TransformerLM:
         self.rows_run = 0
         self.draft_times: dict[int, float] = {}  # lookup decoding: seconds of a forward by row count
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
-        blocks.check_tensors(gguf, blocks.expected_tensors(self.cfg, gguf))
+        blocks.check_tensors(gguf, self.expected_tensors(self.cfg, gguf))
         attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
         if attach is not None:
             attach(self)
@@ -30,6 +30,8 @@ class TransformerLM:
     @staticmethod
     def config(gguf) -> ModelConfig:
         raise NotImplementedError
+
+    expected_tensors = staticmethod(blocks.expected_tensors)  # the tensors the schedule reads, by shape
 
     def layer(self, g, i: int, x):
         """Layer i of the schedule, as block calls on the running step `g`."""
