@@ -134,6 +134,8 @@ CORPUS_MAX_CHARS = 400_000
 # near-ties (a near-tie lets rounding pick another expert, and logits then jump).
 ROUTER_GAIN = 3.0
 ROUTER_WEIGHT = re.compile(r"\.(mlp|block_sparse_moe)\.gate\.weight$")
+# The Gated DeltaNet's output norm multiplies by w itself, where Qwen3-Next's other norms take 1 + w.
+PLAIN_NORM = re.compile(r"\.linear_attn\.norm\.weight$")
 # ...and MoE fixtures take the first seed (fx.seed + 1000 * i) whose reference text routes
 # with at least this margin between the k-th and (k+1)-th router logit.
 MIN_ROUTER_MARGIN = 0.05
@@ -300,6 +302,9 @@ FIXTURES = [
     # every second one (layers 1 and 3), 2 key heads serving 4 value heads in the DeltaNet,
     # partial rotary (1/4 of head_dim, as the real models), a sigmoid-gated shared expert.
     # No MTP tensors in a random model: --no-mtp. A Q8_0 file, checked against llama.cpp.
+    # The (1 + w) norms get w = N(0, 0.2) (norm_center 0): with w near 1 every norm doubles
+    # its input and the random model turns chaotic (Q8 activation rounding alone moved
+    # position 0 to cosine 0.997).
     Fixture("qwen3next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
             dict(SMALL, num_hidden_layers=4, intermediate_size=128, num_experts=8,
                  num_experts_per_tok=2, moe_intermediate_size=32,
@@ -308,7 +313,7 @@ FIXTURES = [
                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                       partial_rotary_factor=0.25)),
-            "bpe-qwen2", seed=11, quant_types=("Q8_0",), convert_args=("--no-mtp",)),
+            "bpe-qwen2", seed=11, quant_types=("Q8_0",), convert_args=("--no-mtp",), norm_center=0.0),
     # Qwen 3.5 MoE: the same layer kinds with separate beta / alpha projections and value
     # heads stored tiled by the converter; interleaved MRoPE, which for text (one position
     # per token) is NeoX rope over rope_dim = 8 (mrope sections 2+1+1 pairs).
@@ -322,7 +327,7 @@ FIXTURES = [
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                       partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
                                       mrope_interleaved=True)),
-            "bpe-qwen2", seed=12, convert_args=("--no-mtp",)),
+            "bpe-qwen2", seed=12, convert_args=("--no-mtp",), norm_center=0.0),
 ]
 
 
@@ -618,6 +623,8 @@ def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif PLAIN_NORM.search(name):  # used as w even where the other norms are 1 + w
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "norm" in name and p.ndim == 1:
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif ROUTER_WEIGHT.search(name):
