@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onebit.backends.numpy_backend import NumpyBackend
-from onebit.cache import kv_cache_bytes
+from onebit.cache import kv_cache_bytes, recurrent_state_bytes
 from onebit.config import ModelConfig
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.moe.predict import scratch_kv_bytes
+from onebit.moe.predict import scratch_kv_bytes, scratch_state_bytes
 
 from .budget import Budget, format_bytes
 
@@ -185,16 +185,25 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                                                        if t.name in expert_names])
     items = [PlanItem("resident weights", sum(by_type.values()),
                       ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])))]
+    n_attn = len(cfg.attention_layers)
     items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes),
-                          f"{ctx} tokens x {cfg.n_layers} layers"))
+                          f"{ctx} tokens x {n_attn} {'attention ' if cfg.recurrent_layers else ''}layers"))
     items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
                           f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
     per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0) + scratch_kv_bytes(cfg)
-    items.append(PlanItem("predicted-layer scratch", per_pred * len(predicted),
+    pred_bytes = per_pred * len(predicted)
+    if cfg.recurrent_layers:  # a DeltaNet layer's scratch is a copy of its state, not one row's K/V
+        per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0)
+        pred_bytes = sum(per_pred + scratch_state_bytes(cfg, l) for l in predicted)
+        per_pred = pred_bytes // max(len(predicted), 1)
+    items.append(PlanItem("predicted-layer scratch", pred_bytes,
                           f"{len(predicted)} layer(s) x {format_bytes(per_pred)}" if predicted else "no --layers"))
     items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
                           f"{verify_rows} rows"))
+    if cfg.recurrent_layers:  # constant per sequence, whatever its length
+        items.append(PlanItem("recurrent state", recurrent_state_bytes(cfg),
+                              f"{len(cfg.recurrent_layers)} DeltaNet layers, per sequence (not per token)"))
     fixed = sum(i.bytes for i in items)
     all_experts = sum(c.experts for c in classes)
     k = max(cfg.n_experts_used, 1)

@@ -66,8 +66,16 @@ BELOW_BAR = {"q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0", "q3moe256-IQ
              "q3moe256-IQ3_XXS", "q3moe256-IQ4_XS"}
 
 
+# The random hybrid model is chaotic under rounding (see tests/test_hybrid.py, which holds this
+# file to llama.cpp with its activation rounding modelled): measured 0/48 positions at cosine 0.999.
+CHAOTIC = {"qwen3next-Q8_0"}
+
+
 def _llama_param(p):
     name = p.name.replace(".ref.npz", "")
+    if name in CHAOTIC:
+        reason = "a random hybrid model: Q8 activation rounding alone moves cosines by up to 1e-3"
+        return pytest.param(p, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))
     if name in BELOW_BAR:
         reason = "llama.cpp's Q8_K activation rounding moves 3-17 of 48 positions below cosine 0.999"
         return pytest.param(p, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))

@@ -35,7 +35,9 @@ class NumpyBackend:
         """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
         if self.predictor is not None:
             self.predictor.begin(len(ids))
-        logits = model.schedule(EagerStep(self, ids, cache, hook), last_only)
+        step = EagerStep(self, ids, cache, hook)
+        logits = model.schedule(step, last_only)
+        step.commit()
         cache.offset += len(ids)
         return logits
 
@@ -272,6 +274,7 @@ class EagerStep:
     def __init__(self, be: NumpyBackend, ids: np.ndarray, cache, hook=None):
         self.be, self.ids, self.cache, self.hook = be, ids, cache, hook
         self._pause_ctx = None
+        self._staged: dict = {}  # recurrent layer -> its new (conv, state), written when the step completes
         self.start = cache.offset
         self.pos = np.arange(self.start, self.start + len(ids), dtype=np.int64)  # [R]
         self.tensor_names = be.gguf.tensors
@@ -338,7 +341,8 @@ class EagerStep:
                 from ..moe.predict import PauseContext
 
                 c = self.cache
-                self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values)
+                self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values,
+                                               lambda l: c[l])
             predictor.at_pause(self._pause_ctx, layer, ids, logits, h)
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -369,13 +373,30 @@ class EagerStep:
         return x * self.be.sigmoid(gate)
 
     def recurrent(self, layer: int):
-        """Where `layer`'s recurrent state is read and written (the sequence's own cache)."""
+        """Where `layer`'s recurrent state is read (the sequence's own cache, as it was before
+        this step: new state is staged, see `commit`)."""
         return self.cache[layer]
+
+    def stage(self, layer: int, conv=None, state=None) -> None:
+        """Hold a recurrent layer's new conv history / state until the step completes, so that a
+        step stopped half way (an interrupt, an error) leaves the sequence as it was."""
+        old = self._staged.get(layer, (None, None))
+        self._staged[layer] = (conv if conv is not None else old[0], state if state is not None else old[1])
+
+    def commit(self) -> None:
+        """The step completed: write the staged recurrent state into the cache."""
+        for layer, (conv, state) in self._staged.items():
+            c = self.cache[layer]
+            if conv is not None:
+                c.conv[...] = conv
+            if state is not None:
+                c.state[...] = state
+        self._staged.clear()
 
     def ssm_conv(self, layer: int, x: np.ndarray, name: str) -> np.ndarray:
         """silu(causal conv of x: [R, C] after the layer's history), the history moved on."""
-        c = self.recurrent(layer)
-        y, c.conv[...] = self.be.ssm_conv(x, c.conv, self.be.weight(name))
+        y, conv = self.be.ssm_conv(x, self.recurrent(layer).conv, self.be.weight(name))
+        self.stage(layer, conv=conv)
         return y  # [R, C]
 
     def gdn_gates(self, b: np.ndarray, a: np.ndarray, dt_bias: str, ssm_a: str):
@@ -384,7 +405,7 @@ class EagerStep:
     def delta_rule(self, layer: int, q, k, v, g, beta, eps: float, tiled: bool = False) -> np.ndarray:
         """The gated delta rule over the layer's state: one step per row for decode and verify
         rows, the chunked form for a prompt chunk. -> [R, Hv, D]"""
-        c = self.recurrent(layer)
         chunk = DELTA_CHUNK if q.shape[0] >= DELTA_CHUNK_MIN_ROWS else 0
-        o, c.state[...] = self.be.delta_rule(q, k, v, g, beta, c.state, eps, tiled, chunk)
+        o, state = self.be.delta_rule(q, k, v, g, beta, self.recurrent(layer).state, eps, tiled, chunk)
+        self.stage(layer, state=state)
         return o
