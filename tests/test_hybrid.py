@@ -408,3 +408,88 @@ def test_a_forward_stopped_half_way_leaves_the_recurrent_state_as_it_was():
         if isinstance(a, RecurrentCache):
             assert np.array_equal(a.conv, b.conv) and np.array_equal(a.state, b.state)
     assert np.array_equal(m.net.forward(ids[6:], cache), m.net.forward(ids[6:], before))
+
+
+# -- Vulkan and streaming ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", HYBRID + ["qwen3next-Q8_0"])
+def test_vulkan_equals_numpy_greedy(name):
+    ids = ref_tokens(name, 8)
+    m, ref = load(name, "vulkan"), load(name)
+    assert m.net.be.name == "vulkan"  # no fall back
+    tokens = ref_tokens(name)
+    a, b = m.net.forward(tokens, m.new_cache()), ref.net.forward(tokens, ref.new_cache())
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-4 * np.abs(b).max())
+    assert greedy_tokens(m, ids, N_GEN) == greedy_tokens(ref, ids, N_GEN)
+
+
+def test_vulkan_device_cache_rolls_back_over_recurrent_state():
+    m = load("qwen35moe-f32", "vulkan")
+    ids = ref_tokens("qwen35moe-f32", 20)
+    cache = m.new_cache()
+    assert not cache.can_trim
+    m.net.forward(ids[:12], cache)
+    point = cache.checkpoint()
+    want = m.net.forward(ids[12:], cache)
+    m.net.forward(ids[:3], cache)
+    cache.rollback(point)
+    assert np.array_equal(m.net.forward(ids[12:], cache), want)
+    fresh = m.new_cache()  # a new sequence on the reused storage starts from zero state
+    assert np.array_equal(m.net.forward(ids, fresh), m.net.forward(ids, load("qwen35moe-f32", "vulkan").new_cache()))
+
+
+def test_lookup_and_chat_on_vulkan(monkeypatch):
+    monkeypatch.setattr(generate_mod, "DraftPolicy", VerifyAll)
+    m = load("qwen3next-f32", "vulkan")
+    ids = ref_tokens("qwen3next-f32", 10)
+    want = greedy_tokens(m, ids, N_GEN)
+    assert want == greedy_tokens(load("qwen3next-f32"), ids, N_GEN)
+    monkeypatch.setattr(generate_mod, "NgramDrafter", OracleDrafter(len(ids), want + greedy_tokens(m, ids, 2 * N_GEN)[N_GEN:]))
+    got, cache, st = step_tokens(m, ids, 8)
+    assert got == want and st.proposed > st.accepted > 0 and cache.offset == len(ids) + N_GEN - 1
+    monkeypatch.undo()
+    replies = []
+    for backend in ("vulkan", "numpy"):
+        s = ChatSession(load("qwen3next-f32", backend), temperature=0.0, max_tokens=6)
+        replies.append([[r.token for r in s.send(msg) if r.token is not None] for msg in ("hi", "go on")])
+        assert s.last.prompt_tokens_computed < s.last.prompt_tokens
+    assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
+def test_streamed_equals_resident_bit_for_bit(backend):
+    name = "qwen3next-f32"
+    ids = ref_tokens(name, 12)
+    want = decode(load(name, backend), ids)
+    m = onebit.load(fixture_path(f"{name}.gguf"), backend=backend, slots=4, budget="1GiB")
+    try:
+        got = decode(m, ids)
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+        assert m.pool.stats.demand_misses > 0  # it did stream
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("mode", ["router", "block"])
+def test_vulkan_prediction_is_bit_identical_to_off_and_streams(mode):
+    name = "qwen35moe-f32"
+    ids = ref_tokens(name, 8)
+    want = decode(load(name, "vulkan"), ids)
+    m = onebit.load(fixture_path(f"{name}.gguf"), backend="vulkan", slots=6, budget="1GiB",
+                    predict=settings_from({}, mode=mode, ahead=2, chain=True))
+    try:
+        got = decode(m, ids)
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+        st = m.predictor.stats
+        assert sum(s.predictions for s in st.values()) > 0 and m.pool.stats.prefetches > 0
+    finally:
+        m.close()
+    # what Vulkan's block mode predicts is what numpy's does (the state it reads is the real one)
+    hits = []
+    for backend in ("vulkan", "numpy"):
+        p = onebit.load(fixture_path(f"{name}.gguf"), backend=backend, predict=settings_from({}, mode=mode, ahead=2))
+        decode(p, ids)
+        hits.append([(s.hits, s.predicted) for s in p.predictor.stats.values()])
+        p.close()
+    assert hits[0] == hits[1]
