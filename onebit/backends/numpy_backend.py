@@ -53,6 +53,10 @@ class NumpyBackend:
         act = rows * (4 * cfg.dim + H * D + 2 * Hkv * (D + Dv) + H * Dv + 3 * ffn + cfg.n_experts)
         scores = 3 * H * rows * n_ctx  # scores, mask select, probabilities
         logits = (rows if all_logits else 1) * cfg.vocab_size
+        if cfg.recurrent_layers:  # a DeltaNet layer: conv in/out, q/k/v per value head, z, and the
+            Hv, Ds = cfg.ssm_time_step_rank, cfg.ssm_state_size  # state twice (old, new), the
+            n = min(rows, DELTA_CHUNK)  # chunked form's [Hv, n, n] matrices
+            act += rows * (3 * cfg.ssm_conv_channels + 5 * Hv * Ds) + 2 * Hv * Ds * Ds + 4 * Hv * n * n
         return 4 * (act + scores + logits + largest_matrix)
 
     # -- weights ------------------------------------------------------------------------
