@@ -124,6 +124,16 @@ def test_prompt_in_one_forward_equals_one_token_at_a_time(name, backend):
     assert cosine_rows(whole, steps).min() > 0.999999
 
 
+@pytest.mark.parametrize("name", HYBRID + ["qwen3next-Q8_0"])
+def test_cpu_equals_numpy_greedy(name):
+    ids = ref_tokens(name, 8)
+    tokens = ref_tokens(name)
+    m, ref = load(name, "cpu"), load(name)
+    a, b = m.net.forward(tokens, m.new_cache()), ref.net.forward(tokens, ref.new_cache())
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+    assert greedy_tokens(m, ids, N_GEN) == greedy_tokens(ref, ids, N_GEN)
+
+
 def test_recurrent_cache_cannot_trim_but_rolls_back_to_a_checkpoint():
     m = load("qwen3next-f32")
     ids = ref_tokens("qwen3next-f32", 20)

@@ -442,6 +442,7 @@ class _ScratchStep(EagerStep):
         self.be, self.ctx, self.layer, self.hook = be, ctx, layer, None
         self.k_scratch, self.v_scratch = k_scratch, v_scratch
         self.state_scratch = state_scratch  # a recurrent layer's: its real state copied in, then moved on
+        self._copied = False  # the real state is copied into the scratch on the block's first read
         self.start = ctx.start
         self.pos = np.arange(ctx.start, ctx.start + ctx.rows, dtype=np.int64)
         self.tensor_names = be.gguf.tensors
@@ -451,7 +452,7 @@ class _ScratchStep(EagerStep):
         never written); the speculative DeltaNet step moves the scratch on."""
         if self.ctx.states is None:
             raise ValueError("this backend's pause point gives no recurrent state to predict from")
-        if not getattr(self, "_copied", False):
+        if not self._copied:
             real = self.ctx.states(layer)
             self.state_scratch.restore((real.conv, real.state))
             self._copied = True
