@@ -503,3 +503,28 @@ def test_vulkan_prediction_is_bit_identical_to_off_and_streams(mode):
         hits.append([(s.hits, s.predicted) for s in p.predictor.stats.values()])
         p.close()
     assert hits[0] == hits[1]
+
+
+def test_vulkan_interrupt_during_a_forward_lands_after_it():
+    """On Vulkan the recurrent state moves in place on the device, so Ctrl-C is held until the
+    chunk's forward completes: the interrupt arrives after it, with state and position agreeing."""
+    import os
+    import signal
+
+    m = load("qwen3next-f32", "vulkan")
+    ids = ref_tokens("qwen3next-f32", 12)
+    cache, plain = m.new_cache(), m.new_cache()
+    m.net.forward(ids[:6], cache)
+    m.net.forward(ids[:6], plain)
+    want = m.net.forward(ids[6:], plain)
+
+    def interrupt(layer, ids_, logits):
+        if layer == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        m.net.forward(ids[6:], cache, hook=interrupt)
+    assert cache.offset == plain.offset  # the step completed before the interrupt
+    nxt = np.array([int(np.argmax(want[-1]))])
+    np.testing.assert_array_equal(m.net.forward(nxt, cache), m.net.forward(nxt, plain))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
