@@ -202,8 +202,15 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
                           f"{verify_rows} rows"))
     if cfg.recurrent_layers:  # constant per sequence, whatever its length
-        items.append(PlanItem("recurrent state", recurrent_state_bytes(cfg),
+        state = recurrent_state_bytes(cfg)
+        items.append(PlanItem("recurrent state", state,
                               f"{len(cfg.recurrent_layers)} DeltaNet layers, per sequence (not per token)"))
+        # copies to roll back to (a state cannot trim): a chat's checkpoints and lookup's one
+        from onebit.chat import MAX_CHECKPOINTS
+
+        n = MAX_CHECKPOINTS + 1
+        items.append(PlanItem("recurrent checkpoints", n * state,
+                              f"{n} x {format_bytes(state)} (chat prefix reuse, lookup rollback)"))
     fixed = sum(i.bytes for i in items)
     all_experts = sum(c.experts for c in classes)
     k = max(cfg.n_experts_used, 1)

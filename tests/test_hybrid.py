@@ -254,7 +254,9 @@ def test_chat_prefix_reuse_equals_a_fresh_run(lookup):
     first = [r.token for r in s.send("hello there") if r.token is not None]
     second = [r.token for r in s.send("and then") if r.token is not None]
     assert s.last.prompt_tokens_computed < s.last.prompt_tokens  # the cache was reused
-    assert len(s.checkpoints) >= 1
+    from onebit.chat import MAX_CHECKPOINTS
+
+    assert 1 <= len(s.checkpoints) <= MAX_CHECKPOINTS
     fresh = ChatSession(m, temperature=0.0, max_tokens=8, lookup=lookup)
     fresh.history = [dict(h) for h in s.history[:2]]
     again = [r.token for r in fresh.send("and then") if r.token is not None]
@@ -283,6 +285,7 @@ def test_plan_counts_recurrent_state_per_sequence_and_kv_for_attention_layers():
         assert items["KV cache"] == 2 * c * cfg.n_kv_heads * 2 * cfg.head_dim * 4  # layers 1 and 3 only
         per_layer = (3 * cfg.ssm_conv_channels + cfg.ssm_time_step_rank * cfg.ssm_state_size ** 2) * 4
         assert items["recurrent state"] == 2 * per_layer == recurrent_state_bytes(cfg)
+        assert items["recurrent checkpoints"] == 5 * recurrent_state_bytes(cfg)  # 4 chat + 1 lookup
     # what the plan counts is what a cache holds
     cache = m.new_cache()
     assert sum(c.nbytes for c in cache if isinstance(c, RecurrentCache)) == recurrent_state_bytes(cfg)
