@@ -94,15 +94,20 @@ def generate_step(
             point = (cache.checkpoint(), rows) if rollback and drafts else None
             t0 = time.perf_counter()
             logits = net.forward(rows, cache, hook=hook, last_only=not drafts)  # [1 + drafts, vocab]
-            if policy is not None:
-                policy.timed(len(rows), time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
+            if policy is not None and point is None:
+                policy.timed(len(rows), spent)
             stats.forwards += 1
             stats.proposed += len(drafts)
             for i, d in enumerate(drafts):
                 ok, tok = sampler.verify(process(logits[i]), d)
                 stats.tokens += 1
                 if not ok:
+                    t0 = time.perf_counter()
                     _drop_rows(net, cache, len(drafts) - i, point, hook)  # the rows after the rejected draft
+                    if point is not None:  # a rollback runs the kept rows again: part of the verify's cost
+                        policy.timed(len(rows), spent + time.perf_counter() - t0)
+                        point = None
                     break
                 stats.accepted += 1
                 tokens.append(d)
@@ -112,6 +117,8 @@ def generate_step(
             else:
                 tok = sampler(process(logits[-1]))
                 stats.tokens += 1
+                if point is not None:  # every draft accepted: no rollback
+                    policy.timed(len(rows), spent)
     finally:
         # Stopped inside accepted drafts (a stop string, max tokens, an interrupt): drop the
         # rows past the last token yielded, as if they had never been proposed.
