@@ -114,9 +114,9 @@ def test_layer_kinds_and_cache_types(name):
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
 @pytest.mark.parametrize("name", HYBRID)
 def test_prompt_in_one_forward_equals_one_token_at_a_time(name, backend):
-    """The prompt's chunked delta rule and conv over 40 rows == 40 decode steps (step form)."""
+    """The prompt's chunked delta rule (blocks of 64) and conv over 130 rows == 130 decode steps."""
     m = load(name, backend)
-    ids = ref_tokens(name, 40)
+    ids = np.concatenate([ref_tokens(name, 48), ref_tokens(name, 48)[::-1], ref_tokens(name, 34)])  # 130: 3 blocks
     whole = m.net.forward(ids, m.new_cache())
     cache = m.new_cache()
     steps = np.concatenate([m.net.forward(ids[i : i + 1], cache) for i in range(len(ids))])

@@ -597,8 +597,8 @@ class Recording:
                     hs, hshape, hdtype = pp.h
                     h = hs.buffer.view(hdtype, hshape, hs.offset).copy()
                     ids, logits = pp.ids.host().astype(np.int64), pp.logits.host().copy()
-                    if self.cfg.recurrent_layers:
-                        frozen.clear()
+                    if self.cfg.recurrent_layers and predictor.s.mode == "block" and not predictor.s.no_attn:
+                        frozen.clear()  # (only block mode runs the next layers' mixers)
                         i = predictor.moe_layers.index(pp.layer)
                         for l in predictor.moe_layers[i + 1 : i + 1 + predictor.s.ahead]:
                             if self.cfg.layer_is_recurrent(l):
