@@ -531,3 +531,25 @@ def test_vulkan_interrupt_during_a_forward_lands_after_it():
     nxt = np.array([int(np.argmax(want[-1]))])
     np.testing.assert_array_equal(m.net.forward(nxt, cache), m.net.forward(nxt, plain))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+
+
+# -- bad files ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("edit,what", [
+    (dict(meta={"qwen3next.ssm.inner_size": 65}), "DeltaNet heads do not fit"),
+    (dict(meta={"qwen3next.ssm.group_count": 3}), "DeltaNet heads do not fit"),
+    (dict(meta={"qwen3next.ssm.conv_kernel": 1}), "ssm.conv_kernel"),
+    (dict(drop_meta=("qwen3next.ssm.state_size",)), "ssm.state_size"),
+    (dict(drop_tensors=("blk.2.ssm_a",)), "blk.2.ssm_a"),
+    (dict(drop_tensors=("blk.0.ssm_conv1d.weight",)), "blk.0.ssm_conv1d.weight"),
+])
+def test_bad_hybrid_files_are_refused_in_one_line(tmp_path, monkeypatch, capsys, edit, what):
+    from conftest import run_cli
+    from ggufedit import rewrite
+
+    bad = rewrite(fixture_path("qwen3next-f32.gguf"), tmp_path / "bad.gguf", **edit)
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "--model", str(bad), "--prompt", "hi",
+                             "--max-tokens", "2", "--backend", "numpy")
+    assert code == 2 and what in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("onebit: "), err
