@@ -198,12 +198,12 @@ class NumpyBackend:
         S = state.copy()
         o = np.empty_like(v)
         decay = np.exp(g)  # [R, Hv]
-        for t in range(R):
+        for t in range(R):  # (sums of products, not einsum: its BLAS threads would contend with the cpu kernels')
             S *= decay[t][:, None, None]
-            kv = np.einsum("hk,hkv->hv", k[t], S)  # [Hv, D]
+            kv = (k[t][:, :, None] * S).sum(axis=1)  # [Hv, D]
             u = (v[t] - kv) * beta[t][:, None]
             S += k[t][:, :, None] * u[:, None, :]
-            o[t] = np.einsum("hk,hkv->hv", q[t], S)
+            o[t] = (q[t][:, :, None] * S).sum(axis=1)
         return o, S
 
     @staticmethod
