@@ -553,3 +553,16 @@ def test_bad_hybrid_files_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
                              "--max-tokens", "2", "--backend", "numpy")
     assert code == 2 and what in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("onebit: "), err
+
+
+def test_vulkan_kv_growth_past_the_first_capacity_keeps_recurrent_state():
+    """300 positions (the device KV grows from 256): the attention layers' K/V are copied into
+    the new buffers, the DeltaNet layers' state (never reallocated) carries on."""
+    name = "qwen35moe-f32"
+    v, n = load(name, "vulkan"), load(name)
+    ids = np.random.default_rng(0).integers(0, 500, size=300)
+    cv = v.new_cache()
+    got = np.concatenate([v.net.forward(ids[s : s + 100], cv) for s in range(0, 300, 100)])
+    want = n.net.forward(ids, n.new_cache())
+    assert cv.storage.capacity >= 300
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
