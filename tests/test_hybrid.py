@@ -566,3 +566,21 @@ def test_vulkan_kv_growth_past_the_first_capacity_keeps_recurrent_state():
     want = n.net.forward(ids, n.new_cache())
     assert cv.storage.capacity >= 300
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+
+
+def test_mtp_blocks_counted_in_block_count_are_not_run(tmp_path):
+    """llama.cpp's converter appends the MTP blocks to block_count and says how many in
+    nextn_predict_layers; the model runs the trunk only (a file claiming one MTP block more
+    than it has gives the same logits; without the key the missing block is an error)."""
+    from ggufedit import rewrite
+
+    from onebit.errors import ModelFileError
+
+    src = fixture_path("qwen3next-f32.gguf")
+    mtp = rewrite(src, tmp_path / "mtp.gguf", meta={"qwen3next.block_count": 5, "qwen3next.nextn_predict_layers": 1})
+    ids = ref_tokens("qwen3next-f32", 12)
+    m = onebit.load(mtp, backend="numpy")
+    assert m.cfg.n_layers == 4 and m.cfg.recurrent_layers == (0, 2)
+    assert np.array_equal(m.logits(ids), load("qwen3next-f32").logits(ids))
+    with pytest.raises(ModelFileError, match="5 layers|blk.4"):
+        onebit.load(rewrite(src, tmp_path / "no_key.gguf", meta={"qwen3next.block_count": 5}), backend="numpy")

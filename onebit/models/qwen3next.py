@@ -9,6 +9,7 @@ experts and a sigmoid-gated shared expert in every layer.
 - Attention layer: q_proj gives query and output gate per head, per-head q/k norms, NeoX rope
   on the first rope_dim (a quarter of head_dim in the real model), o * sigmoid(gate).
 - The FFN's norm is `post_attention_norm`; routing is softmax top-k, renormalised.
+- The MTP (next-token prediction) blocks a converted file may end with are not run.
 
 llama.cpp's converter stores the (1 + w) norm weights as plain RMS norm weights (the gated
 DeltaNet norm is plain already) and A_log as ssm_a = -exp(A_log). Value head j reads key head
@@ -33,7 +34,9 @@ def hybrid_config(gguf, v_tiled: bool, default_weights_norm: bool = True) -> Mod
     """The shared keys, plus the DeltaNet's (`ssm.*`) and which layers are recurrent."""
     cfg = config_from_gguf(gguf, rope_neox=True, qk_norm="head", default_weights_norm=default_weights_norm)
     a = gguf.architecture
-    n = cfg.n_layers
+    # block_count includes the multi-token-prediction blocks llama.cpp's converter appends
+    # (`nextn_predict_layers`); like llama.cpp's main pass, the model runs the others only.
+    n = cfg.n_layers - _int(gguf, f"{a}.nextn_predict_layers", 0, lo=0, hi=cfg.n_layers - 1)
     flags = gguf.get(f"{a}.attention.recurrent_layers")
     if flags is not None and np.ndim(flags) > 0:
         flags = np.asarray(flags).reshape(-1)
@@ -60,7 +63,7 @@ def hybrid_config(gguf, v_tiled: bool, default_weights_norm: bool = True) -> Mod
         raise UnsupportedModelError(f"{gguf.path}: tensor {legacy[0]!r} is the old fused qkvz layout; convert the model "
                                     "again with a current llama.cpp (attn_qkv + attn_gate)")
     return dataclasses.replace(
-        cfg, recurrent_layers=recurrent, ssm_conv_kernel=kernel, ssm_state_size=state, ssm_group_count=k_heads,
+        cfg, n_layers=n, recurrent_layers=recurrent, ssm_conv_kernel=kernel, ssm_state_size=state, ssm_group_count=k_heads,
         ssm_time_step_rank=v_heads, ssm_v_tiled=v_tiled, ffn_norm_name="post_attention_norm")
 
 
