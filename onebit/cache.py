@@ -2,10 +2,10 @@
 
 A layer's cache is the state its mixer keeps between forward passes: `KVCache` for attention
 (keys and values by position), `RecurrentCache` for a Gated DeltaNet layer (conv history and
-delta-rule state: constant size, no positions, so it cannot trim). Every layer cache says whether it can `trim` (drop the last
-positions in place) and gives a `snapshot` / `restore` of its state; speculative decoding and
-chat prefix reuse roll back through `Cache.trim`, or through snapshot / restore where a
-layer cannot trim.
+delta-rule state: a constant size, no positions, so it cannot trim). Every layer cache says
+whether it can `trim` (drop the last positions in place) and gives a `snapshot` / `restore`
+of its state; speculative decoding and chat prefix reuse roll back through `Cache.trim`, or,
+where a layer cannot trim, to a `Cache.checkpoint` taken at the position to return to.
 """
 
 from __future__ import annotations

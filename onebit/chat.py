@@ -60,7 +60,8 @@ class ChatSession:
         self.lookup = lookup_budget(lookup)
         self.lookup_stats = LookupStats()  # over the whole conversation
         # A cache with recurrent state cannot trim: it can only go back to positions where a
-        # checkpoint was taken (the end of each turn), so the prefix reused is the longest of those.
+        # checkpoint was taken (the end of each prompt but its last token, the end of each
+        # turn), so the prefix reused is the longest of those within the common prefix.
         self.checkpoints: list = []
 
     def reset(self) -> None:
@@ -133,15 +134,16 @@ class ChatSession:
         self.history.append({"role": "assistant", "content": ""})
         t0 = time.perf_counter()
         ahead = 0.0
-        if not self.cache.can_trim and len(ids) - common > 1:
-            # recurrent state: run the prompt but its last token first and checkpoint there (the
-            # next turn's rendering starts with this prompt, whatever the reply turns out to be)
-            common = self._prefill(ids, common)
-            ahead = time.perf_counter() - t0
-        replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
-                                  processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
-                                  hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
+        replies = None
         try:
+            if not self.cache.can_trim and len(ids) - common > 1:
+                # recurrent state: run the prompt but its last token first and checkpoint there (the
+                # next turn's rendering starts with this prompt, whatever the reply turns out to be)
+                common = self._prefill(ids, common)
+                ahead = time.perf_counter() - t0
+            replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
+                                      processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
+                                      hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
             for r in replies:
                 reply.append(r.text)
                 self.history[-1]["content"] = "".join(reply)
@@ -153,7 +155,8 @@ class ChatSession:
                 stats.finish_reason = r.finish_reason
                 yield r
         finally:
-            replies.close()  # the cache settles (drafts past the last token dropped) before we look
+            if replies is not None:
+                replies.close()  # the cache settles (drafts past the last token dropped) before we look
             if stats.finish_reason is None:
                 stats.finish_reason = "interrupted"
                 stats.generation_time = max(time.perf_counter() - t0 - stats.prompt_time, 0.0)
