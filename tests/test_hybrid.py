@@ -584,3 +584,28 @@ def test_mtp_blocks_counted_in_block_count_are_not_run(tmp_path):
     assert np.array_equal(m.logits(ids), load("qwen3next-f32").logits(ids))
     with pytest.raises(ModelFileError, match="5 layers|blk.4"):
         onebit.load(rewrite(src, tmp_path / "no_key.gguf", meta={"qwen3next.block_count": 5}), backend="numpy")
+
+
+def test_chat_interrupted_in_the_prompt_leaves_a_consistent_session():
+    """Ctrl-C while a hybrid chat runs its prompt (the part run ahead of the last token): the
+    cache, the cached tokens and the history agree, and the next turn equals a fresh session's
+    over the same history."""
+    m = onebit.load(fixture_path("qwen3next-f32.gguf"), backend="numpy")
+    calls = {"n": 0}
+
+    def stop_once(layer, ids, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+
+    s = ChatSession(m, temperature=0.0, max_tokens=6)
+    m.hook = stop_once
+    with pytest.raises(KeyboardInterrupt):
+        list(s.send("hello there"))
+    m.hook = None
+    assert s.cache.offset == len(s.cached) == 0  # the first forward was stopped: nothing went in
+    assert s.history[-1] == {"role": "assistant", "content": ""}
+    again = [r.token for r in s.send("and then") if r.token is not None]
+    fresh = ChatSession(load("qwen3next-f32"), temperature=0.0, max_tokens=6)
+    fresh.history = [dict(h) for h in s.history[:2]]
+    assert [r.token for r in fresh.send("and then") if r.token is not None] == again
