@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onebit.backends.numpy_backend import NumpyBackend
-from onebit.cache import SWA_ROWS, kv_cache_bytes, layer_positions
+from onebit.cache import SWA_ROWS, kv_cache_bytes, layer_positions, recurrent_state_bytes
 from onebit.config import ModelConfig
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.moe.predict import scratch_kv_bytes
+from onebit.moe.predict import scratch_kv_bytes, scratch_state_bytes
 
 from .budget import Budget, format_bytes
 
@@ -190,10 +190,25 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                           f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
     per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0) + scratch_kv_bytes(cfg)
-    items.append(PlanItem("predicted-layer scratch", per_pred * len(predicted),
+    pred_bytes = per_pred * len(predicted)
+    if cfg.recurrent_layers:  # a DeltaNet layer's scratch is a copy of its state, not one row's K/V
+        per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0)
+        pred_bytes = sum(per_pred + scratch_state_bytes(cfg, l) for l in predicted)
+        per_pred = pred_bytes // max(len(predicted), 1)
+    items.append(PlanItem("predicted-layer scratch", pred_bytes,
                           f"{len(predicted)} layer(s) x {format_bytes(per_pred)}" if predicted else "no --layers"))
     items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
                           f"{verify_rows} rows"))
+    if cfg.recurrent_layers:  # constant per sequence, whatever its length
+        state = recurrent_state_bytes(cfg)
+        items.append(PlanItem("recurrent state", state,
+                              f"{len(cfg.recurrent_layers)} DeltaNet layers, per sequence (not per token)"))
+        # copies to roll back to (a state cannot trim): a chat's checkpoints and lookup's one
+        from onebit.chat import MAX_CHECKPOINTS
+
+        n = MAX_CHECKPOINTS + 1
+        items.append(PlanItem("recurrent checkpoints", n * state,
+                              f"{n} x {format_bytes(state)} (chat prefix reuse, lookup rollback)"))
     fixed = sum(i.bytes for i in items)
     all_experts = sum(c.experts for c in classes)
     k = max(cfg.n_experts_used, 1)
@@ -236,11 +251,14 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
 
 
 def _kv_detail(cfg: ModelConfig, ctx: int) -> str:
-    """'N tokens x L layers', and the sliding-window layers' rings (min(ctx, window + rows - 1))."""
-    swa = [i for i in range(cfg.n_layers) if cfg.layer_window(i) > 0]
-    full = cfg.n_layers - len(swa)
+    """'N tokens x L layers' (attention layers: a hybrid model's DeltaNet layers keep no K/V), and
+    the sliding-window layers' rings (min(ctx, window + rows - 1))."""
+    attn = cfg.attention_layers
+    swa = [i for i in attn if cfg.layer_window(i) > 0]
+    full = len(attn) - len(swa)
+    kind = "attention " if cfg.recurrent_layers else ""
     if not swa:
-        return f"{ctx} tokens x {full} layers"
+        return f"{ctx} tokens x {full} {kind}layers"
     ring = layer_positions(cfg, swa[0], ctx)
     windows = sorted({cfg.layer_window(i) for i in swa})
     return (f"{ctx} tokens x {full} layers, {ring} x {len(swa)} sliding-window layers "

@@ -2,10 +2,11 @@
 
 A layer's cache is the state its mixer keeps between forward passes: `KVCache` for attention
 (keys and values by position), `RingKVCache` for a sliding-window attention layer (the last
-positions only, as a ring). Every layer cache says whether it can `trim` (drop the last
-positions in place) and gives a `snapshot` / `restore` of its state; speculative decoding and
-chat prefix reuse roll back through `Cache.trim`, or through snapshot / restore where a
-layer cannot trim.
+positions only, as a ring), `RecurrentCache` for a Gated DeltaNet layer (conv history and
+delta-rule state: a constant size, no positions, so it cannot trim). Every layer cache says
+whether it can `trim` (drop the last positions in place) and gives a `snapshot` / `restore`
+of its state; speculative decoding and chat prefix reuse roll back through `Cache.trim`, or,
+where a layer cannot trim, to a `Cache.checkpoint` taken at the position to return to.
 """
 
 from __future__ import annotations
@@ -184,6 +185,46 @@ class RingKVCache:
         return self.keys.nbytes + self.values.nbytes
 
 
+class RecurrentCache:
+    """A Gated DeltaNet layer's state after the sequence's last position: the conv's input
+    history (the last kernel - 1 rows) and the delta rule's state per value head.
+
+    It holds no positions, so it cannot go back by itself: rolling back means restoring a
+    snapshot taken at the position to return to (`Cache.checkpoint` / `Cache.rollback`)."""
+
+    can_trim = False
+
+    def __init__(self, conv_kernel: int, conv_channels: int, n_heads: int, head_dim: int):
+        self.conv = np.zeros((conv_kernel - 1, conv_channels), np.float32)  # [K-1, C], oldest first
+        self.state = np.zeros((n_heads, head_dim, head_dim), np.float32)  # [Hv, Dk, Dv]
+
+    def trim(self, length: int) -> None:
+        """Nothing to drop (`Cache.trim` refuses a real trim; a rollback restores a snapshot)."""
+
+    def reset(self) -> None:
+        """The state of an empty sequence."""
+        self.conv.fill(0)
+        self.state.fill(0)
+
+    def snapshot(self, length: int = 0):
+        return self.conv.copy(), self.state.copy()
+
+    def restore(self, state) -> None:
+        conv, st = state
+        self.conv[...] = conv
+        self.state[...] = st
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.state.nbytes
+
+
+def recurrent_state_bytes(cfg, elem_bytes: int = 4) -> int:
+    """Bytes of every recurrent layer's state for one sequence (whatever its length)."""
+    per = (cfg.ssm_conv_kernel - 1) * cfg.ssm_conv_channels + cfg.ssm_time_step_rank * cfg.ssm_state_size ** 2
+    return len(cfg.recurrent_layers) * per * elem_bytes
+
+
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:
     out = np.zeros((cap, *a.shape[1:]), a.dtype)
     out[: a.shape[0]] = a
@@ -236,15 +277,43 @@ class Cache:
         for c, s in zip(self.layers, layers):
             c.restore(s)
 
+    def checkpoint(self):
+        """What `rollback` needs to return to this position: the layers that cannot trim are
+        copied (recurrent state: a constant size), the others will trim."""
+        return self.offset, {i: c.snapshot(self.offset) for i, c in enumerate(self.layers) if not c.can_trim}
+
+    def rollback(self, point) -> None:
+        """Back to a checkpoint taken at a position this sequence has not since gone below."""
+        offset, saved = point
+        if offset > self.offset:
+            raise ValueError(f"cannot roll forward from {self.offset} to {offset}")
+        self.offset = offset
+        for i, c in enumerate(self.layers):
+            if i in saved:
+                c.restore(saved[i])
+            else:
+                c.trim(offset)
+
+    def clear(self) -> None:
+        """An empty sequence (recurrent layers back to zero state)."""
+        self.offset = 0
+        for c in self.layers:
+            reset = getattr(c, "reset", None)
+            reset() if reset is not None else c.trim(0)
+
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
 
 
 def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
-    """A cache per layer: sliding-window layers get a ring sized for forwards of `swa_rows` rows
-    (0: no rings, every layer holds every position)."""
+    """A cache per layer: recurrent (Gated DeltaNet) layers their state; sliding-window layers a
+    ring sized for forwards of `swa_rows` rows (0: no rings, every attention layer holds every
+    position)."""
     def layer(i: int):
+        if cfg.layer_is_recurrent(i):
+            return RecurrentCache(cfg.ssm_conv_kernel, cfg.ssm_conv_channels, cfg.ssm_time_step_rank,
+                                  cfg.ssm_state_size)
         w = cfg.layer_window(i)
         if w > 0 and swa_rows:
             return RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, w, capacity, swa_rows)
@@ -255,13 +324,15 @@ def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
 
 def layer_positions(cfg, layer: int, n_ctx: int, swa_rows: int = SWA_ROWS) -> int:
     """Positions layer `layer`'s cache holds for a context of n_ctx: a sliding-window layer's
-    ring holds at most `ring_capacity` of them."""
+    ring holds at most `ring_capacity` of them, a recurrent layer none."""
+    if cfg.layer_is_recurrent(layer):
+        return 0
     w = cfg.layer_window(layer)
     return min(n_ctx, ring_capacity(w, swa_rows)) if w > 0 and swa_rows else n_ctx
 
 
 def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4, swa_rows: int = SWA_ROWS) -> int:
-    """Bytes of every layer's keys and values for n_ctx positions (sliding-window layers: their
-    ring's positions)."""
+    """Bytes of every attention layer's keys and values for n_ctx positions (sliding-window
+    layers: their ring's positions)."""
     per_pos = cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes
     return sum(layer_positions(cfg, i, n_ctx, swa_rows) for i in range(cfg.n_layers)) * per_pos

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
+import numpy as np
+
 from .errors import UsageError
 from .harmony import HarmonyStream, is_harmony
 from .generate import GenerationResponse, stream_generate
@@ -40,6 +42,9 @@ class TurnStats:
         return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
 
 
+MAX_CHECKPOINTS = 4  # recurrent-state checkpoints a chat keeps (each: every recurrent layer's state)
+
+
 class ChatSession:
     def __init__(self, model, system: Optional[str] = None, max_tokens: int = 512, temperature: float = 0.7,
                  top_k: int = 0, top_p: float = 0.95, min_p: float = 0.05, repetition_penalty: float = 1.0,
@@ -57,11 +62,36 @@ class ChatSession:
         self.lookup = lookup_budget(lookup)
         self.lookup_stats = LookupStats()  # over the whole conversation
         self.harmony = is_harmony(model)  # gpt-oss: replies in channels (harmony.py)
+        # A cache with recurrent state cannot trim: it can only go back to positions where a
+        # checkpoint was taken (the end of each prompt but its last token, the end of each
+        # turn), so the prefix reused is the longest of those within the common prefix.
+        self.checkpoints: list = []
 
     def reset(self) -> None:
         self.history.clear()
-        self.cache.trim(len(self.cached))
+        if self.cache.can_trim:
+            self.cache.trim(len(self.cached))
+        else:
+            self.cache.clear()
+            self.checkpoints = []
         self.cached = []
+
+    def _reuse(self, common: int) -> int:
+        """Keep the first `common` cached tokens (or, for a cache that cannot trim, the longest
+        checkpointed prefix within them); returns how many were kept."""
+        if self.cache.can_trim:
+            if not self.cache.can_trim_to(common):  # a sliding-window ring no longer holds what the
+                common = 0  # prefix's end reads: run the prefix again
+            self.cache.trim(len(self.cached) - common)
+            return common
+        if self.cache.offset <= common:
+            return self.cache.offset
+        self.checkpoints = [c for c in self.checkpoints if c[0] <= common]
+        if self.checkpoints:
+            self.cache.rollback(self.checkpoints[-1])
+        else:
+            self.cache.clear()
+        return self.cache.offset
 
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
@@ -100,9 +130,7 @@ class ChatSession:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # always run at least one token to get logits
-        if not self.cache.can_trim_to(common):  # a sliding-window ring no longer holds what the
-            common = 0  # prefix's end reads: run the prefix again
-        self.cache.trim(len(self.cached) - common)
+        common = self._reuse(common)
         self.cached = ids[:common]
         stats = TurnStats(prompt_tokens=len(ids), prompt_tokens_computed=len(ids) - common, dropped_turns=dropped)
         self.last = stats
@@ -110,11 +138,18 @@ class ChatSession:
         generated: list[int] = []
         self.history.append({"role": "assistant", "content": ""})
         t0 = time.perf_counter()
-        replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
-                                  processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
-                                  hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
+        ahead = 0.0
+        replies = None
         channels = HarmonyStream() if self.harmony else None
         try:
+            if not self.cache.can_trim and len(ids) - common > 1:
+                # recurrent state: run the prompt but its last token first and checkpoint there (the
+                # next turn's rendering starts with this prompt, whatever the reply turns out to be)
+                common = self._prefill(ids, common)
+                ahead = time.perf_counter() - t0
+            replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
+                                      processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
+                                      hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
             for r in replies:
                 if channels is not None:  # the reply's text, and its reasoning apart
                     thinking, text = channels.feed(r.text, final=r.finish_reason is not None)
@@ -125,20 +160,39 @@ class ChatSession:
                 self.history[-1]["content"] = "".join(reply)
                 if r.token is not None:
                     generated.append(r.token)
-                stats.prompt_time = r.prompt_time
+                stats.prompt_time = r.prompt_time + ahead
                 stats.generation_time = r.generation_time
                 stats.generation_tokens = r.generation_tokens
                 stats.finish_reason = r.finish_reason
                 yield r
         finally:
-            replies.close()  # the cache settles (drafts past the last token dropped) before we look
+            if replies is not None:
+                replies.close()  # the cache settles (drafts past the last token dropped) before we look
             if stats.finish_reason is None:
                 stats.finish_reason = "interrupted"
                 stats.generation_time = max(time.perf_counter() - t0 - stats.prompt_time, 0.0)
             self.total_generated += stats.generation_tokens
             self._settle(ids + generated)
 
+    def _prefill(self, ids: list[int], common: int, chunk: int = 256) -> int:
+        """Run ids[common:-1] into the cache and checkpoint after them; returns how many it holds."""
+        hook = self.model.hook
+        if hasattr(hook, "phase"):
+            hook.phase = "prompt"
+        rest = np.asarray(ids[common:-1], dtype=np.int64)
+        for start in range(0, len(rest), chunk):
+            self.model.net.forward(rest[start : start + chunk], self.cache, hook=hook, last_only=True)
+            self.cached = ids[: self.cache.offset]
+        self._checkpoint()
+        return self.cache.offset
+
+    def _checkpoint(self) -> None:
+        if self.cache.offset and (not self.checkpoints or self.checkpoints[-1][0] < self.cache.offset):
+            self.checkpoints = self.checkpoints[-(MAX_CHECKPOINTS - 1):] + [self.cache.checkpoint()]
+
     def _settle(self, fed: list[int]) -> None:
         """Record which tokens the cache holds after a turn (an interrupted step adds none: the
         sequence's length moves only when a forward pass completes)."""
         self.cached = fed[: self.cache.offset]
+        if not self.cache.can_trim:
+            self._checkpoint()

@@ -64,6 +64,27 @@ class ModelConfig:
     expert_groups_used: int = 1  # ... only these many (by their two best scores) may be chosen
     n_dense_lead: int = 0  # the first layers have a dense FFN, the rest routed experts (GLM, DeepSeek)
     n_nextn_layers: int = 0  # NextN / MTP layers after the n_layers run: in the file, never run
+    # Hybrid linear-attention models (qwen3next, qwen35moe): Gated DeltaNet layers
+    recurrent_layers: tuple[int, ...] = ()  # the layers whose mixer is a Gated DeltaNet (the rest: attention)
+    ssm_conv_kernel: int = 0  # taps of the short causal conv over q, k, v
+    ssm_state_size: int = 0  # key (= value) width of a DeltaNet head
+    ssm_group_count: int = 0  # DeltaNet key heads
+    ssm_time_step_rank: int = 0  # DeltaNet value heads (a multiple of the key heads)
+    ssm_v_tiled: bool = False  # value head j reads key head j % key heads (else j // (value / key heads))
+
+    def layer_is_recurrent(self, layer: int) -> bool:
+        """Whether `layer`'s mixer is a recurrent (Gated DeltaNet) block with state, not attention."""
+        return layer in self.recurrent_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values by position."""
+        return tuple(i for i in range(self.n_layers) if i not in self.recurrent_layers)
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of the conv (and its history): q and k of every key head, v of every value head."""
+        return self.ssm_state_size * (2 * self.ssm_group_count + self.ssm_time_step_rank)
 
     @property
     def is_moe(self) -> bool:

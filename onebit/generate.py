@@ -51,7 +51,11 @@ def generate_step(
     ids = np.asarray(prompt, dtype=np.int64)
     base = cache.offset + len(ids)  # positions held once the prompt is in
     stats = stats if stats is not None else LookupStats()
-    lookup = lookup if lookup > 0 and cache.can_trim else 0
+    lookup = max(lookup, 0)
+    # A cache with recurrent layers cannot trim: a verify forward is preceded by a checkpoint,
+    # and a rejected draft rolls back to it and runs the accepted rows again.
+    rollback = lookup and not cache.can_trim
+    point = None  # (checkpoint, the rows run after it) of the last verify forward
     drafter = NgramDrafter(tokens) if lookup else None
     # row-count timings outlive one generation: they belong to the network on this machine
     policy = DraftPolicy(times=getattr(net, "draft_times", None)) if lookup else None
@@ -88,17 +92,23 @@ def generate_step(
                 drafts, lengths = drafter.propose_matched(lookup)
                 drafts = drafts[: min(policy.choose(tokens, drafts, lengths), max(room, 0))]
             rows = np.asarray([tok, *drafts], dtype=np.int64)
+            point = (cache.checkpoint(), rows) if rollback and drafts else None
             t0 = time.perf_counter()
             logits = net.forward(rows, cache, hook=hook, last_only=not drafts)  # [1 + drafts, vocab]
-            if policy is not None:
-                policy.timed(len(rows), time.perf_counter() - t0)
+            spent = time.perf_counter() - t0
+            if policy is not None and point is None:
+                policy.timed(len(rows), spent)
             stats.forwards += 1
             stats.proposed += len(drafts)
             for i, d in enumerate(drafts):
                 ok, tok = sampler.verify(process(logits[i]), d)
                 stats.tokens += 1
                 if not ok:
-                    cache.trim(len(drafts) - i)  # the rows after the rejected draft
+                    t0 = time.perf_counter()
+                    _drop_rows(net, cache, len(drafts) - i, point, hook)  # the rows after the rejected draft
+                    if point is not None:  # a rollback runs the kept rows again: part of the verify's cost
+                        policy.timed(len(rows), spent + time.perf_counter() - t0)
+                        point = None
                     break
                 stats.accepted += 1
                 tokens.append(d)
@@ -108,12 +118,27 @@ def generate_step(
             else:
                 tok = sampler(process(logits[-1]))
                 stats.tokens += 1
+                if point is not None:  # every draft accepted: no rollback
+                    policy.timed(len(rows), spent)
     finally:
         # Stopped inside accepted drafts (a stop string, max tokens, an interrupt): drop the
         # rows past the last token yielded, as if they had never been proposed.
         keep = base + max(yielded - 1, 0)
-        if cache.offset > keep and cache.can_trim:
-            cache.trim(cache.offset - keep)
+        if cache.offset > keep and (cache.can_trim or point is not None):
+            _drop_rows(net, cache, cache.offset - keep, point, hook)
+
+
+def _drop_rows(net, cache, n: int, point, hook=None) -> None:
+    """Take the last n rows out of the cache: trim, or (recurrent state) roll back to the
+    checkpoint before the verify forward and run the rows to keep again."""
+    if cache.can_trim:
+        cache.trim(n)
+        return
+    checkpoint, rows = point
+    keep = cache.offset - n - checkpoint[0]
+    cache.rollback(checkpoint)
+    if keep > 0:
+        net.forward(rows[:keep], cache, hook=hook, last_only=True)
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:

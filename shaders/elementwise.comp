@@ -2,7 +2,7 @@
 // Elementwise ops over n floats, chosen with -DOP_<name>:
 //   ADD: o = a + b    MUL: o = a * b    SILU: o = a / (1 + exp(-a))    SWIGLU: o = silu(a) * b
 //   GEGLU: o = gelu(a) * b, gelu's tanh form written as a * sigmoid(2u) (no overflow)
-//   SOFTCAP: o = b * tanh(a / b) (b: one value, nb = 1)
+//   SOFTCAP: o = b * tanh(a / b) (b: one value, nb = 1)    SIGMOID_MUL: o = a * sigmoid(b)
 // b is indexed modulo nb (nb = n: same shape; nb = row length: one row broadcast to all rows).
 #include "common.glsl"
 
@@ -37,6 +37,8 @@ void main() {
 #elif defined(OP_SOFTCAP)
     const float cap = b[i % pc.nb];
     o[i] = cap * (1.0 - 2.0 / (exp(2.0 * av / cap) + 1.0));  // tanh, saturating cleanly at +-1
+#elif defined(OP_SIGMOID_MUL)
+    o[i] = av / (1.0 + exp(-b[i % pc.nb]));
 #else
 #error "define one OP_<name>"
 #endif

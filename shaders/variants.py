@@ -28,7 +28,7 @@ WEIGHT_TYPES = tuple(re.findall(r"^struct (\w+)", (SHADER_DIR / "types.glsl").re
 # ("subgroup") or a tree in shared memory ("shmem", for devices without subgroup arithmetic);
 # or each thread owns whole rows ("none": CPU devices, where lanes are SIMD slots).
 REDUCE_MODES = ("subgroup", "shmem", "none")
-ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu", "geglu", "softcap")
+ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu", "geglu", "softcap", "sigmoid_mul")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def variants() -> list[Variant]:
     # attention: threads split each key chunk (GPUs), or each thread owns keys (CPU devices)
     out.append(Variant("attn", "attn.comp"))
     out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
-    for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy"):
+    for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy",
+                 "cols", "gdn_gates", "ssm_conv", "delta_rule"):  # the last four: Gated DeltaNet models
         out.append(Variant(name, f"{name}.comp"))
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
     out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))

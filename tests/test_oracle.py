@@ -19,7 +19,8 @@ HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
 def test_fixtures_present():
     assert len(REFS) >= 30, "oracle fixtures missing: run tools/make_fixtures.py"
     arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
-    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3", "gpt-oss", "glm4moe"}
+    assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3", "gpt-oss", "glm4moe",
+                      "qwen3next", "qwen35moe"}
 
 
 # The reference backend and the cpu backend (numba kernels: same decoded weights, float32
@@ -66,8 +67,16 @@ BELOW_BAR = {"q3moe256-Q5_K_M", "q3moe256-TQ1_0", "q3moe256-TQ2_0", "q3moe256-IQ
              "q3moe256-IQ3_XXS", "q3moe256-IQ4_XS"}
 
 
+# The random hybrid model is chaotic under rounding (see tests/test_hybrid.py, which holds this
+# file to llama.cpp with its activation rounding modelled): measured 0/48 positions at cosine 0.999.
+CHAOTIC = {"qwen3next-Q8_0"}
+
+
 def _llama_param(p):
     name = p.name.replace(".ref.npz", "")
+    if name in CHAOTIC:
+        reason = "a random hybrid model: Q8 activation rounding alone moves cosines by up to 1e-3"
+        return pytest.param(p, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))
     if name in BELOW_BAR:
         reason = "llama.cpp's Q8_K activation rounding moves 3-17 of 48 positions below cosine 0.999"
         return pytest.param(p, id=name, marks=pytest.mark.xfail(strict=True, reason=reason))

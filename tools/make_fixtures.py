@@ -139,6 +139,8 @@ CORPUS_MAX_CHARS = 400_000
 # near-ties (a near-tie lets rounding pick another expert, and logits then jump).
 ROUTER_GAIN = 3.0
 ROUTER_WEIGHT = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)\.weight$")
+# The Gated DeltaNet's output norm multiplies by w itself, where Qwen3-Next's other norms take 1 + w.
+PLAIN_NORM = re.compile(r"\.linear_attn\.norm\.weight$")
 # ...and MoE fixtures take the first seed (fx.seed + 1000 * i) whose reference text routes
 # with at least this margin between the k-th and (k+1)-th router logit.
 MIN_ROUTER_MARGIN = 0.05
@@ -262,6 +264,7 @@ class Fixture:
     gains: tuple[tuple[str, float], ...] = ()   # (parameter name suffix, factor) after init
     nextn_layers: int = 0      # GLM MTP layers saved beside the HF weights (see add_nextn_layers)
     ship_f32: bool = True      # False: the f32 file only feeds llama-quantize (too big to keep)
+    convert_args: tuple[str, ...] = ()   # extra convert_hf_to_gguf.py flags
 
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -390,6 +393,36 @@ FIXTURES = [
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                       partial_rotary_factor=0.5)),
             "bpe-glm4", seed=12, quant_types=("Q4_K_M",), ship_f32=False),
+    # Hybrid Gated-DeltaNet MoE: linear-attention layers with a full (gated) attention layer
+    # every second one (layers 1 and 3), 2 key heads serving 4 value heads in the DeltaNet,
+    # partial rotary (1/4 of head_dim, as the real models), a sigmoid-gated shared expert.
+    # No MTP tensors in a random model: --no-mtp. A Q8_0 file, checked against llama.cpp.
+    # The (1 + w) norms get w = N(0, 0.2) (norm_center 0): with w near 1 every norm doubles
+    # its input and the random model turns chaotic (Q8 activation rounding alone moved
+    # position 0 to cosine 0.997).
+    Fixture("qwen3next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+            dict(SMALL, num_hidden_layers=4, intermediate_size=128, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
+                 full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.25)),
+            "bpe-qwen2", seed=11, quant_types=("Q8_0",), convert_args=("--no-mtp",), norm_center=0.0),
+    # Qwen 3.5 MoE: the same layer kinds with separate beta / alpha projections and value
+    # heads stored tiled by the converter; interleaved MRoPE, which for text (one position
+    # per token) is NeoX rope over rope_dim = 8 (mrope sections 2+1+1 pairs).
+    Fixture("qwen35moe", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig",
+            dict(SMALL, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                 rms_norm_eps=1e-6, layer_types=["linear_attention", "full_attention",
+                                                 "linear_attention", "full_attention"],
+                 linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.5, mrope_section=[2, 1, 1],
+                                      mrope_interleaved=True)),
+            "bpe-qwen2", seed=12, convert_args=("--no-mtp",), norm_center=0.0),
 ]
 
 
@@ -459,11 +492,12 @@ _CONVERT_BOOTSTRAP = textwrap.dedent("""
 """)
 
 
-def convert_to_gguf(lc: LlamaCpp, hf_dir: Path, out: Path, pre: str, model_name: str) -> None:
+def convert_to_gguf(lc: LlamaCpp, hf_dir: Path, out: Path, pre: str, model_name: str,
+                    extra: tuple[str, ...] = ()) -> None:
     env = dict(os.environ, ONEBIT_LLAMA_CPP_SRC=str(lc.src), ONEBIT_TOKENIZER_PRE=pre)
     env.pop("NO_LOCAL_GGUF", None)
     cmd = [sys.executable, "-c", _CONVERT_BOOTSTRAP, str(hf_dir), "--outfile", str(out),
-           "--outtype", "f32", "--model-name", model_name]
+           "--outtype", "f32", "--model-name", model_name, *extra]
     run_quiet(cmd, env=env, what=f"convert {hf_dir.name}")
 
 
@@ -721,6 +755,8 @@ def init_hf_model(hf_class: str, config, seed: int, norm_center: float = 1.0, ga
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif PLAIN_NORM.search(name):  # used as w even where the other norms are 1 + w
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "norm" in name and p.ndim == 1:
                 p.copy_(norm_center + 0.2 * torch.randn_like(p))
             elif ROUTER_WEIGHT.search(name):
@@ -977,7 +1013,8 @@ def main() -> None:
         hf_dir = work / "hf" / fx.name
         made = make_hf_model(fx, spec, tok_dirs[fx.tokenizer], hf_dir)
         f32 = out / f"{fx.name}-f32.gguf"
-        convert_to_gguf(lc, hf_dir, f32, spec.pre, model_name=f"onebit-fixture-{fx.name}")
+        convert_to_gguf(lc, hf_dir, f32, spec.pre, model_name=f"onebit-fixture-{fx.name}",
+                        extra=fx.convert_args)
         files[f32.name] = dict(fixture=fx.name, hf_dir=hf_dir, hf_class=fx.hf_class,
                                tokenizer=fx.tokenizer, quant="F32", quantize_flags=[],
                                seed=made["seed"], ship=fx.ship_f32,
@@ -1137,6 +1174,7 @@ def quantized_oracles(llm, path: Path, info: dict, hf_dir: Path,
     ref = llama_oracle(llm, info)
     info["vs_f32_llama"] = compare(ref["logits_llama"], f32_logits)
     # (the GGUF -> HF name map is qwen3moe's: the q3moe256 files only)
+    # the GGUF -> HF name table covers qwen3moe only: other quantized files get llama.cpp's oracle
     deq = hf_dequant_reference(path, hf_dir, ref["tokens"]) if info["fixture"] == "q3moe256" else None
     if deq is not None:
         ref.update(deq)

@@ -35,7 +35,9 @@ class NumpyBackend:
         """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
         if self.predictor is not None:
             self.predictor.begin(len(ids))
-        logits = model.schedule(EagerStep(self, ids, cache, hook), last_only)
+        step = EagerStep(self, ids, cache, hook)
+        logits = model.schedule(step, last_only)
+        step.commit()
         cache.offset += len(ids)
         return logits
 
@@ -51,6 +53,10 @@ class NumpyBackend:
         act = rows * (4 * cfg.dim + H * D + 2 * Hkv * (D + Dv) + H * Dv + 3 * ffn + cfg.n_experts)
         scores = 3 * H * rows * n_ctx  # scores, mask select, probabilities
         logits = (rows if all_logits else 1) * cfg.vocab_size
+        if cfg.recurrent_layers:  # a DeltaNet layer: conv in/out, q/k/v per value head, z, and the
+            Hv, Ds = cfg.ssm_time_step_rank, cfg.ssm_state_size  # state twice (old, new), the
+            n = min(rows, DELTA_CHUNK)  # chunked form's [Hv, n, n] matrices
+            act += rows * (3 * cfg.ssm_conv_channels + 5 * Hv * Ds) + 2 * Hv * Ds * Ds + 4 * Hv * n * n
         return 4 * (act + scores + logits + largest_matrix)
 
     # -- weights ------------------------------------------------------------------------
@@ -161,6 +167,91 @@ class NumpyBackend:
         out = p @ v.transpose(1, 0, 2)[:, None]  # [Hkv, G, R, Dv]
         return out.transpose(2, 0, 1, 3).reshape(R, H * Dv)
 
+    # -- Gated DeltaNet (linear attention) ---------------------------------------------
+
+    @staticmethod
+    def sigmoid(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):  # exp -> inf: 1 / inf = 0, the right limit
+            return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+    @staticmethod
+    def softplus(x: np.ndarray) -> np.ndarray:
+        return np.logaddexp(np.float32(0.0), x).astype(np.float32)
+
+    def ssm_conv(self, x: np.ndarray, hist: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """silu of the depthwise causal conv of x: [R, C] after the history hist: [K-1, C] (the
+        previous rows' inputs, oldest first) with taps w: [C, K]; and the new history."""
+        K = w.shape[1]
+        full = np.concatenate([hist, x], axis=0)  # [K-1+R, C]
+        R = x.shape[0]
+        y = full[0:R] * w[:, 0]
+        for j in range(1, K):
+            y = y + full[j : j + R] * w[:, j]  # [R, C]
+        return self.silu(y), full[R:].copy()
+
+    def gdn_gates(self, b: np.ndarray, a: np.ndarray, dt_bias: np.ndarray, ssm_a: np.ndarray):
+        """beta = sigmoid(b) and the log decay g = softplus(a + dt_bias) * ssm_a (ssm_a = -exp(A_log),
+        so g < 0): b, a: [R, Hv] -> [R, Hv] each."""
+        return self.sigmoid(b), self.softplus(a + dt_bias) * ssm_a
+
+    @staticmethod
+    def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+        return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+
+    def delta_rule(self, q, k, v, g, beta, state, eps: float, tiled: bool = False, chunk: int = 0):
+        """The gated delta rule over R rows: q, k: [R, Hk, D] (l2-normalised here, q also scaled
+        by 1/sqrt(D)), v: [R, Hv, D], g (log decay), beta: [R, Hv], state: [Hv, D, D] (key x
+        value). Value head j reads key head j % Hk (`tiled`) or j // (Hv / Hk). Per row t and head:
+            S = exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T q_t.
+        `chunk` > 0: the chunked (WY) form in blocks of that many rows, the same sums in another
+        order. Returns o: [R, Hv, D] and the new state."""
+        R, Hk, D = q.shape
+        Hv = v.shape[1]
+        heads = np.arange(Hv) % Hk if tiled else np.arange(Hv) // (Hv // Hk)
+        q = self.l2_norm(q, eps)[:, heads] * np.float32(1.0 / np.sqrt(D))  # [R, Hv, D]
+        k = self.l2_norm(k, eps)[:, heads]
+        if chunk > 0:
+            return self._delta_chunked(q, k, v, g, beta, state, chunk)
+        S = state.copy()
+        o = np.empty_like(v)
+        decay = np.exp(g)  # [R, Hv]
+        for t in range(R):  # (sums of products, not einsum: its BLAS threads would contend with the cpu kernels')
+            S *= decay[t][:, None, None]
+            kv = (k[t][:, :, None] * S).sum(axis=1)  # [Hv, D]
+            u = (v[t] - kv) * beta[t][:, None]
+            S += k[t][:, :, None] * u[:, None, :]
+            o[t] = (q[t][:, :, None] * S).sum(axis=1)
+        return o, S
+
+    @staticmethod
+    def _delta_chunked(q, k, v, g, beta, state, C: int):
+        """In each block of C rows (G: g summed within the block, s <= t):
+            u = (I + A)^-1 beta (v - exp(G_t) k_t S0),  A_ts = beta_t exp(G_t - G_s) k_t.k_s (s < t)
+            o_t = exp(G_t) q_t S0 + sum_s exp(G_t - G_s) (q_t.k_s) u_s
+            S   = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T"""
+        R = q.shape[0]
+        S = state.copy()  # [H, Dk, Dv]
+        out = np.empty_like(v)
+        qh, kh, vh = (x.transpose(1, 0, 2) for x in (q, k, v))  # [H, R, D]
+        gh, bh = g.T.astype(np.float32), beta.T.astype(np.float32)  # [H, R]
+        for c0 in range(0, R, C):
+            sl = slice(c0, min(c0 + C, R))
+            qc, kc, vc, bc = qh[:, sl], kh[:, sl], vh[:, sl], bh[:, sl]
+            n = qc.shape[1]
+            G = np.cumsum(gh[:, sl], axis=1)  # [H, n]
+            diff = G[:, :, None] - G[:, None, :]  # [H, t, s]
+            lower = np.tril(np.ones((n, n), bool), -1)
+            dec = np.where(np.tril(np.ones((n, n), bool)), np.exp(np.minimum(diff, 0)), 0).astype(np.float32)
+            A = np.where(lower, bc[:, :, None] * dec * (kc @ kc.transpose(0, 2, 1)), 0).astype(np.float32)
+            eg = np.exp(G)[:, :, None]  # [H, n, 1]
+            rhs = bc[:, :, None] * (vc - eg * (kc @ S))  # [H, n, Dv]
+            u = np.linalg.solve(np.eye(n, dtype=np.float32) + A, rhs).astype(np.float32)
+            att = dec * (qc @ kc.transpose(0, 2, 1))  # [H, t, s], s <= t
+            out[sl] = (eg * (qc @ S) + att @ u).transpose(1, 0, 2)
+            tail = np.exp(G[:, -1:] - G)[:, :, None]  # [H, n, 1]
+            S = np.exp(G[:, -1])[:, None, None] * S + (kc * tail).transpose(0, 2, 1) @ u
+        return out, S.astype(np.float32)
+
     # -- mixture of experts -------------------------------------------------------------
 
     def route(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -249,6 +340,10 @@ class NumpyBackend:
         out[rows] += y * weights[rows, slot][:, None]  # [n, dim]
 
 
+DELTA_CHUNK = 64  # rows per block of the chunked delta rule (as transformers and llama.cpp)
+DELTA_CHUNK_MIN_ROWS = 16  # fewer rows (decode, verify rows) take the one-step-per-row form
+
+
 class EagerStep:
     """The ops of a model schedule (models/blocks.py), each run at once on numpy arrays, for
     token ids [R] at the cache's next positions."""
@@ -256,6 +351,7 @@ class EagerStep:
     def __init__(self, be: NumpyBackend, ids: np.ndarray, cache, hook=None):
         self.be, self.ids, self.cache, self.hook = be, ids, cache, hook
         self._pause_ctx = None
+        self._staged: dict = {}  # recurrent layer -> its new (conv, state), written when the step completes
         self.start = cache.offset
         self.pos = np.arange(self.start, self.start + len(ids), dtype=np.int64)  # [R]
         self.tensor_names = be.gguf.tensors
@@ -330,7 +426,8 @@ class EagerStep:
                 from ..moe.predict import PauseContext
 
                 c = self.cache
-                self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values)
+                self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values,
+                                               lambda l: c[l])
             predictor.at_pause(self._pause_ctx, layer, ids, logits, h)
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
@@ -350,3 +447,52 @@ class EagerStep:
     @staticmethod
     def last_row(x: np.ndarray) -> np.ndarray:
         return x[-1:]
+
+    # -- hybrid (Gated DeltaNet) models ---------------------------------------------------
+
+    @staticmethod
+    def split(x: np.ndarray, sizes) -> list[np.ndarray]:
+        """x: [..., sum(sizes)] -> one array per size along the last axis."""
+        return np.split(x, np.cumsum(sizes)[:-1], axis=-1)
+
+    def sigmoid_gate(self, x: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """x * sigmoid(gate) (gated attention's output gate)."""
+        return x * self.be.sigmoid(gate)
+
+    def recurrent(self, layer: int):
+        """Where `layer`'s recurrent state is read (the sequence's own cache, as it was before
+        this step: new state is staged, see `commit`)."""
+        return self.cache[layer]
+
+    def stage(self, layer: int, conv=None, state=None) -> None:
+        """Hold a recurrent layer's new conv history / state until the step completes, so that a
+        step stopped half way (an interrupt, an error) leaves the sequence as it was."""
+        old = self._staged.get(layer, (None, None))
+        self._staged[layer] = (conv if conv is not None else old[0], state if state is not None else old[1])
+
+    def commit(self) -> None:
+        """The step completed: write the staged recurrent state into the cache."""
+        for layer, (conv, state) in self._staged.items():
+            c = self.cache[layer]
+            if conv is not None:
+                c.conv[...] = conv
+            if state is not None:
+                c.state[...] = state
+        self._staged.clear()
+
+    def ssm_conv(self, layer: int, x: np.ndarray, name: str) -> np.ndarray:
+        """silu(causal conv of x: [R, C] after the layer's history), the history moved on."""
+        y, conv = self.be.ssm_conv(x, self.recurrent(layer).conv, self.be.weight(name))
+        self.stage(layer, conv=conv)
+        return y  # [R, C]
+
+    def gdn_gates(self, b: np.ndarray, a: np.ndarray, dt_bias: str, ssm_a: str):
+        return self.be.gdn_gates(b, a, self.be.weight(dt_bias), self.be.weight(ssm_a))  # [R, Hv] x 2
+
+    def delta_rule(self, layer: int, q, k, v, g, beta, eps: float, tiled: bool = False) -> np.ndarray:
+        """The gated delta rule over the layer's state: one step per row for decode and verify
+        rows, the chunked form for a prompt chunk. -> [R, Hv, D]"""
+        chunk = DELTA_CHUNK if q.shape[0] >= DELTA_CHUNK_MIN_ROWS else 0
+        o, state = self.be.delta_rule(q, k, v, g, beta, self.recurrent(layer).state, eps, tiled, chunk)
+        self.stage(layer, state=state)
+        return o

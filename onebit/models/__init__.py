@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
     "glm4moe": "glm4moe",
+    "qwen3next": "qwen3next",
+    "qwen35moe": "qwen35moe",
 }
 
 

@@ -38,7 +38,7 @@ class TransformerLM:
     @staticmethod
     def mixer(g, cfg: ModelConfig, layer: int, x):
         """Layer's token mixer over x = norm(residual) (the predictor runs it speculatively)."""
-        return blocks.attention(g, cfg, layer, x)
+        return blocks.mixer(g, cfg, layer, x)
 
     @staticmethod
     def router_names(cfg: ModelConfig, layer: int) -> tuple[str, str, str | None]:

@@ -29,6 +29,16 @@ layer index and x: [R, dim], R rows of one sequence at consecutive positions. Th
     shared_expert(layer, x)   the sigmoid-gated shared expert -> [R, dim]
     last_row(x)               x[-1:]
 
+Hybrid (Gated DeltaNet) models add:
+
+    split(x, sizes)           x: [..., sum(sizes)] -> one array per size along the last axis
+    sigmoid_gate(x, gate)     x * sigmoid(gate)
+    ssm_conv(layer, x, name)  silu(depthwise causal conv) of x: [R, C] after the layer's conv
+                              history (taps `name`: [C, K]); the history moves on -> [R, C]
+    gdn_gates(b, a, dt, A)    beta = sigmoid(b), log decay g = softplus(a + dt) * A -> [R, Hv] x 2
+    delta_rule(layer, q, k, v, g, beta, eps, tiled)  the gated delta rule over the layer's
+                              recurrent state (q, k l2-normalised inside) -> [R, Hv, D]
+
 Tensor names are the GGUF names.
 """
 
@@ -133,6 +143,115 @@ def decoder_layer(g, cfg: ModelConfig, layer: int, x):
     if cfg.shared_expert_hidden_dim:
         out = g.residual(out, g.shared_expert(layer, hn))
     return out
+
+
+def gated_attention(g, cfg: ModelConfig, layer: int, x):
+    """qwen3next / qwen35moe full attention: q_proj gives each head's query and an output gate
+    side by side; per-head q/k norms; partial NeoX rope; o * sigmoid(gate) before attn_output."""
+    p = f"blk.{layer}"
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    qg, k, v = g.linears(x, [f"{p}.attn_{n}.weight" for n in "qkv"], [None, None, None])
+    # qg: [R, H*2D], k: [R, Hkv*D], v: [R, Hkv*D]
+    q, gate = g.split(g.view(qg, (H, 2 * D)), (D, D))  # [R, H, D] each
+    q = g.norm(q, f"{p}.attn_q_norm.weight", cfg.norm_eps)
+    k = g.norm(g.view(k, (Hkv, D)), f"{p}.attn_k_norm.weight", cfg.norm_eps)  # [R, Hkv, D]
+    v = g.view(v, (Hkv, cfg.head_dim_v))
+    q = g.rope(q, cfg.rope_dim, cfg.rope_theta, True, cfg.rope_scale)
+    k = g.rope(k, cfg.rope_dim, cfg.rope_theta, True, cfg.rope_scale)
+    o = g.attention(layer, q, k, v, 0, cfg.attn_scale or None)  # [R, H*Dv]
+    o = g.sigmoid_gate(o, g.view(gate, (H * D,)))
+    return g.linear(o, f"{p}.attn_output.weight")  # [R, dim]
+
+
+def gated_deltanet(g, cfg: ModelConfig, layer: int, x):
+    """Gated DeltaNet (linear attention): q, k, v through a short causal conv (silu), the gated
+    delta rule over the layer's recurrent state, an RMS norm per value head gated by silu(z).
+    qwen3next stores beta and alpha in one matrix (`ssm_ba`, per key head: its value heads'
+    b then a); qwen35moe in two (`ssm_beta`, `ssm_alpha`)."""
+    p = f"blk.{layer}"
+    Hk, Hv, D = cfg.ssm_group_count, cfg.ssm_time_step_rank, cfg.ssm_state_size
+    qkv = g.linear(x, f"{p}.attn_qkv.weight")  # [R, (2 Hk + Hv) D]
+    z = g.linear(x, f"{p}.attn_gate.weight")  # [R, Hv*D]
+    if f"{p}.ssm_ba.weight" in g.tensor_names:
+        r = Hv // Hk
+        b, a = g.split(g.view(g.linear(x, f"{p}.ssm_ba.weight"), (Hk, 2 * r)), (r, r))  # [R, Hk, r] each
+        b, a = g.view(b, (Hv,)), g.view(a, (Hv,))  # [R, Hv]
+    else:
+        b, a = g.linear(x, f"{p}.ssm_beta.weight"), g.linear(x, f"{p}.ssm_alpha.weight")  # [R, Hv]
+    qkv = g.ssm_conv(layer, qkv, f"{p}.ssm_conv1d.weight")  # [R, C]
+    q, k, v = g.split(qkv, (Hk * D, Hk * D, Hv * D))
+    beta, decay = g.gdn_gates(b, a, f"{p}.ssm_dt.bias", f"{p}.ssm_a")  # [R, Hv]
+    o = g.delta_rule(layer, g.view(q, (Hk, D)), g.view(k, (Hk, D)), g.view(v, (Hv, D)), decay, beta,
+                     cfg.norm_eps, cfg.ssm_v_tiled)  # [R, Hv, D]
+    o = g.swiglu(g.view(z, (Hv, D)), g.norm(o, f"{p}.ssm_norm.weight", cfg.norm_eps))  # silu(z) * norm(o)
+    return g.linear(g.view(o, (Hv * D,)), f"{p}.ssm_out.weight")  # [R, dim]
+
+
+def mixer(g, cfg: ModelConfig, layer: int, x):
+    """Layer's token mixer over x = norm(h): attention, or in a hybrid model gated attention
+    or a Gated DeltaNet."""
+    if not cfg.recurrent_layers:
+        return attention(g, cfg, layer, x)
+    return (gated_deltanet if cfg.layer_is_recurrent(layer) else gated_attention)(g, cfg, layer, x)
+
+
+def hybrid_layer(g, cfg: ModelConfig, layer: int, x):
+    """qwen3next / qwen35moe: x + mixer(norm(x)), then + routed experts and the sigmoid-gated
+    shared expert, both over the post-attention norm."""
+    p = f"blk.{layer}"
+    h = g.residual(x, mixer(g, cfg, layer, g.norm(x, f"{p}.attn_norm.weight", cfg.norm_eps)))
+    hn = g.norm(h, f"{p}.{cfg.ffn_norm}.weight", cfg.norm_eps)
+    out = g.residual(h, moe_ffn(g, cfg, layer, hn, h))
+    return g.residual(out, g.shared_expert(layer, hn))
+
+
+def hybrid_tensors(cfg: ModelConfig, gguf) -> dict[str, tuple[int, ...]]:
+    """Shapes (numpy order) of the tensors a hybrid model's blocks read."""
+    d, H, Hkv, D = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    Hk, Hv, Ds, K = cfg.ssm_group_count, cfg.ssm_time_step_rank, cfg.ssm_state_size, cfg.ssm_conv_kernel
+    E, F, S = cfg.n_experts, cfg.expert_hidden_dim, cfg.shared_expert_hidden_dim
+    exp = {"token_embd.weight": (cfg.vocab_size, d), "output_norm.weight": (d,)}
+    if "output.weight" in gguf.tensors:
+        exp["output.weight"] = (cfg.vocab_size, d)
+    for layer in range(cfg.n_layers):
+        p = f"blk.{layer}"
+        exp.update({
+            f"{p}.attn_norm.weight": (d,),
+            f"{p}.{cfg.ffn_norm}.weight": (d,),
+            f"{p}.ffn_gate_inp.weight": (E, d),
+            f"{p}.ffn_gate_exps.weight": (E, F, d),
+            f"{p}.ffn_up_exps.weight": (E, F, d),
+            f"{p}.ffn_down_exps.weight": (E, d, F),
+            f"{p}.ffn_gate_inp_shexp.weight": (d,),
+            f"{p}.ffn_gate_shexp.weight": (S, d),
+            f"{p}.ffn_up_shexp.weight": (S, d),
+            f"{p}.ffn_down_shexp.weight": (d, S),
+        })
+        if not cfg.layer_is_recurrent(layer):
+            exp.update({
+                f"{p}.attn_q.weight": (H * 2 * D, d),
+                f"{p}.attn_k.weight": (Hkv * D, d),
+                f"{p}.attn_v.weight": (Hkv * cfg.head_dim_v, d),
+                f"{p}.attn_output.weight": (d, H * cfg.head_dim_v),
+                f"{p}.attn_q_norm.weight": (D,),
+                f"{p}.attn_k_norm.weight": (D,),
+            })
+            continue
+        exp.update({
+            f"{p}.attn_qkv.weight": (cfg.ssm_conv_channels, d),
+            f"{p}.attn_gate.weight": (Hv * Ds, d),
+            f"{p}.ssm_conv1d.weight": (cfg.ssm_conv_channels, K),
+            f"{p}.ssm_dt.bias": (Hv,),
+            f"{p}.ssm_a": (Hv,),
+            f"{p}.ssm_norm.weight": (Ds,),
+            f"{p}.ssm_out.weight": (d, Hv * Ds),
+        })
+        if f"{p}.ssm_ba.weight" in gguf.tensors:
+            exp[f"{p}.ssm_ba.weight"] = (2 * Hv, d)
+        else:
+            exp[f"{p}.ssm_beta.weight"] = (Hv, d)
+            exp[f"{p}.ssm_alpha.weight"] = (Hv, d)
+    return exp
 
 
 def output_head(g, cfg: ModelConfig, x):

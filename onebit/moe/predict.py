@@ -145,6 +145,22 @@ def scratch_kv_bytes(cfg, rows: int = 1) -> int:
     return 4 * rows * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v)
 
 
+def scratch_state_bytes(cfg, layer: int) -> int:
+    """Bytes of predicted layer `layer`'s scratch: K/V of one row, or (a recurrent layer) a copy
+    of its conv history and delta-rule state, which the speculative step writes."""
+    if cfg.layer_is_recurrent(layer):
+        from ..cache import recurrent_state_bytes
+
+        return recurrent_state_bytes(cfg) // len(cfg.recurrent_layers)
+    return scratch_kv_bytes(cfg)
+
+
+def _recurrent_scratch(cfg):
+    from ..cache import RecurrentCache
+
+    return RecurrentCache(cfg.ssm_conv_kernel, cfg.ssm_conv_channels, cfg.ssm_time_step_rank, cfg.ssm_state_size)
+
+
 @dataclass
 class LayerStats:
     """One predicted layer: what was predicted for it and what it routed to (sets over rows)."""
@@ -219,9 +235,10 @@ class PauseContext:
     """What a backend hands the predictor at a pause point: the rows' positions and a view of
     the real cache's earlier keys and values (read only)."""
 
-    def __init__(self, start: int, rows: int, keys, values):
+    def __init__(self, start: int, rows: int, keys, values, states=None):
         self.start, self.rows = start, rows
         self.keys, self.values = keys, values  # layer -> [S, Hkv, D] arrays, position p in row p % S
+        self.states = states  # layer -> its RecurrentCache (conv, state) before these rows (hybrid models)
 
 
 class Predictor:
@@ -249,8 +266,10 @@ class Predictor:
         self.older: dict[int, list[tuple[int, list]]] = {}  # target -> [(distance, rows)] made further back
         self.by_distance: dict[int, list[int]] = {}  # layers ahead -> [hits, routed] (recall at that distance)
         # one scratch per predicted layer: this step's K/V of a speculative block
-        self.scratch = {l: (np.zeros((1, cfg.n_kv_heads, cfg.head_dim), np.float32),
-                            np.zeros((1, cfg.n_kv_heads, cfg.head_dim_v), np.float32)) for l in self.targets}
+        # (a recurrent layer's: a copy of its conv history and state, which the speculative step moves on)
+        self.scratch = {l: _recurrent_scratch(cfg) if cfg.layer_is_recurrent(l) else
+                        (np.zeros((1, cfg.n_kv_heads, cfg.head_dim), np.float32),
+                         np.zeros((1, cfg.n_kv_heads, cfg.head_dim_v), np.float32)) for l in self.targets}
         self.forwards = 0
         self.gate = Gate()
         self.active = True
@@ -266,7 +285,7 @@ class Predictor:
 
     @property
     def scratch_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.scratch.values())
+        return sum(s.nbytes if hasattr(s, "nbytes") else s[0].nbytes + s[1].nbytes for s in self.scratch.values())
 
     # -- the pause point ------------------------------------------------------------------
 
@@ -357,8 +376,12 @@ class Predictor:
         return be.selection_scores(logits, b, cfg.expert_groups, cfg.expert_groups_used)
 
     def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
-        """r + layer's mixer over norm(r), its K/V for these rows in the layer's scratch."""
-        step = _ScratchStep(self.be, ctx, layer, *self._scratch_for(layer, ctx.rows))
+        """r + layer's mixer over norm(r), its K/V (or its recurrent state) for these rows in the
+        layer's scratch."""
+        if self.cfg.layer_is_recurrent(layer):
+            step = _ScratchStep(self.be, ctx, layer, None, None, self._scratch_for(layer, ctx.rows))
+        else:
+            step = _ScratchStep(self.be, ctx, layer, *self._scratch_for(layer, ctx.rows))
         x = self.be.rms_norm(r, self.be.weight(f"blk.{layer}.attn_norm.weight"), self.cfg.norm_eps)
         return r + self.arch.mixer(step, self.cfg, layer, x)
 
@@ -368,6 +391,8 @@ class Predictor:
         if layer in self.scratch and rows == 1:
             return self.scratch[layer]
         cfg = self.cfg
+        if cfg.layer_is_recurrent(layer):
+            return _recurrent_scratch(cfg)
         return (np.zeros((rows, cfg.n_kv_heads, cfg.head_dim), np.float32),
                 np.zeros((rows, cfg.n_kv_heads, cfg.head_dim_v), np.float32))
 
@@ -424,12 +449,33 @@ class _ScratchStep(EagerStep):
     predicted layer's scratch, and attention reads the real cache's earlier positions (views,
     not copies) plus them."""
 
-    def __init__(self, be, ctx: PauseContext, layer: int, k_scratch: np.ndarray, v_scratch: np.ndarray):
+    def __init__(self, be, ctx: PauseContext, layer: int, k_scratch: np.ndarray, v_scratch: np.ndarray,
+                 state_scratch=None):
         self.be, self.ctx, self.layer, self.hook = be, ctx, layer, None
         self.k_scratch, self.v_scratch = k_scratch, v_scratch
+        self.state_scratch = state_scratch  # a recurrent layer's: its real state copied in, then moved on
+        self._copied = False  # the real state is copied into the scratch on the block's first read
         self.start = ctx.start
         self.pos = np.arange(ctx.start, ctx.start + ctx.rows, dtype=np.int64)
         self.tensor_names = be.gguf.tensors
+
+    def recurrent(self, layer: int):
+        """The scratch, holding the real cache's conv history and state before these rows (read,
+        never written); the speculative DeltaNet step moves the scratch on."""
+        if self.ctx.states is None:
+            raise ValueError("this backend's pause point gives no recurrent state to predict from")
+        if not self._copied:
+            real = self.ctx.states(layer)
+            self.state_scratch.restore((real.conv, real.state))
+            self._copied = True
+        return self.state_scratch
+
+    def stage(self, layer: int, conv=None, state=None) -> None:
+        """A speculative step's new state goes straight to the scratch (nothing is committed)."""
+        if conv is not None:
+            self.state_scratch.conv[...] = conv
+        if state is not None:
+            self.state_scratch.state[...] = state
 
     def attention(self, layer, q, k, v, window=0, scale=None, sinks=None):
         """Causal GQA over the cache's first `start` positions and these rows: scores for both

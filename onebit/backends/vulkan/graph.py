@@ -39,7 +39,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...cache import SWA_ROWS, Cache, KVCache, RingKVCache, layer_positions
+from ...cache import SWA_ROWS, Cache, KVCache, RecurrentCache, RingKVCache, layer_positions
 from .device import Buffer, Slice, VulkanKernelError
 from .kernels import DeviceTensor, Part
 
@@ -79,6 +79,24 @@ class DeviceKV:
         self.users: "weakref.WeakSet[DeviceCache]" = weakref.WeakSet()
         self.recordings: dict = {}
         self._alloc()
+        # A Gated DeltaNet layer's conv history [K-1, C] and state [Hv, D, D]: a constant size
+        # (they never grow), mapped like the K/V so checkpoints and rollback work on the host.
+        self.rbuffers: dict[int, tuple[Buffer, Buffer]] = {}
+        self.conv: dict[int, np.ndarray] = {}
+        self.state: dict[int, np.ndarray] = {}
+        for layer in cfg.recurrent_layers:
+            cshape = (cfg.ssm_conv_kernel - 1, cfg.ssm_conv_channels)
+            sshape = (cfg.ssm_time_step_rank, cfg.ssm_state_size, cfg.ssm_state_size)
+            cb = self.dev.buffer(max(int(np.prod(cshape)) * 4, 16), host_visible=True)
+            sb = self.dev.buffer(int(np.prod(sshape)) * 4, host_visible=True)
+            self.rbuffers[layer] = (cb, sb)
+            self.conv[layer], self.state[layer] = cb.view(np.float32, cshape), sb.view(np.float32, sshape)
+
+    def conv_slice(self, layer: int) -> Slice:
+        return self.rbuffers[layer][0].slice(0, self.rbuffers[layer][0].size)
+
+    def state_slice(self, layer: int) -> Slice:
+        return self.rbuffers[layer][1].slice(0, self.state[layer].nbytes)
 
     def _alloc(self) -> None:
         cfg, cap = self.cfg, self.capacity
@@ -86,7 +104,7 @@ class DeviceKV:
         self.keys: list[np.ndarray] = []
         self.values: list[np.ndarray] = []
         for layer in range(cfg.n_layers):
-            n = layer_positions(cfg, layer, cap, self.swa_rows)
+            n = max(1, layer_positions(cfg, layer, cap, self.swa_rows))  # a DeltaNet layer keeps no K/V
             kshape, vshape = (n, cfg.n_kv_heads, cfg.head_dim), (n, cfg.n_kv_heads, cfg.head_dim_v)
             kb = self.dev.buffer(int(np.prod(kshape)) * 4, host_visible=True)
             vb = self.dev.buffer(int(np.prod(vshape)) * 4, host_visible=True)
@@ -145,14 +163,16 @@ class DeviceKV:
 
     def destroy(self) -> None:
         self.drop_recordings()
-        for kb, vb in self.buffers:
+        for kb, vb in [*self.buffers, *self.rbuffers.values()]:
             kb.destroy()
             vb.destroy()
         self.buffers, self.keys, self.values = [], [], []
+        self.rbuffers, self.conv, self.state = {}, {}, {}
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values)) + \
+            sum(self.conv[l].nbytes + self.state[l].nbytes for l in self.conv)
 
 
 class DeviceKVCache(KVCache):
@@ -199,14 +219,38 @@ class DeviceRingKVCache(RingKVCache):
             self.storage.grow(n)  # every layer's buffers at once
 
 
+class DeviceRecurrentCache(RecurrentCache):
+    """One Gated DeltaNet layer's view of a `DeviceKV`: conv history and state in device memory."""
+
+    def __init__(self, storage: DeviceKV, layer: int):
+        self.storage, self.layer = storage, layer
+
+    @property
+    def conv(self) -> np.ndarray:
+        return self.storage.conv[self.layer]
+
+    @property
+    def state(self) -> np.ndarray:
+        return self.storage.state[self.layer]
+
+
 class DeviceCache(Cache):
-    """A sequence whose layers' K/V live in one `DeviceKV`."""
+    """A sequence whose layers' K/V (and recurrent state) live in one `DeviceKV`."""
 
     def __init__(self, storage: DeviceKV):
-        super().__init__([DeviceRingKVCache(storage, layer) if layer in storage.rings else DeviceKVCache(storage, layer)
-                          for layer in range(storage.cfg.n_layers)])
+        cfg = storage.cfg
+
+        def layer_cache(layer: int):
+            if cfg.layer_is_recurrent(layer):
+                return DeviceRecurrentCache(storage, layer)
+            return DeviceRingKVCache(storage, layer) if layer in storage.rings else DeviceKVCache(storage, layer)
+
+        super().__init__([layer_cache(layer) for layer in range(cfg.n_layers)])
         self.storage = storage
         storage.users.add(self)
+        for c in self.layers:  # a new sequence: zero state (a reused storage holds the last one's)
+            if isinstance(c, RecurrentCache):
+                c.reset()
 
 
 # -- values: device buffers with shapes ------------------------------------------------------
@@ -505,6 +549,42 @@ class Recorder:
         y.redo = (start, len(self.seq.ops), record)
         return y
 
+    # -- Gated DeltaNet ------------------------------------------------------------------------
+
+    def split(self, x: Val, sizes) -> list[Val]:
+        n = x.shape[-1]
+        rows, c0, outs = x.size // n, 0, []
+        for w in sizes:
+            out = self._new((*x.shape[:-1], w))
+            self.k.cols(self.seq, x.s, out.s, rows, n, c0, w)
+            outs.append(out)
+            c0 += w
+        return outs
+
+    def sigmoid_gate(self, x: Val, gate: Val) -> Val:
+        return self._elementwise("sigmoid_mul", x, gate.s)
+
+    def ssm_conv(self, layer: int, x: Val, name: str) -> Val:
+        R, C = x.shape
+        out = self._new((R, C))
+        self.k.ssm_conv(self.seq, x.s, self.rec.kv.conv_slice(layer), self.be.consts.vec(name), out.s, R, C,
+                        self.cfg.ssm_conv_kernel)
+        return out
+
+    def gdn_gates(self, b: Val, a: Val, dt: str, A: str):
+        R, H = b.rows, b.width
+        beta, g = self._new((R, H)), self._new((R, H))
+        self.k.gdn_gates(self.seq, b.s, a.s, self.be.consts.vec(dt), self.be.consts.vec(A), beta.s, g.s, R, H)
+        return beta, g
+
+    def delta_rule(self, layer: int, q: Val, k: Val, v: Val, g: Val, beta: Val, eps: float, tiled: bool = False) -> Val:
+        R, Hk, D = q.shape
+        Hv = v.shape[1]
+        out = self._new((R, Hv, D))
+        self.k.delta_rule(self.seq, q.s, k.s, v.s, g.s, beta.s, self.rec.kv.state_slice(layer), out.s, R, Hk, Hv, D,
+                          eps, tiled)
+        return out
+
     def last_row(self, x: Val) -> Val:
         off = (x.rows - 1) * x.width * 4
         if off % self.be.dev.info.min_storage_buffer_offset_alignment == 0:
@@ -576,7 +656,9 @@ class Recording:
 
             predictor.begin(self.R)
             kv = self.kv
-            ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l])
+            frozen: dict = {}  # recurrent layers ahead: their state before this step, read before the device moves it
+            ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l],
+                               frozen.__getitem__ if self.cfg.recurrent_layers else None)
         try:
             self.segments[0].run()
             for pp, seg in zip(self.pauses, self.segments[1:]):
@@ -584,6 +666,12 @@ class Recording:
                     hs, hshape, hdtype = pp.h
                     h = hs.buffer.view(hdtype, hshape, hs.offset).copy()
                     ids, logits = pp.ids.host().astype(np.int64), pp.logits.host().copy()
+                    if self.cfg.recurrent_layers and predictor.s.mode == "block" and not predictor.s.no_attn:
+                        frozen.clear()  # (only block mode runs the next layers' mixers)
+                        i = predictor.moe_layers.index(pp.layer)
+                        for l in predictor.moe_layers[i + 1 : i + 1 + predictor.s.ahead]:
+                            if self.cfg.layer_is_recurrent(l):
+                                frozen[l] = _StateCopy(kv.conv[l].copy(), kv.state[l].copy())
                 held, seg = self._at_pause(pp, hook, pool, seg)
                 seg.submit()
                 if predictor is not None:  # the host ranks the next layers while the device runs
@@ -683,6 +771,13 @@ class Recording:
         self._bufs = []
 
 
+class _StateCopy:
+    """A recurrent layer's conv history and state as they were at a pause point (host copies)."""
+
+    def __init__(self, conv: np.ndarray, state: np.ndarray):
+        self.conv, self.state = conv, state
+
+
 def _row_groups(ids: np.ndarray, bound: int) -> list[tuple[int, int]]:
     """Consecutive row ranges, each routing to at most `bound` distinct experts (a single row's
     experts always count as one group, so a row is never split)."""
@@ -703,6 +798,32 @@ def _slot_table(ids: np.ndarray, experts: list[int], slots: list[int]) -> np.nda
     lut = np.zeros(max(experts) + 1, np.int32)
     lut[experts] = slots
     return lut[ids]
+
+
+class _held_interrupts:
+    """Ctrl-C held until a chunk's forward completes, where the recurrent state is updated in
+    place on the device: an interrupt between its submission and the position moving on would
+    leave state and position apart. (Main thread only; elsewhere nothing is held.)"""
+
+    def __init__(self, on: bool):
+        self.on, self.got, self.old = on, None, None
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if self.on and threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGINT, lambda *a: setattr(self, "got", a))
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.got is not None and exc[0] is None and callable(self.old):
+                self.old(*self.got)  # the interrupt, now that the step is whole
+        return False
 
 
 # -- the runner: which recording a forward replays -----------------------------------------------
@@ -754,8 +875,9 @@ class GraphRunner:
             for c in rings:
                 c.advance(cache.offset, R)
             rec = self._recording(model, kv, R, last_only, pauses, observe)
-            logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
-            cache.offset += R
+            with _held_interrupts(bool(cfg.recurrent_layers)):
+                logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
+                cache.offset += R
             s += R
             out.append(logits)
         return out[-1] if last_only or len(out) == 1 else np.concatenate(out)

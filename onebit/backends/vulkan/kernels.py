@@ -57,6 +57,7 @@ MAX_TOPK = 32
 MAX_GROUPS = 64  # sigmoid_topk.comp: expert groups per row
 ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
+DELTA_MAX_D = 256  # delta_rule.comp: a state column per invocation, in registers
 
 
 
@@ -418,6 +419,40 @@ class Kernels:
         p = self.pipeline("set_rows", 3, (self.wg,))
         seq.dispatch(p, (src, pos, dst), _push("4I", n, src_stride or n, dst_stride or n, dst_rows),
                      (math.ceil(n / self.wg), n_rows, 1), writes=(2,))
+
+    # -- Gated DeltaNet ----------------------------------------------------------------------
+
+    def cols(self, seq: Sequence, a: Slice, out: Slice, n_rows: int, n: int, c0: int, w: int) -> None:
+        """out[r, :w] = a[r, c0:c0 + w] over rows of length n (a split along the last axis)."""
+        p = self.pipeline("cols", 2, (256,))
+        gx, gy = self._grid(math.ceil(n_rows * w / 256))
+        seq.dispatch(p, (a, out), _push("4I", n_rows, n, c0, w), (gx, gy, 1), writes=(1,))
+
+    def gdn_gates(self, seq: Sequence, b: Slice, a: Slice, dt: Slice, A: Slice, beta: Slice, g: Slice,
+                  n_rows: int, n_heads: int) -> None:
+        """beta = sigmoid(b), g = softplus(a + dt) * A over [n_rows, n_heads]."""
+        p = self.pipeline("gdn_gates", 6, (self.wg,))
+        n = n_rows * n_heads
+        gx, gy = self._grid(math.ceil(n / self.wg))
+        seq.dispatch(p, (b, a, dt, A, beta, g), _push("2I", n, n_heads), (gx, gy, 1), writes=(4, 5))
+
+    def ssm_conv(self, seq: Sequence, x: Slice, hist: Slice, w: Slice, out: Slice, n_rows: int, channels: int,
+                 taps: int) -> None:
+        """out = silu(causal conv of x [R, C] after hist [K-1, C], taps w [C, K]); hist moves on, in place."""
+        p = self.pipeline("ssm_conv", 4, (self.wg,))
+        seq.dispatch(p, (x, hist, w, out), _push("3I", n_rows, channels, taps), (math.ceil(channels / self.wg), 1, 1),
+                     writes=(1, 3))
+
+    def delta_rule(self, seq: Sequence, q: Slice, k: Slice, v: Slice, g: Slice, beta: Slice, state: Slice,
+                   out: Slice, n_rows: int, n_k_heads: int, n_v_heads: int, head_dim: int, eps: float,
+                   tiled: bool) -> None:
+        """The gated delta rule over R rows, one step per row; state [Hv, D, D] in place; out [R, Hv, D]."""
+        if head_dim > DELTA_MAX_D or head_dim > self.dev.info.max_workgroup_size[0] or n_v_heads % n_k_heads:
+            raise VulkanKernelError(f"kernel delta_rule: head width {head_dim}, heads {n_v_heads}/{n_k_heads} "
+                                    f"outside its limits (width <= {DELTA_MAX_D})")
+        p = self.pipeline("delta_rule", 7, (head_dim,))
+        push = _push("5If", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps)
+        seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
 
     def copy(self, seq: Sequence, src: Slice, dst: Slice) -> None:
         """dst = src with a shader (16-byte words); vkCmdCopyBuffer is `seq.copy`."""

@@ -200,3 +200,38 @@ class VulkanOps:
         ss, ps = self._in(src), self._in(pos, np.int32)
         rows = len(dst) if wrap else 0
         return self._run(lambda s: self.k.set_rows(s, ss, ps, d, len(pos), n, dst_rows=rows), out)
+
+    # -- Gated DeltaNet (signatures as in reference.py) -------------------------------------
+
+    def cols(self, a: np.ndarray, c0: int, w: int) -> np.ndarray:
+        n = a.shape[-1]
+        rows = a.size // n
+        xs, out = self._in(a), self._out((*a.shape[:-1], w))
+        return self._run(lambda s: self.k.cols(s, xs, out[0], rows, n, c0, w), out)
+
+    def sigmoid_mul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return self._binary("sigmoid_mul", a, b)
+
+    def gdn_gates(self, b: np.ndarray, a: np.ndarray, dt: np.ndarray, A: np.ndarray):
+        R, H = b.shape
+        bs, as_, ds, As = self._in(b), self._in(a), self._in(dt), self._in(A)
+        beta, g = self._out((R, H)), self._out((R, H))
+        return self._run(lambda s: self.k.gdn_gates(s, bs, as_, ds, As, beta[0], g[0], R, H), beta, g)
+
+    def ssm_conv(self, x: np.ndarray, hist: np.ndarray, w: np.ndarray):
+        R, C = x.shape
+        xs, ws = self._in(x), self._in(w)
+        hs = self._in(hist)  # not poisoned: read, then moved on in place
+        h = (hs, hist.shape, np.dtype(np.float32))
+        out = self._out((R, C))
+        return self._run(lambda s: self.k.ssm_conv(s, xs, hs, ws, out[0], R, C, w.shape[1]), out, h)
+
+    def delta_rule(self, q, k, v, g, beta, state, eps: float, tiled: bool = False):
+        R, Hk, D = q.shape
+        Hv = v.shape[1]
+        qs, ks, vs, gs, bs = (self._in(a) for a in (q, k, v, g, beta))
+        ss = self._in(state)  # read, then updated in place
+        st = (ss, state.shape, np.dtype(np.float32))
+        out = self._out((R, Hv, D))
+        return self._run(lambda s: self.k.delta_rule(s, qs, ks, vs, gs, bs, ss, out[0], R, Hk, Hv, D, eps, tiled),
+                         out, st)

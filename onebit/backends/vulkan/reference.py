@@ -159,3 +159,29 @@ def random_blocks(type_name: str, shape: tuple[int, ...], rng: np.random.Generat
     if type_name == "IQ1_M":
         _iq1_m_set_d(raw, rng.uniform(0.002, 0.05, nb) * rng.choice([-1.0, 1.0], nb))
     return raw.reshape(*lead, n // cls.block_size * cls.type_size)
+
+
+# -- Gated DeltaNet ---------------------------------------------------------------------------
+
+
+def cols(a: np.ndarray, c0: int, w: int) -> np.ndarray:
+    """a[..., c0:c0 + w], contiguous."""
+    return np.ascontiguousarray(a[..., c0 : c0 + w])
+
+
+def sigmoid_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a * _NP.sigmoid(b)
+
+
+def gdn_gates(b: np.ndarray, a: np.ndarray, dt: np.ndarray, A: np.ndarray):
+    return _NP.gdn_gates(b, a, dt, A)
+
+
+def ssm_conv(x: np.ndarray, hist: np.ndarray, w: np.ndarray):
+    """(silu(conv) [R, C], the new history [K-1, C])."""
+    return _NP.ssm_conv(x, hist, w)
+
+
+def delta_rule(q, k, v, g, beta, state, eps: float, tiled: bool = False):
+    """(o [R, Hv, D], the new state [Hv, D, D]), one step per row."""
+    return _NP.delta_rule(q, k, v, g, beta, state, eps, tiled, 0)
