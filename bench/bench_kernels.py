@@ -78,11 +78,16 @@ def main() -> int:
     ap.add_argument("--prefill-rows", type=int, default=32)
     ap.add_argument("--kernels", default="mul_mv,mul_mv_id,mul_mv_rows,mul_mm,get_rows,attn",
                     help="which kernels (mul_mv_rows: mul_mv at --prefill-rows rows)")
+    ap.add_argument("--unrolled", type=int, default=None,
+                    help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
+                         "which sets rows per thread")
     ap.add_argument("--device", default=None, help="index or part of the name (default: $ONEBIT_VULKAN_DEVICE / auto)")
     args = ap.parse_args()
 
     dev = open_device(args.device)
     k = Kernels(dev)
+    if args.unrolled:
+        k.mv_unrolled = args.unrolled
     rng = np.random.default_rng(0)
     print(f"device: {dev.info.name} ({dev.info.type}); mat-vec: reduce {k.reduce}, workgroup {k.mv_wg}, up to "
           f"{k.mv_rows} rows per {'thread' if k.reduce == 'none' else 'workgroup'}")

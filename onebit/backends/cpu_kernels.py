@@ -6,8 +6,9 @@ that decodes a block 32 weights at a time in registers and multiplies them into 
 accumulator per activation row. No float32 copy of a weight matrix is ever made and a row's
 bytes are read once per eight activation rows. Activations stay float32 (no 8-bit activation
 blocks): results differ from the numpy twins (`quants.QTYPES[..].dequantize` then matmul)
-only by float32 rounding of the decode and the summation order. `decode_row` (plain numba)
-serves get_rows.
+only by float32 rounding of the decode and the summation order. Every type of onebit.quants
+has its decoder here; the codebook (IQ) types read their grids from int8 tables in the
+kernel's module. `decode_row` (plain numba, and the IR decoders for MORE_TYPES) serves get_rows.
 
 Threads split output rows, or whole experts (`prange`); each output element is written by one
 thread in a fixed order, so results do not depend on the thread count or on where the bytes
@@ -725,7 +726,8 @@ DECODE = {n: _make_decode(n) for n in MORE_TYPES}
 
 def _dispatch(table, args: str, doc: str, names=IR_TYPES, last="F32", extra=""):
     """An inlined njit function `f(qt, w, <args>)` that calls table[name] for qt's type: one `if`
-    per type (qt is a run-time value, so every type's code is in each caller)."""
+    per type (qt is a run-time value, so every type's branch is in each caller: the intrinsic's
+    code itself, or a call of an outlined function, see `_outlined`)."""
     lines = [f"def f(qt, w, {args}):", f'    """{doc}"""']
     for n in names:
         if n != last:
