@@ -337,8 +337,8 @@ def _groups(b, name, blk):
 
 
 # -- the other types: legacy, K, ternary, 1-bit and codebook (IQ) blocks ---------------------
-# Codebooks (IQ grids, IQ4's levels, the even-parity sign bytes) are int8 tables placed in the
-# kernel's module as constants, read 4 or 8 bytes per grid index.
+# Codebooks (IQ grids, the even-parity sign bytes) are int8 tables placed in the kernel's module
+# as constants, read 4 or 8 bytes per grid index; IQ4's 16 levels are selected in registers.
 
 
 def _ivec(vals):
@@ -389,8 +389,6 @@ def _low_bits(b, word, n):
 
 @cache
 def _table_bytes(name: str) -> bytes:
-    if name == "IQ4":
-        return iq4_values().astype(np.int8).tobytes()
     if name == "SIGNS":  # 7 sign bits -> the byte with the even-parity 8th bit (EVEN_SIGNS)
         return bytes(i | ((bin(i).count("1") & 1) << 7) for i in range(128))
     return iq_grid(name).astype(np.int8).tobytes()
@@ -415,13 +413,14 @@ def _grid_rows(b, tab, idxs, k):
     return _cat(b, [_load(b, tab, b.mul(b.zext(i, I64), _const(I64, k)), _vec(I8, k)) for i in idxs])
 
 
-def _lookup(b, tab, q):
-    """<32 x i8> of table[q[l]] for the <32 x i8> indices q (IQ4's 16 levels)."""
-    v = ir.Constant(_vec(I8), ir.Undefined)
-    for lane in range(W):
-        i = b.zext(b.extract_element(q, _const(I32, lane)), I64)
-        v = b.insert_element(v, _load(b, tab, i, I8), _const(I32, lane))
-    return v
+def _levels(b, q):
+    """<32 x i8> of IQ4's level[q[l]] for the nibbles q: a tree of selects on the index bits over
+    constant vectors (four compares and 15 selects per 32 weights, no per-lane loads)."""
+    level = [ir.Constant(_vec(I8), [int(v)] * W) for v in iq4_values()]
+    for bit in range(4):
+        m = b.icmp_unsigned("!=", b.and_(q, _v8(1 << bit)), _v8(0))
+        level = [b.select(m, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
+    return level[0]
 
 
 def _even_signs(b, aux):
@@ -514,10 +513,10 @@ def _more_groups(b, name, blk):
         d = _splat(b, _f16(b, blk, 0))
         return [(32 * g, b.select(_bits32(b, _u32i(b, blk, 2 + 4 * g)), d, b.fneg(d))) for g in range(4)]
     if name in ("IQ4_NL", "IQ4_XS"):
-        tab, d = _table(b, "IQ4"), _f16(b, blk, 0)
+        d = _f16(b, blk, 0)
 
         def levels(off):
-            return b.sitofp(_lookup(b, tab, _nibbles(b, _load(b, blk, off, _vec(I8, 16)))), V)
+            return b.sitofp(_levels(b, _nibbles(b, _load(b, blk, off, _vec(I8, 16)))), V)
 
         if name == "IQ4_NL":
             return [(0, b.fmul(_splat(b, d), levels(2)))]
