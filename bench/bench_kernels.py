@@ -3,15 +3,19 @@
 
     python bench/bench_kernels.py                    # every weight type, ~24 MiB of weights each
     python bench/bench_kernels.py --types Q4_K,Q8_0 --mib 64 --device 0
+    python bench/bench_kernels.py --kernels mul_mv,mul_mv_id --mib 8   # the decode kernels only
 
 For each kernel and weight type: bytes of weights (or KV cache) the kernel must read, divided
-by its time on the device, and that rate as a fraction of the device's measured copy
-bandwidth, both as a copy shader and as vkCmdCopyBuffer over the same bytes (a copy reads and
-writes, so its bandwidth counts both; on lavapipe vkCmdCopyBuffer is a plain memcpy). Times are
-medians over several submissions of a recorded sequence of `--reps` dispatches, so host
-overhead is amortised. Shared machines are noisy: read the ratios, not the absolute numbers.
-Never run by the tests.
+by its time on the device, and that rate as a fraction of the device's copy bandwidth (a copy
+reads and writes, so its bandwidth counts both). The copy shader is measured in the same run as
+each kernel, alternating submissions (copy, kernel, copy, kernel, ...) and taking the median of
+each, so a machine whose load changes between types still gives comparable ratios;
+vkCmdCopyBuffer (on lavapipe a plain memcpy) is measured once at the start. Times are medians
+over several submissions of a recorded sequence of `--reps` dispatches, so host overhead is
+amortised. A summary then lists each type's mat-vec ratio against half of Q4_K's. Shared
+machines are noisy: read the ratios, not the absolute numbers. Never run by the tests.
 """
+
 
 from __future__ import annotations
 
@@ -30,19 +34,38 @@ from onebit.backends.vulkan.device import open_device  # noqa: E402
 from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, QTYPES_BY_NAME, Kernels, WeightStore  # noqa: E402
 
 
-def timed(dev, record, reps: int, runs: int) -> float:
-    """Median seconds per dispatch-group `record` adds, over `runs` submissions of `reps` copies."""
+def _sequence(dev, record, reps: int):
     seq = dev.sequence()
     for _ in range(reps):
         record(seq)
     seq.run()  # record, compile, warm up
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        seq.run()
-        times.append(time.perf_counter() - t0)
+    return seq
+
+
+def _seconds(seq) -> float:
+    t0 = time.perf_counter()
+    seq.run()
+    return time.perf_counter() - t0
+
+
+def timed(dev, record, reps: int, runs: int) -> float:
+    """Median seconds per dispatch-group `record` adds, over `runs` submissions of `reps` copies."""
+    seq = _sequence(dev, record, reps)
+    times = [_seconds(seq) for _ in range(runs)]
     seq.close()
     return statistics.median(times) / reps
+
+
+def timed_with_copy(dev, record, copy_seq, reps: int, runs: int) -> tuple[float, float]:
+    """(median seconds per `record`, median seconds per copy-shader dispatch), the two measured
+    alternately in one loop: copy_seq holds `copy_reps` copy dispatches (see main)."""
+    seq = _sequence(dev, record, reps)
+    t_kernel, t_copy = [], []
+    for _ in range(runs):
+        t_copy.append(_seconds(copy_seq[0]))
+        t_kernel.append(_seconds(seq))
+    seq.close()
+    return statistics.median(t_kernel) / reps, statistics.median(t_copy) / copy_seq[1]
 
 
 def main() -> int:
@@ -53,11 +76,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=8, help="dispatches per submission")
     ap.add_argument("--runs", type=int, default=5, help="submissions per measurement (median)")
     ap.add_argument("--prefill-rows", type=int, default=32)
+    ap.add_argument("--kernels", default="mul_mv,mul_mv_id,mul_mv_rows,mul_mm,get_rows,attn",
+                    help="which kernels (mul_mv_rows: mul_mv at --prefill-rows rows)")
+    ap.add_argument("--unrolled", type=int, default=None,
+                    help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
+                         "which sets rows per thread")
     ap.add_argument("--device", default=None, help="index or part of the name (default: $ONEBIT_VULKAN_DEVICE / auto)")
     args = ap.parse_args()
 
     dev = open_device(args.device)
     k = Kernels(dev)
+    if args.unrolled:
+        k.mv_unrolled = args.unrolled
     rng = np.random.default_rng(0)
     print(f"device: {dev.info.name} ({dev.info.type}); mat-vec: reduce {k.reduce}, workgroup {k.mv_wg}, up to "
           f"{k.mv_rows} rows per {'thread' if k.reduce == 'none' else 'workgroup'}")
@@ -66,17 +96,25 @@ def main() -> int:
     size = int(args.mib * 2**20) // 16 * 16
     src, dst = dev.buffer(size), dev.buffer(size)
     src.write(rng.integers(0, 255, size, dtype=np.uint8))
-    shader_bw = 2 * size / timed(dev, lambda s: k.copy(s, src.slice(0, size), dst.slice(0, size)), args.reps, args.runs)
+    copy_shader = lambda s: k.copy(s, src.slice(0, size), dst.slice(0, size))  # noqa: E731
+    shader_bw = 2 * size / timed(dev, copy_shader, args.reps, args.runs)
     cmd_bw = 2 * size / timed(dev, lambda s: s.copy(src.slice(0, size), dst.slice(0, size)), args.reps, args.runs)
+    def cls_bytes_per_weight(type_name):
+        c = QTYPES_BY_NAME[type_name]
+        return c.type_size / c.block_size
+
     print(f"copy bandwidth over {size / 2**20:.0f} MiB, read + write: copy shader {shader_bw / 1e9:.2f} GB/s, "
-          f"vkCmdCopyBuffer {cmd_bw / 1e9:.2f} GB/s")
-    src.destroy()
-    dst.destroy()
+          f"vkCmdCopyBuffer {cmd_bw / 1e9:.2f} GB/s (at the start; each kernel below has its own copy-shader "
+          "figure, measured alternately with it)")
+    copy_reps = max(1, args.reps // 2)
+    copy_seq = (_sequence(dev, copy_shader, copy_reps), copy_reps)
+    kernels = set(args.kernels.split(","))
 
     rows = []
 
-    def add(kernel, type_name, nbytes, t, note=""):
-        rows.append((kernel, type_name, nbytes, t, nbytes / t, note))
+    def add(kernel, type_name, nbytes, record, reps, note=""):
+        t, t_copy = timed_with_copy(dev, record, copy_seq, reps, args.runs)
+        rows.append((kernel, type_name, nbytes, t, nbytes / t, 2 * size / t_copy, note))
 
     n_in = args.n_in
     R = args.prefill_rows
@@ -99,41 +137,61 @@ def main() -> int:
         w_bytes = n_out * row_bytes
         slow = max(1, args.reps // 4)
 
-        t = timed(dev, lambda s: k.mul_mv(s, w, x1, y.slice(), 1, n_in, n_out), args.reps, args.runs)
-        add("mul_mv", type_name, w_bytes, t, f"[{n_out}x{n_in}] @ 1 row")
-        t = timed(dev, lambda s: k.mul_mv_id(s, we, x1, y.slice(), ids.slice(), wts.slice(), 1, k_used, n_in, 0,
-                                             e_rows, mode="slots"), args.reps, args.runs)
-        add("mul_mv_id", type_name, k_used * e_rows * row_bytes, t, f"{k_used} of {n_exp} experts [{e_rows}x{n_in}]")
-        for kernel in ("mul_mv", "mul_mm"):
-            mul = getattr(k, kernel)
-            t = timed(dev, lambda s: mul(s, w, x.slice(), y.slice(), R, n_in, n_out), slow, args.runs)
-            add(kernel, type_name, w_bytes, t, f"@ {R} rows: {2 * R * n_out * n_in / t / 1e9:.1f} GFLOP/s")
-        t = timed(dev, lambda s: k.get_rows(s, w, gid.slice(), y.slice(), 16, n_in), args.reps, args.runs)
-        add("get_rows", type_name, 16 * row_bytes, t, "16 rows")
+        if "mul_mv" in kernels:
+            add("mul_mv", type_name, w_bytes, lambda s: k.mul_mv(s, w, x1, y.slice(), 1, n_in, n_out), args.reps,
+                f"[{n_out}x{n_in}] @ 1 row")
+        if "mul_mv_id" in kernels:
+            add("mul_mv_id", type_name, k_used * e_rows * row_bytes,
+                lambda s: k.mul_mv_id(s, we, x1, y.slice(), ids.slice(), wts.slice(), 1, k_used, n_in, 0, e_rows,
+                                      mode="slots"), args.reps, f"{k_used} of {n_exp} experts [{e_rows}x{n_in}]")
+        for kernel, name in (("mul_mv", "mul_mv_rows"), ("mul_mm", "mul_mm")):
+            if name in kernels:
+                mul = getattr(k, kernel)
+                add(kernel, type_name, w_bytes, lambda s: mul(s, w, x.slice(), y.slice(), R, n_in, n_out), slow,
+                    f"@ {R} rows")
+        if "get_rows" in kernels:
+            add("get_rows", type_name, 16 * row_bytes, lambda s: k.get_rows(s, w, gid.slice(), y.slice(), 16, n_in),
+                args.reps, "16 rows")
         for b in (x, y, ids, wts, gid, *store.buffers):
             b.destroy()
 
-    # attention over the KV cache (decode): bytes of K and V read
-    H, Hkv, D, S = 32, 8, 128, 4096
-    kc = dev.upload(rng.standard_normal((S, Hkv, D)).astype(np.float32))
-    vc = dev.upload(rng.standard_normal((S, Hkv, D)).astype(np.float32))
-    q = dev.upload(rng.standard_normal((1, H, D)).astype(np.float32))
-    pos = dev.upload(np.array([S - 1], np.int32))
-    o = dev.buffer(H * D * 4)
-    t = timed(dev, lambda s: k.attention(s, q.slice(), kc.slice(), vc.slice(), pos.slice(), o.slice(), 1, H, Hkv, D,
-                                         D, S), max(1, args.reps // 4), args.runs)
-    add("attn", "F32 KV", 2 * S * Hkv * D * 4, t, f"decode, {S} positions, {H}/{Hkv} heads x {D}")
+    if "attn" in kernels:  # attention over the KV cache (decode): bytes of K and V read
+        H, Hkv, D, S = 32, 8, 128, 4096
+        kc = dev.upload(rng.standard_normal((S, Hkv, D)).astype(np.float32))
+        vc = dev.upload(rng.standard_normal((S, Hkv, D)).astype(np.float32))
+        q = dev.upload(rng.standard_normal((1, H, D)).astype(np.float32))
+        pos = dev.upload(np.array([S - 1], np.int32))
+        o = dev.buffer(H * D * 4)
+        add("attn", "F32 KV", 2 * S * Hkv * D * 4,
+            lambda s: k.attention(s, q.slice(), kc.slice(), vc.slice(), pos.slice(), o.slice(), 1, H, Hkv, D, D, S),
+            max(1, args.reps // 4), f"decode, {S} positions, {H}/{Hkv} heads x {D}")
 
     print()
-    print("GB/s: bytes of weights (or KV cache) the kernel reads / time; the ratios divide that by the copy "
-          "shader's and by vkCmdCopyBuffer's bandwidth.")
+    print("GB/s: bytes of weights (or KV cache) the kernel reads / time; copy GB/s: the copy shader measured "
+          "alternately with that kernel; /copy divides the two; /cmdcopy divides by vkCmdCopyBuffer's bandwidth "
+          "at the start.")
     print()
-    print(f"| {'kernel':<9} | {'type':<6} | {'MiB':>6} | {'time ms':>8} | {'GB/s':>6} | {'/shader':>7} | "
-          f"{'/cmdcopy':>8} | note")
-    print(f"|{'-' * 11}|{'-' * 8}|{'-' * 8}|{'-' * 10}|{'-' * 8}|{'-' * 9}|{'-' * 10}|------")
-    for kernel, type_name, nbytes, t, bw, note in rows:
-        print(f"| {kernel:<9} | {type_name:<6} | {nbytes / 2**20:6.2f} | {t * 1e3:8.3f} | {bw / 1e9:6.2f} | "
-              f"{bw / shader_bw:7.3f} | {bw / cmd_bw:8.3f} | {note}")
+    print(f"| {'kernel':<9} | {'type':<7} | {'MiB':>6} | {'time ms':>8} | {'GB/s':>6} | {'copy GB/s':>9} | "
+          f"{'/copy':>6} | {'/cmdcopy':>8} | note")
+    print(f"|{'-' * 11}|{'-' * 9}|{'-' * 8}|{'-' * 10}|{'-' * 8}|{'-' * 11}|{'-' * 8}|{'-' * 10}|------")
+    for kernel, type_name, nbytes, t, bw, copy_bw, note in rows:
+        if kernel == "mul_mm" or note.startswith("@"):
+            note = f"{note}: {2 * R * nbytes / cls_bytes_per_weight(type_name) / t / 1e9:.1f} GFLOP/s"
+        print(f"| {kernel:<9} | {type_name:<7} | {nbytes / 2**20:6.2f} | {t * 1e3:8.3f} | {bw / 1e9:6.2f} | "
+              f"{copy_bw / 1e9:9.2f} | {bw / copy_bw:6.3f} | {bw / cmd_bw:8.3f} | {note}")
+    decode = {t: bw / c for kern, t, _, _, bw, c, note in rows if kern == "mul_mv" and not note.startswith("@")}
+    if "Q4_K" in decode:
+        bar = decode["Q4_K"] / 2
+        print()
+        print(f"mat-vec (1 row) ratio to the copy shader; half of Q4_K's is {bar:.3f}:")
+        print()
+        print("| type    | /copy | vs half Q4_K |")
+        print("|---------|-------|--------------|")
+        for t, r in sorted(decode.items(), key=lambda kv: -kv[1]):
+            print(f"| {t:<7} | {r:5.3f} | {'ok' if r >= bar else 'BELOW':<12} |")
+    copy_seq[0].close()
+    src.destroy()
+    dst.destroy()
     dev.close()
     return 0
 

@@ -213,7 +213,8 @@ def test_expert_ffn_matches_numpy(rng, name):
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
         "llama3rope-f32", "gemma3-f32", "glm4moe-f32"]
 QUANT = ["q3moe256-" + t for t in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
-                                   "Q1_0", "TQ1_0", "TQ2_0", "Q4_1", "Q5_0", "Q2_K", "IQ2_XS", "IQ4_NL")]
+                                   "Q1_0", "TQ1_0", "TQ2_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "IQ1_S", "IQ1_M",
+                                   "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")]
 QUANT += ["glm4moe-Q8_0", "glm4moe-Q4_0", "glm256-Q4_K_M"]
 
 
@@ -228,11 +229,25 @@ def test_cpu_matches_numpy(name):
     assert greedy_tokens(cpu, ids[:6], 6) == greedy_tokens(ref, ids[:6], 6)
 
 
-def test_types_without_a_kernel_fall_back_and_say_so_once(capsys):
-    m = onebit.load(fixture_path("q3moe256-Q1_0.gguf"), backend="cpu")
+def test_every_quant_type_has_a_kernel(capsys):
+    """No type of onebit.quants takes the numpy path: a file mixing five types says nothing."""
+    assert set(QTYPES) <= K.SUPPORTED
+    m = onebit.load(fixture_path("q3moe256-IQ1_M.gguf"), backend="cpu")
+    assert len({t.qtype for t in m.gguf.tensors.values()}) >= 5
+    m.logits([1, 2, 3])
+    assert "onebit: note:" not in capsys.readouterr().err
+
+
+def test_a_type_without_a_kernel_falls_back_and_says_so_once(capsys, monkeypatch):
+    """The numpy path for a type the kernels do not claim (a type added to onebit.quants
+    before its kernel): said once at load, and the logits still match numpy's."""
+    monkeypatch.setattr(K, "SUPPORTED", K.SUPPORTED - {QTYPES_BY_NAME["Q1_0"].type_id})
+    path = fixture_path("q3moe256-Q1_0.gguf")
+    m = onebit.load(path, backend="cpu")
     err = capsys.readouterr().err
     assert err.count("onebit: note:") == 1 and "Q1_0" in err and "numpy reference path" in err
-    m.logits([1, 2, 3])
+    want = onebit.load(path, backend="numpy").logits([1, 2, 3])
+    np.testing.assert_allclose(m.logits([1, 2, 3]), want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
     assert capsys.readouterr().err == ""
 
 

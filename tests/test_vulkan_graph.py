@@ -283,3 +283,37 @@ def test_sliding_window_layers_match_numpy(monkeypatch):
         assert greedy(vk, ids[:6], 6)[0] == greedy(ref, ids[:6], 6)[0]
     finally:
         vk.be.close()
+
+
+MIXED = ["q3moe256-" + t for t in ("IQ1_M", "IQ3_XXS", "Q2_K", "TQ1_0", "MXFP4_MOE")]
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_a_mixed_type_file_keeps_the_recorded_step(name, caplog):
+    """A file that mixes quant types (as llama-quantize writes them: IQ1_M holds IQ1_M, IQ2_XXS,
+    Q2_K, Q4_K and Q5_K matrices) uploads every matrix in its own type (no F32 upload logged) and
+    decodes by replaying one recording: one submission per token, no re-recording, greedy
+    tokens as numpy's."""
+    with caplog.at_level(logging.INFO, logger="onebit"):
+        vk = onebit.load(fixture_path(f"{name}.gguf"), backend="vulkan")
+    try:
+        be, dev = vk.be, vk.be.dev
+        assert isinstance(be, VulkanBackend)
+        assert not [r.getMessage() for r in caplog.records if "F32" in r.getMessage() or "fall" in r.getMessage()]
+        kinds = {t.type_name for n, t in vk.gguf.tensors.items() if len(t.shape) > 1}
+        assert len(kinds) >= 3, kinds
+        assert all(be.tensors[n].type_name == t.type_name for n, t in vk.gguf.tensors.items() if n in be.tensors)
+        cache = vk.new_cache()
+        logits = vk.net.forward(tokens(name), cache, last_only=True)
+        made, got = be.recordings, []
+        for _ in range(N_DECODE):
+            tok = int(np.argmax(logits[-1]))
+            got.append(tok)
+            s0 = dev.n_submits
+            logits = vk.net.forward(np.array([tok], np.int64), cache)
+            assert dev.n_submits - s0 == 1
+        assert be.recordings - made <= 1
+        assert [r.n_replays for k, r in cache.storage.recordings.items() if k[1] == 1] == [N_DECODE]
+        assert got == greedy(load(name, "numpy"), tokens(name), N_DECODE)[0]
+    finally:
+        vk.be.close()
