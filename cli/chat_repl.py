@@ -156,7 +156,7 @@ def run_chat(model, system=None, show_reasoning: bool = False, **settings) -> No
                     print(f"{st.dim}(context full: dropped the {session.last.dropped_turns} oldest "
                           f"exchange(s)){st.reset}")
                 first = False
-                if r.reasoning and not thought:  # harmony (gpt-oss): the analysis channel, dimmed or hidden
+                if r.reasoning and not thought:  # harmony's analysis channel or a <think> block: dimmed or hidden
                     thought = True
                     if not show_reasoning:
                         sys.stdout.write(f"{st.dim}(reasoning; --show-reasoning shows it){st.reset}")

@@ -180,7 +180,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
     show_reasoning: bool = typer.Option(
         False, "--show-reasoning",
-        help="Models that reason in a channel of their own (gpt-oss): keep the reasoning, as a `reasoning` "
+        help="Models that reason apart from the reply (gpt-oss channels, <think> blocks of Qwen3 / GLM / "
+             "DeepSeek-R1): keep the reasoning, as a `reasoning` "
              "field of each result (or on stderr for a streamed prompt). Default: dropped; `text` is the reply."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
@@ -277,6 +278,10 @@ def _stream_one(m, item, chat, system, seed, gen) -> None:
     gen = dict(gen)
     show_reasoning = gen.pop("show_reasoning", False)
     channels = HarmonyStream() if chat and is_harmony(m) else None  # gpt-oss: print the final channel
+    if chat and channels is None:  # <think> blocks: print the reply after the block (think.py)
+        from onebit.think import think_stream
+
+        channels = think_stream(m, batch.prompt_ids(m, item, chat=chat, system=system))
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
     tty = sys.stdout.isatty()  # on a terminal, control characters in the output are shown escaped
     for r in m.generate(msgs if chat else item.prompt, seed=batch.prompt_seed(seed, item.id), **gen):
@@ -397,7 +402,8 @@ def plan(
 
 SHOW_REASONING = typer.Option(
     False, "--show-reasoning",
-    help="Models that reason in a channel of their own (gpt-oss, harmony format): show the reasoning "
+    help="Models that reason apart from the reply (gpt-oss channels, <think> blocks of Qwen3 / GLM / "
+         "DeepSeek-R1): show the reasoning "
          "(dimmed in chat; a `reasoning` field in generate's output). Default: hidden / dropped.")
 
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 from .errors import OnebitError, UsageError
 from .harmony import is_harmony, split_reply
+from .think import think_stream
 
 MAX_LINE = 16 << 20  # a prompts-file line longer than this is not a prompt (e.g. /dev/zero)
 BOM = b"\xef\xbb\xbf"
@@ -369,6 +370,10 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
     text, extra = "".join(pieces), {}
     if chat and is_harmony(model):  # the reply is the final channel; the reasoning kept apart or dropped
         thinking, text = split_reply(text)
+        if show_reasoning:
+            extra["reasoning"] = thinking
+    elif chat and (think := think_stream(model, ids)) is not None:  # a <think> block before the reply
+        thinking, text = think.feed(text, final=True)
         if show_reasoning:
             extra["reasoning"] = thinking
     return {

@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import UsageError
 from .harmony import HarmonyStream, is_harmony
+from .think import think_stream
 from .generate import GenerationResponse, stream_generate
 from .lookup import LookupStats, lookup_budget
 from .sample import make_logits_processors, make_sampler
@@ -141,6 +142,7 @@ class ChatSession:
         ahead = 0.0
         replies = None
         channels = HarmonyStream() if self.harmony else None
+        think = None if self.harmony else think_stream(self.model, ids)  # <think> blocks (think.py)
         try:
             if not self.cache.can_trim and len(ids) - common > 1:
                 # recurrent state: run the prompt but its last token first and checkpoint there (the
@@ -156,6 +158,11 @@ class ChatSession:
                     r = dataclasses.replace(r, text=text, reasoning=thinking)
                     if channels.thinking:
                         self.history[-1]["thinking"] = channels.thinking
+                elif think is not None:  # the reply apart from its <think> block
+                    thinking, text = think.feed(r.text, final=r.finish_reason is not None)
+                    r = dataclasses.replace(r, text=text, reasoning=thinking)
+                    if think.thinking:
+                        self.history[-1]["reasoning_content"] = think.thinking
                 reply.append(r.text)
                 self.history[-1]["content"] = "".join(reply)
                 if r.token is not None:
