@@ -41,14 +41,20 @@ class LlamaCppRoundingBackend(nb.NumpyBackend):
     def linear(self, x, name):
         return super().linear(round_activation(x, self.gguf.tensor(name).qtype), name)
 
-    def experts(self, x, layer, ids, weights):
+    def experts(self, x, layer, ids, weights, glu=None):
         gate, up, down = (self.gguf.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
+        biases = self.expert_biases(layer)  # gpt-oss: [E, width] per part, else None
         out = np.zeros_like(x)
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
             xg = round_activation(x[rows], gate.qtype)
             xu = round_activation(x[rows], up.qtype)
-            h = self.silu(xg @ nb.dequantize(gate, int(e)).T) * (xu @ nb.dequantize(up, int(e)).T)
+            g, u = xg @ nb.dequantize(gate, int(e)).T, xu @ nb.dequantize(up, int(e)).T
+            if biases is not None:
+                g, u = g + biases[0][e], u + biases[1][e]
+            h = self.silu(g) * u if glu is None else self.glu_oai(g, u, *glu)
             y = round_activation(h, down.qtype) @ nb.dequantize(down, int(e)).T
+            if biases is not None:
+                y = y + biases[2][e]
             out[rows] += y * weights[rows, slot][:, None]
         return out
