@@ -112,7 +112,15 @@ layout(binding = A_BINDING, std430) readonly buffer WeightU32 { uint data_a32[];
 // int8 levels in four words. A buffer, not a GLSL constant array: lavapipe's compile time grows
 // steeply with constant arrays of this size.
 #define A_GRID
+#if defined(TYPE_IQ4_NL) || defined(TYPE_IQ4_XS)
 layout(binding = GRID_BINDING, std430) readonly buffer Grid { uint grid[]; };
+#else
+// IQ1/2/3: a uniform buffer (kernels.GRID_UBO_BYTES, the largest grid: 2048 words). Its
+// per-lane reads are what these decoders spend on; lavapipe gathers from a uniform buffer
+// with plain loads, but from a storage buffer with a bounds-checked branch per lane.
+layout(binding = GRID_BINDING, std140) uniform Grid { uvec4 grid4[512]; };
+uint grid_word(uint i) { return grid4[i >> 2u][i & 3u]; }
+#endif
 #endif
 
 // Four bytes starting at 16-bit word hw (2-byte aligned), little endian.
@@ -393,7 +401,7 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
     uint gi = (load_u32_at16(ib * 33u + 1u + 4u * iu) >> (8u * l)) & 255u;
     uint s = even_signs((load_u32_at16(ib * 33u + 3u + 4u * iu) >> (7u * l)) & 127u);
-    return unpack_bytes(grid[2u * gi + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
 #elif defined(TYPE_IQ2_XS)
@@ -407,7 +415,7 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint q = uint(data_a16[ib * 37u + 1u + 2u * iu + (g >> 1)]);
     uint s = even_signs(q >> 9);
-    return unpack_bytes(grid[2u * (q & 511u) + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(2u * (q & 511u) + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
 #elif defined(TYPE_IQ2_S)
@@ -423,7 +431,7 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint i = 4u * (iu >> 1) + l;
     uint gi = uint(data_a[ib].qs[i]) | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
     uint s = uint(data_a[ib].qs[32u + i]);
-    return unpack_bytes(grid[2u * gi + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
 #elif defined(TYPE_IQ3_XXS)
@@ -437,7 +445,7 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = uint(data_a[ib].qs[8u * iu + g]);
     uint s = even_signs((load_u32_at16(ib * 49u + 33u + 2u * iu) >> (7u * (g >> 1))) & 127u);
-    return unpack_bytes(grid[gi]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 
 #else  // IQ3_S
@@ -452,7 +460,7 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = uint(data_a[ib].qs[8u * iu + g]) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
     uint s = uint(data_a[ib].signs[4u * iu + (g >> 1)]);
-    return unpack_bytes(grid[gi]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 #endif
 
@@ -472,7 +480,7 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
     uint gi = uint(data_a[ib].qs[4u * iu + l]) | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
-    uint n = grid[gi] >> (16u * (g & 1u));
+    uint n = grid_word(gi) >> (16u * (g & 1u));
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
 }
 
@@ -494,7 +502,7 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint i = 2u * iu + (g >> 1);
     uint nib = (uint(data_a[ib].qh[i >> 1]) >> (4u * (i & 1u))) & 15u;
     uint gi = uint(data_a[ib].qs[i]) | ((nib & 7u) << 8);
-    uint n = grid[gi] >> (16u * (g & 1u));
+    uint n = grid_word(gi) >> (16u * (g & 1u));
     float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
 }
