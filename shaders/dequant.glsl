@@ -443,7 +443,8 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.5, 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint gi = uint(data_a[ib].qs[8u * iu + g]);
+    // qs[8 iu + g] from a u32 of four index bytes (fewer, wider reads: each is a per-lane gather)
+    uint gi = (load_u32_at16(ib * 49u + 1u + 4u * iu + 2u * (g >> 2)) >> (8u * (g & 3u))) & 255u;
     uint s = even_signs((load_u32_at16(ib * 49u + 33u + 2u * iu) >> (7u * (g >> 1))) & 127u);
     return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
@@ -458,8 +459,10 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(float(data_a[ib].d) * float(1u + 2u * s), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint gi = uint(data_a[ib].qs[8u * iu + g]) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
-    uint s = uint(data_a[ib].signs[4u * iu + (g >> 1)]);
+    // qs[8 iu + g] and signs[4 iu + g / 2] from u32s of four bytes (55 halfwords a block)
+    uint q = load_u32_at16(ib * 55u + 1u + 4u * iu + 2u * (g >> 2));
+    uint gi = ((q >> (8u * (g & 3u))) & 255u) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
+    uint s = (load_u32_at16(ib * 55u + 37u + 2u * iu) >> (8u * (g >> 1))) & 255u;
     return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 #endif
@@ -479,7 +482,9 @@ vec2 get_dm(uint ib, uint iu) {
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
-    uint gi = uint(data_a[ib].qs[4u * iu + l]) | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
+    // qs[4 iu + l] from a u32 of four index bytes (25 halfwords a block)
+    uint q = (load_u32_at16(ib * 25u + 1u + 2u * iu) >> (8u * l)) & 255u;
+    uint gi = q | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
     uint n = grid_word(gi) >> (16u * (g & 1u));
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
 }
