@@ -429,8 +429,10 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = 2u * (iu & 1u) + (g >> 1);  // 8-weight group within the 32
     uint i = 4u * (iu >> 1) + l;
-    uint gi = uint(data_a[ib].qs[i]) | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
-    uint s = uint(data_a[ib].qs[32u + i]);
+    // qs[i] and the sign byte qs[32 + i] from u32s of four bytes (41 halfwords a block)
+    uint q = (load_u32_at16(ib * 41u + 1u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
+    uint gi = q | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
+    uint s = (load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
@@ -497,16 +499,17 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QK 256u
 #define QU 16u
 vec2 get_dm(uint ib, uint iu) {
-    uint s0 = uint(data_a[ib].scales[0]), s1 = uint(data_a[ib].scales[1]);
-    uint s2 = uint(data_a[ib].scales[2]), s3 = uint(data_a[ib].scales[3]);
-    uint d16 = (s0 >> 12) | ((s1 >> 8) & 0xF0u) | ((s2 >> 4) & 0xF00u) | (s3 & 0xF000u);
-    uint s = (uint(data_a[ib].scales[iu >> 2]) >> (3u * (iu & 3u))) & 7u;
+    // the four u16 scales as two words (a block is 14 words, so word-aligned)
+    uint w01 = data_a32[ib * 14u + 12u], w23 = data_a32[ib * 14u + 13u];
+    uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
+    uint s = ((((iu >> 2) < 2u ? w01 : w23) >> (16u * ((iu >> 2) & 1u))) >> (3u * (iu & 3u))) & 7u;
     return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint i = 2u * iu + (g >> 1);
-    uint nib = (uint(data_a[ib].qh[i >> 1]) >> (4u * (i & 1u))) & 15u;
-    uint gi = uint(data_a[ib].qs[i]) | ((nib & 7u) << 8);
+    // qs[i] and qh[i / 2] from words (qs: words 0..7, qh: words 8..11)
+    uint nib = (data_a32[ib * 14u + 8u + (i >> 3)] >> (4u * (i & 7u))) & 15u;
+    uint gi = ((data_a32[ib * 14u + (i >> 2)] >> (8u * (i & 3u))) & 255u) | ((nib & 7u) << 8);
     uint n = grid_word(gi) >> (16u * (g & 1u));
     float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
