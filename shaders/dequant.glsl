@@ -499,10 +499,10 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QK 256u
 #define QU 16u
 vec2 get_dm(uint ib, uint iu) {
-    // the four u16 scales as two words (a block is 14 words, so word-aligned)
+    // d from the four u16 scales read as two words (a block is 14 words, so word-aligned)
     uint w01 = data_a32[ib * 14u + 12u], w23 = data_a32[ib * 14u + 13u];
     uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
-    uint s = ((((iu >> 2) < 2u ? w01 : w23) >> (16u * ((iu >> 2) & 1u))) >> (3u * (iu & 3u))) & 7u;
+    uint s = (uint(data_a[ib].scales[iu >> 2]) >> (3u * (iu & 3u))) & 7u;
     return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
