@@ -112,7 +112,15 @@ layout(binding = A_BINDING, std430) readonly buffer WeightU32 { uint data_a32[];
 // int8 levels in four words. A buffer, not a GLSL constant array: lavapipe's compile time grows
 // steeply with constant arrays of this size.
 #define A_GRID
+#if defined(TYPE_IQ4_NL) || defined(TYPE_IQ4_XS)
 layout(binding = GRID_BINDING, std430) readonly buffer Grid { uint grid[]; };
+#else
+// IQ1/2/3: a uniform buffer (kernels.GRID_UBO_BYTES, the largest grid: 2048 words). Its
+// per-lane reads are what these decoders spend on; lavapipe gathers from a uniform buffer
+// with plain loads, but from a storage buffer with a bounds-checked branch per lane.
+layout(binding = GRID_BINDING, std140) uniform Grid { uvec4 grid4[512]; };
+uint grid_word(uint i) { return grid4[i >> 2u][i & 3u]; }
+#endif
 #endif
 
 // Four bytes starting at 16-bit word hw (2-byte aligned), little endian.
@@ -393,7 +401,7 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
     uint gi = (load_u32_at16(ib * 33u + 1u + 4u * iu) >> (8u * l)) & 255u;
     uint s = even_signs((load_u32_at16(ib * 33u + 3u + 4u * iu) >> (7u * l)) & 127u);
-    return unpack_bytes(grid[2u * gi + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
 #elif defined(TYPE_IQ2_XS)
@@ -407,7 +415,7 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint q = uint(data_a16[ib * 37u + 1u + 2u * iu + (g >> 1)]);
     uint s = even_signs(q >> 9);
-    return unpack_bytes(grid[2u * (q & 511u) + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(2u * (q & 511u) + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
 #elif defined(TYPE_IQ2_S)
@@ -421,9 +429,11 @@ vec2 get_dm(uint ib, uint iu) {
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = 2u * (iu & 1u) + (g >> 1);  // 8-weight group within the 32
     uint i = 4u * (iu >> 1) + l;
-    uint gi = uint(data_a[ib].qs[i]) | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
-    uint s = uint(data_a[ib].qs[32u + i]);
-    return unpack_bytes(grid[2u * gi + (g & 1u)]) * signs4(s >> (4u * (g & 1u)));
+    // qs[i] and the sign byte qs[32 + i] from u32s of four bytes (41 halfwords a block)
+    uint q = (load_u32_at16(ib * 41u + 1u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
+    uint gi = q | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
+    uint s = (load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
+    return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 
 #elif defined(TYPE_IQ3_XXS)
@@ -435,9 +445,10 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.5, 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint gi = uint(data_a[ib].qs[8u * iu + g]);
+    // qs[8 iu + g] from a u32 of four index bytes (fewer, wider reads: each is a per-lane gather)
+    uint gi = (load_u32_at16(ib * 49u + 1u + 4u * iu + 2u * (g >> 2)) >> (8u * (g & 3u))) & 255u;
     uint s = even_signs((load_u32_at16(ib * 49u + 33u + 2u * iu) >> (7u * (g >> 1))) & 127u);
-    return unpack_bytes(grid[gi]) * signs4(s >> (4u * (g & 1u)));
+    return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 
 #else  // IQ3_S
@@ -450,9 +461,11 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(float(data_a[ib].d) * float(1u + 2u * s), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint gi = uint(data_a[ib].qs[8u * iu + g]) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
-    uint s = uint(data_a[ib].signs[4u * iu + (g >> 1)]);
-    return unpack_bytes(grid[gi]) * signs4(s >> (4u * (g & 1u)));
+    // qs[8 iu + g] and signs[4 iu + g / 2] from u32s of four bytes (55 halfwords a block)
+    uint q = load_u32_at16(ib * 55u + 1u + 4u * iu + 2u * (g >> 2));
+    uint gi = ((q >> (8u * (g & 3u))) & 255u) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
+    uint s = (load_u32_at16(ib * 55u + 37u + 2u * iu) >> (8u * (g >> 1))) & 255u;
+    return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 #endif
 
@@ -471,8 +484,10 @@ vec2 get_dm(uint ib, uint iu) {
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
-    uint gi = uint(data_a[ib].qs[4u * iu + l]) | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
-    uint n = grid[gi] >> (16u * (g & 1u));
+    // qs[4 iu + l] from a u32 of four index bytes (25 halfwords a block)
+    uint q = (load_u32_at16(ib * 25u + 1u + 2u * iu) >> (8u * l)) & 255u;
+    uint gi = q | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
+    uint n = grid_word(gi) >> (16u * (g & 1u));
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
 }
 
@@ -484,17 +499,18 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QK 256u
 #define QU 16u
 vec2 get_dm(uint ib, uint iu) {
-    uint s0 = uint(data_a[ib].scales[0]), s1 = uint(data_a[ib].scales[1]);
-    uint s2 = uint(data_a[ib].scales[2]), s3 = uint(data_a[ib].scales[3]);
-    uint d16 = (s0 >> 12) | ((s1 >> 8) & 0xF0u) | ((s2 >> 4) & 0xF00u) | (s3 & 0xF000u);
+    // d from the four u16 scales read as two words (a block is 14 words, so word-aligned)
+    uint w01 = data_a32[ib * 14u + 12u], w23 = data_a32[ib * 14u + 13u];
+    uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
     uint s = (uint(data_a[ib].scales[iu >> 2]) >> (3u * (iu & 3u))) & 7u;
     return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint i = 2u * iu + (g >> 1);
-    uint nib = (uint(data_a[ib].qh[i >> 1]) >> (4u * (i & 1u))) & 15u;
-    uint gi = uint(data_a[ib].qs[i]) | ((nib & 7u) << 8);
-    uint n = grid[gi] >> (16u * (g & 1u));
+    // qs[i] and qh[i / 2] from words (qs: words 0..7, qh: words 8..11)
+    uint nib = (data_a32[ib * 14u + 8u + (i >> 3)] >> (4u * (i & 7u))) & 15u;
+    uint gi = ((data_a32[ib * 14u + (i >> 2)] >> (8u * (i & 3u))) & 255u) | ((nib & 7u) << 8);
+    uint n = grid_word(gi) >> (16u * (g & 1u));
     float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
 }

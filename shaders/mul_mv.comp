@@ -24,7 +24,16 @@
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NR = 2u;
 
+#ifdef X_UNIFORM
+// x as a uniform buffer (at most 64 KiB: the host picks this variant only when x fits the
+// device's maxUniformBufferRange). On lavapipe a storage-buffer read inside a loop is a
+// bounds-checked branch per lane even when every lane reads the same address; a uniform
+// buffer read at a uniform address is one load. The IQ1/2/3 decoders' x reads were the
+// larger part of their time.
+layout(binding = 1, std140) uniform X { vec4 x4[4096]; };
+#else
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
+#endif
 layout(binding = 2, std430) buffer Y { float y[]; };
 #ifdef MUL_ID
 layout(binding = 3, std430) readonly buffer Ids { int ids[]; };

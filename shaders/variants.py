@@ -28,6 +28,9 @@ WEIGHT_TYPES = tuple(re.findall(r"^struct (\w+)", (SHADER_DIR / "types.glsl").re
 # ("subgroup") or a tree in shared memory ("shmem", for devices without subgroup arithmetic);
 # or each thread owns whole rows ("none": CPU devices, where lanes are SIMD slots).
 REDUCE_MODES = ("subgroup", "shmem", "none")
+# Types whose thread-per-row mat-vec also has an `_ux` variant, x read from a uniform buffer
+# (shaders/mul_mv.comp X_UNIFORM): the IQ1/2/3 codebook types, whose decode is cheap next to x's reads.
+X_UNIFORM_TYPES = tuple(t for t in WEIGHT_TYPES if t.startswith(("IQ1", "IQ2", "IQ3")))
 ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu", "geglu", "softcap", "sigmoid_mul")
 
 
@@ -57,6 +60,10 @@ def variants() -> list[Variant]:
             rd = {"subgroup": (("REDUCE_SUBGROUP", ""),), "shmem": (), "none": (("REDUCE_NONE", ""),)}[red]
             out.append(Variant(f"mul_mv_{t}_{red}", "mul_mv.comp", (ty, *rd)))
             out.append(Variant(f"mul_mv_id_{t}_{red}", "mul_mv.comp", (ty, ("MUL_ID", ""), *rd)))
+        if t in X_UNIFORM_TYPES:  # thread-per-row mat-vec reading x from a uniform buffer
+            ux = (("REDUCE_NONE", ""), ("X_UNIFORM", ""))
+            out.append(Variant(f"mul_mv_{t}_none_ux", "mul_mv.comp", (ty, *ux)))
+            out.append(Variant(f"mul_mv_id_{t}_none_ux", "mul_mv.comp", (ty, ("MUL_ID", ""), *ux)))
         out.append(Variant(f"mul_mm_{t}", "mul_mm.comp", (ty,)))
         out.append(Variant(f"get_rows_{t}", "get_rows.comp", (ty,)))
     for op in ELEMENTWISE_OPS:

@@ -76,6 +76,31 @@ def test_mul_mv_decode(ops_by_reduce, rng, type_name, reduce):
           f"mul_mv {type_name} {reduce}")
 
 
+# The IQ1/2/3 types' thread-per-row mat-vec reads x from a uniform buffer when x fits one
+# (the `_ux` variants, kernels.Kernels._mv_variant) and from a storage buffer when it does not:
+# both paths, against numpy, and the choice itself.
+X_UNIFORM_TYPES = [t for t in SUPPORTED_TYPES if t.startswith(("IQ1", "IQ2", "IQ3"))]
+
+
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("type_name", X_UNIFORM_TYPES)
+def test_mul_mv_x_uniform_or_storage(ops_by_reduce, rng, type_name, big):
+    o = ops_by_reduce["none"]
+    n = 6144 if big else 512  # 3 rows of x: 72 KiB (over the 64 KiB uniform buffer) or 6 KiB
+    x = rng.standard_normal((3, n)).astype(np.float32)
+    xs = o._in(x)
+    name, uniform = o.k._mv_variant(f"mul_mv_{type_name}_none", type_name, 4, xs)
+    assert (name.endswith("_ux"), uniform[:1] == (1,)) == (not big, not big), (name, uniform)
+    w = ref.random_blocks(type_name, (37, n), rng)
+    close(o.mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name], f"mul_mv {type_name} n={n}")
+    E, k = 4, 2
+    we = ref.random_blocks(type_name, (E, 24, n), rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(3)]).astype(np.int32)
+    wts = rng.random((3, k)).astype(np.float32)
+    close(o.mul_mv_id(we, type_name, x, ids, wts, "sum"), ref.mul_mv_id(we, type_name, x, ids, wts, "sum"), rng,
+          TOL[type_name], f"mul_mv_id sum {type_name} n={n}")
+
+
 @pytest.mark.parametrize("reduce", REDUCE_MODES)
 def test_mul_mv_several_rows(ops_by_reduce, rng, reduce):
     w = ref.random_blocks("Q5_K", (70, 512), rng)

@@ -110,6 +110,8 @@ class DeviceInfo:
     storage_8bit: bool
     storage_16bit: bool
     missing: tuple[str, ...] = field(default=())  # features onebit needs that this device lacks
+    max_uniform_buffer_range: int = 16384  # Vulkan's minimum; the device's own below
+    min_uniform_buffer_offset_alignment: int = 256  # Vulkan's maximum
 
     @property
     def unified(self) -> bool:
@@ -236,7 +238,8 @@ def _query(vk, pd, index: int) -> DeviceInfo:
         min_storage_buffer_offset_alignment=int(lim.minStorageBufferOffsetAlignment),
         subgroup_size=int(subgroup.subgroupSize), subgroup_arithmetic=arith,
         storage_8bit=bool(f12.storageBuffer8BitAccess), storage_16bit=bool(f11.storageBuffer16BitAccess),
-        missing=tuple(missing),
+        missing=tuple(missing), max_uniform_buffer_range=int(lim.maxUniformBufferRange),
+        min_uniform_buffer_offset_alignment=int(lim.minUniformBufferOffsetAlignment),
     )
 
 
@@ -302,8 +305,8 @@ class Buffer:
     def __init__(self, dev: "Device", size: int, host_visible: bool = True):
         vk = dev.vk
         self.dev, self.size = dev, max(int(size), 16)
-        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT
-                 | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+        usage = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_UNIFORM_BUFFER_BIT
+                 | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
         info = vk.VkBufferCreateInfo(sType=vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, size=self.size, usage=usage,
                                      sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE)
         self.handle = vk.vkCreateBuffer(dev.handle, info, None)
@@ -377,13 +380,17 @@ class Buffer:
 
 
 class Pipeline:
-    """A compute pipeline: `n_bindings` storage buffers in set 0 and 128 bytes of push constants."""
+    """A compute pipeline: `n_bindings` buffers in set 0 (storage buffers, but uniform buffers at
+    the indices in `uniform`) and 128 bytes of push constants."""
 
-    def __init__(self, dev: "Device", name: str, spirv: bytes, n_bindings: int, spec: Seq[int | float] = ()):
+    def __init__(self, dev: "Device", name: str, spirv: bytes, n_bindings: int, spec: Seq[int | float] = (),
+                 uniform: Seq[int] = ()):
         vk, ffi = dev.vk, dev.vk.ffi
         self.dev, self.name, self.n_bindings = dev, name, n_bindings
+        self.binding_types = [vk.VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER if i in uniform
+                              else vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER for i in range(n_bindings)]
         bindings = [
-            vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+            vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=self.binding_types[i],
                                             descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
             for i in range(n_bindings)
         ]
@@ -480,10 +487,15 @@ class Sequence:
         if any(x < 1 or x > m for x, m in zip(g, lim)):
             raise VulkanKernelError(f"kernel {pipeline.name}: workgroup count {g} outside 1..{lim}")
         rng = self.dev.info.max_storage_buffer_range
-        for s in bindings:
+        ubo = self.dev.vk.VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER
+        for s, t in zip(bindings, pipeline.binding_types):
             if s.size > rng:
                 raise VulkanKernelError(f"kernel {pipeline.name}: a binding of {s.size} bytes exceeds "
                                         f"maxStorageBufferRange ({rng})")
+            if t == ubo and (s.size > self.dev.info.max_uniform_buffer_range
+                             or s.offset % self.dev.info.min_uniform_buffer_offset_alignment):
+                raise VulkanKernelError(f"kernel {pipeline.name}: a uniform binding of {s.size} bytes at {s.offset} is "
+                                        "outside the device's uniform buffer limits")
             if s.offset % self.dev.info.min_storage_buffer_offset_alignment:
                 raise VulkanKernelError(f"kernel {pipeline.name}: binding offset {s.offset} is not aligned")
         self.ops.append(_Dispatch(pipeline, tuple(bindings), bytes(push), g, tuple(writes)))
@@ -499,13 +511,16 @@ class Sequence:
         dev, vk = self.dev, self.dev.vk
         lib, ffi = vk.lib, vk.ffi
         dispatches = [op for op in self.ops if isinstance(op, _Dispatch)]
-        n_desc = sum(op.pipeline.n_bindings for op in dispatches)
+        n_ubo = sum(t == vk.VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER for op in dispatches for t in op.pipeline.binding_types)
+        n_desc = sum(op.pipeline.n_bindings for op in dispatches) - n_ubo
         if dispatches:
-            size = ffi.new("VkDescriptorPoolSize*",
-                           {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": max(n_desc, 1)})
+            size = ffi.new("VkDescriptorPoolSize[]", [
+                {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "descriptorCount": max(n_desc, 1)},
+                {"type": vk.VK_DESCRIPTOR_TYPE_UNIFORM_BUFFER, "descriptorCount": max(n_ubo, 1)},
+            ])
             pinfo = ffi.new("VkDescriptorPoolCreateInfo*", {
                 "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, "maxSets": len(dispatches),
-                "poolSizeCount": 1, "pPoolSizes": size,
+                "poolSizeCount": 2, "pPoolSizes": size,
             })
             pool = ffi.new("VkDescriptorPool*")
             _check(vk, lib.vkCreateDescriptorPool(dev.handle, pinfo, ffi.NULL, pool), "vkCreateDescriptorPool")
@@ -573,7 +588,7 @@ class Sequence:
             ])
             writes = ffi.new("VkWriteDescriptorSet[]", [
                 {"sType": vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET, "dstSet": sets[0], "dstBinding": i,
-                 "descriptorCount": 1, "descriptorType": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, "pBufferInfo": infos + i}
+                 "descriptorCount": 1, "descriptorType": p.binding_types[i], "pBufferInfo": infos + i}
                 for i in range(len(op.bindings))
             ])
             lib.vkUpdateDescriptorSets(dev.handle, len(op.bindings), writes, 0, ffi.NULL)
@@ -747,11 +762,12 @@ class Device:
 
     # pipelines and running
 
-    def pipeline(self, name: str, spirv: bytes, n_bindings: int, spec: Seq[int | float] = ()) -> Pipeline:
-        key = (name, tuple(spec))
+    def pipeline(self, name: str, spirv: bytes, n_bindings: int, spec: Seq[int | float] = (),
+                 uniform: Seq[int] = ()) -> Pipeline:
+        key = (name, tuple(spec), tuple(uniform))
         p = self._pipelines.get(key)
         if p is None:
-            p = self._pipelines[key] = Pipeline(self, name, spirv, n_bindings, spec)
+            p = self._pipelines[key] = Pipeline(self, name, spirv, n_bindings, spec, uniform)
         return p
 
     def sequence(self) -> Sequence:

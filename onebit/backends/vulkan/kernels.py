@@ -36,6 +36,9 @@ SUPPORTED_TYPES = tuple(sorted(
 # Types whose shaders read a codebook buffer (shaders/dequant.glsl, GRID_BINDING): which grid.
 GRID_OF = {"IQ1_S": "IQ1_S", "IQ1_M": "IQ1_S", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_S",
            "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S", "IQ4_NL": "IQ4", "IQ4_XS": "IQ4"}
+# The IQ1/2/3 codebooks are bound as a uniform buffer of this size (shaders/dequant.glsl: the
+# largest grid, 2048 words; a UBO's array has a fixed size), IQ4's four words as a storage buffer.
+GRID_UBO_BYTES = 8192
 
 
 def grid_words(grid: str) -> np.ndarray:
@@ -205,8 +208,26 @@ class Kernels:
             self._spv[variant] = code
         return code
 
-    def pipeline(self, variant: str, n_bindings: int, spec: Seq[int | float] = ()) -> Pipeline:
-        return self.dev.pipeline(variant, self.spirv(variant), n_bindings, spec)
+    def pipeline(self, variant: str, n_bindings: int, spec: Seq[int | float] = (), uniform: Seq[int] = ()) -> Pipeline:
+        return self.dev.pipeline(variant, self.spirv(variant), n_bindings, spec, uniform)
+
+    X_UNIFORM_MAX = 65536  # shaders/mul_mv.comp X_UNIFORM: x4[4096]
+
+    def _mv_variant(self, name: str, type_name: str, n_bindings: int, x: Slice) -> tuple[str, tuple[int, ...]]:
+        """A mat-vec variant and its uniform-buffer bindings: the `_ux` one (x read from a uniform
+        buffer, binding 1) where the package has it and x fits the device's uniform buffer limits."""
+        uniform = self._grid_ubo(type_name, n_bindings)
+        info = self.dev.info
+        if (f"{name}_ux" in self._manifest and x.size <= min(info.max_uniform_buffer_range, self.X_UNIFORM_MAX)
+                and x.offset % info.min_uniform_buffer_offset_alignment == 0):
+            return f"{name}_ux", (1, *uniform)
+        return name, uniform
+
+    @staticmethod
+    def _grid_ubo(type_name: str, n_bindings: int) -> tuple[int, ...]:
+        """The bindings a weight type's shaders read as uniform buffers: the IQ1/2/3 codebook (last)."""
+        grid = GRID_OF.get(type_name)
+        return (n_bindings - 1,) if grid is not None and grid != "IQ4" else ()
 
     def _extra(self, type_name: str) -> tuple[Slice, ...]:
         """Buffers a weight type's shaders bind after the kernel's own: an IQ type's codebook."""
@@ -215,7 +236,10 @@ class Kernels:
             return ()
         buf = self._grids.get(grid)
         if buf is None:
-            buf = self._grids[grid] = self.dev.upload(grid_words(grid))
+            words = grid_words(grid)
+            if grid != "IQ4":  # the uniform buffer's declared size
+                words = np.concatenate([words, np.zeros(GRID_UBO_BYTES // 4 - words.size, np.uint32)])
+            buf = self._grids[grid] = self.dev.upload(words)
         return (buf.slice(0, buf.size),)
 
     def _grid(self, n: int) -> tuple[int, int]:
@@ -258,8 +282,8 @@ class Kernels:
         """y[r, :] (+)= W @ x[r, :] for r < n_rows; W: [out, in]."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
         extra = self._extra(w.type_name)
-        p = self.pipeline(f"mul_mv_{w.type_name}_{self.reduce}", 3 + len(extra),
-                          (self.mv_wg, self._mv_rows(w.type_name)))
+        name, uniform = self._mv_variant(f"mul_mv_{w.type_name}_{self.reduce}", w.type_name, 3 + len(extra), x)
+        p = self.pipeline(name, 3 + len(extra), (self.mv_wg, self._mv_rows(w.type_name)), uniform)
         for part in w.parts:
             gx, gy = self._grid(math.ceil(part.count / self._mv_rows_per_group(w.type_name)))
             push = _push("10I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0)
@@ -270,7 +294,7 @@ class Kernels:
         """Tiled y[r, :] (+)= W @ x[r, :] for r < n_rows (prefill)."""
         self._check_rows("mul_mm", w.type_name, w.ncols, x_stride)
         extra = self._extra(w.type_name)
-        p = self.pipeline(f"mul_mm_{w.type_name}", 3 + len(extra))
+        p = self.pipeline(f"mul_mm_{w.type_name}", 3 + len(extra), (), self._grid_ubo(w.type_name, 3 + len(extra)))
         for part in w.parts:
             push = _push("7I", w.ncols, part.count, part.start, n_rows, x_stride, y_stride, int(accumulate))
             groups = (math.ceil(part.count / 32), math.ceil(n_rows / 32), 1)  # 32 x 32 output tiles
@@ -289,8 +313,8 @@ class Kernels:
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
         extra = self._extra(w.type_name)
-        p = self.pipeline(f"mul_mv_id_{w.type_name}_{self.reduce}", 5 + len(extra),
-                          (self.mv_wg, self._mv_rows(w.type_name)))
+        name, uniform = self._mv_variant(f"mul_mv_id_{w.type_name}_{self.reduce}", w.type_name, 5 + len(extra), x)
+        p = self.pipeline(name, 5 + len(extra), (self.mv_wg, self._mv_rows(w.type_name)), uniform)
         nrows = w.shape[1]
         gx, gy = self._grid(math.ceil(nrows / self._mv_rows_per_group(w.type_name)))
         gz = n_tokens if mode == "sum" else n_tokens * k
@@ -306,7 +330,7 @@ class Kernels:
         """out[r, :] = dequantized W[ids[r], :]."""
         self._check_rows("get_rows", w.type_name, w.ncols, out_stride)
         extra = self._extra(w.type_name)
-        p = self.pipeline(f"get_rows_{w.type_name}", 3 + len(extra), (self.wg,))
+        p = self.pipeline(f"get_rows_{w.type_name}", 3 + len(extra), (self.wg,), self._grid_ubo(w.type_name, 3 + len(extra)))
         gx = math.ceil(w.ncols // 4 / self.wg)
         for part in w.parts:
             push = _push("4I", w.ncols, part.count, part.start, out_stride)
