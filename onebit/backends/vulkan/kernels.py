@@ -58,6 +58,7 @@ MAX_GROUPS = 64  # sigmoid_topk.comp: expert groups per row
 ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 DELTA_MAX_D = 256  # delta_rule.comp: a state column per invocation, in registers
+DELTA_MAX_CHUNK = 32  # delta_chunk.comp: rows per block (its shared pair terms are MAX_C x MAX_C)
 
 
 
@@ -452,6 +453,20 @@ class Kernels:
                                     f"outside its limits (width <= {DELTA_MAX_D})")
         p = self.pipeline("delta_rule", 7, (head_dim,))
         push = _push("5If", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps)
+        seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
+
+    def delta_chunk(self, seq: Sequence, q: Slice, k: Slice, v: Slice, g: Slice, beta: Slice, state: Slice,
+                    out: Slice, n_rows: int, n_k_heads: int, n_v_heads: int, head_dim: int, eps: float,
+                    tiled: bool, chunk: int = DELTA_MAX_CHUNK) -> None:
+        """The gated delta rule over R rows in its chunked form, blocks of `chunk` rows; state
+        [Hv, D, D] in place; out [R, Hv, D]. The same sums as `delta_rule` in another order."""
+        if head_dim > DELTA_MAX_D or head_dim > self.dev.info.max_workgroup_size[0] or n_v_heads % n_k_heads \
+                or not 1 <= chunk <= DELTA_MAX_CHUNK:
+            raise VulkanKernelError(f"kernel delta_chunk: head width {head_dim}, heads {n_v_heads}/{n_k_heads}, "
+                                    f"block {chunk} outside its limits (width <= {DELTA_MAX_D}, "
+                                    f"block <= {DELTA_MAX_CHUNK})")
+        p = self.pipeline("delta_chunk", 7, (head_dim,))
+        push = _push("5IfI", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps, chunk)
         seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
 
     def copy(self, seq: Sequence, src: Slice, dst: Slice) -> None:
