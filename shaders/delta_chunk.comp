@@ -14,6 +14,7 @@
 
 #define MAX_D 256
 #define MAX_C 32
+#define MAX_CD 4096  // rows per block x head width: the block's keys in shared memory
 
 layout(local_size_x_id = 0) in;
 
@@ -32,8 +33,10 @@ layout(push_constant) uniform Push {
     uint d;
     uint tiled;
     float eps;
-    uint chunk;  // rows per block, <= MAX_C
+    uint chunk;  // rows per block, <= MAX_C and <= MAX_CD / D
 } pc;
+
+shared float kb[MAX_CD];  // the block's keys, kb[t * D + i], l2-normalised
 
 shared float kn[MAX_C];   // 1 / |k_t|
 shared float qn[MAX_C];   // 1 / (sqrt(D) |q_t|)
@@ -55,12 +58,16 @@ void main() {
     const float qscale = 1.0 / sqrt(float(D));
     for (uint t0 = 0u; t0 < pc.rows; t0 += pc.chunk) {
         const uint n = min(pc.chunk, pc.rows - t0);
-        // the block's norms, gates and running log decay
+        // the block's keys, norms, gates and running log decay
+        for (uint t = 0u; t < n; t++) {
+            kb[t * D + j] = k[((t0 + t) * pc.hk + kh) * D + j];
+        }
+        barrier();
         for (uint t = j; t < n; t += D) {
             const uint base = ((t0 + t) * pc.hk + kh) * D;
             float sk = 0.0, sq = 0.0;
             for (uint i = 0u; i < D; i++) {
-                sk += k[base + i] * k[base + i];
+                sk += kb[t * D + i] * kb[t * D + i];
                 sq += q[base + i] * q[base + i];
             }
             kn[t] = 1.0 / sqrt(sk + pc.eps);
@@ -75,20 +82,24 @@ void main() {
             }
         }
         barrier();
+        for (uint t = 0u; t < n; t++) {
+            kb[t * D + j] *= kn[t];
+        }
+        barrier();
         // the pair terms A and P, spread over the workgroup
         for (uint idx = j; idx < n * n; idx += D) {
             const uint t = idx / n, r = idx % n;
             float a = 0.0, p = 0.0;
             if (r <= t) {
-                const uint bt_ = ((t0 + t) * pc.hk + kh) * D, br = ((t0 + r) * pc.hk + kh) * D;
+                const uint bq = ((t0 + t) * pc.hk + kh) * D;
                 float kk = 0.0, qk = 0.0;
                 for (uint i = 0u; i < D; i++) {
-                    kk += k[bt_ + i] * k[br + i];
-                    qk += q[bt_ + i] * k[br + i];
+                    kk += kb[t * D + i] * kb[r * D + i];
+                    qk += q[bq + i] * kb[r * D + i];
                 }
                 const float dec = exp(min(cg[t] - cg[r], 0.0));
-                a = r < t ? bt[t] * dec * kk * kn[t] * kn[r] : 0.0;
-                p = dec * qk * qn[t] * kn[r];
+                a = r < t ? bt[t] * dec * kk : 0.0;
+                p = dec * qk * qn[t];
             }
             A[t * MAX_C + r] = a;
             P[t * MAX_C + r] = p;
@@ -96,12 +107,11 @@ void main() {
         barrier();
         // this column: u by forward substitution, then o, then the state
         for (uint t = 0u; t < n; t++) {
-            const uint base = ((t0 + t) * pc.hk + kh) * D;
             float kv = 0.0;
             for (uint i = 0u; i < D; i++) {
-                kv += k[base + i] * s[i];
+                kv += kb[t * D + i] * s[i];
             }
-            float ut = bt[t] * (v[((t0 + t) * pc.hv + h) * D + j] - exp(cg[t]) * kn[t] * kv);
+            float ut = bt[t] * (v[((t0 + t) * pc.hv + h) * D + j] - exp(cg[t]) * kv);
             for (uint r = 0u; r < t; r++) {
                 ut -= A[t * MAX_C + r] * u[r];
             }
@@ -125,10 +135,9 @@ void main() {
             s[i] *= tot;
         }
         for (uint t = 0u; t < n; t++) {
-            const uint base = ((t0 + t) * pc.hk + kh) * D;
-            const float w = exp(last - cg[t]) * kn[t] * u[t];
+            const float w = exp(last - cg[t]) * u[t];
             for (uint i = 0u; i < D; i++) {
-                s[i] += w * k[base + i];
+                s[i] += w * kb[t * D + i];
             }
         }
         barrier();  // every invocation has read this block's shared terms before the next writes them

@@ -82,7 +82,7 @@ def delta_inputs(rng, R, Hk, Hv, D):
 
 # rows not a multiple of the block, fewer rows than one block, one row, several head counts
 CHUNK_CASES = [(70, 2, 4, 16, 32), (33, 1, 1, 128, 32), (20, 2, 6, 32, 8), (1, 2, 4, 16, 32),
-               (47, 4, 8, 64, 16), (64, 2, 2, 256, 32)]
+               (47, 4, 8, 64, 16), (64, 2, 2, 256, 16), (40, 1, 2, 128, 32)]
 
 
 @pytest.mark.parametrize("tiled", [False, True])

@@ -58,7 +58,13 @@ MAX_GROUPS = 64  # sigmoid_topk.comp: expert groups per row
 ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 DELTA_MAX_D = 256  # delta_rule.comp: a state column per invocation, in registers
-DELTA_MAX_CHUNK = 32  # delta_chunk.comp: rows per block (its shared pair terms are MAX_C x MAX_C)
+DELTA_MAX_CHUNK = 32  # delta_chunk.comp: rows per block (its shared pair terms are MAX_C x MAX_C) ...
+DELTA_CHUNK_KEYS = 4096  # ... and rows per block x head width <= this (the block's keys in shared memory)
+
+
+def delta_chunk_rows(head_dim: int) -> int:
+    """delta_chunk.comp's block: the most rows its shared memory holds, at most DELTA_MAX_CHUNK."""
+    return min(DELTA_MAX_CHUNK, DELTA_CHUNK_KEYS // head_dim)
 
 
 
@@ -457,14 +463,16 @@ class Kernels:
 
     def delta_chunk(self, seq: Sequence, q: Slice, k: Slice, v: Slice, g: Slice, beta: Slice, state: Slice,
                     out: Slice, n_rows: int, n_k_heads: int, n_v_heads: int, head_dim: int, eps: float,
-                    tiled: bool, chunk: int = DELTA_MAX_CHUNK) -> None:
+                    tiled: bool, chunk: int = 0) -> None:
         """The gated delta rule over R rows in its chunked form, blocks of `chunk` rows; state
-        [Hv, D, D] in place; out [R, Hv, D]. The same sums as `delta_rule` in another order."""
+        [Hv, D, D] in place; out [R, Hv, D] (chunk 0: `delta_chunk_rows`). The same sums as
+        `delta_rule` in another order."""
+        chunk = chunk or delta_chunk_rows(head_dim)
         if head_dim > DELTA_MAX_D or head_dim > self.dev.info.max_workgroup_size[0] or n_v_heads % n_k_heads \
-                or not 1 <= chunk <= DELTA_MAX_CHUNK:
+                or not 1 <= chunk <= min(DELTA_MAX_CHUNK, DELTA_CHUNK_KEYS // head_dim):
             raise VulkanKernelError(f"kernel delta_chunk: head width {head_dim}, heads {n_v_heads}/{n_k_heads}, "
                                     f"block {chunk} outside its limits (width <= {DELTA_MAX_D}, "
-                                    f"block <= {DELTA_MAX_CHUNK})")
+                                    f"block <= {DELTA_MAX_CHUNK} and <= {DELTA_CHUNK_KEYS} / width)")
         p = self.pipeline("delta_chunk", 7, (head_dim,))
         push = _push("5IfI", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps, chunk)
         seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
