@@ -59,6 +59,7 @@ ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or reg
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 DELTA_MAX_D = 256  # delta_rule.comp: a state column per invocation, in registers
 DELTA_MAX_CHUNK = 32  # delta_chunk.comp: rows per block (its shared pair terms are MAX_C x MAX_C) ...
+DELTA_CHUNK_MIN_ROWS = 16  # as the numpy backend's chunked form (GPU devices; see Kernels.delta_chunk_min_rows)
 DELTA_CHUNK_KEYS = 4096  # ... and rows per block x head width <= this (the block's keys in shared memory)
 
 
@@ -194,6 +195,11 @@ class Kernels:
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
         # memory and barriers are slow there), so it is always used.
         self.mv_max_rows = 1 << 30 if dev.info.type == "cpu" else 4
+        # Prompt chunks of at least this many rows take the chunked delta rule (delta_chunk.comp),
+        # fewer the one-step-per-row kernel; 0: never. On lavapipe the chunked kernel measured no
+        # faster end to end (bench/results/issue12-hybrid.md), so CPU devices keep the step
+        # kernel; GPUs take the numpy backend's threshold (not measured on a GPU).
+        self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" else DELTA_CHUNK_MIN_ROWS
         self.wg = 64
         self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
