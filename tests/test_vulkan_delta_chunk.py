@@ -90,8 +90,10 @@ def test_chunked_meets_the_transformers_bar(name):
         assert ok.mean() >= bar, (key, np.nonzero(~ok)[0], cos.min())
 
 
-def test_the_chunked_form_is_off_on_cpu_devices_and_on_on_gpus():
+def test_the_chunked_form_is_off_on_cpu_devices_and_on_on_gpus_it_fits():
     dev = load("qwen3next-f32", "vulkan").net.be.dev
     assert dev.info.type == "cpu" and Kernels(dev).delta_chunk_min_rows == 0
     gpu = types.SimpleNamespace(info=dataclasses.replace(dev.info, type="discrete"))
     assert Kernels(gpu).delta_chunk_min_rows == DELTA_CHUNK_MIN_ROWS
+    small = types.SimpleNamespace(info=dataclasses.replace(gpu.info, max_compute_shared_memory_size=16384))
+    assert Kernels(small).delta_chunk_min_rows == 0  # the kernel's shared arrays would not fit

@@ -61,6 +61,7 @@ DELTA_MAX_D = 256  # delta_rule.comp: a state column per invocation, in register
 DELTA_MAX_CHUNK = 32  # delta_chunk.comp: rows per block (its shared pair terms are MAX_C x MAX_C) ...
 DELTA_CHUNK_MIN_ROWS = 16  # as the numpy backend's chunked form (GPU devices; see Kernels.delta_chunk_min_rows)
 DELTA_CHUNK_KEYS = 4096  # ... and rows per block x head width <= this (the block's keys in shared memory)
+DELTA_CHUNK_SHARED = 4 * (DELTA_CHUNK_KEYS + 2 * DELTA_MAX_CHUNK ** 2 + 4 * DELTA_MAX_CHUNK)  # its shared bytes
 
 
 def delta_chunk_rows(head_dim: int) -> int:
@@ -198,8 +199,10 @@ class Kernels:
         # Prompt chunks of at least this many rows take the chunked delta rule (delta_chunk.comp),
         # fewer the one-step-per-row kernel; 0: never. On lavapipe the chunked kernel measured no
         # faster end to end (bench/results/issue12-hybrid.md), so CPU devices keep the step
-        # kernel; GPUs take the numpy backend's threshold (not measured on a GPU).
-        self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" else DELTA_CHUNK_MIN_ROWS
+        # kernel; GPUs take the numpy backend's threshold (not measured on a GPU), if the kernel's
+        # shared memory fits (Vulkan guarantees only 16 KiB).
+        self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" or \
+            dev.info.max_compute_shared_memory_size < DELTA_CHUNK_SHARED else DELTA_CHUNK_MIN_ROWS
         self.wg = 64
         self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
