@@ -34,6 +34,7 @@ layout(push_constant) uniform Push {
     uint tiled;
     float eps;
     uint chunk;  // rows per block, <= MAX_C and <= MAX_CD / D
+    uint row0;   // rows [row0, row0 + rows) of the buffers (a long chunk is split over dispatches)
 } pc;
 
 shared float kb[MAX_CD];  // the block's keys, kb[t * D + i], l2-normalised
@@ -56,8 +57,8 @@ void main() {
         s[i] = st[(h * D + i) * D + j];
     }
     const float qscale = 1.0 / sqrt(float(D));
-    for (uint t0 = 0u; t0 < pc.rows; t0 += pc.chunk) {
-        const uint n = min(pc.chunk, pc.rows - t0);
+    for (uint t0 = pc.row0; t0 < pc.row0 + pc.rows; t0 += pc.chunk) {
+        const uint n = min(pc.chunk, pc.row0 + pc.rows - t0);
         // the block's keys, norms, gates and running log decay
         for (uint t = 0u; t < n; t++) {
             kb[t * D + j] = k[((t0 + t) * pc.hk + kh) * D + j];

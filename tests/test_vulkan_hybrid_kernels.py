@@ -58,7 +58,9 @@ def test_ssm_conv(ops, rng, R):
 
 
 @pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("R,Hk,Hv,D", [(1, 2, 4, 16), (5, 2, 4, 16), (3, 1, 1, 128), (2, 2, 6, 32)])
+# (256, 1, 1, 128): more loop iterations than lavapipe runs in one invocation (see
+# kernels.LOOP_LIMIT): the chunk is split over dispatches
+@pytest.mark.parametrize("R,Hk,Hv,D", [(1, 2, 4, 16), (5, 2, 4, 16), (3, 1, 1, 128), (2, 2, 6, 32), (256, 1, 1, 128)])
 def test_delta_rule(ops, rng, R, Hk, Hv, D, tiled):
     q, k = (rng.normal(size=(R, Hk, D)).astype(np.float32) for _ in range(2))
     v = rng.normal(size=(R, Hv, D)).astype(np.float32)
@@ -80,9 +82,10 @@ def delta_inputs(rng, R, Hk, Hv, D):
     return q, k, v, g, beta, state
 
 
-# rows not a multiple of the block, fewer rows than one block, one row, several head counts
+# rows not a multiple of the block, fewer rows than one block, one row, several head counts,
+# and more rows than one dispatch takes (256 x 128: past lavapipe's loop limit, kernels.LOOP_LIMIT)
 CHUNK_CASES = [(70, 2, 4, 16, 32), (33, 1, 1, 128, 32), (20, 2, 6, 32, 8), (1, 2, 4, 16, 32),
-               (47, 4, 8, 64, 16), (64, 2, 2, 256, 16), (40, 1, 2, 128, 32)]
+               (47, 4, 8, 64, 16), (64, 2, 2, 256, 16), (40, 1, 2, 128, 32), (256, 1, 1, 128, 32)]
 
 
 @pytest.mark.parametrize("tiled", [False, True])

@@ -64,6 +64,24 @@ DELTA_CHUNK_KEYS = 4096  # ... and rows per block x head width <= this (the bloc
 DELTA_CHUNK_SHARED = 4 * (DELTA_CHUNK_KEYS + 2 * DELTA_MAX_CHUNK ** 2 + 4 * DELTA_MAX_CHUNK)  # its shared bytes
 
 
+# lavapipe (llvmpipe) ends any loop of a shader invocation after 65535 iterations, counting
+# nested loops' iterations too, silently (measured: the step kernel's rows past ~65535 / (3 D + 1)
+# were never written). The delta kernels' row loops are long, so a chunk is split over
+# dispatches of at most `delta_dispatch_rows` rows (the state carries over in place).
+LOOP_LIMIT = 65535
+
+
+def delta_dispatch_rows(head_dim: int, chunk: int = 0) -> int:
+    """Rows per dispatch keeping delta_rule.comp (chunk 0) or delta_chunk.comp (blocks of
+    `chunk` rows) under LOOP_LIMIT loop iterations per invocation, with a margin."""
+    D, budget = head_dim, LOOP_LIMIT // 2 - 2 * head_dim  # half: room for how a driver counts
+    if not chunk:
+        return max(1, budget // (3 * D + 2))
+    n = chunk
+    per_block = 4 * n + (-(-n // D)) * (2 * D + 1) + (-(-n * n // D)) * (D + 1) + n * (3 * D + n + 3) + D
+    return max(1, budget // per_block) * n
+
+
 def delta_chunk_rows(head_dim: int) -> int:
     """delta_chunk.comp's block: the most rows its shared memory holds, at most DELTA_MAX_CHUNK."""
     return min(DELTA_MAX_CHUNK, DELTA_CHUNK_KEYS // head_dim)
@@ -467,8 +485,10 @@ class Kernels:
             raise VulkanKernelError(f"kernel delta_rule: head width {head_dim}, heads {n_v_heads}/{n_k_heads} "
                                     f"outside its limits (width <= {DELTA_MAX_D})")
         p = self.pipeline("delta_rule", 7, (head_dim,))
-        push = _push("5If", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps)
-        seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
+        step = delta_dispatch_rows(head_dim)
+        for r0 in range(0, n_rows, step):
+            push = _push("5IfI", min(step, n_rows - r0), n_k_heads, n_v_heads, head_dim, int(tiled), eps, r0)
+            seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
 
     def delta_chunk(self, seq: Sequence, q: Slice, k: Slice, v: Slice, g: Slice, beta: Slice, state: Slice,
                     out: Slice, n_rows: int, n_k_heads: int, n_v_heads: int, head_dim: int, eps: float,
@@ -483,8 +503,10 @@ class Kernels:
                                     f"block {chunk} outside its limits (width <= {DELTA_MAX_D}, "
                                     f"block <= {DELTA_MAX_CHUNK} and <= {DELTA_CHUNK_KEYS} / width)")
         p = self.pipeline("delta_chunk", 7, (head_dim,))
-        push = _push("5IfI", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps, chunk)
-        seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
+        step = delta_dispatch_rows(head_dim, chunk)
+        for r0 in range(0, n_rows, step):
+            push = _push("5IfII", min(step, n_rows - r0), n_k_heads, n_v_heads, head_dim, int(tiled), eps, chunk, r0)
+            seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
 
     def copy(self, seq: Sequence, src: Slice, dst: Slice) -> None:
         """dst = src with a shader (16-byte words); vkCmdCopyBuffer is `seq.copy`."""
