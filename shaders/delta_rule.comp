@@ -26,6 +26,7 @@ layout(push_constant) uniform Push {
     uint d;
     uint tiled;
     float eps;
+    uint row0;  // rows [row0, row0 + rows) of the buffers (a long chunk is split over dispatches)
 } pc;
 
 shared float ks[MAX_D];
@@ -41,7 +42,7 @@ void main() {
         s[i] = st[(h * D + i) * D + j];
     }
     const float qscale = 1.0 / sqrt(float(D));
-    for (uint t = 0u; t < pc.rows; t++) {
+    for (uint t = pc.row0; t < pc.row0 + pc.rows; t++) {
         ks[j] = k[(t * pc.hk + kh) * D + j];
         qs[j] = q[(t * pc.hk + kh) * D + j];
         barrier();

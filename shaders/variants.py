@@ -72,7 +72,7 @@ def variants() -> list[Variant]:
     out.append(Variant("attn", "attn.comp"))
     out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
     for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy",
-                 "cols", "gdn_gates", "ssm_conv", "delta_rule"):  # the last four: Gated DeltaNet models
+                 "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk"):  # the last five: Gated DeltaNet models
         out.append(Variant(name, f"{name}.comp"))
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
     out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))

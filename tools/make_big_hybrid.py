@@ -42,7 +42,8 @@ def shape(args) -> dict:
                 shared_expert_intermediate_size=args.moe_ff, intermediate_size=4 * args.hidden,
                 max_position_embeddings=8192, initializer_range=0.02, tie_word_embeddings=False,
                 norm_topk_prob=True, rms_norm_eps=1e-6, full_attention_interval=4,
-                linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                linear_conv_kernel_dim=4, linear_key_head_dim=args.linear_head_dim,
+                linear_value_head_dim=args.linear_head_dim,
                 linear_num_key_heads=4, linear_num_value_heads=8,
                 rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0, partial_rotary_factor=0.25))
 
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--moe-ff", type=int, default=256)
     ap.add_argument("--quant", default="Q8_0")
+    ap.add_argument("--linear-head-dim", type=int, default=64, help="the DeltaNet heads' width (Qwen3-Next: 128)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

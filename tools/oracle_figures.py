@@ -35,6 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="+", help="fixture file stems, e.g. glm4moe-f32")
     ap.add_argument("--backends", default="numpy,cpu,vulkan")
+    ap.add_argument("--delta-chunk", type=int, default=None, metavar="ROWS",
+                    help="Vulkan: the chunked delta rule for chunks of >= ROWS rows (0: never; default: the device's)")
     args = ap.parse_args()
     if "vulkan" in args.backends:
         from onebit.backends.vulkan.backend import VulkanBackend
@@ -45,6 +47,8 @@ def main() -> None:
         tokens = ref["tokens"].astype(np.int64)
         for backend in args.backends.split(","):
             m = onebit.load(FIXTURES / f"{name}.gguf", backend=backend)
+            if backend == "vulkan" and args.delta_chunk is not None:
+                m.net.be.k.delta_chunk_min_rows = args.delta_chunk
             logits = m.net.forward(tokens, m.new_cache())
             m.close()
             for key in ("logits_hf", "logits_llama"):

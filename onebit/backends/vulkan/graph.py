@@ -581,8 +581,9 @@ class Recorder:
         R, Hk, D = q.shape
         Hv = v.shape[1]
         out = self._new((R, Hv, D))
-        self.k.delta_rule(self.seq, q.s, k.s, v.s, g.s, beta.s, self.rec.kv.state_slice(layer), out.s, R, Hk, Hv, D,
-                          eps, tiled)
+        # a prompt chunk: the chunked form (see Kernels.delta_chunk_min_rows); decode / verify rows: one step per row
+        step = self.k.delta_chunk if 0 < self.k.delta_chunk_min_rows <= R else self.k.delta_rule
+        step(self.seq, q.s, k.s, v.s, g.s, beta.s, self.rec.kv.state_slice(layer), out.s, R, Hk, Hv, D, eps, tiled)
         return out
 
     def last_row(self, x: Val) -> Val:
@@ -885,7 +886,8 @@ class GraphRunner:
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
                    observe: bool = False) -> Recording:
         last_only = last_only and R > 1  # one row: the same forward either way
-        key = (id(model), R, last_only, pauses, observe)
+        chunked = 0 < self.be.k.delta_chunk_min_rows <= R  # the delta rule's kernel is recorded in
+        key = (id(model), R, last_only, pauses, observe, chunked)
         rec = kv.recordings.get(key)
         if rec is None:
             rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe)

@@ -61,6 +61,33 @@ MAX_GROUPS = 64  # sigmoid_topk.comp: expert groups per row
 ATTN_MAX_D = 256  # attn.comp: a head of q in shared memory (GPU variant) or registers (CPU variant)
 ATTN_DV_PER_THREAD = 4  # GPU variant: output dims per thread
 DELTA_MAX_D = 256  # delta_rule.comp: a state column per invocation, in registers
+DELTA_MAX_CHUNK = 32  # delta_chunk.comp: rows per block (its shared pair terms are MAX_C x MAX_C) ...
+DELTA_CHUNK_MIN_ROWS = 16  # as the numpy backend's chunked form (GPU devices; see Kernels.delta_chunk_min_rows)
+DELTA_CHUNK_KEYS = 4096  # ... and rows per block x head width <= this (the block's keys in shared memory)
+DELTA_CHUNK_SHARED = 4 * (DELTA_CHUNK_KEYS + 2 * DELTA_MAX_CHUNK ** 2 + 4 * DELTA_MAX_CHUNK)  # its shared bytes
+
+
+# lavapipe (llvmpipe) ends any loop of a shader invocation after 65535 iterations, counting
+# nested loops' iterations too, silently (measured: the step kernel's rows past ~65535 / (3 D + 1)
+# were never written). The delta kernels' row loops are long, so a chunk is split over
+# dispatches of at most `delta_dispatch_rows` rows (the state carries over in place).
+LOOP_LIMIT = 65535
+
+
+def delta_dispatch_rows(head_dim: int, chunk: int = 0) -> int:
+    """Rows per dispatch keeping delta_rule.comp (chunk 0) or delta_chunk.comp (blocks of
+    `chunk` rows) under LOOP_LIMIT loop iterations per invocation, with a margin."""
+    D, budget = head_dim, LOOP_LIMIT // 2 - 2 * head_dim  # half: room for how a driver counts
+    if not chunk:
+        return max(1, budget // (3 * D + 2))
+    n = chunk
+    per_block = 4 * n + (-(-n // D)) * (2 * D + 1) + (-(-n * n // D)) * (D + 1) + n * (3 * D + n + 3) + D
+    return max(1, budget // per_block) * n
+
+
+def delta_chunk_rows(head_dim: int) -> int:
+    """delta_chunk.comp's block: the most rows its shared memory holds, at most DELTA_MAX_CHUNK."""
+    return min(DELTA_MAX_CHUNK, DELTA_CHUNK_KEYS // head_dim)
 
 
 
@@ -190,6 +217,13 @@ class Kernels:
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
         # memory and barriers are slow there), so it is always used.
         self.mv_max_rows = 1 << 30 if dev.info.type == "cpu" else 4
+        # Prompt chunks of at least this many rows take the chunked delta rule (delta_chunk.comp),
+        # fewer the one-step-per-row kernel; 0: never. On lavapipe the chunked kernel measured no
+        # faster end to end (bench/results/issue12-hybrid.md), so CPU devices keep the step
+        # kernel; GPUs take the numpy backend's threshold (not measured on a GPU), if the kernel's
+        # shared memory fits (Vulkan guarantees only 16 KiB).
+        self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" or \
+            dev.info.max_compute_shared_memory_size < DELTA_CHUNK_SHARED else DELTA_CHUNK_MIN_ROWS
         self.wg = 64
         self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
@@ -475,8 +509,28 @@ class Kernels:
             raise VulkanKernelError(f"kernel delta_rule: head width {head_dim}, heads {n_v_heads}/{n_k_heads} "
                                     f"outside its limits (width <= {DELTA_MAX_D})")
         p = self.pipeline("delta_rule", 7, (head_dim,))
-        push = _push("5If", n_rows, n_k_heads, n_v_heads, head_dim, int(tiled), eps)
-        seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
+        step = delta_dispatch_rows(head_dim)
+        for r0 in range(0, n_rows, step):
+            push = _push("5IfI", min(step, n_rows - r0), n_k_heads, n_v_heads, head_dim, int(tiled), eps, r0)
+            seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
+
+    def delta_chunk(self, seq: Sequence, q: Slice, k: Slice, v: Slice, g: Slice, beta: Slice, state: Slice,
+                    out: Slice, n_rows: int, n_k_heads: int, n_v_heads: int, head_dim: int, eps: float,
+                    tiled: bool, chunk: int = 0) -> None:
+        """The gated delta rule over R rows in its chunked form, blocks of `chunk` rows; state
+        [Hv, D, D] in place; out [R, Hv, D] (chunk 0: `delta_chunk_rows`). The same sums as
+        `delta_rule` in another order."""
+        chunk = chunk or delta_chunk_rows(head_dim)
+        if head_dim > DELTA_MAX_D or head_dim > self.dev.info.max_workgroup_size[0] or n_v_heads % n_k_heads \
+                or not 1 <= chunk <= min(DELTA_MAX_CHUNK, DELTA_CHUNK_KEYS // head_dim):
+            raise VulkanKernelError(f"kernel delta_chunk: head width {head_dim}, heads {n_v_heads}/{n_k_heads}, "
+                                    f"block {chunk} outside its limits (width <= {DELTA_MAX_D}, "
+                                    f"block <= {DELTA_MAX_CHUNK} and <= {DELTA_CHUNK_KEYS} / width)")
+        p = self.pipeline("delta_chunk", 7, (head_dim,))
+        step = delta_dispatch_rows(head_dim, chunk)
+        for r0 in range(0, n_rows, step):
+            push = _push("5IfII", min(step, n_rows - r0), n_k_heads, n_v_heads, head_dim, int(tiled), eps, chunk, r0)
+            seq.dispatch(p, (q, k, v, g, beta, state, out), push, (n_v_heads, 1, 1), writes=(5, 6))
 
     def copy(self, seq: Sequence, src: Slice, dst: Slice) -> None:
         """dst = src with a shader (16-byte words); vkCmdCopyBuffer is `seq.copy`."""

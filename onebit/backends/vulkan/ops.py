@@ -235,3 +235,13 @@ class VulkanOps:
         out = self._out((R, Hv, D))
         return self._run(lambda s: self.k.delta_rule(s, qs, ks, vs, gs, bs, ss, out[0], R, Hk, Hv, D, eps, tiled),
                          out, st)
+
+    def delta_chunk(self, q, k, v, g, beta, state, eps: float, tiled: bool = False, chunk: int = 0):
+        R, Hk, D = q.shape
+        Hv = v.shape[1]
+        qs, ks, vs, gs, bs = (self._in(a) for a in (q, k, v, g, beta))
+        ss = self._in(state)  # read, then updated in place
+        st = (ss, state.shape, np.dtype(np.float32))
+        out = self._out((R, Hv, D))
+        return self._run(lambda s: self.k.delta_chunk(s, qs, ks, vs, gs, bs, ss, out[0], R, Hk, Hv, D, eps, tiled,
+                                                      chunk), out, st)

@@ -185,3 +185,9 @@ def ssm_conv(x: np.ndarray, hist: np.ndarray, w: np.ndarray):
 def delta_rule(q, k, v, g, beta, state, eps: float, tiled: bool = False):
     """(o [R, Hv, D], the new state [Hv, D, D]), one step per row."""
     return _NP.delta_rule(q, k, v, g, beta, state, eps, tiled, 0)
+
+
+def delta_chunk(q, k, v, g, beta, state, eps: float, tiled: bool = False, chunk: int = 32):
+    """(o [R, Hv, D], the new state [Hv, D, D]) in the chunked form, blocks of `chunk` rows
+    (delta_chunk.comp: the same block sums, u by forward substitution where this solves)."""
+    return _NP.delta_rule(q, k, v, g, beta, state, eps, tiled, chunk)
