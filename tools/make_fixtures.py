@@ -409,6 +409,22 @@ FIXTURES = [
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                       partial_rotary_factor=0.25)),
             "bpe-qwen2", seed=11, quant_types=("Q8_0",), convert_args=("--no-mtp",), norm_center=0.0),
+    # qwen3next's shape and layer kinds, calmed so that its Q8_0 file meets llama.cpp's bar
+    # (qwen3next-Q8_0, at N(0, 0.1), is chaotic under llama.cpp's Q8 activation rounding:
+    # 16/48 positions): weights N(0, 0.03), the routers x4 to keep the expert choice clear
+    # (router margin 0.038). Measured: 0.05 alone 39/48, 0.05 with routers x4 44/48, x8
+    # 37/48; 0.03 with x4 48/48. Only the Q8_0 file is kept (the f32 one is 1.5 MiB).
+    Fixture("qwen3nextq", "Qwen3NextForCausalLM", "Qwen3NextConfig",
+            dict(SMALL, num_hidden_layers=4, intermediate_size=128, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
+                 full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 initializer_range=0.03,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.25)),
+            "bpe-qwen2", seed=13, quant_types=("Q8_0",), convert_args=("--no-mtp",), norm_center=0.0,
+            gains=(("mlp.gate.weight", 4.0),), ship_f32=False),
     # Qwen 3.5 MoE: the same layer kinds with separate beta / alpha projections and value
     # heads stored tiled by the converter; interleaved MRoPE, which for text (one position
     # per token) is NeoX rope over rope_dim = 8 (mrope sections 2+1+1 pairs).
@@ -1391,7 +1407,7 @@ same machine; another CPU or library version may move llama.cpp's logits in the 
 {chr(10).join(rows)}
 
 "f32 file": llama.cpp on this file vs llama.cpp on the f32 file it was quantized from,
-`<fixture>-f32.gguf` (what quantizing cost; glm256's f32 file is not kept, it is 7 MiB).
+`<fixture>-f32.gguf` (what quantizing cost; the f32 files of glm256 (7 MiB) and qwen3nextq (1.5 MiB) are not kept).
 "HF-dequant": vs `logits_hf_dequant` below (what llama.cpp's activation rounding and
 any expert flips cost). Router margins are from the HF run (on the dequantized weights for
 quantized files). `manifest.json` has the same facts per file, plus every tensor's type, the
