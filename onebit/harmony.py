@@ -28,15 +28,13 @@ def is_harmony(model) -> bool:
         tok.token_to_id(m) is not None for m in (START, CHANNEL, MESSAGE, END))
 
 
-class HarmonyStream:
-    """Feed the reply's text as it streams; each `feed` returns (reasoning, reply) text to show."""
+class ReasoningStream:
+    """What a reply splitter (harmony channels here, `<think>` blocks in think.py) holds: the
+    text still held back, and the reasoning and reply so far. `feed(text, final)` returns the
+    (reasoning, reply) text to show."""
 
     def __init__(self):
         self.buf = ""
-        self.state = "start"  # start | header | content | between | done
-        self.header = ""
-        self.channel = ""
-        self.recipient = False  # the message is addressed (a tool call): neither reasoning nor reply
         self.reasoning: list[str] = []
         self.reply: list[str] = []
 
@@ -47,6 +45,17 @@ class HarmonyStream:
     @property
     def content(self) -> str:
         return "".join(self.reply)
+
+
+class HarmonyStream(ReasoningStream):
+    """Feed the reply's text as it streams; each `feed` returns (reasoning, reply) text to show."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = "start"  # start | header | content | between | done
+        self.header = ""
+        self.channel = ""
+        self.recipient = False  # the message is addressed (a tool call): neither reasoning nor reply
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """Add streamed text (final: no more comes, so nothing is held back)."""

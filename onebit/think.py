@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .harmony import ReasoningStream
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -49,24 +51,14 @@ def _held(buf: str, tag: str) -> int:
     return 0
 
 
-class ThinkStream:
+class ThinkStream(ReasoningStream):
     """Feed the reply's text as it streams; each `feed` returns (reasoning, reply) text to show."""
 
     def __init__(self, inside: bool = False):
+        super().__init__()
         self.inside = inside  # the prompt opened the block
-        self.buf = ""
         self.state = "start"  # start | think | after | reply
         self.lead = True  # no reasoning text shown yet (its leading blank lines are dropped)
-        self.reasoning: list[str] = []
-        self.reply: list[str] = []
-
-    @property
-    def thinking(self) -> str:
-        return "".join(self.reasoning)
-
-    @property
-    def content(self) -> str:
-        return "".join(self.reply)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """Add streamed text (final: no more comes, so nothing is held back)."""

@@ -175,11 +175,11 @@ class DeviceKV:
             sum(self.conv[l].nbytes + self.state[l].nbytes for l in self.conv)
 
 
-class DeviceKVCache(KVCache):
-    """One layer's view of a `DeviceKV`: a `KVCache` whose keys and values are device memory."""
+class _DeviceKVView:
+    """A layer cache whose keys and values are layer `layer`'s buffers in a `DeviceKV`."""
 
-    def __init__(self, storage: DeviceKV, layer: int):
-        self.storage, self.layer = storage, layer
+    storage: DeviceKV
+    layer: int
 
     @property
     def keys(self) -> np.ndarray:
@@ -189,13 +189,20 @@ class DeviceKVCache(KVCache):
     def values(self) -> np.ndarray:
         return self.storage.values[self.layer]
 
+
+class DeviceKVCache(_DeviceKVView, KVCache):
+    """One layer's view of a `DeviceKV`: a `KVCache` whose keys and values are device memory."""
+
+    def __init__(self, storage: DeviceKV, layer: int):
+        self.storage, self.layer = storage, layer
+
     def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if start + k.shape[0] > self.storage.capacity:
             self.storage.grow(start + k.shape[0])  # every layer's buffers at once
         return super().write(start, k, v)
 
 
-class DeviceRingKVCache(RingKVCache):
+class DeviceRingKVCache(_DeviceKVView, RingKVCache):
     """One sliding-window layer's ring in a `DeviceKV`: the device writes and reads it; the host
     keeps what it holds (`advance`, called by the runner per forward), trims and snapshots it."""
 
@@ -205,14 +212,6 @@ class DeviceRingKVCache(RingKVCache):
         self.capacity = layer_positions(storage.cfg, layer, 1 << 62, storage.swa_rows)
         self.rows = self.capacity - self.window + 1
         self.held_from = 0
-
-    @property
-    def keys(self) -> np.ndarray:
-        return self.storage.keys[self.layer]
-
-    @property
-    def values(self) -> np.ndarray:
-        return self.storage.values[self.layer]
 
     def _room(self, n: int) -> None:
         if n > self.keys.shape[0] and self.keys.shape[0] < self.capacity:
