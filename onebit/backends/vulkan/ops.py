@@ -227,21 +227,17 @@ class VulkanOps:
         return self._run(lambda s: self.k.ssm_conv(s, xs, hs, ws, out[0], R, C, w.shape[1]), out, h)
 
     def delta_rule(self, q, k, v, g, beta, state, eps: float, tiled: bool = False):
-        R, Hk, D = q.shape
-        Hv = v.shape[1]
-        qs, ks, vs, gs, bs = (self._in(a) for a in (q, k, v, g, beta))
-        ss = self._in(state)  # read, then updated in place
-        st = (ss, state.shape, np.dtype(np.float32))
-        out = self._out((R, Hv, D))
-        return self._run(lambda s: self.k.delta_rule(s, qs, ks, vs, gs, bs, ss, out[0], R, Hk, Hv, D, eps, tiled),
-                         out, st)
+        return self._delta(self.k.delta_rule, q, k, v, g, beta, state, eps, tiled)
 
     def delta_chunk(self, q, k, v, g, beta, state, eps: float, tiled: bool = False, chunk: int = 0):
+        return self._delta(self.k.delta_chunk, q, k, v, g, beta, state, eps, tiled, chunk)
+
+    def _delta(self, kernel, q, k, v, g, beta, state, eps: float, *modes):
+        """A delta-rule kernel (step or chunked form) over these rows: (out, the state after)."""
         R, Hk, D = q.shape
         Hv = v.shape[1]
         qs, ks, vs, gs, bs = (self._in(a) for a in (q, k, v, g, beta))
         ss = self._in(state)  # read, then updated in place
         st = (ss, state.shape, np.dtype(np.float32))
         out = self._out((R, Hv, D))
-        return self._run(lambda s: self.k.delta_chunk(s, qs, ks, vs, gs, bs, ss, out[0], R, Hk, Hv, D, eps, tiled,
-                                                      chunk), out, st)
+        return self._run(lambda s: kernel(s, qs, ks, vs, gs, bs, ss, out[0], R, Hk, Hv, D, eps, *modes), out, st)
