@@ -384,6 +384,9 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 vec4 signs4(uint bits) {  // +-1 for bits 0..3 (set: negative)
     return vec4(1.0) - 2.0 * vec4(uvec4(bits, bits >> 1, bits >> 2, bits >> 3) & 1u);
 }
+vec4 signed4(vec4 v, uint bits) {  // v with its sign flipped where bits 0..3 are set
+    return uintBitsToFloat(floatBitsToUint(v) ^ ((uvec4(bits, bits >> 1, bits >> 2, bits >> 3) & 1u) << 31));
+}
 uint even_signs(uint s7) {
     return s7 | ((bitCount(s7) & 1u) << 7);
 }
@@ -402,6 +405,22 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = (load_u32_at16(ib * 33u + 1u + 4u * iu) >> (8u * l)) & 255u;
     uint s = even_signs((load_u32_at16(ib * 33u + 3u + 4u * iu) >> (7u * l)) & 127u);
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
+}
+// mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the unit's two
+// words read once (get_q4 reads them for every 4 weights) and the signs xor'ed into x's sign bits.
+#define UNIT_QDOT
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    uint qw = load_u32_at16(ib * 33u + 1u + 4u * iu);
+    uint aux = load_u32_at16(ib * 33u + 3u + 4u * iu);
+    dm = vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.25, 0.0);
+    float q = 0.0;
+    [[unroll]] for (uint l = 0u; l < 4u; l++) {
+        uint gi = (qw >> (8u * l)) & 255u;
+        uint s = even_signs((aux >> (7u * l)) & 127u);
+        q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * l], s));
+        q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * l + 1u], s >> 4));
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ2_XS)
