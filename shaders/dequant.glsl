@@ -436,6 +436,19 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint s = even_signs(q >> 9);
     return unpack_bytes(grid_word(2u * (q & 511u) + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
+#define UNIT_QDOT  // as IQ2_XXS's: the unit's two u16s read as one word
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    dm = get_dm(ib, iu);
+    uint w = load_u32_at16(ib * 37u + 1u + 2u * iu);
+    float q = 0.0;
+    [[unroll]] for (uint l = 0u; l < 2u; l++) {
+        uint qq = (w >> (16u * l)) & 0xFFFFu;
+        uint gi = qq & 511u, s = even_signs(qq >> 9);
+        q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * l], s));
+        q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * l + 1u], s >> 4));
+    }
+    return q;
+}
 
 #elif defined(TYPE_IQ2_S)
 // 82 bytes: f16 d; 32 low bytes of 10-bit grid indices; 32 sign bytes; 8 bytes of the indices'
@@ -453,6 +466,22 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = q | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
     uint s = (load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
+}
+#define UNIT_QDOT  // as IQ2_XXS's
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    dm = get_dm(ib, iu);
+    uint qw = load_u32_at16(ib * 41u + 1u + 2u * (iu >> 1));
+    uint sw = load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1));
+    uint qh = uint(data_a[ib].qh[iu >> 1]);
+    float q = 0.0;
+    [[unroll]] for (uint h = 0u; h < 2u; h++) {
+        uint l = 2u * (iu & 1u) + h;
+        uint gi = ((qw >> (8u * l)) & 255u) | (((qh >> (2u * l)) & 3u) << 8);
+        uint s = (sw >> (8u * l)) & 255u;
+        q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * h], s));
+        q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * h + 1u], s >> 4));
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ3_XXS)
@@ -508,6 +537,20 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = q | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
     uint n = grid_word(gi) >> (16u * (g & 1u));
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
+}
+#define UNIT_QDOT  // the unit's index word and qh read once
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    uint qh = uint(data_a[ib].qh[iu]);
+    float dl = float(data_a[ib].d) * float(2u * ((qh >> 12) & 7u) + 1u);
+    dm = vec2(dl, dl * (((qh & 0x8000u) != 0u ? -0.125 : 0.125) - 1.0));
+    uint qw = load_u32_at16(ib * 25u + 1u + 2u * iu);
+    float q = 0.0;
+    [[unroll]] for (uint l = 0u; l < 4u; l++) {
+        uint n = grid_word(((qw >> (8u * l)) & 255u) | (((qh >> (3u * l)) & 7u) << 8));
+        q += dot(vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u), xv[2u * l]);
+        q += dot(vec4(uvec4(n >> 16, n >> 20, n >> 24, n >> 28) & 15u), xv[2u * l + 1u]);
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ1_M)

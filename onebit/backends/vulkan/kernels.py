@@ -30,7 +30,7 @@ UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_
 # Types whose mul_mv decodes a whole unit at a time (shaders/dequant.glsl UNIT_QDOT): a small
 # enough body for all mv_rows rows per thread on a CPU device (measured faster than 2 rows; their
 # pipelines still compile in a few seconds on lavapipe).
-MV_WHOLE_UNIT = frozenset({"IQ2_XXS"})
+MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
 # Weight types with shaders: those shaders/variants.py built a get_rows variant for.
 SUPPORTED_TYPES = tuple(sorted(
     v[len("get_rows_"):] for v in json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())
