@@ -384,6 +384,9 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 vec4 signs4(uint bits) {  // +-1 for bits 0..3 (set: negative)
     return vec4(1.0) - 2.0 * vec4(uvec4(bits, bits >> 1, bits >> 2, bits >> 3) & 1u);
 }
+vec4 signed4(vec4 v, uint bits) {  // v with its sign flipped where bits 0..3 are set
+    return uintBitsToFloat(floatBitsToUint(v) ^ ((uvec4(bits, bits >> 1, bits >> 2, bits >> 3) & 1u) << 31));
+}
 uint even_signs(uint s7) {
     return s7 | ((bitCount(s7) & 1u) << 7);
 }
@@ -403,6 +406,22 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint s = even_signs((load_u32_at16(ib * 33u + 3u + 4u * iu) >> (7u * l)) & 127u);
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
+// mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the unit's two
+// words read once (get_q4 reads them for every 4 weights) and the signs xor'ed into x's sign bits.
+#define UNIT_QDOT
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    uint qw = load_u32_at16(ib * 33u + 1u + 4u * iu);
+    uint aux = load_u32_at16(ib * 33u + 3u + 4u * iu);
+    dm = vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.25, 0.0);
+    float q = 0.0;
+    [[unroll]] for (uint l = 0u; l < 4u; l++) {
+        uint gi = (qw >> (8u * l)) & 255u;
+        uint s = even_signs((aux >> (7u * l)) & 127u);
+        q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * l], s));
+        q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * l + 1u], s >> 4));
+    }
+    return q;
+}
 
 #elif defined(TYPE_IQ2_XS)
 // 74 bytes = 37 halfwords: f16 d; 32 u16 (9-bit grid index, 7-bit sign field), one per 8
@@ -416,6 +435,19 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint q = uint(data_a16[ib * 37u + 1u + 2u * iu + (g >> 1)]);
     uint s = even_signs(q >> 9);
     return unpack_bytes(grid_word(2u * (q & 511u) + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
+}
+#define UNIT_QDOT  // as IQ2_XXS's: the unit's two u16s read as one word
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    dm = get_dm(ib, iu);
+    uint w = load_u32_at16(ib * 37u + 1u + 2u * iu);
+    float q = 0.0;
+    [[unroll]] for (uint l = 0u; l < 2u; l++) {
+        uint qq = (w >> (16u * l)) & 0xFFFFu;
+        uint gi = qq & 511u, s = even_signs(qq >> 9);
+        q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * l], s));
+        q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * l + 1u], s >> 4));
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ2_S)
@@ -434,6 +466,22 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = q | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
     uint s = (load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
+}
+#define UNIT_QDOT  // as IQ2_XXS's
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    dm = get_dm(ib, iu);
+    uint qw = load_u32_at16(ib * 41u + 1u + 2u * (iu >> 1));
+    uint sw = load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1));
+    uint qh = uint(data_a[ib].qh[iu >> 1]);
+    float q = 0.0;
+    [[unroll]] for (uint h = 0u; h < 2u; h++) {
+        uint l = 2u * (iu & 1u) + h;
+        uint gi = ((qw >> (8u * l)) & 255u) | (((qh >> (2u * l)) & 3u) << 8);
+        uint s = (sw >> (8u * l)) & 255u;
+        q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * h], s));
+        q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * h + 1u], s >> 4));
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ3_XXS)
@@ -489,6 +537,20 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint gi = q | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
     uint n = grid_word(gi) >> (16u * (g & 1u));
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
+}
+#define UNIT_QDOT  // the unit's index word and qh read once
+float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    uint qh = uint(data_a[ib].qh[iu]);
+    float dl = float(data_a[ib].d) * float(2u * ((qh >> 12) & 7u) + 1u);
+    dm = vec2(dl, dl * (((qh & 0x8000u) != 0u ? -0.125 : 0.125) - 1.0));
+    uint qw = load_u32_at16(ib * 25u + 1u + 2u * iu);
+    float q = 0.0;
+    [[unroll]] for (uint l = 0u; l < 4u; l++) {
+        uint n = grid_word(((qw >> (8u * l)) & 255u) | (((qh >> (3u * l)) & 7u) << 8));
+        q += dot(vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u), xv[2u * l]);
+        q += dot(vec4(uvec4(n >> 16, n >> 20, n >> 24, n >> 28) & 15u), xv[2u * l + 1u]);
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ1_M)

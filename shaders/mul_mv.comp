@@ -73,11 +73,16 @@ void unit_dot(uint ab, uint xb, uint first, float scale, uint ib, uint iu, uint 
     }
     [[unroll]] for (uint n = 0u; n < NR; n++) {
         const uint b = ab + min(first + n, last) * row_blocks + ib;
+#ifdef UNIT_QDOT
+        vec2 dm;
+        const float q = unit_qdot(b, iu, xv, dm);
+#else
         const vec2 dm = get_dm(b, iu);
         float q = 0.0;
         [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
             q += dot(get_q4(b, iu, g), xv[g]);
         }
+#endif
 #ifdef A_HAS_MIN
         partial[n] += scale * (dm.x * q + dm.y * xs);
 #else
