@@ -279,6 +279,16 @@ QUANT_TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4
                # the IQ types (IQ3_XXS's mix holds IQ2_S and IQ3_S; IQ2_S's would be IQ2_XS)
                "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 
+# Qwen3-Next's test shape: DeltaNet and gated attention layers alternating, 2 key heads serving
+# 4 value heads, partial rotary (1/4 of head_dim), a sigmoid-gated shared expert.
+QWEN3NEXT = dict(SMALL, num_hidden_layers=4, intermediate_size=128, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
+                 full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                      partial_rotary_factor=0.25))
+
 FIXTURES = [
     Fixture("qwen3moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
             dict(SMALL, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
@@ -401,13 +411,7 @@ FIXTURES = [
     # its input and the random model turns chaotic (Q8 activation rounding alone moved
     # position 0 to cosine 0.997).
     Fixture("qwen3next", "Qwen3NextForCausalLM", "Qwen3NextConfig",
-            dict(SMALL, num_hidden_layers=4, intermediate_size=128, num_experts=8,
-                 num_experts_per_tok=2, moe_intermediate_size=32,
-                 shared_expert_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
-                 full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                      partial_rotary_factor=0.25)),
+            QWEN3NEXT,
             "bpe-qwen2", seed=11, quant_types=("Q8_0",), convert_args=("--no-mtp",), norm_center=0.0),
     # qwen3next's shape and layer kinds, calmed so that its Q8_0 file meets llama.cpp's bar
     # (qwen3next-Q8_0, at N(0, 0.1), is chaotic under llama.cpp's Q8 activation rounding:
@@ -415,14 +419,7 @@ FIXTURES = [
     # (router margin 0.038). Measured: 0.05 alone 39/48, 0.05 with routers x4 44/48, x8
     # 37/48; 0.03 with x4 48/48. Only the Q8_0 file is kept (the f32 one is 1.5 MiB).
     Fixture("qwen3nextq", "Qwen3NextForCausalLM", "Qwen3NextConfig",
-            dict(SMALL, num_hidden_layers=4, intermediate_size=128, num_experts=8,
-                 num_experts_per_tok=2, moe_intermediate_size=32,
-                 shared_expert_intermediate_size=64, norm_topk_prob=True, rms_norm_eps=1e-6,
-                 full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                 initializer_range=0.03,
-                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                      partial_rotary_factor=0.25)),
+            dict(QWEN3NEXT, initializer_range=0.03),
             "bpe-qwen2", seed=13, quant_types=("Q8_0",), convert_args=("--no-mtp",), norm_center=0.0,
             gains=(("mlp.gate.weight", 4.0),), ship_f32=False),
     # Qwen 3.5 MoE: the same layer kinds with separate beta / alpha projections and value

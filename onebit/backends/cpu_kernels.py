@@ -958,38 +958,7 @@ def attention(out, q, k, v, q_pos, window):
     """Causal GQA attention for few rows (decode): q: [R, H, D] at positions q_pos; k: [S, Hkv,
     D], v: [S, Hkv, Dv] holding position p in row p % S (a sliding-window ring: S is its
     capacity); out: [R, H, Dv]. Row r sees positions 0..q_pos[r] (the last `window` only, if > 0)."""
-    R, H, D = q.shape
-    S, Hkv, Dv = v.shape
-    group = H // Hkv
-    scale = np.float32(1.0 / np.sqrt(D))
-    p = np.empty(S, np.float32)
-    for r in range(R):
-        lo = max(0, q_pos[r] - window + 1) if window > 0 else 0
-        hi = q_pos[r] + 1
-        for h in range(H):
-            kh = h // group
-            qr = q[r, h]
-            m = -np.inf
-            for s in range(lo, hi):
-                ks = k[s % S, kh]
-                t = np.float32(0)
-                for i in range(D):
-                    t += qr[i] * ks[i]
-                t *= scale
-                p[s % S] = t
-                m = max(m, t)
-            tot = np.float32(0)
-            for s in range(lo, hi):
-                e = np.float32(np.exp(p[s % S] - m))
-                p[s % S] = e
-                tot += e
-            o = out[r, h]
-            o[:] = 0
-            for s in range(lo, hi):
-                ps = p[s % S] / tot
-                vs = v[s % S, kh]
-                for i in range(Dv):
-                    o[i] += ps * vs[i]
+    _attend(out, q, k, v, q_pos, window, np.float32(1.0 / np.sqrt(q.shape[2])), np.empty(0, np.float32), False)
 
 
 @njit(cache=True, fastmath=FM)
@@ -997,6 +966,12 @@ def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
     """`attention` with a q.k scale of its own and attention sinks (gpt-oss): sinks[h] is a
     logit of head h that joins the softmax's denominator and weights no value. k, v hold
     position p in row p % S, as in `attention`."""
+    _attend(out, q, k, v, q_pos, window, np.float32(scale), sinks, True)
+
+
+@njit(cache=True, fastmath=FM)
+def _attend(out, q, k, v, q_pos, window, scale, sinks, has_sinks):
+    """The loops of `attention` and `attention_sinks` (scale: float32)."""
     R, H, D = q.shape
     S, Hkv, Dv = v.shape
     group = H // Hkv
@@ -1007,7 +982,7 @@ def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
         for h in range(H):
             kh = h // group
             qr = q[r, h]
-            m = sinks[h]
+            m = sinks[h] if has_sinks else np.float32(-np.inf)
             for s in range(lo, hi):
                 ks = k[s % S, kh]
                 t = np.float32(0)
@@ -1016,7 +991,7 @@ def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
                 t *= scale
                 p[s % S] = t
                 m = max(m, t)
-            tot = np.float32(np.exp(sinks[h] - m))
+            tot = np.float32(np.exp(sinks[h] - m)) if has_sinks else np.float32(0)
             for s in range(lo, hi):
                 e = np.float32(np.exp(p[s % S] - m))
                 p[s % S] = e
