@@ -28,9 +28,10 @@ WEIGHT_TYPES = tuple(re.findall(r"^struct (\w+)", (SHADER_DIR / "types.glsl").re
 # ("subgroup") or a tree in shared memory ("shmem", for devices without subgroup arithmetic);
 # or each thread owns whole rows ("none": CPU devices, where lanes are SIMD slots).
 REDUCE_MODES = ("subgroup", "shmem", "none")
-# Types whose thread-per-row mat-vec also has an `_ux` variant, x read from a uniform buffer
-# (shaders/mul_mv.comp X_UNIFORM): the IQ1/2/3 codebook types, whose decode is cheap next to x's reads.
-X_UNIFORM_TYPES = tuple(t for t in WEIGHT_TYPES if t.startswith(("IQ1", "IQ2", "IQ3")))
+# Every thread-per-row mat-vec also has an `_ux` variant, x read from a uniform buffer
+# (shaders/mul_mv.comp X_UNIFORM): on lavapipe it measured 1.3-1.6x on Q2_K / Q3_K / Q4_K and
+# 1.7-2.6x on the IQ1/2/3 codebook types (bench/results/quants-vulkan-kernels.md).
+X_UNIFORM_TYPES = WEIGHT_TYPES
 ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu", "geglu", "softcap", "sigmoid_mul")
 
 

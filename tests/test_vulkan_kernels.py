@@ -76,10 +76,10 @@ def test_mul_mv_decode(ops_by_reduce, rng, type_name, reduce):
           f"mul_mv {type_name} {reduce}")
 
 
-# The IQ1/2/3 types' thread-per-row mat-vec reads x from a uniform buffer when x fits one
+# Every type's thread-per-row mat-vec reads x from a uniform buffer when x fits one
 # (the `_ux` variants, kernels.Kernels._mv_variant) and from a storage buffer when it does not:
 # both paths, against numpy, and the choice itself.
-X_UNIFORM_TYPES = [t for t in SUPPORTED_TYPES if t.startswith(("IQ1", "IQ2", "IQ3"))]
+X_UNIFORM_TYPES = list(SUPPORTED_TYPES)
 
 
 @pytest.mark.parametrize("big", [False, True])
