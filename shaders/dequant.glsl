@@ -123,6 +123,17 @@ uint grid_word(uint i) { return grid4[i >> 2u][i & 3u]; }
 #endif
 #endif
 
+// Word j of a field starting at byte b (any alignment), from the one or two aligned words that
+// hold it, little endian. On lavapipe every storage-buffer read (byte, u16 or word) is a branch
+// per lane, so blocks whose size is not a multiple of 4 read fewer, wider words this way; both
+// words are always read (no branch), and a decoder's calls with the same b share their loads.
+// kernels.bound_bytes binds every weight part with a word to spare, so word j + 1 is in range.
+uint field_word(uint b, uint j) {
+    const uint w = (b >> 2) + j, sh = 8u * (b & 3u);
+    const uint lo = data_a32[w], hi = data_a32[w + 1u];
+    return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh));
+}
+
 // Four bytes starting at 16-bit word hw (2-byte aligned), little endian.
 uint load_u32_at16(uint hw) {
     return uint(data_a16[hw]) | (uint(data_a16[hw + 1u]) << 16);
@@ -183,8 +194,9 @@ vec4 e2m1x2(uvec4 n) {  // 2 * E2M1 value of each nibble: 0 1 2 3 4 6 8 12, sign
     return mix(mag, -mag, notEqual(n & 8u, uvec4(0u)));
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint j = (g & 3u) * 4u;
-    uvec4 b = uvec4(data_a[ib].qs[j], data_a[ib].qs[j + 1u], data_a[ib].qs[j + 2u], data_a[ib].qs[j + 3u]);
+    // qs[4j .. 4j + 3] (j = g & 3): five word reads per block, shared by the 8 calls, not 16 bytes
+    uint w = field_word(ib * 17u + 1u, g & 3u);
+    uvec4 b = uvec4(w, w >> 8, w >> 16, w >> 24) & 0xFFu;
     return e2m1x2((g >= 4u ? (b >> 4) : b) & 0xFu);
 }
 
@@ -396,22 +408,23 @@ uint even_signs(uint s7) {
 // 66 bytes = 33 halfwords: f16 d; per 32 weights (unit iu) a u32 of 4 grid indices (8 weights
 // each) and a u32 of four 7-bit sign fields with a 4-bit scale s on top; w = d (0.5 + s) / 4 * g.
 #define QU 32u
+// Words from byte 2 of the block: 2 iu (indices), 2 iu + 1 (signs and scale).
 vec2 get_dm(uint ib, uint iu) {
-    uint aux = load_u32_at16(ib * 33u + 3u + 4u * iu);
+    uint aux = field_word(ib * 66u + 2u, 2u * iu + 1u);
     return vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.25, 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
-    uint gi = (load_u32_at16(ib * 33u + 1u + 4u * iu) >> (8u * l)) & 255u;
-    uint s = even_signs((load_u32_at16(ib * 33u + 3u + 4u * iu) >> (7u * l)) & 127u);
+    uint gi = (field_word(ib * 66u + 2u, 2u * iu) >> (8u * l)) & 255u;
+    uint s = even_signs((field_word(ib * 66u + 2u, 2u * iu + 1u) >> (7u * l)) & 127u);
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 // mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the unit's two
 // words read once (get_q4 reads them for every 4 weights) and the signs xor'ed into x's sign bits.
 #define UNIT_QDOT
 float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qw = load_u32_at16(ib * 33u + 1u + 4u * iu);
-    uint aux = load_u32_at16(ib * 33u + 3u + 4u * iu);
+    uint qw = field_word(ib * 66u + 2u, 2u * iu);
+    uint aux = field_word(ib * 66u + 2u, 2u * iu + 1u);
     dm = vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.25, 0.0);
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 4u; l++) {
@@ -427,19 +440,20 @@ float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
 // 74 bytes = 37 halfwords: f16 d; 32 u16 (9-bit grid index, 7-bit sign field), one per 8
 // weights; 8 bytes of 4-bit scales, one per 16 weights (the unit); w = d (0.5 + s) / 4 * g.
 #define QU 16u
+// Words from byte 2 of the block: iu (the unit's two u16s), 16 and 17 (the scales).
 vec2 get_dm(uint ib, uint iu) {
-    uint s = (uint(data_a[ib].scales[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    uint s = (field_word(ib * 74u + 2u, 16u + (iu >> 3)) >> (4u * (iu & 7u))) & 15u;
     return vec2(float(data_a[ib].d) * (0.5 + float(s)) * 0.25, 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint q = uint(data_a16[ib * 37u + 1u + 2u * iu + (g >> 1)]);
+    uint q = (field_word(ib * 74u + 2u, iu) >> (16u * (g >> 1))) & 0xFFFFu;
     uint s = even_signs(q >> 9);
     return unpack_bytes(grid_word(2u * (q & 511u) + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 #define UNIT_QDOT  // as IQ2_XXS's: the unit's two u16s read as one word
 float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
     dm = get_dm(ib, iu);
-    uint w = load_u32_at16(ib * 37u + 1u + 2u * iu);
+    uint w = field_word(ib * 74u + 2u, iu);
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 2u; l++) {
         uint qq = (w >> (16u * l)) & 0xFFFFu;
@@ -454,25 +468,27 @@ float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
 // 82 bytes: f16 d; 32 low bytes of 10-bit grid indices; 32 sign bytes; 8 bytes of the indices'
 // high 2 bits; 8 bytes of 4-bit scales, one per 16 weights (the unit).
 #define QU 16u
+// Words from byte 2 of the block: 0..7 index bytes, 8..15 sign bytes, 16..17 qh, 18..19 scales.
+uint iq2s_byte(uint ib, uint word0, uint i) {  // byte i of the field at word word0
+    return (field_word(ib * 82u + 2u, word0 + (i >> 2)) >> (8u * (i & 3u))) & 255u;
+}
 vec2 get_dm(uint ib, uint iu) {
-    uint s = (uint(data_a[ib].scales[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    uint s = (iq2s_byte(ib, 18u, iu >> 1) >> (4u * (iu & 1u))) & 15u;
     return vec2(float(data_a[ib].d) * (0.5 + float(s)) * 0.25, 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = 2u * (iu & 1u) + (g >> 1);  // 8-weight group within the 32
-    uint i = 4u * (iu >> 1) + l;
-    // qs[i] and the sign byte qs[32 + i] from u32s of four bytes (41 halfwords a block)
-    uint q = (load_u32_at16(ib * 41u + 1u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
-    uint gi = q | (((uint(data_a[ib].qh[iu >> 1]) >> (2u * l)) & 3u) << 8);
-    uint s = (load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1)) >> (8u * l)) & 255u;
+    uint q = (field_word(ib * 82u + 2u, iu >> 1) >> (8u * l)) & 255u;
+    uint gi = q | (((iq2s_byte(ib, 16u, iu >> 1) >> (2u * l)) & 3u) << 8);
+    uint s = (field_word(ib * 82u + 2u, 8u + (iu >> 1)) >> (8u * l)) & 255u;
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 #define UNIT_QDOT  // as IQ2_XXS's
 float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
     dm = get_dm(ib, iu);
-    uint qw = load_u32_at16(ib * 41u + 1u + 2u * (iu >> 1));
-    uint sw = load_u32_at16(ib * 41u + 17u + 2u * (iu >> 1));
-    uint qh = uint(data_a[ib].qh[iu >> 1]);
+    uint qw = field_word(ib * 82u + 2u, iu >> 1);
+    uint sw = field_word(ib * 82u + 2u, 8u + (iu >> 1));
+    uint qh = iq2s_byte(ib, 16u, iu >> 1);
     float q = 0.0;
     [[unroll]] for (uint h = 0u; h < 2u; h++) {
         uint l = 2u * (iu & 1u) + h;
@@ -488,14 +504,14 @@ float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
 // 98 bytes = 49 halfwords: f16 d; 64 grid indices (4 weights each); per 32 weights (the unit)
 // a u32 of four 7-bit sign fields and a 4-bit scale s on top; w = d (0.5 + s) / 2 * g.
 #define QU 32u
+// Words from byte 2 of the block: 0..15 index bytes, 16 + iu the unit's signs and scale.
 vec2 get_dm(uint ib, uint iu) {
-    uint aux = load_u32_at16(ib * 49u + 33u + 2u * iu);
+    uint aux = field_word(ib * 98u + 2u, 16u + iu);
     return vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.5, 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    // qs[8 iu + g] from a u32 of four index bytes (fewer, wider reads: each is a per-lane gather)
-    uint gi = (load_u32_at16(ib * 49u + 1u + 4u * iu + 2u * (g >> 2)) >> (8u * (g & 3u))) & 255u;
-    uint s = even_signs((load_u32_at16(ib * 49u + 33u + 2u * iu) >> (7u * (g >> 1))) & 127u);
+    uint gi = (field_word(ib * 98u + 2u, 2u * iu + (g >> 2)) >> (8u * (g & 3u))) & 255u;
+    uint s = even_signs((field_word(ib * 98u + 2u, 16u + iu) >> (7u * (g >> 1))) & 127u);
     return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 
@@ -504,15 +520,16 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 // bits; 32 sign bytes (a bit per weight); 4 bytes of 4-bit scales, one per 32 weights (the
 // unit); w = d (1 + 2 s) * g.
 #define QU 32u
+// Words from byte 2 of the block: 0..15 index bytes, 16..17 qh, 18..25 signs, 26 scales.
 vec2 get_dm(uint ib, uint iu) {
-    uint s = (uint(data_a[ib].scales[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
+    uint s = (field_word(ib * 110u + 2u, 26u) >> (4u * iu)) & 15u;
     return vec2(float(data_a[ib].d) * float(1u + 2u * s), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    // qs[8 iu + g] and signs[4 iu + g / 2] from u32s of four bytes (55 halfwords a block)
-    uint q = load_u32_at16(ib * 55u + 1u + 4u * iu + 2u * (g >> 2));
-    uint gi = ((q >> (8u * (g & 3u))) & 255u) | (((uint(data_a[ib].qh[iu]) >> g) & 1u) << 8);
-    uint s = (load_u32_at16(ib * 55u + 37u + 2u * iu) >> (8u * (g >> 1))) & 255u;
+    uint q = field_word(ib * 110u + 2u, 2u * iu + (g >> 2));
+    uint qh = field_word(ib * 110u + 2u, 16u + (iu >> 2)) >> (8u * (iu & 3u));
+    uint gi = ((q >> (8u * (g & 3u))) & 255u) | (((qh >> g) & 1u) << 8);
+    uint s = (field_word(ib * 110u + 2u, 18u + iu) >> (8u * (g >> 1))) & 255u;
     return unpack_bytes(grid_word(gi)) * signs4(s >> (4u * (g & 1u)));
 }
 #endif
@@ -524,26 +541,29 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QK 256u
 #define QU 32u
 #define A_HAS_MIN
+// Words from byte 2 of the block: iu (the unit's index bytes), 8 + iu / 2 (two units' qh).
+uint iq1s_qh(uint ib, uint iu) {
+    return (field_word(ib * 50u + 2u, 8u + (iu >> 1)) >> (16u * (iu & 1u))) & 0xFFFFu;
+}
 vec2 get_dm(uint ib, uint iu) {
-    uint qh = uint(data_a[ib].qh[iu]);
+    uint qh = iq1s_qh(ib, iu);
     float dl = float(data_a[ib].d) * float(2u * ((qh >> 12) & 7u) + 1u);
     float delta = (qh & 0x8000u) != 0u ? -0.125 : 0.125;
     return vec2(dl, dl * (delta - 1.0));
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint l = g >> 1;
-    // qs[4 iu + l] from a u32 of four index bytes (25 halfwords a block)
-    uint q = (load_u32_at16(ib * 25u + 1u + 2u * iu) >> (8u * l)) & 255u;
-    uint gi = q | (((uint(data_a[ib].qh[iu]) >> (3u * l)) & 7u) << 8);
+    uint q = (field_word(ib * 50u + 2u, iu) >> (8u * l)) & 255u;
+    uint gi = q | (((iq1s_qh(ib, iu) >> (3u * l)) & 7u) << 8);
     uint n = grid_word(gi) >> (16u * (g & 1u));
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
 }
 #define UNIT_QDOT  // the unit's index word and qh read once
 float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qh = uint(data_a[ib].qh[iu]);
+    uint qh = iq1s_qh(ib, iu);
     float dl = float(data_a[ib].d) * float(2u * ((qh >> 12) & 7u) + 1u);
     dm = vec2(dl, dl * (((qh & 0x8000u) != 0u ? -0.125 : 0.125) - 1.0));
-    uint qw = load_u32_at16(ib * 25u + 1u + 2u * iu);
+    uint qw = field_word(ib * 50u + 2u, iu);
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 4u; l++) {
         uint n = grid_word(((qw >> (8u * l)) & 255u) | (((qh >> (3u * l)) & 7u) << 8));

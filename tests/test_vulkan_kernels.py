@@ -76,6 +76,26 @@ def test_mul_mv_decode(ops_by_reduce, rng, type_name, reduce):
           f"mul_mv {type_name} {reduce}")
 
 
+# Blocks whose size is not a multiple of 4 bytes are read as aligned words (shaders/dequant.glsl
+# field_word), so a tensor's last block may need bytes past its end: the binding is rounded up
+# (kernels.bound_bytes). One block per row and an odd row count put the tensor's end mid-word.
+@pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
+def test_weights_ending_mid_word(ops_by_reduce, rng, type_name):
+    o = ops_by_reduce["none"]
+    n = max(shader_qk(type_name), 32)
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    w = ref.random_blocks(type_name, (5, n), rng)
+    close(o.mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name], f"mul_mv {type_name} tail")
+    ids = np.array([[0, 2], [2, 1]], np.int32)
+    wts = rng.random((2, 2)).astype(np.float32)
+    we = ref.random_blocks(type_name, (3, 5, n), rng)
+    close(o.mul_mv_id(we, type_name, x, ids, wts, "sum"), ref.mul_mv_id(we, type_name, x, ids, wts, "sum"), rng,
+          TOL[type_name], f"mul_mv_id {type_name} tail")
+    rows = np.array([4, 0, 4], np.int32)
+    close(o.get_rows(w, type_name, rows), ref.get_rows(w, type_name, rows), rng, TOL[type_name],
+          f"get_rows {type_name} tail")
+
+
 # Every type's thread-per-row mat-vec reads x from a uniform buffer when x fits one
 # (the `_ux` variants, kernels.Kernels._mv_variant) and from a storage buffer when it does not:
 # both paths, against numpy, and the choice itself.

@@ -131,6 +131,14 @@ def split_rows(n_outer: int, outer_bytes: int, limit: int, name: str = "tensor")
     return [(s, min(per, n_outer - s)) for s in range(0, n_outer, per)]
 
 
+def bound_bytes(nbytes: int) -> int:
+    """A weight part's binding range: its bytes rounded up to 32-bit words plus one word to spare
+    (at least 16 bytes), so that decoders may read blocks whose size is not a multiple of 4 as
+    pairs of aligned words (shaders/dequant.glsl field_word) without leaving the binding. The
+    part's allocation holds it (WeightStore._place, streaming.SlotArrays)."""
+    return max(16, (nbytes + 3) // 4 * 4 + 4)
+
+
 class WeightStore:
     """Weights in a few large allocations, laid out before anything is allocated.
 
@@ -142,7 +150,7 @@ class WeightStore:
         self.dev = dev
         self.align = max(16, info.min_storage_buffer_offset_alignment)
         self.part_limit = min(max_part_bytes or info.max_storage_buffer_range, info.max_storage_buffer_range)
-        self.part_limit -= self.part_limit % self.align
+        self.part_limit -= self.part_limit % self.align + self.align  # room for bound_bytes's spare word
         self.chunk_limit = min(chunk_bytes or (1 << 30), info.max_memory_allocation_size)
         self._pending: list[tuple[str, str, tuple, np.ndarray, list[tuple[int, int, int, int]]]] = []
         self._chunk_sizes: list[int] = []
@@ -154,7 +162,7 @@ class WeightStore:
         if not self._chunk_sizes or self._chunk_sizes[-1] + nbytes > self.chunk_limit:
             self._chunk_sizes.append(0)
         off = self._chunk_sizes[-1]
-        self._chunk_sizes[-1] = off + (nbytes + self.align - 1) // self.align * self.align
+        self._chunk_sizes[-1] = off + (bound_bytes(nbytes) + self.align - 1) // self.align * self.align
         return len(self._chunk_sizes) - 1, off
 
     def add(self, name: str, raw: np.ndarray, type_name: str, shape: Seq[int]) -> int:
@@ -182,7 +190,7 @@ class WeightStore:
             for chunk, off, start, count in parts:
                 buf = self.buffers[chunk]
                 buf.write(raw[start : start + count], off)
-                dparts.append(Part(buf.slice(off, max(count * outer_bytes, 16)), start, count))
+                dparts.append(Part(buf.slice(off, bound_bytes(count * outer_bytes)), start, count))
             out.append(DeviceTensor(name, type_name, shape, tuple(dparts)))
         self._pending = []
         return out

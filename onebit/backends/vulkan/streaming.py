@@ -25,7 +25,7 @@ from ...gguf_file import GGUFFile
 from ..streaming import PARTS
 from .backend import VulkanBackend
 from .device import Buffer, Device, VulkanKernelError, VulkanUnavailableError, default_device
-from .kernels import SUPPORTED_TYPES, DeviceTensor, Part, shader_qk, split_rows
+from .kernels import SUPPORTED_TYPES, DeviceTensor, Part, bound_bytes, shader_qk, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class SlotArrays:
     def __call__(self, shape) -> np.ndarray:
         shape = tuple(int(s) for s in shape)
         n = int(np.prod(shape, dtype=np.int64))
-        buf = self.dev.buffer(n, host_visible=True)
+        buf = self.dev.buffer(bound_bytes(n), host_visible=True)  # room for kernels.bound_bytes's rounding
         if not buf.host_visible:
             buf.destroy()
             raise VulkanUnavailableError(f"{self.dev.info.name}: no host-visible memory for expert slots")
@@ -125,7 +125,7 @@ class StreamingVulkanBackend(VulkanBackend):
             return cached
         info = self.dev.info
         align = max(16, info.min_storage_buffer_offset_alignment)
-        limit = info.max_storage_buffer_range - info.max_storage_buffer_range % align
+        limit = info.max_storage_buffer_range - info.max_storage_buffer_range % align - align  # bound_bytes's spare
         out = []
         for p in PARTS:
             t = self.gguf.tensor(f"blk.{layer}.{p}.weight")
@@ -141,7 +141,7 @@ class StreamingVulkanBackend(VulkanBackend):
                 if off % align:
                     raise VulkanKernelError(f"{t.name}: expert slots of {per} bytes cannot be split at "
                                             f"{align}-byte aligned offsets")
-                parts.append(Part(buf.slice(off, max(count * per, 16)), start, count))
+                parts.append(Part(buf.slice(off, bound_bytes(count * per)), start, count))
             out.append(DeviceTensor(t.name, t.type_name, (n, *t.shape[1:]), tuple(parts)))
         res = self._layer_tensors[(layer, key)] = tuple(out)
         return res
