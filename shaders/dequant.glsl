@@ -101,7 +101,6 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #endif
 
 layout(binding = A_BINDING, std430) readonly buffer WeightBlocks { A_TYPE data_a[]; };
-layout(binding = A_BINDING, std430) readonly buffer WeightU16 { uint16_t data_a16[]; };
 layout(binding = A_BINDING, std430) readonly buffer WeightU32 { uint data_a32[]; };
 
 #if defined(TYPE_IQ1_S) || defined(TYPE_IQ1_M) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || \
@@ -134,10 +133,6 @@ uint field_word(uint b, uint j) {
     return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh));
 }
 
-// Four bytes starting at 16-bit word hw (2-byte aligned), little endian.
-uint load_u32_at16(uint hw) {
-    return uint(data_a16[hw]) | (uint(data_a16[hw + 1u]) << 16);
-}
 
 #if defined(TYPE_Q8_0)
 // 34 bytes = 17 halfwords: d, then 32 signed bytes.
@@ -145,7 +140,7 @@ uint load_u32_at16(uint hw) {
 #define QU 32u
 vec2 get_dm(uint ib, uint iu) { return vec2(float(data_a[ib].d), 0.0); }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint w = load_u32_at16(ib * 17u + 1u + 2u * g);
+    uint w = field_word(ib * 34u + 2u, g);
     return vec4(ivec4(uvec4(w << 24, w << 16, w << 8, w)) >> 24);
 }
 
@@ -159,7 +154,7 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(d, -8.0 * d);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint w = load_u32_at16(ib * 9u + 1u + 2u * (g & 3u));
+    uint w = field_word(ib * 18u + 2u, g & 3u);
     return unpack_bytes((g >= 4u ? (w >> 4) : w) & 0x0F0F0F0Fu);
 }
 
@@ -173,7 +168,7 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(2.0 * d, -d);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint b = load_u32_at16(ib * 9u + 1u + 2u * iu) >> (4u * g);
+    uint b = field_word(ib * 18u + 2u, iu) >> (4u * g);
     return vec4(uvec4(b, b >> 1, b >> 2, b >> 3) & 1u);
 }
 
@@ -252,16 +247,17 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QU 16u
 #define A_HAS_MIN
 vec2 get_dm(uint ib, uint iu) {
-    float d = float(data_a[ib].d) * float(int(data_a[ib].scales[iu]));
+    // int8 scale iu: byte 192 + iu of the block (word 48 + iu / 4)
+    int sc = bitfieldExtract(int(field_word(ib * 210u, 48u + (iu >> 2))), int(8u * (iu & 3u)), 8);
+    float d = float(data_a[ib].d) * float(sc);
     return vec2(d, -32.0 * d);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint n = iu >> 3;
     uint quarter = (iu & 7u) >> 1;
     uint l = (iu & 1u) * 16u + g * 4u;
-    uint base = ib * 105u;
-    uint ql = load_u32_at16(base + (64u * n + l + 32u * (quarter & 1u)) / 2u);
-    uint qh = load_u32_at16(base + (128u + 32u * n + l) / 2u);
+    uint ql = field_word(ib * 210u, (64u * n + l + 32u * (quarter & 1u)) / 4u);
+    uint qh = field_word(ib * 210u, (128u + 32u * n + l) / 4u);
     ql = (ql >> (4u * (quarter >> 1))) & 0x0F0F0F0Fu;
     qh = ((qh >> (2u * quarter)) & 0x03030303u) << 4;
     return unpack_bytes(ql | qh);
@@ -293,7 +289,7 @@ vec4 get_q4(uint ib, uint iu, uint g) {
         hw = 24u;
         p = pow3(g);
     }
-    uint w = load_u32_at16(ib * 27u + hw);
+    uint w = field_word(ib * 54u, hw >> 1);  // hw is even
     uvec4 q = ((uvec4(w, w >> 8, w >> 16, w >> 24) & 0xFFu) * p) & 0xFFu;
     return vec4((q * 3u) >> 8);
 }
@@ -308,7 +304,7 @@ vec2 get_dm(uint ib, uint iu) {
     return vec2(d, -d);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint w = load_u32_at16(ib * 33u + 16u * (iu >> 2) + 2u * g);
+    uint w = field_word(ib * 66u, 8u * (iu >> 2) + g);
     return unpack_bytes((w >> (2u * (iu & 3u))) & 0x03030303u);
 }
 
@@ -346,8 +342,9 @@ vec2 get_dm(uint ib, uint iu) {
 #endif
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint ql = load_u32_at16(ib * Q5_HW + Q5_QH + 2u + 2u * (g & 3u));
-    uint h = load_u32_at16(ib * Q5_HW + Q5_QH) >> (4u * g);
+    // qh and the nibbles as words from qh's byte
+    uint ql = field_word(ib * (2u * Q5_HW) + 2u * Q5_QH, 1u + (g & 3u));
+    uint h = field_word(ib * (2u * Q5_HW) + 2u * Q5_QH, 0u) >> (4u * g);
     return unpack_bytes((g >= 4u ? (ql >> 4) : ql) & 0x0F0F0F0Fu) + 16.0 * vec4(uvec4(h, h >> 1, h >> 2, h >> 3) & 1u);
 }
 
@@ -359,7 +356,7 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QU 16u
 #define A_HAS_MIN
 vec2 get_dm(uint ib, uint iu) {
-    uint sc = uint(data_a[ib].scales[iu]);
+    uint sc = (data_a32[ib * 21u + (iu >> 2)] >> (8u * (iu & 3u))) & 255u;
     vec2 dm = vec2(data_a[ib].dm);
     return vec2(dm.x * float(sc & 15u), -dm.y * float(sc >> 4));
 }
@@ -378,15 +375,16 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #define QU 16u
 #define A_HAS_MIN
 vec2 get_dm(uint ib, uint iu) {
-    uint lo = (uint(data_a[ib].scales[iu & 7u]) >> (4u * (iu >> 3))) & 15u;
-    uint hi = (uint(data_a[ib].scales[8u + (iu & 3u)]) >> (2u * (iu >> 2))) & 3u;
+    // scales[iu & 7] and scales[8 + (iu & 3)]: bytes 96.. of the block (words 24..26)
+    uint lo = (field_word(ib * 110u, 24u + ((iu & 7u) >> 2)) >> (8u * (iu & 3u) + 4u * (iu >> 3))) & 15u;
+    uint hi = (field_word(ib * 110u, 26u) >> (8u * (iu & 3u) + 2u * (iu >> 2))) & 3u;
     float d = float(data_a[ib].d) * float(int(lo | (hi << 4)) - 32);
     return vec2(d, -4.0 * d);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint n = iu >> 3, j = (iu >> 1) & 3u, h = iu & 1u;
-    uint ql = load_u32_at16(ib * 55u + (32u + 32u * n + 16u * h + 4u * g) / 2u);
-    uint hm = load_u32_at16(ib * 55u + (16u * h + 4u * g) / 2u);
+    uint ql = field_word(ib * 110u, 8u + 8u * n + 4u * h + g);
+    uint hm = field_word(ib * 110u, 4u * h + g);
     return unpack_bytes(((ql >> (2u * j)) & 0x03030303u) | (((hm >> (4u * n + j)) & 0x01010101u) << 2));
 }
 
@@ -616,15 +614,15 @@ vec4 levels4(uint w) {
 #define QU 32u
 vec2 get_dm(uint ib, uint iu) { return vec2(float(data_a[ib].d), 0.0); }
 vec4 get_q4(uint ib, uint iu, uint g) {
-    uint w = load_u32_at16(ib * 9u + 1u + 2u * (g & 3u));
+    uint w = field_word(ib * 18u + 2u, g & 3u);
     return levels4(g >= 4u ? (w >> 4) : w);
 }
 #else
 #define QK 256u
 #define QU 32u
 vec2 get_dm(uint ib, uint iu) {
-    uint lo = (uint(data_a[ib].scales_l[iu >> 1]) >> (4u * (iu & 1u))) & 15u;
-    uint hi = (uint(data_a[ib].scales_h) >> (2u * iu)) & 3u;
+    uint lo = (data_a32[ib * 34u + 1u] >> (4u * iu)) & 15u;  // scales_l: word 1
+    uint hi = (data_a32[ib * 34u] >> (16u + 2u * iu)) & 3u;  // scales_h: the top of word 0
     return vec2(float(data_a[ib].d) * float(int(lo | (hi << 4)) - 32), 0.0);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
