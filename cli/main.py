@@ -133,6 +133,30 @@ P_CHAIN = typer.Option(None, "--moe-predict-chain", help="Block mode, more than 
                                                          "layer's block too (0 or 1; default 0: router form).")
 P_OUT = typer.Option(None, "--moe-predict-out", help="Per-token predicted / actual trace (JSONL).")
 P_STATS = typer.Option(None, "--moe-predict-stats", help="Print the per-layer prediction table at exit (0 or 1).")
+TEMPLATE_KWARGS = typer.Option(
+    None, "--chat-template-kwargs",
+    help='Extra chat-template variables as a JSON object, as llama.cpp takes them, e.g. '
+         '\'{"enable_thinking": false}\' (Qwen3: answer without reasoning) or \'{"reasoning_effort": "low"}\' (gpt-oss).')
+# Names the renderer sets itself (onebit.chat_template.render_chat).
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
+
+
+def _template_kwargs(text: Optional[str]) -> dict:
+    if text is None:
+        return {}
+    try:
+        kw = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--chat-template-kwargs is not valid JSON ({e}); give an object such as "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(kw, dict):
+        raise UsageError("--chat-template-kwargs must be a JSON object, such as '{\"enable_thinking\": false}'")
+    own = sorted(set(kw) & set(_TEMPLATE_OWN))
+    if own:
+        raise UsageError(f"--chat-template-kwargs cannot set {', '.join(own)}: onebit sets those itself")
+    return kw
+
+
 LOOKUP = typer.Option(None, "--lookup", help="Lookup decoding: draft up to N tokens (0-8) from n-grams of the "
                                               "context and verify them in one forward; same output. "
                                               "Default: $ONEBIT_LOOKUP or 0 (off).")
@@ -178,6 +202,7 @@ def generate(
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
+    template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     show_reasoning: bool = typer.Option(
         False, "--show-reasoning",
         help="Models that reason apart from the reply (gpt-oss channels, <think> blocks of Qwen3 / GLM / "
@@ -201,6 +226,7 @@ def generate(
             except UnicodeEncodeError:
                 raise UsageError(f"{name} is not valid UTF-8 text") from None
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
+    template_kw = _template_kwargs(template_kwargs)
     lookup = lookup_budget(lookup)
     lookup_stats = LookupStats() if lookup else None
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
@@ -217,6 +243,7 @@ def generate(
             done = results.resume()
             _warn_unreadable(results)
         m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
+        m.template_kwargs = template_kw
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -437,6 +464,7 @@ def chat(
     moe_predict_chain: Optional[str] = P_CHAIN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
+    template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     show_reasoning: bool = SHOW_REASONING,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
@@ -445,11 +473,13 @@ def chat(
     from .chat_repl import run_chat
 
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
+    template_kw = _template_kwargs(template_kwargs)
     lookup = lookup_budget(lookup)
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        moe_predict_out, moe_predict_stats)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
+    m.template_kwargs = template_kw
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))

@@ -35,6 +35,7 @@ class Model:
         self.pool = None
         self.plan = None
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
+        self.template_kwargs: dict = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
         from .memory.guard import MemoryGuard
 
         self.guard = MemoryGuard()  # checked every generated token
@@ -184,7 +185,7 @@ class Model:
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
         return render_chat(self.chat_template or self.fallback_template, messages,
                            add_generation_prompt=add_generation_prompt,
-                           bos_token=bos, eos_token=eos, source=self.path)
+                           bos_token=bos, eos_token=eos, source=self.path, **self.template_kwargs)
 
     def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a rendered conversation; BOS is added only if the template did not write it."""

@@ -85,3 +85,30 @@ def test_non_utf8_prompt():
     r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "generate", "--model", MODEL, "--prompt", b"abc\xff"],
                        capture_output=True, timeout=120)
     assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
+
+
+# --chat-template-kwargs: extra template variables (as llama.cpp's flag), e.g. Qwen3's
+# enable_thinking. A template whose length depends on the variable shows it arrived.
+KW_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+               "{% if enable_thinking is defined and not enable_thinking %} no think{% else %} think think think"
+               " think think think{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    path = str(rewrite(fixture_path("qwen3moe-f32.gguf"), tmp_path / "m.gguf",
+                       meta={"tokenizer.chat_template": KW_TEMPLATE}))
+    counts = {}
+    for kw in (None, '{"enable_thinking": true}', '{"enable_thinking": false}'):
+        args = ["generate", "--model", path, "--prompt", "hi", "--max-tokens", "1", "--json"]
+        r = onebit(*args, *(["--chat-template-kwargs", kw] if kw else []))
+        assert r.returncode == 0, r.stderr
+        counts[kw] = json.loads(r.stdout)["prompt_tokens"]
+    assert counts[None] == counts['{"enable_thinking": true}'] > counts['{"enable_thinking": false}'], counts
+
+
+@pytest.mark.parametrize("kw, why", [("{enable_thinking: false}", "not valid JSON"), ("[1, 2]", "JSON object"),
+                                     ('{"messages": []}', "messages")])
+def test_bad_chat_template_kwargs(kw, why):
+    for cmd in (["generate", "--model", MODEL, "--prompt", "x"], ["chat", MODEL]):
+        line = assert_one_line_error(onebit(*cmd, "--chat-template-kwargs", kw))
+        assert why in line, line

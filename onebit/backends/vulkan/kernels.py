@@ -27,10 +27,11 @@ SHADER_QK = {"F32": 16, "F16": 16, "BF16": 16}
 UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_K": 16, "TQ1_0": 16, "TQ2_0": 8,
                    "IQ1_S": 8, "IQ1_M": 16, "IQ2_XXS": 8, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 8, "IQ3_S": 8,
                    "IQ4_XS": 8}
-# Types whose mul_mv decodes a whole unit at a time (shaders/dequant.glsl UNIT_QDOT): a small
-# enough body for all mv_rows rows per thread on a CPU device (measured faster than 2 rows; their
-# pipelines still compile in a few seconds on lavapipe).
-MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
+# Rows per thread of the thread-per-row mat-vec (CPU devices) where measured faster than the
+# rule in Kernels._mv_rows gives (bench/results/quants-vulkan-kernels.md): the IQ2 types and IQ1_S
+# (whole-unit decode, shaders/dequant.glsl UNIT_QDOT), IQ3_XXS, IQ3_S, TQ1_0 (2 -> 8) and IQ1_M
+# (2 -> 4). More rows cost lavapipe compile time: about 3 s per pipeline at 8 rows for IQ3_S.
+MV_ROWS_CPU = {"IQ1_S": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 8, "IQ3_S": 8, "TQ1_0": 8, "IQ1_M": 4}
 # Weight types with shaders: those shaders/variants.py built a get_rows variant for.
 SUPPORTED_TYPES = tuple(sorted(
     v[len("get_rows_"):] for v in json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())
@@ -310,8 +311,8 @@ class Kernels:
     def _mv_rows(self, type_name: str) -> int:
         if self.reduce != "none":
             return self.mv_rows
-        if type_name in MV_WHOLE_UNIT:
-            return self.mv_rows
+        if type_name in MV_ROWS_CPU:
+            return min(self.mv_rows, MV_ROWS_CPU[type_name])
         # codebook lookups are per-lane gathers, each many instructions on lavapipe: fewer rows
         cost = UNITS_PER_BLOCK.get(type_name, 1) * (4 if type_name in GRID_OF else 1)
         return max(2, min(self.mv_rows, self.mv_unrolled // cost))
