@@ -55,6 +55,11 @@ MIXES = {
     "IQ2_XXS-attn-q8-down-q4k": ("IQ2_XXS", ["--tensor-type", "attn=q8_0", "--tensor-type", "ffn_down_exps=q4_k"]),
     "Q4_K_M-exps-iq3s-shexp-q6k": ("Q4_K_M", ["--tensor-type", "exps=iq3_s", "--tensor-type", "shexp=q6_k"]),
     "Q8_0-pure-f16-embd": ("Q8_0", ["--pure", "--token-embedding-type", "f16", "--output-tensor-type", "f16"]),
+    # experts of another type in one layer: two expert size classes (the pool's slots, the plan)
+    "IQ2_XXS-blk0-exps-q6k": ("IQ2_XXS", ["--tensor-type", r"blk\.0\.ffn_.*_exps=q6_k"]),
+    # gate, up and down of one expert in three types
+    "Q4_K_M-gate-up-down-differ": ("Q4_K_M", ["--tensor-type", "ffn_gate_exps=q4_k", "--tensor-type",
+                                              "ffn_up_exps=q5_k", "--tensor-type", "ffn_down_exps=iq4_xs"]),
 }
 # llama-quantize refuses these without an importance matrix (and IQ2_M / IQ3_XS / the IQ2 mixes
 # are better with one: we give one to every IQ1/IQ2 preset, as the hub's files have).
@@ -215,6 +220,32 @@ def check_file(gguf: Path, tokens_path: Path, llama_path: Path, backends: list[s
             res["rounded"] = dict(min_cos=float(np.nanmin(c)), in_bar=int((c >= BAR).sum()), n=len(c))
         except Exception as e:  # noqa: BLE001
             res["rounded"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    # streamed experts (the fewest slots the plan allows) == resident, bit for bit, per backend
+    for be in [b for b in backends if b in models and b != "numpy" and models[b].cfg.n_experts]:
+        from onebit.errors import UsageError
+
+        k = models[be].cfg.n_experts_used
+        want = models[be].net.forward(tokens, models[be].new_cache())
+        for slots in (k, 2 * k, 3 * k, 4 * k):
+            try:
+                m = onebit.load(gguf, backend=be, slots=slots, budget="1GiB")
+            except UsageError as e:
+                if "below the minimum" in str(e):
+                    continue
+                res.setdefault("streamed", {})[be] = f"error: {e}"[:200]
+                break
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("streamed", {})[be] = f"error: {type(e).__name__}: {e}"[:200]
+                break
+            try:
+                got = m.net.forward(tokens, m.new_cache())
+                d = float(np.abs(got - want).max())
+                res.setdefault("streamed", {})[be] = "same" if d == 0 else f"DIFFER max|d| {d:.3g} (slots {slots})"
+            except Exception as e:  # noqa: BLE001
+                res.setdefault("streamed", {})[be] = f"error: {type(e).__name__}: {e}"[:200]
+            finally:
+                m.close()
+            break
     if "numpy" in models and "vulkan" in models:
         from conftest import greedy_tokens
 
@@ -338,6 +369,9 @@ def verdict(row: dict, backends: list[str]) -> str:
         bad.append("rounded below bar")
     if row.get("greedy_same") is False:
         bad.append("greedy numpy != vulkan")
+    for be, v in row.get("streamed", {}).items():
+        if v != "same":
+            bad.append(f"{be} streamed: {v}")
     if row.get("greedy_error"):
         bad.append("greedy error")
     if row.get("cli_error"):
@@ -356,6 +390,12 @@ def summary_line(row: dict) -> str:
     if "rounded" in row:
         r = row["rounded"]
         parts.append("rounded: " + (r["error"] if "error" in r else f"{r['min_cos']:.5f} {r['in_bar']}/{r['n']}"))
+    if row.get("streamed"):
+        parts.append("streamed: " + " ".join(f"{be}:{x}" for be, x in row["streamed"].items()))
+    if row.get("greedy_same") is False:
+        parts.append("GREEDY DIFFER")
+    if row.get("cli_error"):
+        parts.append("CLI " + row["cli_error"])
     if "crash" in row:
         parts.append("CRASH " + row["crash"])
     if "same_types_as" in row:
@@ -370,11 +410,12 @@ def write_table(rows: list[dict], backends: list[str], path: Path, command: str)
              f"Per backend: the smallest per-position cosine of onebit's logits against llama.cpp's on the "
              f"same file (48 reference tokens) and the positions at cosine >= {BAR} (the bar: >= 95%). "
              "`rounded`: numpy with llama.cpp's activation rounding modelled (tests/llamacpp_numerics.py), "
-             "on every file. `greedy`: 6 greedy tokens numpy == vulkan. "
+             "on every file. `streamed`: MoE files loaded again with the fewest expert slots the plan "
+             "allows, logits == resident bit for bit. `greedy`: 6 greedy tokens numpy == vulkan. "
              "`types`: `onebit info` tensors per type (llama-quantize falls back where rows do not divide "
              "the block).", "",
-             "| file | preset | types | " + " | ".join(backends) + " | rounded | greedy | verdict |",
-             "|---|---|---|" + "---|" * len(backends) + "---|---|---|"]
+             "| file | preset | types | " + " | ".join(backends) + " | rounded | greedy | streamed | verdict |",
+             "|---|---|---|" + "---|" * len(backends) + "---|---|---|---|"]
     for r in rows:
         types = " ".join(f"{t}:{n}" for t, n in r.get("types", {}).items())
         cells = [fmt_backend(r["backends"][be]) if be in r.get("backends", {}) else "" for be in backends]
@@ -385,8 +426,9 @@ def write_table(rows: list[dict], backends: list[str], path: Path, command: str)
         v = verdict(r, backends)
         if v in ("ERROR", "CRASH"):
             v += " " + (r.get("error") or r.get("crash", ""))
+        streamed = " ".join(f"{be}:{x}" for be, x in r.get("streamed", {}).items())
         lines.append(f"| {r['file']} | {r['preset']} | {types} | " + " | ".join(cells)
-                     + f" | {rounded} | {greedy} | {v.replace('|', '/')} |")
+                     + f" | {rounded} | {greedy} | {streamed} | {v.replace('|', '/')} |")
     path.write_text("\n".join(lines) + "\n")
 
 
