@@ -347,38 +347,43 @@ def fmt_backend(b: dict) -> str:
 
 
 def verdict(row: dict, backends: list[str]) -> str:
+    """ok | explained (below the bar, but the numpy run with llama.cpp's activation rounding
+    modelled meets it) | same types as PRESET | FAIL: what failed."""
     if "error" in row:
-        return "ERROR"
+        return "FAIL: " + row["error"]
     if "crash" in row:
-        return "CRASH"
+        return "FAIL: crash " + row["crash"]
     if "same_types_as" in row:
         return "same types as " + row["same_types_as"]
-    bad = []
+    bad, below = [], []
     for be in backends:
         b = row.get("backends", {}).get(be, {})
         if "error" in b:
             bad.append(f"{be} error")
         elif b.get("in_bar", 0) < 0.95 * b.get("n", 1):
-            bad.append(f"{be} below bar")
-    if bad and "rounded" in row and row["rounded"].get("in_bar", 0) >= 0.95 * row["rounded"].get("n", 1):
-        bad = [b if "error" in b else b + " (rounding-explained)" for b in bad]
+            below.append(be)
     rd = row.get("rounded", {})
+    rounded_ok = bool(rd) and "error" not in rd and rd["in_bar"] >= 0.95 * rd["n"]
     if "error" in rd:
         bad.append("rounded error")
-    elif rd and rd["in_bar"] < 0.95 * rd["n"] and not any("below bar" in b for b in bad):
+    elif rd and not rounded_ok:
         bad.append("rounded below bar")
+    if below and not rounded_ok:
+        bad.append("below bar: " + ",".join(below))
     if row.get("greedy_same") is False:
         bad.append("greedy numpy != vulkan")
+    if row.get("greedy_error"):
+        bad.append("greedy error")
     for be, v in row.get("streamed", {}).items():
         if v != "same":
             bad.append(f"{be} streamed: {v}")
-    if row.get("greedy_error"):
-        bad.append("greedy error")
     if row.get("cli_error"):
         bad.append("cli: " + row["cli_error"])
     if not row.get("llama_finite", True):
         bad.append("llama.cpp non-finite")
-    return "; ".join(bad) if bad else "ok"
+    if bad:
+        return "FAIL: " + "; ".join(bad)
+    return f"explained ({','.join(below)} below bar)" if below else "ok"
 
 
 def summary_line(row: dict) -> str:
@@ -404,6 +409,15 @@ def summary_line(row: dict) -> str:
     return "  ".join(parts)
 
 
+def summary(rows: list[dict], backends: list[str]) -> str:
+    kinds = [verdict(r, backends).split(" ")[0].rstrip(":") for r in rows]
+    lines = [f"{len(rows)} files: " + ", ".join(f"{kinds.count(k)} {k}" for k in ("ok", "explained", "same", "FAIL"))
+             + " (same: the tensor types of an earlier preset of that fixture, --dedupe)."]
+    lines += [f"- FAIL {r['file']} {r['preset']}: {verdict(r, backends)[6:]}" for r in rows
+              if verdict(r, backends).startswith("FAIL")]
+    return "\n".join(lines)
+
+
 def write_table(rows: list[dict], backends: list[str], path: Path, command: str) -> None:
     lines = ["# Quant sweep: llama-quantize presets of every f32 fixture, onebit vs llama.cpp", "",
              "Made by:", "", "```", command, "```", "",
@@ -414,6 +428,7 @@ def write_table(rows: list[dict], backends: list[str], path: Path, command: str)
              "allows, logits == resident bit for bit. `greedy`: 6 greedy tokens numpy == vulkan. "
              "`types`: `onebit info` tensors per type (llama-quantize falls back where rows do not divide "
              "the block).", "",
+             summary(rows, backends), "",
              "| file | preset | types | " + " | ".join(backends) + " | rounded | greedy | streamed | verdict |",
              "|---|---|---|" + "---|" * len(backends) + "---|---|---|---|"]
     for r in rows:
@@ -424,8 +439,6 @@ def write_table(rows: list[dict], backends: list[str], path: Path, command: str)
                                                                  if rd else "")
         greedy = {True: "same", False: "DIFFER"}.get(r.get("greedy_same"), r.get("greedy_error", ""))
         v = verdict(r, backends)
-        if v in ("ERROR", "CRASH"):
-            v += " " + (r.get("error") or r.get("crash", ""))
         streamed = " ".join(f"{be}:{x}" for be, x in r.get("streamed", {}).items())
         lines.append(f"| {r['file']} | {r['preset']} | {types} | " + " | ".join(cells)
                      + f" | {rounded} | {greedy} | {streamed} | {v.replace('|', '/')} |")
@@ -453,7 +466,10 @@ def main() -> int:
     ap.add_argument("--dedupe", action="store_true",
                     help="run onebit once per distinct tensor-type map of a fixture (llama.cpp still runs)")
     ap.add_argument("--table", type=Path, help="write the markdown table here")
+    ap.add_argument("--command", help="the command(s) to name in the table (default: this one)")
     ap.add_argument("--json", type=Path, help="write every row (with tracebacks) here as it goes")
+    ap.add_argument("--from-json", type=Path, nargs="+", metavar="JSON",
+                    help="run nothing: make --table from these --json files (later rows win)")
     ap.add_argument("--llama-worker", nargs=3, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--check", nargs=4, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
@@ -472,12 +488,18 @@ def main() -> int:
         gguf, tokens, ll, out = args.check
         out.write_text(json.dumps(check_file(gguf, tokens, ll, args.backends.split(","))))
         return 0
-    rows = sweep(args)
+    if args.from_json:  # a table from earlier runs' --json files (a later row of a file and preset wins)
+        merged: dict = {}
+        for f in args.from_json:
+            for r in json.loads(f.read_text()):
+                merged[(r["file"], r["preset"])] = r
+        rows = list(merged.values())
+    else:
+        rows = sweep(args)
     backends = args.backends.split(",")
     if args.table:
-        write_table(rows, backends, args.table, "nice -n 10 python tools/sweep_quants.py " + " ".join(sys.argv[1:]))
-    bad = [r for r in rows if verdict(r, backends) != "ok" and not verdict(r, backends).startswith("same types")]
-    print(f"{len(rows)} files, {len(bad)} not ok")
+        write_table(rows, backends, args.table, args.command or "python tools/sweep_quants.py " + " ".join(sys.argv[1:]))
+    print(summary(rows, backends))
     return 0
 
 
