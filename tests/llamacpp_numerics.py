@@ -81,7 +81,19 @@ def _rounded_matmul(x: np.ndarray, t, index=None) -> np.ndarray:
     return y if corr is None else y + corr
 
 
+def gelu_f16_table(x: np.ndarray) -> np.ndarray:
+    """llama.cpp CPU's GELU (GGML_GELU_FP16, ggml_vec_geglu_f32): the f16 table entry of f16(x),
+    0 at x <= -10, x at x >= 10."""
+    f = x.astype(np.float16).astype(np.float32)
+    u = np.float32(0.79788456080286535587989211986876) * f * (np.float32(1) + np.float32(0.044715) * f * f)
+    t = np.tanh(u.astype(np.float64)).astype(np.float32)  # tanhf, correctly rounded (numpy's float32 tanh is not)
+    y = (np.float32(0.5) * f * (np.float32(1) + t)).astype(np.float16).astype(np.float32)  # ggml_gelu_f32
+    return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, y)).astype(np.float32)
+
+
 class LlamaCppRoundingBackend(nb.NumpyBackend):
+    gelu_tanh = staticmethod(gelu_f16_table)
+
     def linear(self, x, name):
         t = self.gguf.tensor(name)
         shape = x.shape

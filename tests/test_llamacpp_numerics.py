@@ -41,3 +41,14 @@ def test_rounded_dot_is_llama_cpp_vec_dot(weight):
     scale = np.abs(xr) @ np.abs(w)
     err = np.abs(ours - REF[f"dot_{weight}"])
     assert np.all(err <= 2e-6 * scale), (weight, err / scale)
+
+
+def test_gelu_is_llama_cpp_f16_table():
+    """llama.cpp's CPU GELU (Gemma's GeGLU) reads an f16 table at f16(x) (GGML_GELU_FP16):
+    llamacpp_numerics.gelu_f16_table is that table, to the bit."""
+    from llamacpp_numerics import gelu_f16_table
+    from onebit.backends.numpy_backend import NumpyBackend
+
+    x, want = REF["gelu_x"], REF["gelu"]
+    np.testing.assert_array_equal(gelu_f16_table(x), want)
+    assert (NumpyBackend.gelu_tanh(x) == want).mean() < 0.5  # the plain f32 GELU is not it

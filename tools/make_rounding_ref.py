@@ -10,7 +10,8 @@ built libggml-cpu.so through ctypes (ggml_get_type_traits_cpu) on a few activati
 (random, plus rows made to hit rounding ties and a negative largest value), and stores: the
 rows, their Q8_0, Q8_K, F16 and BF16 roundings dequantized (by ggml's to_float but Q8_K's), and for a set of
 weight types a weight row quantized by ggml's reference quantizer (raw bytes) with
-llama.cpp's dot of it against every activation row.
+llama.cpp's dot of it against every activation row; and ggml_gelu (the CPU backend's f16
+table, GGML_GELU_FP16) over a range of inputs.
 """
 
 from __future__ import annotations
@@ -62,6 +63,41 @@ def activation_rows(rng: np.random.Generator) -> np.ndarray:
     rows.append(r)
     rows += [rng.standard_normal(N) * s for s in (0.1, 3.0)]
     return np.array(rows, np.float32)
+
+
+class InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+def ggml_gelu(base, cpu) -> tuple[np.ndarray, np.ndarray]:
+    """ggml_gelu over inputs spanning its f16 table and both cut-offs (+-10), in a one-op graph
+    computed by the CPU backend (ggml_graph_compute_with_ctx)."""
+    x = np.concatenate([np.linspace(-12, 12, 4001), np.random.default_rng(3).standard_normal(2000) * 3,
+                        [-10.0, 10.0, -9.999, 9.999, 0.0, 1e-6, -1e-6]]).astype(np.float32)
+    base.ggml_init.restype = ctypes.c_void_p
+    base.ggml_init.argtypes = [InitParams]
+    base.ggml_new_tensor_1d.restype = ctypes.c_void_p
+    base.ggml_new_tensor_1d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    base.ggml_gelu.restype = ctypes.c_void_p
+    base.ggml_gelu.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    base.ggml_get_data.restype = ctypes.c_void_p
+    base.ggml_get_data.argtypes = [ctypes.c_void_p]
+    base.ggml_new_graph.restype = ctypes.c_void_p
+    base.ggml_new_graph.argtypes = [ctypes.c_void_p]
+    base.ggml_build_forward_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    base.ggml_free.argtypes = [ctypes.c_void_p]
+    cpu.ggml_graph_compute_with_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    ctx = base.ggml_init(InitParams(64 << 20, None, False))
+    a = base.ggml_new_tensor_1d(ctx, 0, len(x))  # GGML_TYPE_F32
+    ctypes.memmove(base.ggml_get_data(a), x.ctypes.data, x.nbytes)
+    b = base.ggml_gelu(ctx, a)
+    gf = base.ggml_new_graph(ctx)
+    base.ggml_build_forward_expand(gf, b)
+    cpu.ggml_graph_compute_with_ctx(ctx, gf, 1)
+    y = np.empty_like(x)
+    ctypes.memmove(y.ctypes.data, base.ggml_get_data(b), y.nbytes)
+    base.ggml_free(ctx)
+    return x, y
 
 
 def main() -> int:
@@ -117,6 +153,7 @@ def main() -> int:
         out[f"w_{w}"] = np.frombuffer(wq.raw, np.uint8).copy()
         out[f"dot_{w}"] = dots
         out[f"vec_dot_type_{w}"] = np.array(at.type_name.decode())
+    out["gelu_x"], out["gelu"] = ggml_gelu(base, cpu)
     np.savez_compressed(args.out, **out)
     print(f"{args.out}: {len(x)} rows, {len(WEIGHTS)} weight types")
     return 0
