@@ -13,8 +13,15 @@ onebit's logits for the same tokens, and compare: cosine >= 0.999 on >= 95% of p
 of tests/test_oracle.py), or, where a backend misses it, the numpy backend with llama.cpp's
 activation rounding modelled (tests/llamacpp_numerics.py, held to libggml-cpu's own rounding and
 dot products by tests/test_llamacpp_numerics.py) must make it; that figure is computed for every
-file. Also: greedy tokens numpy
-vs Vulkan (6 after 6 prompt tokens), and `onebit info` and `onebit plan` exit 0.
+file; where that misses too, the rounded run against itself with its input nudged by 2 ulp shows
+whether the model is chaotic. Also: greedy tokens numpy vs Vulkan (6 after 6 prompt tokens),
+streamed experts (the fewest slots the plan allows) == resident bit for bit on cpu and Vulkan,
+and `onebit info` and `onebit plan` exit 0. Verdicts: ok, explained (the rounding model meets
+the bar), chaotic, same (--dedupe), FAIL.
+
+The 64-wide fixtures' rows do not divide 256, so llama-quantize falls back to 32-blocks there;
+--make-wide DIR makes 256-row variants of the other architectures (scratch, MiBs) for
+--fixtures-dir DIR. --from-json makes the table from earlier runs' --json files.
 
 Files whose tensor types (name -> type) equal an earlier preset's of the same fixture are
 quantized and checked against llama.cpp once more but not rerun on every backend when
