@@ -332,6 +332,11 @@ class IQ4_XS(BlockType):
         return (dl[..., None] * iq4_values()[q]).reshape(nb, 256)
 
 
+# llama.cpp types newer than the installed gguf package knows (ggml.h's enum ggml_type), so a
+# file of one is refused by name
+LLAMA_CPP_ONLY_TYPES = {42: "Q2_0"}
+
+
 def type_name(type_id: int) -> str:
     cls = QTYPES.get(int(type_id))
     if cls is not None:
@@ -339,7 +344,7 @@ def type_name(type_id: int) -> str:
     try:
         return GGMLQuantizationType(int(type_id)).name
     except ValueError:
-        return f"type {int(type_id)}"
+        return LLAMA_CPP_ONLY_TYPES.get(int(type_id), f"unknown (id {int(type_id)})")
 
 
 

@@ -134,9 +134,13 @@ def test_unknown_tensor_type(small, tmp_path):
     p.write_bytes(bytes(data))
     with pytest.raises(UnsupportedModelError, match="NVFP4"):
         GGUFFile(p)
+    data[i : i + 4] = struct.pack("<I", 42)  # Q2_0: llama-quantize makes it, the gguf package has no name for it
+    p.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedModelError, match=r"has type Q2_0, which onebit does not support"):
+        GGUFFile(p)
     data[i : i + 4] = struct.pack("<I", 777)
     p.write_bytes(bytes(data))
-    with pytest.raises(UnsupportedModelError, match="777"):
+    with pytest.raises(UnsupportedModelError, match=r"has type unknown \(id 777\)"):
         GGUFFile(p)
 
 

@@ -619,3 +619,27 @@ def test_chat_interrupted_in_the_prompt_leaves_a_consistent_session():
     fresh = ChatSession(load("qwen3next-f32"), temperature=0.0, max_tokens=6)
     fresh.history = [dict(h) for h in s.history[:2]]
     assert [r.token for r in fresh.send("and then") if r.token is not None] == again
+
+
+# qwen35moe-f32 has 4 rotary pairs and sections [2, 1, 1, 0]. llama.cpp's interleaved MRoPE turns
+# a pair by the position of the section it falls in (text: the token's position in the first
+# three, 0 in the fourth); transformers turns every pair by the token's position.
+@pytest.mark.parametrize("sections,runs", [
+    ([1, 1, 1, 0], True),   # 3 sectors for 4 pairs: pair 3 wraps to sector 0 (t): NeoX, as llama.cpp
+    ([3, 3, 2, 0], True),   # more sectors than pairs (a file made for wider heads)
+    ([4, 0, 0, 0], False),  # pairs 1 and 2 in no text section: llama.cpp leaves them unrotated
+])
+def test_mrope_sections_that_leave_a_pair_unrotated_are_refused(tmp_path, sections, runs):
+    from ggufedit import rewrite
+    from onebit.errors import ModelFileError
+    from onebit.models.qwen35moe import imrope_e_pairs
+
+    assert imrope_e_pairs([2, 1, 1, 0], 4) == []  # the fixture's own
+    path = rewrite(fixture_path("qwen35moe-f32.gguf"), tmp_path / "s.gguf",
+                   meta={"qwen35moe.rope.dimension_sections": sections}) or tmp_path / "s.gguf"
+    if not runs:
+        with pytest.raises(ModelFileError, match=r"rope.dimension_sections \[4, 0, 0, 0\] give rotary pairs \[1, 2\]"):
+            onebit.load(path, backend="numpy")
+        return
+    ids = ref_tokens("qwen35moe-f32", 12)
+    np.testing.assert_array_equal(onebit.load(path, backend="numpy").logits(ids), load("qwen35moe-f32").logits(ids))

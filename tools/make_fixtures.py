@@ -1477,6 +1477,11 @@ template variables `kwargs` and `text`, transformers' `apply_chat_template` rend
 add_special=True, parse_special=True) and `plain` (both False), one list of ids per string,
 for one file per distinct tokenizer; `same_tokenizer_as` maps the other f32 files to it.
 
+`llamacpp-rounding.npz` (made by `tools/make_rounding_ref.py`, not by this script): activation
+rows and llama.cpp CPU's own roundings of them (Q8_0, Q8_K, F16, BF16), weight rows of 17 types
+with libggml-cpu's `vec_dot` against them, and `ggml_gelu` over a range: what
+`tests/test_llamacpp_numerics.py` holds `tests/llamacpp_numerics.py` to.
+
 Reference text:
 
 > {REF_TEXT}

@@ -48,16 +48,19 @@ class ActivationStats(nb.NumpyBackend):
         self._add(name, x.reshape(-1, x.shape[-1]))
         return super().linear(x, name)
 
-    def expert_ffn(self, out, x, ids, weights, e, parts, raws):
+    def expert_ffn(self, out, x, ids, weights, e, parts, raws, biases=None, glu=None):
         gate, up, down = (nb.QTYPES[t.qtype].dequantize(r) for t, r in zip(parts, raws))
         rows, _ = np.nonzero(ids == e)
         xe = x[rows]
         n_exp = parts[0].shape[0]
         for t in parts[:2]:
             self._add(t.name, xe, e, n_exp)
-        h = self.silu(xe @ gate.T) * (xe @ up.T)
+        g, u = xe @ gate.T, xe @ up.T  # down's input as the backend makes it (gpt-oss: biases, clamped SwiGLU)
+        if biases is not None:
+            g, u = g + biases[0][e], u + biases[1][e]
+        h = self.silu(g) * u if glu is None else self.glu_oai(g, u, *glu)
         self._add(parts[2].name, h, e, n_exp)
-        super().expert_ffn(out, x, ids, weights, e, parts, raws)
+        super().expert_ffn(out, x, ids, weights, e, parts, raws, biases, glu)
 
 
 def default_text() -> str:

@@ -22,10 +22,32 @@ class Model(TransformerLM):
     def config(gguf):
         cfg = hybrid_config(gguf, v_tiled=True, default_weights_norm=True)
         sections = gguf.get(f"{gguf.architecture}.rope.dimension_sections")
-        if sections is not None and int(np.sum(np.asarray(sections).reshape(-1)[:3])) * 2 != cfg.rope_dim:
-            raise ModelFileError(f"{gguf.path}: rope.dimension_sections {list(np.asarray(sections).reshape(-1))} "
-                                 f"does not cover rope.dimension_count {cfg.rope_dim} (text MRoPE is NeoX rope over all of it)")
+        if sections is not None:
+            s = [int(v) for v in np.asarray(sections).reshape(-1)]
+            e_pairs = imrope_e_pairs((s + [0, 0, 0, 0])[:4], cfg.rope_dim // 2)
+            if e_pairs is None or e_pairs:
+                raise ModelFileError(f"{gguf.path}: rope.dimension_sections {s} give rotary pairs "
+                                     f"{e_pairs or 'all'} of rope.dimension_count {cfg.rope_dim} to no text section "
+                                     "(llama.cpp leaves them unrotated, transformers does not): onebit runs text "
+                                     "MRoPE as NeoX rope over all of it")
         return cfg
 
     def layer(self, g, i: int, x):
         return blocks.hybrid_layer(g, self.cfg, i, x)
+
+
+def imrope_e_pairs(sections: list[int], n_pairs: int) -> list[int] | None:
+    """The rotary pairs llama.cpp's interleaved MRoPE (ggml_mrope_cache_init, is_imrope) gives to
+    the 4th section, whose position is 0 for text; every other pair turns by the token's position
+    (text has one position in the first three sections), which is NeoX rope. None: no sections."""
+    total = sum(sections)
+    if total <= 0:
+        return None
+    t, h, w = sections[0], sections[1], sections[2]
+    out = []
+    for k in range(n_pairs):
+        sector = k % total
+        if not ((sector % 3 == 1 and sector < 3 * h) or (sector % 3 == 2 and sector < 3 * w)
+                or (sector % 3 == 0 and sector < 3 * t)):
+            out.append(k)
+    return out
