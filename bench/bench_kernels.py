@@ -85,6 +85,9 @@ def main() -> int:
     ap.add_argument("--xrows", default=None, help="mul_mv_xr: Kernels.mv_xrows values to compare, e.g. 4,8 "
                     "(default: the Kernels default)")
     ap.add_argument("--xr-nr", type=int, default=None, help="mul_mv_xr: weight rows per thread (Kernels.mv_xr_nr)")
+    ap.add_argument("--experts", type=int, default=64, help="mul_mv_id_xr: experts (the 0.9B file's 64, top 8, 256)")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--moe-ff", type=int, default=256)
     ap.add_argument("--xr-storage", action="store_true", help="mul_mv_xr: x from a storage buffer")
     ap.add_argument("--unrolled", type=int, default=None,
                     help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
@@ -178,6 +181,39 @@ def main() -> int:
                     sq.close()
                 xr_rows.append((type_name, n_out, r, [statistics.median(t) for t in times]))
             k.mv_xrows = xrows_list[0]
+        if "mul_mv_id_xr" in kernels:  # routed experts at R tokens: per slot (mv_xrows 0) against grouped
+            E, kk, F = args.experts, args.top_k, args.moe_ff
+            ge = WeightStore(dev)
+            ge.add("g", ref.random_blocks(type_name, (E, F, n_in), rng), type_name, (E, F, n_in))
+            ge.add("d", ref.random_blocks(type_name, (E, n_in, F), rng), type_name, (E, n_in, F))
+            wg_, wd_ = ge.commit()
+            for r in R_list:
+                rid = dev.upload(np.stack([rng.permutation(E)[:kk] for _ in range(r)]).astype(np.int32))
+                rwt = dev.upload(rng.random((r, kk)).astype(np.float32))
+                xe = dev.upload(rng.standard_normal((r, n_in)).astype(np.float32))
+                he = dev.upload(rng.standard_normal((r, kk, F)).astype(np.float32))
+                ge_out, yd = dev.buffer(r * kk * F * 4), dev.buffer(r * n_in * 4)
+
+                def rec(s, r=r, rid=rid, rwt=rwt, xe=xe, he=he, ge_out=ge_out, yd=yd):
+                    k.mul_mv_id(s, wg_, xe.slice(), ge_out.slice(), rid.slice(), rwt.slice(), r, kk, n_in, 0, F)
+                    k.mul_mv_id(s, wd_, he.slice(), yd.slice(), rid.slice(), rwt.slice(), r, kk, kk * F, F, n_in,
+                                mode="sum")
+                seqs = []
+                for xv in [0, *xrows_list]:
+                    k.mv_xrows = xv
+                    seqs.append(_sequence(dev, rec, slow))
+                times = [[] for _ in seqs]
+                for _ in range(args.runs):
+                    for i, sq in enumerate(seqs):
+                        times[i].append(_seconds(sq) / slow)
+                for sq in seqs:
+                    sq.close()
+                xr_rows.append((type_name, f"{E}x{F} top {kk}", r, [statistics.median(t) for t in times]))
+                for b in (rid, rwt, xe, he, ge_out, yd):
+                    b.destroy()
+            k.mv_xrows = xrows_list[0]
+            for b in ge.buffers:
+                b.destroy()
         if "get_rows" in kernels:
             add("get_rows", type_name, 16 * row_bytes, lambda s: k.get_rows(s, w, gid.slice(), y.slice(), 16, n_in),
                 args.reps, "16 rows")
@@ -197,7 +233,8 @@ def main() -> int:
 
     if xr_rows:
         print()
-        print(f"mul_mv at R rows of x [out x {n_in}]: ms per product, mat-vec per row (xr 0) against many rows "
+        print(f"mul_mv / mul_mv_id_xr (an expert gate [F x {n_in}] in slots mode + down [{n_in} x F] in sum "
+              f"mode) at R rows of x [out x {n_in}]: ms per product, mat-vec per row (xr 0) against many rows "
               f"per weight decode (xr = mv_xrows), submissions alternating, medians of {args.runs}; "
               f"nr {k.mv_xr_nr}, x from a {'storage' if args.xr_storage else 'uniform'} buffer where it fits")
         print()

@@ -140,25 +140,26 @@ void xr_dot(uint ab, uint first) {
     // NR x XR dots of a unit, and LLVM's compile time on lavapipe grows with its size)
     for (uint u = 0u; u < pc.ncols / QU; u++) {
         const uint ib = u / (QK / QU), iu = u % (QK / QU), u4 = u * (QU / 4u);
+        // the unit's weights of the NR rows dequantized once (scale and offset applied), then
+        // each x vec4 read once for all of them: the offset costs nothing per row of x
+        vec4 wv[NR * (QU / 4u)];
         [[unroll]] for (uint n = 0u; n < NR; n++) {
-            // the unit's weights dequantized once (scale and offset applied), then one dot
-            // per row of x: the offset costs nothing per row
             const uint b = ab + min(first + n, last) * row_blocks + ib;
             const vec2 dm = get_dm(b, iu);
-            vec4 wv[QU / 4u];
             [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
 #ifdef A_HAS_MIN
-                wv[g] = dm.x * get_q4(b, iu, g) + dm.y;
+                wv[n * (QU / 4u) + g] = dm.x * get_q4(b, iu, g) + dm.y;
 #else
-                wv[g] = dm.x * get_q4(b, iu, g);
+                wv[n * (QU / 4u) + g] = dm.x * get_q4(b, iu, g);
 #endif
             }
-            [[unroll]] for (uint j = 0u; j < XR; j++) {
-                float d = 0.0;
-                [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-                    d += dot(wv[g], x4[xo[j] + u4 + g]);
+        }
+        [[unroll]] for (uint j = 0u; j < XR; j++) {
+            [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+                const vec4 xv = x4[xo[j] + u4 + g];
+                [[unroll]] for (uint n = 0u; n < NR; n++) {
+                    acc[n * XR + j] += dot(wv[n * (QU / 4u) + g], xv);
                 }
-                acc[n * XR + j] += d;
             }
         }
     }
