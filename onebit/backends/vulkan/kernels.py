@@ -399,19 +399,22 @@ class Kernels:
 
     def mul_mv_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
                   k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
-                  accumulate: bool = False) -> None:
+                  accumulate: bool = False, n_experts: Optional[int] = None) -> None:
         """Expert mat-vec; W: [n_experts, out, in], ids/wts: [n_tokens, k] on the device.
 
         mode "slots":    y[t*k + s, :] = W[ids[t, s]] @ x[t, s]
         mode "weighted": same, times wts[t, s] (the routing weight fused)
         mode "sum":      y[t, :] (+)= sum_s wts[t, s] * W[ids[t, s]] @ x[t, s]
         x[t, s] starts at t * x_stride + s * x_slot_stride (x_slot_stride 0: shared by all slots).
+        n_experts: the model's experts, which sets whether the slots are grouped per expert (default
+        W's count; a pool's slot tensors pass the model's, so streamed runs the kernels resident does).
         """
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         info = self.dev.info
-        if (self.reduce == "none" and self.mv_xrows > 1 and n_tokens * k >= self.mv_id_xr_min_slots * w.shape[0]
-                and n_tokens * k <= self.XR_MAX_IDS and ids.offset % info.min_uniform_buffer_offset_alignment == 0):
-            self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate)
+        grouped = n_tokens * k >= self.mv_id_xr_min_slots * (n_experts or w.shape[0])
+        if (self.reduce == "none" and self.mv_xrows > 1 and grouped and n_tokens * k <= self.XR_MAX_IDS and ids.offset % info.min_uniform_buffer_offset_alignment == 0):
+            self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate,
+                              n_experts)
             return
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
         extra = self._extra(w.type_name)
@@ -437,7 +440,7 @@ class Kernels:
 
     def mul_mv_id_xr(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
                      k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
-                     accumulate: bool = False) -> None:
+                     accumulate: bool = False, n_experts: Optional[int] = None) -> None:
         """mul_mv_id with the slots grouped per expert on the device (CPU devices): each unit of an
         expert's rows decoded once for up to mv_xrows of the slots that chose it. "sum" writes the
         weighted slots to a scratch buffer, then moe_sum adds each token's."""
@@ -445,7 +448,7 @@ class Kernels:
         n_bind = 5 + len(extra)
         nr, nrows = self.mv_xr_nr, w.shape[1]
         # width: about the slots each expert gets (an expert with more runs several passes)
-        per = self._xr_width(max(2, n_tokens * k // w.shape[0]))
+        per = self._xr_width(max(2, n_tokens * k // (n_experts or w.shape[0])))
         p = self.pipeline(f"mul_mv_id_{w.type_name}_none_xrs", n_bind, (self.mv_wg, nr, per),
                           (3, *self._grid_ubo(w.type_name, n_bind)))
         if mode == "sum":
