@@ -29,7 +29,9 @@
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NR = 2u;
-layout(constant_id = 2) const uint XR = 1u;  // XROWS: rows of x per thread
+#ifdef XROWS
+layout(constant_id = 2) const uint XR = 1u;  // rows of x per thread
+#endif
 
 #ifdef X_UNIFORM
 // x as a uniform buffer (at most 64 KiB: the host picks this variant only when x fits the

@@ -186,3 +186,21 @@ def test_mul_mv_id_grouped_sum_skips_experts_in_no_part(cpu_ops, rng):
     seq.close()
     got = y[0].buffer.read(np.float32, (R, m), y[0].offset)
     close(got, wts[:, :1] * ref.mul_mv(raw, "Q8_0", x), rng, TOL["Q8_0"], "shared expert as grouped sum")
+
+
+def test_mul_mv_rows_off_is_the_per_row_mat_vec(rng):
+    """mv_xrows 0 (or 1): products over several rows stay on the per-row mat-vec (grid z = rows),
+    as on GPUs; still right against numpy."""
+    o = VulkanOps(reduce="none")
+    o.k.mv_xrows = 0
+    w = ref.random_blocks("Q4_K", (37, 512), rng)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    we = ref.random_blocks("Q4_K", (4, 19, 512), rng)
+    ids = np.stack([rng.choice(4, 2, replace=False) for _ in range(13)]).astype(np.int32)
+    wts = rng.random((13, 2)).astype(np.float32)
+    xe = rng.standard_normal((13, 2, 512)).astype(np.float32)
+    with Spy(o.k, "mul_mv_xr") as spy, Spy(o.k, "mul_mv_id_xr") as spy_id:
+        close(o.mul_mv(w, "Q4_K", x), ref.mul_mv(w, "Q4_K", x), rng, TOL["Q4_K"], "per-row mul_mv")
+        close(o.mul_mv_id(we, "Q4_K", xe, ids, wts, "sum"), ref.mul_mv_id(we, "Q4_K", xe, ids, wts, "sum"), rng,
+              TOL["Q4_K"], "per-slot mul_mv_id")
+    assert spy.calls == 0 and spy_id.calls == 0
