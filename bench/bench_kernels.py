@@ -88,6 +88,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=64, help="mul_mv_id_xr: experts (the 0.9B file's 64, top 8, 256)")
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--moe-ff", type=int, default=256)
+    ap.add_argument("--id-min-slots", type=float, default=None,
+                    help="mul_mv_id_xr: group the experts from this many slots per expert (Kernels.mv_id_xr_min_slots)")
     ap.add_argument("--xr-storage", action="store_true", help="mul_mv_xr: x from a storage buffer")
     ap.add_argument("--unrolled", type=int, default=None,
                     help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
@@ -135,6 +137,8 @@ def main() -> int:
         k.mv_xr_nr = args.xr_nr
     if args.xr_storage:
         k.mv_xr_uniform = False
+    if args.id_min_slots is not None:
+        k.mv_id_xr_min_slots = args.id_min_slots
     xrows_list = [int(v) for v in args.xrows.split(",")] if args.xrows else [k.mv_xrows]
     for type_name in args.types.split(","):
         cls = QTYPES_BY_NAME[type_name]

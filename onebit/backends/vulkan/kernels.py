@@ -225,9 +225,11 @@ class Kernels:
         self.mv_xr_nr = 8
         self.mv_xr_uniform = True  # x from a uniform buffer where a chunk of rows fits one
         # Routed experts are grouped per expert (mul_mv_id_xr) where each expert gets at least this
-        # many slots on average (n_tokens * k / n_experts): measured on lavapipe, 64 experts top 8,
-        # Q4_K: 2 per expert 1.04x, 8 per expert 2.0x, below 2 slower (0.4-0.97x).
-        self.mv_id_xr_min_slots = 4
+        # many slots on average (n_tokens * k / n_experts). Measured on lavapipe, Q4_K gate + down
+        # (bench/results/issue8-execution-modes.md): 64 experts top 8, 0.5 / 1.1 / 2 / 3 / 8 slots
+        # per expert 0.77x / 0.89x / 1.04-1.24x / 1.56x / 2.0x; 4 experts top 2, 1.5 / 2 / 3 / 4:
+        # 1.13x / 1.23x / 1.68x / 1.78x.
+        self.mv_id_xr_min_slots = 2
         self._scratch: list[Buffer] = []
         # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
