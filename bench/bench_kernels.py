@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from onebit.backends.vulkan import reference as ref  # noqa: E402
 from onebit.backends.vulkan.device import open_device  # noqa: E402
-from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, QTYPES_BY_NAME, Kernels, WeightStore  # noqa: E402
+from onebit.backends.vulkan.kernels import MV_ID_XR_WIDE, SUPPORTED_TYPES, QTYPES_BY_NAME, Kernels, WeightStore  # noqa: E402,E501
 
 
 def _sequence(dev, record, reps: int):
@@ -240,7 +240,7 @@ def main() -> int:
         print(f"mul_mv / mul_mv_id_xr (an expert gate [F x {n_in}] in slots mode + down [{n_in} x F] in sum "
               f"mode) at R rows of x [out x {n_in}]: ms per product, mat-vec per row (xr 0) against many rows "
               f"per weight decode (xr = mv_xrows), submissions alternating, medians of {args.runs}; "
-              f"nr {k.mv_xr_nr}, x from a {'storage' if args.xr_storage else 'uniform'} buffer where it fits")
+              f"nr {k.mv_xr_nr} (experts: {k.mv_id_xr_nr}, 2x for {sorted(MV_ID_XR_WIDE)}, at most {k.mv_id_xrows} rows), x from a {'storage' if args.xr_storage else 'uniform'} buffer where it fits")
         print()
         print("| type | out | R | " + " | ".join(f"xr {v} ms" for v in [0, *xrows_list]) + " | " +
               " | ".join(f"xr {v} speedup" for v in xrows_list) + " |")

@@ -31,6 +31,10 @@ UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_
 # enough body for all mv_rows rows per thread on a CPU device (measured faster than 2 rows; their
 # pipelines still compile in a few seconds on lavapipe).
 MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
+# Grouped expert mat-vec (Kernels.mul_mv_id_xr) with 32 weight rows per thread, not 16: the
+# types whose 32-row pipeline compiles in under 10 s on lavapipe (Q4_K 7.9 s, Q6_K 9.3 s;
+# Q5_K 13.6 s and MXFP4 10.9 s did not).
+MV_ID_XR_WIDE = frozenset({"Q4_K", "Q6_K", "Q8_0"})
 # Weight types with shaders: those shaders/variants.py built a get_rows variant for.
 SUPPORTED_TYPES = tuple(sorted(
     v[len("get_rows_"):] for v in json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())
@@ -230,6 +234,12 @@ class Kernels:
         # per expert 0.77x / 0.89x / 1.04-1.24x / 1.56x / 2.0x; 4 experts top 2, 1.5 / 2 / 3 / 4:
         # 1.13x / 1.23x / 1.68x / 1.78x.
         self.mv_id_xr_min_slots = 2
+        # Grouped experts: rows of x per decode at most 8 and more weight rows per thread than the
+        # dense kernel (x is a storage buffer there, each read a bounds-checked gather, so it
+        # pays to serve more rows): Q4_K experts at 256 tokens 2.2x with 8 rows x 16 wide,
+        # 3.0x with 16 x 8, 3.9x with 32 x 8 (bench/results/issue8-execution-modes.md).
+        self.mv_id_xrows = 8
+        self.mv_id_xr_nr = 16
         self._scratch: list[Buffer] = []
         # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
@@ -448,9 +458,9 @@ class Kernels:
         weighted slots to a scratch buffer, then moe_sum adds each token's."""
         extra = self._extra(w.type_name)
         n_bind = 5 + len(extra)
-        nr, nrows = self.mv_xr_nr, w.shape[1]
+        nr, nrows = self.mv_id_xr_nr * (2 if w.type_name in MV_ID_XR_WIDE else 1), w.shape[1]
         # width: about the slots each expert gets (an expert with more runs several passes)
-        per = self._xr_width(max(2, n_tokens * k // (n_experts or w.shape[0])))
+        per = min(self.mv_id_xrows, self._xr_width(max(2, n_tokens * k // (n_experts or w.shape[0]))))
         p = self.pipeline(f"mul_mv_id_{w.type_name}_none_xrs", n_bind, (self.mv_wg, nr, per),
                           (3, *self._grid_ubo(w.type_name, n_bind)))
         if mode == "sum":
