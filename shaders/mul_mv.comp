@@ -135,6 +135,7 @@ void accumulate(uint ab, uint xb, uint first, float scale, inout float partial[N
 // (Invocation globals: glslang cannot pass arrays sized by specialization constants.)
 float acc[NR * XR];
 uint xo[XR];
+float xsc[XR];  // per row of x: its scale (the routing weight, or 1)
 void xr_dot(uint ab, uint first) {
     const uint row_blocks = pc.ncols / QK;
     const uint last = pc.nrows - 1u;
@@ -142,26 +143,40 @@ void xr_dot(uint ab, uint first) {
     // NR x XR dots of a unit, and LLVM's compile time on lavapipe grows with its size)
     for (uint u = 0u; u < pc.ncols / QU; u++) {
         const uint ib = u / (QK / QU), iu = u % (QK / QU), u4 = u * (QU / 4u);
-        // the unit's weights of the NR rows dequantized once (scale and offset applied), then
-        // each x vec4 read once for all of them: the offset costs nothing per row of x
-        vec4 wv[NR * (QU / 4u)];
+        // the unit of the NR rows decoded once, then each x vec4 read once for all of them.
+        // The sums are the one-row mat-vec's (unit_dot), term for term, so a row's result has
+        // the same bits whichever kernel and however many rows computed it (chunked prefill,
+        // ring caches and streamed experts are compared bit for bit against unchunked runs).
+        vec4 qv[NR * (QU / 4u)];
+        vec2 dm[NR];
         [[unroll]] for (uint n = 0u; n < NR; n++) {
             const uint b = ab + min(first + n, last) * row_blocks + ib;
-            const vec2 dm = get_dm(b, iu);
+            dm[n] = get_dm(b, iu);
             [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-#ifdef A_HAS_MIN
-                wv[n * (QU / 4u) + g] = dm.x * get_q4(b, iu, g) + dm.y;
-#else
-                wv[n * (QU / 4u) + g] = dm.x * get_q4(b, iu, g);
-#endif
+                qv[n * (QU / 4u) + g] = get_q4(b, iu, g);
             }
         }
         [[unroll]] for (uint j = 0u; j < XR; j++) {
+            float q[NR];
+            [[unroll]] for (uint n = 0u; n < NR; n++) {
+                q[n] = 0.0;
+            }
+            float xs = 0.0;
             [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
                 const vec4 xv = x4[xo[j] + u4 + g];
+#ifdef A_HAS_MIN
+                xs += xv.x + xv.y + xv.z + xv.w;
+#endif
                 [[unroll]] for (uint n = 0u; n < NR; n++) {
-                    acc[n * XR + j] += dot(wv[n * (QU / 4u) + g], xv);
+                    q[n] += dot(qv[n * (QU / 4u) + g], xv);
                 }
+            }
+            [[unroll]] for (uint n = 0u; n < NR; n++) {
+#ifdef A_HAS_MIN
+                acc[n * XR + j] += xsc[j] * (dm[n].x * q[n] + dm[n].y * xs);
+#else
+                acc[n * XR + j] += xsc[j] * (dm[n].x * q[n]);
+#endif
             }
         }
     }
@@ -201,6 +216,7 @@ void main() {
         [[unroll]] for (uint j = 0u; j < XR; j++) {
             const uint sl = slot[min(j, cnt - 1u)];
             xo[j] = ((sl / pc.n_used) * pc.x_stride + (sl % pc.n_used) * pc.x_slot_stride) / 4u;
+            xsc[j] = (pc.flags & 4u) != 0u ? wts[sl] : 1.0;
             [[unroll]] for (uint n = 0u; n < NR; n++) {
                 acc[n * XR + j] = 0.0;
             }
@@ -208,10 +224,9 @@ void main() {
         xr_dot(ab, first);
         [[unroll]] for (uint j = 0u; j < XR; j++) {
             if (j < cnt) {
-                const float scale = (pc.flags & 4u) != 0u ? wts[slot[j]] : 1.0;
                 [[unroll]] for (uint n = 0u; n < NR; n++) {
                     if (first + n < pc.nrows) {
-                        y[slot[j] * pc.y_stride + pc.row0 + first + n] = scale * acc[n * XR + j];
+                        y[slot[j] * pc.y_stride + pc.row0 + first + n] = acc[n * XR + j];
                     }
                 }
             }
@@ -230,6 +245,7 @@ void main() {
     // xo: first vec4 of each x row (the last row for j >= pc.xrows)
     [[unroll]] for (uint j = 0u; j < XR; j++) {
         xo[j] = min(j, pc.xrows - 1u) * (pc.x_stride / 4u);
+        xsc[j] = 1.0;
         [[unroll]] for (uint n = 0u; n < NR; n++) {
             acc[n * XR + j] = 0.0;
         }
@@ -278,7 +294,19 @@ void main() {
         const float scale = (pc.flags & 6u) != 0u ? wts[token * pc.n_used + s] : 1.0;
         const uint ab = uint(e) * pc.nrows * (pc.ncols / QK);
         const uint xb = (token * pc.x_stride + s * pc.x_slot_stride) / 4u;
+#ifdef REDUCE_NONE
+        // each slot summed on its own, then added: the grouped kernel's sums (XROWS + moe_sum)
+        float ps[NR];
+        [[unroll]] for (uint n = 0u; n < NR; n++) {
+            ps[n] = 0.0;
+        }
+        accumulate(ab, xb, first, scale, ps);
+        [[unroll]] for (uint n = 0u; n < NR; n++) {
+            partial[n] += ps[n];
+        }
+#else
         accumulate(ab, xb, first, scale, partial);
+#endif
     }
     if (!any && !sum) {
         return;  // this slot's expert lives in another part

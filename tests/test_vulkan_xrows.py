@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from onebit.backends.vulkan import reference as ref
-from onebit.backends.vulkan.kernels import SUPPORTED_TYPES
+from onebit.backends.vulkan.kernels import MV_WHOLE_UNIT, SUPPORTED_TYPES
 from onebit.backends.vulkan.ops import VulkanOps
 
 from test_vulkan_kernels import TOL, close, n_in, rng  # noqa: F401  (rng: the seeded fixture)
@@ -59,7 +59,7 @@ def test_mul_mv_rows_every_type(cpu_ops, rng, type_name):
         x = rng.standard_normal((R, n)).astype(np.float32)
         with Spy(cpu_ops.k, "mul_mv_xr") as spy:
             got = cpu_ops.mul_mv(w, type_name, x)
-        assert spy.calls == 1
+        assert spy.calls == (type_name not in MV_WHOLE_UNIT)  # those keep the one-row kernel
         close(got, ref.mul_mv(w, type_name, x), rng, TOL[type_name], f"mul_mv_xr {type_name} R={R}")
 
 
@@ -123,7 +123,7 @@ def test_mul_mv_id_grouped_every_type(cpu_ops, rng, type_name):
         poison_scratch(cpu_ops, R * k * 19 * 4)
         with Spy(cpu_ops.k, "mul_mv_id_xr") as spy:
             got = cpu_ops.mul_mv_id(we, type_name, x, ids, wts, mode)
-        assert spy.calls == 1
+        assert spy.calls == (type_name not in MV_WHOLE_UNIT)
         close(got, ref.mul_mv_id(we, type_name, x, ids, wts, mode), rng, TOL[type_name],
               f"mul_mv_id_xr {mode} {type_name}")
 
@@ -204,3 +204,30 @@ def test_mul_mv_rows_off_is_the_per_row_mat_vec(rng):
         close(o.mul_mv_id(we, "Q4_K", xe, ids, wts, "sum"), ref.mul_mv_id(we, "Q4_K", xe, ids, wts, "sum"), rng,
               TOL["Q4_K"], "per-slot mul_mv_id")
     assert spy.calls == 0 and spy_id.calls == 0
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "F32", "IQ4_XS"])
+def test_rows_have_the_one_row_kernels_bits(rng, type_name):
+    """A row's result does not depend on how many rows were computed with it: the many-row
+    kernels sum term for term as the one-row mat-vec (chunked prefill, ring caches and streamed
+    experts are compared bit for bit with unchunked runs). Dense and all three expert modes."""
+    o = VulkanOps(reduce="none")
+    n = n_in(type_name, 4)
+    w = ref.random_blocks(type_name, (37, n), rng)
+    x = rng.standard_normal((11, n)).astype(np.float32)
+    many = o.mul_mv(w, type_name, x)
+    one = np.concatenate([o.mul_mv(w, type_name, x[r : r + 1]) for r in range(11)])
+    np.testing.assert_array_equal(many, one, err_msg=f"mul_mv {type_name}: 11 rows against one at a time")
+    E, k, R = 4, 2, 12
+    we = ref.random_blocks(type_name, (E, 19, n), rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
+    wts = rng.random((R, k)).astype(np.float32)
+    for mode, shape in (("slots", (R, n)), ("weighted", (R, k, n)), ("sum", (R, k, n))):
+        xe = rng.standard_normal(shape).astype(np.float32)
+        with Spy(o.k, "mul_mv_id_xr") as spy:
+            grouped = o.mul_mv_id(we, type_name, xe, ids, wts, mode)
+        assert spy.calls == 1
+        per_token = np.concatenate([o.mul_mv_id(we, type_name, xe[t : t + 1], ids[t : t + 1], wts[t : t + 1], mode)
+                                    for t in range(R)])
+        np.testing.assert_array_equal(grouped, per_token, err_msg=f"mul_mv_id {mode} {type_name}: grouped "
+                                      "against one token at a time")

@@ -345,7 +345,10 @@ class Kernels:
                accumulate: bool = False) -> None:
         """y[r, :] (+)= W @ x[r, :] for r < n_rows; W: [out, in]."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
-        if n_rows > 1 and self.mv_xrows > 1 and self.reduce == "none" and x.offset % 16 == 0 \
+        # (not the whole-unit IQ types: their one-row dot, unit_qdot, sums in another order, and a
+        # row must get the same bits from either kernel)
+        if n_rows > 1 and self.mv_xrows > 1 and self.reduce == "none" and w.type_name not in MV_WHOLE_UNIT \
+                and x.offset % 16 == 0 \
                 and x.offset % self.dev.info.min_storage_buffer_offset_alignment == 0 \
                 and x_stride * 4 % self.dev.info.min_storage_buffer_offset_alignment == 0:
             self.mul_mv_xr(seq, w, x, y, n_rows, x_stride, y_stride, accumulate)
@@ -424,7 +427,8 @@ class Kernels:
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         info = self.dev.info
         grouped = n_tokens * k >= self.mv_id_xr_min_slots * (n_experts or w.shape[0])
-        if (self.reduce == "none" and self.mv_xrows > 1 and grouped and n_tokens * k <= self.XR_MAX_IDS and ids.offset % info.min_uniform_buffer_offset_alignment == 0):
+        if (self.reduce == "none" and self.mv_xrows > 1 and grouped and n_tokens * k <= self.XR_MAX_IDS
+                and w.type_name not in MV_WHOLE_UNIT and ids.offset % info.min_uniform_buffer_offset_alignment == 0):
             self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate,
                               n_experts)
             return
