@@ -11,12 +11,13 @@
 // and walks all of k, so each x load serves NR rows and nothing is reduced: what a CPU device
 // wants (lavapipe: lanes are SIMD slots and every lane's load costs the same, uniform or not).
 // A workgroup then covers WG * NR rows.
-// With -DXROWS (REDUCE_NONE, dense) each thread also takes XR rows of x: every weight unit of
-// its NR rows is decoded once and dotted with each of them (prefill and verify rows on a CPU
-// device, where the decode, not the weight bytes, is the cost). The dispatch covers x rows
-// [0, pc.xrows) of its x binding and writes y rows pc.yrow0 + j; XR is a specialization
-// constant (the host compiles a few widths), rows past pc.xrows re-read the last one and are
-// not written.
+// With -DXROWS (REDUCE_NONE) each thread also takes XR rows of x: every weight unit of its NR
+// rows is decoded once and dotted with each of them (prefill and verify rows on a CPU device,
+// where the decode, not the weight bytes, is the cost); with MUL_ID too, the slots grouped per
+// expert (see that main). Each row's sums are the one-row kernel's, term for term. Dense: the
+// dispatch covers x rows [0, pc.xrows) of its x binding and writes y rows pc.yrow0 + j; XR is a
+// specialization constant (the host compiles a few widths), rows past pc.xrows re-read the last
+// one and are not written.
 #include "common.glsl"
 // IQ weight types also read their codebook, bound after this kernel's own buffers.
 #ifdef MUL_ID
