@@ -4,6 +4,8 @@
     python bench/bench_kernels.py                    # every weight type, ~24 MiB of weights each
     python bench/bench_kernels.py --types Q4_K,Q8_0 --mib 64 --device 0
     python bench/bench_kernels.py --kernels mul_mv,mul_mv_id --mib 8   # the decode kernels only
+    python bench/bench_kernels.py --kernels mul_mv_xr --types Q4_K,Q8_0 --mib 2.25 --n-in 1024 \
+        --prefill-rows 1,2,4,8,16      # R rows: mat-vec per row against XROWS, alternating
 
 For each kernel and weight type: bytes of weights (or KV cache) the kernel must read, divided
 by its time on the device, and that rate as a fraction of the device's copy bandwidth (a copy
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from onebit.backends.vulkan import reference as ref  # noqa: E402
 from onebit.backends.vulkan.device import open_device  # noqa: E402
-from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, QTYPES_BY_NAME, Kernels, WeightStore  # noqa: E402
+from onebit.backends.vulkan.kernels import MV_ID_XR_WIDE, SUPPORTED_TYPES, QTYPES_BY_NAME, Kernels, WeightStore  # noqa: E402,E501
 
 
 def _sequence(dev, record, reps: int):
@@ -75,9 +77,20 @@ def main() -> int:
     ap.add_argument("--n-in", type=int, default=4096, help="row length of every matrix")
     ap.add_argument("--reps", type=int, default=8, help="dispatches per submission")
     ap.add_argument("--runs", type=int, default=5, help="submissions per measurement (median)")
-    ap.add_argument("--prefill-rows", type=int, default=32)
+    ap.add_argument("--prefill-rows", default="32",
+                    help="rows of x for mul_mv_rows / mul_mm; for mul_mv_xr a list, e.g. 1,2,4,8,16")
     ap.add_argument("--kernels", default="mul_mv,mul_mv_id,mul_mv_rows,mul_mm,get_rows,attn",
-                    help="which kernels (mul_mv_rows: mul_mv at --prefill-rows rows)")
+                    help="which kernels (mul_mv_rows: mul_mv at --prefill-rows rows; mul_mv_xr: mat-vec per row "
+                         "against many rows per weight decode, alternating, at each of --prefill-rows)")
+    ap.add_argument("--xrows", default=None, help="mul_mv_xr: Kernels.mv_xrows values to compare, e.g. 4,8 "
+                    "(default: the Kernels default)")
+    ap.add_argument("--xr-nr", type=int, default=None, help="mul_mv_xr: weight rows per thread (Kernels.mv_xr_nr)")
+    ap.add_argument("--experts", type=int, default=64, help="mul_mv_id_xr: experts (the 0.9B file's 64, top 8, 256)")
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--moe-ff", type=int, default=256)
+    ap.add_argument("--id-min-slots", type=float, default=None,
+                    help="mul_mv_id_xr: group the experts from this many slots per expert (Kernels.mv_id_xr_min_slots)")
+    ap.add_argument("--xr-storage", action="store_true", help="mul_mv_xr: x from a storage buffer")
     ap.add_argument("--unrolled", type=int, default=None,
                     help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
                          "which sets rows per thread")
@@ -117,7 +130,16 @@ def main() -> int:
         rows.append((kernel, type_name, nbytes, t, nbytes / t, 2 * size / t_copy, note))
 
     n_in = args.n_in
-    R = args.prefill_rows
+    R_list = [int(r) for r in args.prefill_rows.split(",")]
+    R = max(R_list)
+    xr_rows = []
+    if args.xr_nr:
+        k.mv_xr_nr = args.xr_nr
+    if args.xr_storage:
+        k.mv_xr_uniform = False
+    if args.id_min_slots is not None:
+        k.mv_id_xr_min_slots = args.id_min_slots
+    xrows_list = [int(v) for v in args.xrows.split(",")] if args.xrows else [k.mv_xrows]
     for type_name in args.types.split(","):
         cls = QTYPES_BY_NAME[type_name]
         row_bytes = n_in // cls.block_size * cls.type_size
@@ -149,6 +171,53 @@ def main() -> int:
                 mul = getattr(k, kernel)
                 add(kernel, type_name, w_bytes, lambda s: mul(s, w, x.slice(), y.slice(), R, n_in, n_out), slow,
                     f"@ {R} rows")
+        if "mul_mv_xr" in kernels:  # per-row mat-vec (mv_xrows 0) and XROWS, alternating submissions
+            for r in R_list:
+                seqs = []
+                for xv in [0, *xrows_list]:
+                    k.mv_xrows = xv
+                    seqs.append(_sequence(dev, lambda s: k.mul_mv(s, w, x.slice(), y.slice(), r, n_in, n_out), slow))
+                times = [[] for _ in seqs]
+                for _ in range(args.runs):
+                    for i, sq in enumerate(seqs):
+                        times[i].append(_seconds(sq) / slow)
+                for sq in seqs:
+                    sq.close()
+                xr_rows.append((type_name, n_out, r, [statistics.median(t) for t in times]))
+            k.mv_xrows = xrows_list[0]
+        if "mul_mv_id_xr" in kernels:  # routed experts at R tokens: per slot (mv_xrows 0) against grouped
+            E, kk, F = args.experts, args.top_k, args.moe_ff
+            ge = WeightStore(dev)
+            ge.add("g", ref.random_blocks(type_name, (E, F, n_in), rng), type_name, (E, F, n_in))
+            ge.add("d", ref.random_blocks(type_name, (E, n_in, F), rng), type_name, (E, n_in, F))
+            wg_, wd_ = ge.commit()
+            for r in R_list:
+                rid = dev.upload(np.stack([rng.permutation(E)[:kk] for _ in range(r)]).astype(np.int32))
+                rwt = dev.upload(rng.random((r, kk)).astype(np.float32))
+                xe = dev.upload(rng.standard_normal((r, n_in)).astype(np.float32))
+                he = dev.upload(rng.standard_normal((r, kk, F)).astype(np.float32))
+                ge_out, yd = dev.buffer(r * kk * F * 4), dev.buffer(r * n_in * 4)
+
+                def rec(s, r=r, rid=rid, rwt=rwt, xe=xe, he=he, ge_out=ge_out, yd=yd):
+                    k.mul_mv_id(s, wg_, xe.slice(), ge_out.slice(), rid.slice(), rwt.slice(), r, kk, n_in, 0, F)
+                    k.mul_mv_id(s, wd_, he.slice(), yd.slice(), rid.slice(), rwt.slice(), r, kk, kk * F, F, n_in,
+                                mode="sum")
+                seqs = []
+                for xv in [0, *xrows_list]:
+                    k.mv_xrows = xv
+                    seqs.append(_sequence(dev, rec, slow))
+                times = [[] for _ in seqs]
+                for _ in range(args.runs):
+                    for i, sq in enumerate(seqs):
+                        times[i].append(_seconds(sq) / slow)
+                for sq in seqs:
+                    sq.close()
+                xr_rows.append((type_name, f"{E}x{F} top {kk}", r, [statistics.median(t) for t in times]))
+                for b in (rid, rwt, xe, he, ge_out, yd):
+                    b.destroy()
+            k.mv_xrows = xrows_list[0]
+            for b in ge.buffers:
+                b.destroy()
         if "get_rows" in kernels:
             add("get_rows", type_name, 16 * row_bytes, lambda s: k.get_rows(s, w, gid.slice(), y.slice(), 16, n_in),
                 args.reps, "16 rows")
@@ -166,6 +235,23 @@ def main() -> int:
             lambda s: k.attention(s, q.slice(), kc.slice(), vc.slice(), pos.slice(), o.slice(), 1, H, Hkv, D, D, S),
             max(1, args.reps // 4), f"decode, {S} positions, {H}/{Hkv} heads x {D}")
 
+    if xr_rows:
+        print()
+        print(f"mul_mv / mul_mv_id_xr (an expert gate [F x {n_in}] in slots mode + down [{n_in} x F] in sum "
+              f"mode) at R rows of x [out x {n_in}]: ms per product, mat-vec per row (xr 0) against many rows "
+              f"per weight decode (xr = mv_xrows), submissions alternating, medians of {args.runs}; "
+              f"nr {k.mv_xr_nr} (experts: {k.mv_id_xr_nr}, 2x for {sorted(MV_ID_XR_WIDE)}, at most {k.mv_id_xrows} rows), x from a {'storage' if args.xr_storage else 'uniform'} buffer where it fits")
+        print()
+        print("| type | out | R | " + " | ".join(f"xr {v} ms" for v in [0, *xrows_list]) + " | " +
+              " | ".join(f"xr {v} speedup" for v in xrows_list) + " |")
+        print("|---|---:|---:|" + "---:|" * (2 * len(xrows_list) + 1))
+        for type_name, n_out, r, ts in xr_rows:
+            print(f"| {type_name} | {n_out} | {r} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts) + " | " +
+                  " | ".join(f"{ts[0] / t:.2f}x" for t in ts[1:]) + " |")
+    if not rows:
+        copy_seq[0].close()
+        dev.close()
+        return 0
     print()
     print("GB/s: bytes of weights (or KV cache) the kernel reads / time; copy GB/s: the copy shader measured "
           "alternately with that kernel; /copy divides the two; /cmdcopy divides by vkCmdCopyBuffer's bandwidth "

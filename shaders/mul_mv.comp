@@ -11,6 +11,13 @@
 // and walks all of k, so each x load serves NR rows and nothing is reduced: what a CPU device
 // wants (lavapipe: lanes are SIMD slots and every lane's load costs the same, uniform or not).
 // A workgroup then covers WG * NR rows.
+// With -DXROWS (REDUCE_NONE) each thread also takes XR rows of x: every weight unit of its NR
+// rows is decoded once and dotted with each of them (prefill and verify rows on a CPU device,
+// where the decode, not the weight bytes, is the cost); with MUL_ID too, the slots grouped per
+// expert (see that main). Each row's sums are the one-row kernel's, term for term. Dense: the
+// dispatch covers x rows [0, pc.xrows) of its x binding and writes y rows pc.yrow0 + j; XR is a
+// specialization constant (the host compiles a few widths), rows past pc.xrows re-read the last
+// one and are not written.
 #include "common.glsl"
 // IQ weight types also read their codebook, bound after this kernel's own buffers.
 #ifdef MUL_ID
@@ -23,6 +30,9 @@
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NR = 2u;
+#ifdef XROWS
+layout(constant_id = 2) const uint XR = 1u;  // rows of x per thread
+#endif
 
 #ifdef X_UNIFORM
 // x as a uniform buffer (at most 64 KiB: the host picks this variant only when x fits the
@@ -35,7 +45,12 @@ layout(binding = 1, std140) uniform X { vec4 x4[4096]; };
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 #endif
 layout(binding = 2, std430) buffer Y { float y[]; };
-#ifdef MUL_ID
+#if defined(MUL_ID) && defined(XROWS)
+// the routing ids as a uniform buffer (at most 4096: the host checks), so the scan and the
+// slots it finds are uniform
+layout(binding = 3, std140) uniform Ids { ivec4 ids4[1024]; };
+layout(binding = 4, std430) readonly buffer Wts { float wts[]; };
+#elif defined(MUL_ID)
 layout(binding = 3, std430) readonly buffer Ids { int ids[]; };
 layout(binding = 4, std430) readonly buffer Wts { float wts[]; };
 #endif
@@ -51,6 +66,10 @@ layout(push_constant) uniform Push {
     uint x_slot_stride;  // MUL_ID: floats between slots of x (0: one x row for every slot)
     uint e0;             // MUL_ID: first expert in this part
     uint n_experts_part; // MUL_ID: experts in this part
+#ifdef XROWS
+    uint xrows;          // rows of x in this dispatch (<= XR)
+    uint yrow0;          // y row of x row 0
+#endif
 } pc;
 
 const uint WG = gl_WorkGroupSize.x;
@@ -110,6 +129,142 @@ void accumulate(uint ab, uint xb, uint first, float scale, inout float partial[N
 #endif
 }
 
+#ifdef XROWS
+// acc[n * XR + j] += W[rows first + n of the matrix at block ab] . x row j (at vec4 xo[j]).
+// Every j < XR is computed: callers point the rows they do not need at a real one and drop
+// them (a branch per row here measured 11 s of LLVM compile time on lavapipe against 3 s).
+// (Invocation globals: glslang cannot pass arrays sized by specialization constants.)
+float acc[NR * XR];
+uint xo[XR];
+float xsc[XR];  // per row of x: its scale (the routing weight, or 1)
+void xr_dot(uint ab, uint first) {
+    const uint row_blocks = pc.ncols / QK;
+    const uint last = pc.nrows - 1u;
+    // one loop over units (not unrolled per block as in the mat-vec: the body is already
+    // NR x XR dots of a unit, and LLVM's compile time on lavapipe grows with its size)
+    for (uint u = 0u; u < pc.ncols / QU; u++) {
+        const uint ib = u / (QK / QU), iu = u % (QK / QU), u4 = u * (QU / 4u);
+        // the unit of the NR rows decoded once, then each x vec4 read once for all of them.
+        // The sums are the one-row mat-vec's (unit_dot), term for term, so a row's result has
+        // the same bits whichever kernel and however many rows computed it (chunked prefill,
+        // ring caches and streamed experts are compared bit for bit against unchunked runs).
+        vec4 qv[NR * (QU / 4u)];
+        vec2 dm[NR];
+        [[unroll]] for (uint n = 0u; n < NR; n++) {
+            const uint b = ab + min(first + n, last) * row_blocks + ib;
+            dm[n] = get_dm(b, iu);
+            [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+                qv[n * (QU / 4u) + g] = get_q4(b, iu, g);
+            }
+        }
+        [[unroll]] for (uint j = 0u; j < XR; j++) {
+            float q[NR];
+            [[unroll]] for (uint n = 0u; n < NR; n++) {
+                q[n] = 0.0;
+            }
+            float xs = 0.0;
+            [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+                const vec4 xv = x4[xo[j] + u4 + g];
+#ifdef A_HAS_MIN
+                xs += xv.x + xv.y + xv.z + xv.w;
+#endif
+                [[unroll]] for (uint n = 0u; n < NR; n++) {
+                    q[n] += dot(qv[n * (QU / 4u) + g], xv);
+                }
+            }
+            [[unroll]] for (uint n = 0u; n < NR; n++) {
+#ifdef A_HAS_MIN
+                acc[n * XR + j] += xsc[j] * (dm[n].x * q[n] + dm[n].y * xs);
+#else
+                acc[n * XR + j] += xsc[j] * (dm[n].x * q[n]);
+#endif
+            }
+        }
+    }
+}
+
+#ifdef MUL_ID
+// Experts grouped: grid z = the part's experts; each workgroup scans the n_tokens * k routing
+// ids for its expert and takes the slots that chose it XR at a time, so each unit of the
+// expert's rows is decoded once for up to XR slots. Writes y[t*k + s, :] = (flags & 4 ?
+// wts[t, s] : 1) * W[e] @ x[t, s] for every slot whose expert is in this part (the host adds
+// the slots for "sum"). pc.xrows: n_tokens.
+void main() {
+    const uint first = (flat_group() * WG + gl_LocalInvocationID.x) * NR;
+    if (first >= pc.nrows) {
+        return;
+    }
+    const int e = int(pc.e0 + gl_WorkGroupID.z);
+    const uint n_slots = pc.xrows * pc.n_used;
+    const uint ab = gl_WorkGroupID.z * pc.nrows * (pc.ncols / QK);
+    uint i = 0u;
+    for (;;) {
+        uint slot[XR];
+        uint cnt = 0u;
+        for (; i < n_slots && cnt < XR; i++) {
+            if (ids4[i / 4u][i % 4u] == e) {
+                [[unroll]] for (uint j = 0u; j < XR; j++) {
+                    if (j == cnt) {
+                        slot[j] = i;
+                    }
+                }
+                cnt++;
+            }
+        }
+        if (cnt == 0u) {
+            break;
+        }
+        [[unroll]] for (uint j = 0u; j < XR; j++) {
+            const uint sl = slot[min(j, cnt - 1u)];
+            xo[j] = ((sl / pc.n_used) * pc.x_stride + (sl % pc.n_used) * pc.x_slot_stride) / 4u;
+            xsc[j] = (pc.flags & 4u) != 0u ? wts[sl] : 1.0;
+            [[unroll]] for (uint n = 0u; n < NR; n++) {
+                acc[n * XR + j] = 0.0;
+            }
+        }
+        xr_dot(ab, first);
+        [[unroll]] for (uint j = 0u; j < XR; j++) {
+            if (j < cnt) {
+                [[unroll]] for (uint n = 0u; n < NR; n++) {
+                    if (first + n < pc.nrows) {
+                        y[slot[j] * pc.y_stride + pc.row0 + first + n] = acc[n * XR + j];
+                    }
+                }
+            }
+        }
+        if (cnt < XR) {
+            break;
+        }
+    }
+}
+#else
+void main() {
+    const uint first = (flat_group() * WG + gl_LocalInvocationID.x) * NR;
+    if (first >= pc.nrows) {
+        return;
+    }
+    // xo: first vec4 of each x row (the last row for j >= pc.xrows)
+    [[unroll]] for (uint j = 0u; j < XR; j++) {
+        xo[j] = min(j, pc.xrows - 1u) * (pc.x_stride / 4u);
+        xsc[j] = 1.0;
+        [[unroll]] for (uint n = 0u; n < NR; n++) {
+            acc[n * XR + j] = 0.0;
+        }
+    }
+    xr_dot(0u, first);
+    [[unroll]] for (uint j = 0u; j < XR; j++) {
+        if (j < pc.xrows) {
+            [[unroll]] for (uint n = 0u; n < NR; n++) {
+                if (first + n < pc.nrows) {
+                    const uint i = (pc.yrow0 + j) * pc.y_stride + pc.row0 + first + n;
+                    y[i] = ((pc.flags & 1u) != 0u ? y[i] : 0.0) + acc[n * XR + j];
+                }
+            }
+        }
+    }
+}
+#endif  // MUL_ID
+#else
 void main() {
     const uint tid = gl_LocalInvocationID.x;
 #ifdef REDUCE_NONE
@@ -140,7 +295,19 @@ void main() {
         const float scale = (pc.flags & 6u) != 0u ? wts[token * pc.n_used + s] : 1.0;
         const uint ab = uint(e) * pc.nrows * (pc.ncols / QK);
         const uint xb = (token * pc.x_stride + s * pc.x_slot_stride) / 4u;
+#ifdef REDUCE_NONE
+        // each slot summed on its own, then added: the grouped kernel's sums (XROWS + moe_sum)
+        float ps[NR];
+        [[unroll]] for (uint n = 0u; n < NR; n++) {
+            ps[n] = 0.0;
+        }
+        accumulate(ab, xb, first, scale, ps);
+        [[unroll]] for (uint n = 0u; n < NR; n++) {
+            partial[n] += ps[n];
+        }
+#else
         accumulate(ab, xb, first, scale, partial);
+#endif
     }
     if (!any && !sum) {
         return;  // this slot's expert lives in another part
@@ -201,3 +368,4 @@ void main() {
         }
     }
 }
+#endif  // XROWS

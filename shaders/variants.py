@@ -65,6 +65,13 @@ def variants() -> list[Variant]:
             ux = (("REDUCE_NONE", ""), ("X_UNIFORM", ""))
             out.append(Variant(f"mul_mv_{t}_none_ux", "mul_mv.comp", (ty, *ux)))
             out.append(Variant(f"mul_mv_id_{t}_none_ux", "mul_mv.comp", (ty, ("MUL_ID", ""), *ux)))
+        # many rows of x per weight decode (prefill / verify rows on CPU devices), x uniform or storage
+        out.append(Variant(f"mul_mv_{t}_none_xr", "mul_mv.comp", (ty, ("REDUCE_NONE", ""), ("XROWS", ""),
+                                                                  ("X_UNIFORM", ""))))
+        out.append(Variant(f"mul_mv_{t}_none_xrs", "mul_mv.comp", (ty, ("REDUCE_NONE", ""), ("XROWS", ""))))
+        # routed experts grouped per expert (the slots that chose it share each weight decode)
+        out.append(Variant(f"mul_mv_id_{t}_none_xrs", "mul_mv.comp", (ty, ("REDUCE_NONE", ""), ("XROWS", ""),
+                                                                     ("MUL_ID", ""))))
         out.append(Variant(f"mul_mm_{t}", "mul_mm.comp", (ty,)))
         out.append(Variant(f"get_rows_{t}", "get_rows.comp", (ty,)))
     for op in ELEMENTWISE_OPS:
@@ -73,7 +80,8 @@ def variants() -> list[Variant]:
     out.append(Variant("attn", "attn.comp"))
     out.append(Variant("attn_none", "attn.comp", (("REDUCE_NONE", ""),)))
     for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy",
-                 "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk"):  # the last five: Gated DeltaNet models
+                 "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk",  # the last five: Gated DeltaNet models
+                 "moe_sum"):
         out.append(Variant(name, f"{name}.comp"))
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
     out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))

@@ -502,14 +502,15 @@ class Recorder:
 
         def record(seq, ts, idx: Val, accumulate: bool, out: Optional[Slice] = None) -> None:
             gt, ut, dt = ts
-            K.mul_mv_id(seq, gt, x.s, g.s, idx.s, w.s, R, k, dim, 0, F)  # [R, k, F]
-            K.mul_mv_id(seq, ut, x.s, u.s, idx.s, w.s, R, k, dim, 0, F)
+            E = self.cfg.n_experts  # not the pool's slots: streamed runs the kernels resident does
+            K.mul_mv_id(seq, gt, x.s, g.s, idx.s, w.s, R, k, dim, 0, F, n_experts=E)  # [R, k, F]
+            K.mul_mv_id(seq, ut, x.s, u.s, idx.s, w.s, R, k, dim, 0, F, n_experts=E)
             if biases is None:
                 K.elementwise(seq, "swiglu", g.s, u.s, h.s, R * k * F)
             else:
                 K.expert_glu_oai(seq, g.s, u.s, ids.s, biases[0], biases[1], h.s, R * k, F, *glu)
             K.mul_mv_id(seq, dt, h.s, out or y.s, idx.s, w.s, R, k, k * F, F, dim, mode="sum",
-                        accumulate=accumulate)  # [R, dim]
+                        accumulate=accumulate, n_experts=E)  # [R, dim]
             if biases is not None:  # weighted as the products are (row-group passes zero the others' weights)
                 K.expert_down_bias(seq, out or y.s, ids.s, w.s, biases[2], R, k, dim)
 

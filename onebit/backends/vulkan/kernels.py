@@ -32,6 +32,13 @@ UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_
 # (whole-unit decode, shaders/dequant.glsl UNIT_QDOT), IQ3_XXS, IQ3_S, TQ1_0 (2 -> 8) and IQ1_M
 # (2 -> 4). More rows cost lavapipe compile time: about 3 s per pipeline at 8 rows for IQ3_S.
 MV_ROWS_CPU = {"IQ1_S": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 8, "IQ3_S": 8, "TQ1_0": 8, "IQ1_M": 4}
+# Types whose one-row mul_mv decodes a whole unit at a time (shaders/dequant.glsl UNIT_QDOT), so
+# its sums run in another order than the many-row kernels': they keep the one-row kernel.
+MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
+# Grouped expert mat-vec (Kernels.mul_mv_id_xr) with 32 weight rows per thread, not 16: the
+# types whose 32-row pipeline compiles in under 10 s on lavapipe (Q4_K 7.9 s, Q6_K 9.3 s;
+# Q5_K 13.6 s and MXFP4 10.9 s did not).
+MV_ID_XR_WIDE = frozenset({"Q4_K", "Q6_K", "Q8_0"})
 # Weight types with shaders: those shaders/variants.py built a get_rows variant for.
 SUPPORTED_TYPES = tuple(sorted(
     v[len("get_rows_"):] for v in json.loads((resources.files(__package__) / "spv" / "manifest.json").read_text())
@@ -226,6 +233,26 @@ class Kernels:
         # Thread-per-row mat-vec unrolls rows x units of a block; past ~32 copies of the
         # dequantizer, LLVM (lavapipe) compiles for many seconds for little gain.
         self.mv_unrolled = 32
+        # Products over several rows of x on a CPU device: up to this many rows per weight decode
+        # (shaders/mul_mv.comp XROWS), mv_xr_nr weight rows per thread; 0 or 1: mat-vec per row.
+        # Measured on lavapipe (bench/results/issue8-execution-modes.md): 16 rows x 8 weight rows
+        # per thread beat 4-8 x 1-4 at 16 rows of x; pipelines compile in 2-6 s.
+        self.mv_xrows = 16 if self.reduce == "none" else 0
+        self.mv_xr_nr = 8
+        self.mv_xr_uniform = True  # x from a uniform buffer where a chunk of rows fits one
+        # Routed experts are grouped per expert (mul_mv_id_xr) where each expert gets at least this
+        # many slots on average (n_tokens * k / n_experts). Measured on lavapipe, Q4_K gate + down
+        # (bench/results/issue8-execution-modes.md): 64 experts top 8, 0.5 / 1.1 / 2 / 3 / 8 slots
+        # per expert 0.77x / 0.89x / 1.04-1.24x / 1.56x / 2.0x; 4 experts top 2, 1.5 / 2 / 3 / 4:
+        # 1.13x / 1.23x / 1.68x / 1.78x.
+        self.mv_id_xr_min_slots = 2
+        # Grouped experts: rows of x per decode at most 8 and more weight rows per thread than the
+        # dense kernel (x is a storage buffer there, each read a bounds-checked gather, so it
+        # pays to serve more rows): Q4_K experts at 256 tokens 2.2x with 8 rows x 16 wide,
+        # 3.0x with 16 x 8, 3.9x with 32 x 8 (bench/results/issue8-execution-modes.md).
+        self.mv_id_xrows = 8
+        self.mv_id_xr_nr = 16
+        self._scratch: list[Buffer] = []
         # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
         # memory and barriers are slow there), so it is always used.
@@ -330,6 +357,14 @@ class Kernels:
                accumulate: bool = False) -> None:
         """y[r, :] (+)= W @ x[r, :] for r < n_rows; W: [out, in]."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
+        # (not the whole-unit IQ types: their one-row dot, unit_qdot, sums in another order, and a
+        # row must get the same bits from either kernel)
+        if n_rows > 1 and self.mv_xrows > 1 and self.reduce == "none" and w.type_name not in MV_WHOLE_UNIT \
+                and x.offset % 16 == 0 \
+                and x.offset % self.dev.info.min_storage_buffer_offset_alignment == 0 \
+                and x_stride * 4 % self.dev.info.min_storage_buffer_offset_alignment == 0:
+            self.mul_mv_xr(seq, w, x, y, n_rows, x_stride, y_stride, accumulate)
+            return
         extra = self._extra(w.type_name)
         name, uniform = self._mv_variant(f"mul_mv_{w.type_name}_{self.reduce}", w.type_name, 3 + len(extra), x)
         p = self.pipeline(name, 3 + len(extra), (self.mv_wg, self._mv_rows(w.type_name)), uniform)
@@ -337,6 +372,46 @@ class Kernels:
             gx, gy = self._grid(math.ceil(part.count / self._mv_rows_per_group(w.type_name)))
             push = _push("10I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0)
             seq.dispatch(p, (part.slice, x, y, *extra), push, (gx, gy, n_rows), writes=(2,))
+
+    XR_WIDTHS = (2, 4, 8, 16)  # XROWS pipelines compiled (rows of x per weight decode)
+
+    def _xr_width(self, n: int) -> int:
+        """The XROWS pipeline for chunks of n rows: the narrowest width >= n (its rows past n are
+        computed and dropped; a width per n would be 15 pipelines of 2-5 s compile each)."""
+        return next((v for v in self.XR_WIDTHS if v >= min(n, self.mv_xrows)), self.XR_WIDTHS[-1])
+
+    def _xr_chunks(self, n_rows: int, per: int) -> list[tuple[int, int]]:
+        """[r0, count) chunks of at most `per` rows, as even as possible (count <= the first's)."""
+        n = math.ceil(n_rows / per)
+        size = math.ceil(n_rows / n)
+        return [(r0, min(size, n_rows - r0)) for r0 in range(0, n_rows, size)]
+
+    def mul_mv_xr(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int,
+                  y_stride: int, accumulate: bool = False) -> None:
+        """mul_mv with each weight unit decoded once for up to mv_xrows rows of x (thread per row,
+        CPU devices): one dispatch per chunk of rows, x from a uniform buffer where a chunk fits."""
+        self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
+        info = self.dev.info
+        row_bytes = x_stride * 4
+        ubo = min(info.max_uniform_buffer_range, self.X_UNIFORM_MAX)
+        per_ubo = ubo // row_bytes if x.offset % info.min_uniform_buffer_offset_alignment == 0 \
+            and row_bytes % info.min_uniform_buffer_offset_alignment == 0 else 0
+        uniform = self.mv_xr_uniform and per_ubo >= min(2, n_rows)
+        per = min(self.mv_xrows, per_ubo) if uniform else self.mv_xrows
+        extra = self._extra(w.type_name)
+        n_bind = 3 + len(extra)
+        name = f"mul_mv_{w.type_name}_none_{'xr' if uniform else 'xrs'}"
+        ubos = ((1,) if uniform else ()) + self._grid_ubo(w.type_name, n_bind)
+        nr, chunks = self.mv_xr_nr, self._xr_chunks(n_rows, per)
+        p = self.pipeline(name, n_bind, (self.mv_wg, nr, self._xr_width(chunks[0][1])), ubos)
+        for r0, count in chunks:  # x bound from row r0 on (row strides are whole 16-byte words)
+            off = r0 * row_bytes
+            xs = x.buffer.slice(x.offset + off, min(count * row_bytes, x.size - off) if uniform else x.size - off)
+            for part in w.parts:
+                gx, gy = self._grid(math.ceil(part.count / (nr * self.mv_wg)))
+                push = _push("12I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0,
+                             count, r0)
+                seq.dispatch(p, (part.slice, xs, y, *extra), push, (gx, gy, 1), writes=(2,))
 
     def mul_mm(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
                accumulate: bool = False) -> None:
@@ -351,15 +426,24 @@ class Kernels:
 
     def mul_mv_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
                   k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
-                  accumulate: bool = False) -> None:
+                  accumulate: bool = False, n_experts: Optional[int] = None) -> None:
         """Expert mat-vec; W: [n_experts, out, in], ids/wts: [n_tokens, k] on the device.
 
         mode "slots":    y[t*k + s, :] = W[ids[t, s]] @ x[t, s]
         mode "weighted": same, times wts[t, s] (the routing weight fused)
         mode "sum":      y[t, :] (+)= sum_s wts[t, s] * W[ids[t, s]] @ x[t, s]
         x[t, s] starts at t * x_stride + s * x_slot_stride (x_slot_stride 0: shared by all slots).
+        n_experts: the model's experts, which sets whether the slots are grouped per expert (default
+        W's count; a pool's slot tensors pass the model's, so streamed runs the kernels resident does).
         """
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
+        info = self.dev.info
+        grouped = n_tokens * k >= self.mv_id_xr_min_slots * (n_experts or w.shape[0])
+        if (self.reduce == "none" and self.mv_xrows > 1 and grouped and n_tokens * k <= self.XR_MAX_IDS
+                and w.type_name not in MV_WHOLE_UNIT and ids.offset % info.min_uniform_buffer_offset_alignment == 0):
+            self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate,
+                              n_experts)
+            return
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
         extra = self._extra(w.type_name)
         name, uniform = self._mv_variant(f"mul_mv_id_{w.type_name}_{self.reduce}", w.type_name, 5 + len(extra), x)
@@ -372,6 +456,45 @@ class Kernels:
             push = _push("10I", w.ncols, nrows, 0, x_stride, y_stride, flags | acc, k, x_slot_stride, part.start,
                          part.count)
             seq.dispatch(p, (part.slice, x, y, ids, wts, *extra), push, (gx, gy, gz), writes=(2,))
+
+    XR_MAX_IDS = 4096  # shaders/mul_mv.comp XROWS + MUL_ID: ids4[1024]
+
+    def _scratch_slice(self, nbytes: int) -> Slice:
+        """A device buffer of at least nbytes for kernels' intermediates (grown, never freed while
+        recorded sequences may use the old ones; hazards are tracked per slice as for any buffer)."""
+        if not self._scratch or self._scratch[-1].size < nbytes:
+            self._scratch.append(self.dev.buffer(max(nbytes, 2 * self._scratch[-1].size if self._scratch else 0)))
+        return self._scratch[-1].slice(0, nbytes)
+
+    def mul_mv_id_xr(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
+                     k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
+                     accumulate: bool = False, n_experts: Optional[int] = None) -> None:
+        """mul_mv_id with the slots grouped per expert on the device (CPU devices): each unit of an
+        expert's rows decoded once for up to mv_xrows of the slots that chose it. "sum" writes the
+        weighted slots to a scratch buffer, then moe_sum adds each token's."""
+        extra = self._extra(w.type_name)
+        n_bind = 5 + len(extra)
+        nr, nrows = self.mv_id_xr_nr * (2 if w.type_name in MV_ID_XR_WIDE else 1), w.shape[1]
+        # width: about the slots each expert gets (an expert with more runs several passes)
+        per = min(self.mv_id_xrows, self._xr_width(max(2, n_tokens * k // (n_experts or w.shape[0]))))
+        p = self.pipeline(f"mul_mv_id_{w.type_name}_none_xrs", n_bind, (self.mv_wg, nr, per),
+                          (3, *self._grid_ubo(w.type_name, n_bind)))
+        if mode == "sum":
+            out, out_stride, flags = self._scratch_slice(n_tokens * k * nrows * 4), nrows, 4
+        else:
+            out, out_stride, flags = y, y_stride, 4 if mode == "weighted" else 0
+        ids_u = ids.buffer.slice(ids.offset, min(ids.size, self.XR_MAX_IDS * 4))
+        gx, gy = self._grid(math.ceil(nrows / (nr * self.mv_wg)))
+        for part in w.parts:
+            push = _push("12I", w.ncols, nrows, 0, x_stride, out_stride, flags, k, x_slot_stride, part.start,
+                         part.count, n_tokens, 0)
+            seq.dispatch(p, (part.slice, x, out, ids_u, wts, *extra), push, (gx, gy, part.count), writes=(2,))
+        if mode == "sum":
+            e_lo, e_hi = w.parts[0].start, w.parts[-1].start + w.parts[-1].count
+            ps = self.pipeline("moe_sum", 3, (256,))
+            gx, gy = self._grid(math.ceil(n_tokens * nrows / 256))
+            seq.dispatch(ps, (out, ids, y), _push("5I2i", nrows, n_tokens, k, y_stride, int(accumulate), e_lo, e_hi),
+                         (gx, gy, 1), writes=(2,))
 
     # -- lookups and elementwise --------------------------------------------------------------
 

@@ -1,0 +1,39 @@
+#version 450
+// The slots of each token added (the grouped expert mat-vec's "sum" mode, shaders/mul_mv.comp
+// XROWS + MUL_ID, which writes each slot's weighted product to its own row):
+//   y[t, c] (+)= sum over s < k with e_lo <= ids[t, s] < e_hi of p[(t * k + s) * n + c]
+// Slots whose expert is outside [e_lo, e_hi) were not written (an expert in no part).
+#include "common.glsl"
+
+layout(local_size_x_id = 0) in;
+
+layout(binding = 0, std430) readonly buffer P { float p[]; };
+layout(binding = 1, std430) readonly buffer Ids { int ids[]; };
+layout(binding = 2, std430) buffer Y { float y[]; };
+
+layout(push_constant) uniform Push {
+    uint n;         // floats per row
+    uint n_tokens;
+    uint k;         // slots per token
+    uint y_stride;  // floats between rows of y
+    uint flags;     // 1: add to y
+    int e_lo;
+    int e_hi;
+} pc;
+
+void main() {
+    const uint i = flat_group() * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+    if (i >= pc.n * pc.n_tokens) {
+        return;
+    }
+    const uint t = i / pc.n, c = i % pc.n;
+    float v = 0.0;
+    for (uint s = 0u; s < pc.k; s++) {
+        const int e = ids[t * pc.k + s];
+        if (e >= pc.e_lo && e < pc.e_hi) {
+            v += p[(t * pc.k + s) * pc.n + c];
+        }
+    }
+    const uint o = t * pc.y_stride + c;
+    y[o] = ((pc.flags & 1u) != 0u ? y[o] : 0.0) + v;
+}
