@@ -70,6 +70,22 @@ def timed_with_copy(dev, record, copy_seq, reps: int, runs: int) -> tuple[float,
     return statistics.median(t_kernel) / reps, statistics.median(t_copy) / copy_seq[1]
 
 
+def _xrows_medians(dev, k, record, xrows_list, slow, runs) -> list[float]:
+    """Median seconds of `record` with per-row products (mv_xrows 0) and each XROWS width, one
+    submission of each in turn per run (alternating)."""
+    seqs = []
+    for xv in [0, *xrows_list]:
+        k.mv_xrows = xv
+        seqs.append(_sequence(dev, record, slow))
+    times = [[] for _ in seqs]
+    for _ in range(runs):
+        for i, sq in enumerate(seqs):
+            times[i].append(_seconds(sq) / slow)
+    for sq in seqs:
+        sq.close()
+    return [statistics.median(t) for t in times]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default=",".join(SUPPORTED_TYPES))
@@ -173,17 +189,8 @@ def main() -> int:
                     f"@ {R} rows")
         if "mul_mv_xr" in kernels:  # per-row mat-vec (mv_xrows 0) and XROWS, alternating submissions
             for r in R_list:
-                seqs = []
-                for xv in [0, *xrows_list]:
-                    k.mv_xrows = xv
-                    seqs.append(_sequence(dev, lambda s: k.mul_mv(s, w, x.slice(), y.slice(), r, n_in, n_out), slow))
-                times = [[] for _ in seqs]
-                for _ in range(args.runs):
-                    for i, sq in enumerate(seqs):
-                        times[i].append(_seconds(sq) / slow)
-                for sq in seqs:
-                    sq.close()
-                xr_rows.append((type_name, n_out, r, [statistics.median(t) for t in times]))
+                xr_rows.append((type_name, n_out, r, _xrows_medians(
+                    dev, k, lambda s: k.mul_mv(s, w, x.slice(), y.slice(), r, n_in, n_out), xrows_list, slow, args.runs)))
             k.mv_xrows = xrows_list[0]
         if "mul_mv_id_xr" in kernels:  # routed experts at R tokens: per slot (mv_xrows 0) against grouped
             E, kk, F = args.experts, args.top_k, args.moe_ff
@@ -202,17 +209,8 @@ def main() -> int:
                     k.mul_mv_id(s, wg_, xe.slice(), ge_out.slice(), rid.slice(), rwt.slice(), r, kk, n_in, 0, F)
                     k.mul_mv_id(s, wd_, he.slice(), yd.slice(), rid.slice(), rwt.slice(), r, kk, kk * F, F, n_in,
                                 mode="sum")
-                seqs = []
-                for xv in [0, *xrows_list]:
-                    k.mv_xrows = xv
-                    seqs.append(_sequence(dev, rec, slow))
-                times = [[] for _ in seqs]
-                for _ in range(args.runs):
-                    for i, sq in enumerate(seqs):
-                        times[i].append(_seconds(sq) / slow)
-                for sq in seqs:
-                    sq.close()
-                xr_rows.append((type_name, f"{E}x{F} top {kk}", r, [statistics.median(t) for t in times]))
+                xr_rows.append((type_name, f"{E}x{F} top {kk}", r,
+                                _xrows_medians(dev, k, rec, xrows_list, slow, args.runs)))
                 for b in (rid, rwt, xe, he, ge_out, yd):
                     b.destroy()
             k.mv_xrows = xrows_list[0]

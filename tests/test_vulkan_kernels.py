@@ -60,6 +60,20 @@ def close(got, want, rng, tol=2e-5, what=""):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=f"{what} (seed {rng.seed})")
 
 
+# Two Q4_K experts of 8 rows per binding, for experts_in_parts' weights.
+PART_BYTES = 2 * 8 * 144
+
+
+def experts_in_parts(rng, rows: int, n_experts: int = 5, k: int = 2):
+    """Q4_K experts [n_experts, 8, 256] (bound in parts under PART_BYTES), each of `rows` tokens
+    routed to k of them: (weights, ids, routing weights, x per slot)."""
+    we = ref.random_blocks("Q4_K", (n_experts, 8, 256), rng)
+    ids = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    wts = rng.random((rows, k)).astype(np.float32)
+    xe = rng.standard_normal((rows, k, 256)).astype(np.float32)
+    return we, ids, wts, xe
+
+
 def n_in(type_name: str, blocks: int = 2) -> int:
     return max(shader_qk(type_name), 32) * blocks
 
@@ -180,12 +194,8 @@ def test_weights_bound_in_parts(rng, reduce):
     close(ops.mul_mm(w, "Q6_K", x), ref.mul_mm(w, "Q6_K", x), rng, TOL["Q6_K"], "mul_mm parts")
     ids = np.array([20, 0, 7, 4, 13])
     close(ops.get_rows(w, "Q6_K", ids), ref.get_rows(w, "Q6_K", ids), rng, 1e-6, "get_rows parts")
-    ops = VulkanOps(reduce=reduce, max_part_bytes=2 * 8 * 144)  # two Q4_K experts of 8 rows per binding
-    E, k, R = 5, 2, 4
-    we = ref.random_blocks("Q4_K", (E, 8, 256), rng)
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
-    wts = rng.random((R, k)).astype(np.float32)
-    xe = rng.standard_normal((R, k, 256)).astype(np.float32)
+    ops = VulkanOps(reduce=reduce, max_part_bytes=PART_BYTES)
+    we, ids, wts, xe = experts_in_parts(rng, 4)
     for mode in ("slots", "sum"):
         close(ops.mul_mv_id(we, "Q4_K", xe, ids, wts, mode), ref.mul_mv_id(we, "Q4_K", xe, ids, wts, mode), rng,
               TOL["Q4_K"], f"mul_mv_id parts {mode}")

@@ -16,7 +16,7 @@ from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.kernels import MV_WHOLE_UNIT, SUPPORTED_TYPES
 from onebit.backends.vulkan.ops import VulkanOps
 
-from test_vulkan_kernels import TOL, close, n_in, rng  # noqa: F401  (rng: the seeded fixture)
+from test_vulkan_kernels import PART_BYTES, TOL, close, experts_in_parts, n_in, rng  # noqa: F401  (rng: the seeded fixture)
 
 
 @pytest.fixture(scope="module")
@@ -147,12 +147,9 @@ def test_mul_mv_id_grouped_or_per_slot(cpu_ops, rng, R):
 def test_mul_mv_id_grouped_in_parts(rng):
     """Experts bound in parts (two per binding): each part's dispatch takes its own experts'
     slots; moe_sum adds the slots of every part."""
-    o = VulkanOps(reduce="none", max_part_bytes=2 * 8 * 144)
-    E, k, R = 5, 2, 12
-    we = ref.random_blocks("Q4_K", (E, 8, 256), rng)
-    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
-    wts = rng.random((R, k)).astype(np.float32)
-    xe = rng.standard_normal((R, k, 256)).astype(np.float32)
+    o = VulkanOps(reduce="none", max_part_bytes=PART_BYTES)
+    k, R = 2, 12
+    we, ids, wts, xe = experts_in_parts(rng, R, k=k)
     for mode in ("slots", "sum"):
         poison_scratch(o, R * k * 8 * 4)
         with Spy(o.k, "mul_mv_id_xr") as spy:
