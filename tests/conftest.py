@@ -39,6 +39,27 @@ def run_cli(monkeypatch, capsys, *args):
     return e.value.code, out, err
 
 
+def chat_repl_output(model, sampler, monkeypatch, capsys, show: bool, message: str = "Hi!") -> str:
+    """One chat REPL turn (`message`, then end of input) with colour on and the model's replies
+    scripted by `sampler`: what it printed, with the dim escape's per-piece restarts joined."""
+    from onebit import chat as chat_mod
+    from onebit.cli import chat_repl
+
+    lines = iter([message])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr(chat_mod, "make_sampler", lambda *a, **kw: sampler)
+    monkeypatch.setattr(chat_repl, "_colour", lambda: True)
+    chat_repl.run_chat(model, show_reasoning=show, temperature=0.0, max_tokens=200)
+    return capsys.readouterr().out.replace("\033[0m\033[2m", "")  # (dimmed piece by piece as it streams)
+
+
 def greedy_tokens(m, ids: np.ndarray, n: int) -> list[int]:
     """n greedy tokens after prompt ids, one forward per token."""
     cache = m.new_cache()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import onebit
-from conftest import cosine_rows, fixture_path, greedy_tokens
+from conftest import chat_repl_output, cosine_rows, fixture_path, greedy_tokens
 from onebit.backends import BACKENDS
 from onebit.backends import numpy_backend as nb
 from onebit.backends.vulkan import reference as ref
@@ -367,22 +367,7 @@ def test_chat_session_parses_the_channels_and_stores_the_turn(chat_model):
 
 @pytest.mark.parametrize("show", [False, True])
 def test_chat_repl_hides_or_dims_the_reasoning(chat_model, monkeypatch, capsys, show):
-    from onebit import chat as chat_mod
-    from onebit.cli import chat_repl
-
-    lines = iter(["Hi!"])
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    monkeypatch.setattr(chat_mod, "make_sampler", lambda *a, **kw: _script(chat_model))
-    monkeypatch.setattr(chat_repl, "_colour", lambda: True)
-    chat_repl.run_chat(chat_model, show_reasoning=show, temperature=0.0, max_tokens=200)
-    out = capsys.readouterr().out.replace("\033[0m\033[2m", "")  # (dimmed piece by piece as it streams)
+    out = chat_repl_output(chat_model, _script(chat_model), monkeypatch, capsys, show)
     assert FINAL in out and "<|channel|>" not in out
     assert (f"\033[2m{ANALYSIS}\033[0m\n{FINAL}" in out) == show and (ANALYSIS in out) == show
     assert ("(reasoning; --show-reasoning shows it)" in out) == (not show)

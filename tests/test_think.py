@@ -24,7 +24,7 @@ from onebit.chat import ChatSession
 from onebit.chat_template import render_chat
 from onebit.think import ThinkStream, prompt_opens_think, split_think, think_stream, uses_think
 
-from conftest import fixture_path
+from conftest import chat_repl_output, fixture_path
 from ggufedit import rewrite
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -203,23 +203,8 @@ def test_a_model_without_think_tags_is_unchanged():
 
 @pytest.mark.parametrize("show", [False, True])
 def test_chat_repl_hides_or_dims_the_reasoning(think_model, monkeypatch, capsys, show):
-    from onebit import chat as chat_mod
-    from onebit.cli import chat_repl
-
     model, name = think_model
-    lines = iter(["Hi!"])
-
-    def fake_input(prompt=""):
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    monkeypatch.setattr(chat_mod, "make_sampler", lambda *a, **kw: _script(model, _reply(name)))
-    monkeypatch.setattr(chat_repl, "_colour", lambda: True)
-    chat_repl.run_chat(model, show_reasoning=show, temperature=0.0, max_tokens=200)
-    out = capsys.readouterr().out.replace("\033[0m\033[2m", "")  # (dimmed piece by piece as it streams)
+    out = chat_repl_output(model, _script(model, _reply(name)), monkeypatch, capsys, show)
     assert ANSWER in out and "<think>" not in out and "</think>" not in out
     assert (f"\033[2m{REASONING}\033[0m\n{ANSWER}" in out) == show and ("I greet back" in out) == show
     assert ("(reasoning; --show-reasoning shows it)" in out) == (not show)
