@@ -12,6 +12,7 @@ over the set's prompts of each prompt's median), the ratio to plain, tokens per 
 the accept rate.
 
     python bench/bench_lookup.py [--model M.gguf] [--backend numpy --backend vulkan] [--reps 5]
+        [--slots N]      # routed experts streamed through a pool of N slots (default: resident)
 """
 
 from __future__ import annotations
@@ -116,13 +117,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--no-prompts", action="store_true", help="only the rho table")
+    ap.add_argument("--slots", default=None, type=lambda v: v if v == "auto" else int(v), help="stream routed experts through a pool of this many slots")
     a = ap.parse_args()
     from onebit.cli.main import default_model_path
 
     path = a.model or default_model_path()
-    print(f"model: {path}\n")
+    print(f"model: {path}" + (f", experts streamed through {a.slots} slots" if a.slots else "") + "\n")
     for backend in a.backend or ["numpy"]:
-        m = onebit.load(path, backend=backend)
+        m = onebit.load(path, backend=backend, slots=a.slots)
         rho, t1 = rho_table(m, a.reps)
         print(f"## {m.be.name}: rho(R) = T(R rows) / T(1 row), 64-token context, median of {a.reps}"
               f" (T(1) = {1000 * t1:.1f} ms)\n")

@@ -57,8 +57,9 @@ def generate_step(
     rollback = lookup and not cache.can_trim
     point = None  # (checkpoint, the rows run after it) of the last verify forward
     drafter = NgramDrafter(tokens) if lookup else None
-    # row-count timings outlive one generation: they belong to the network on this machine
-    policy = DraftPolicy(times=getattr(net, "draft_times", None)) if lookup else None
+    # row-count timings and accept rates outlive one generation: they belong to the network
+    policy = DraftPolicy(times=getattr(net, "draft_times", None), rates=getattr(net, "draft_rates", None)) \
+        if lookup else None
     yielded = 0
     logits = None
     if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens

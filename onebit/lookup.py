@@ -91,11 +91,21 @@ class DraftPolicy:
     drafting is off too; a cautious Beta(1, 3) start: a = 0.25 until proposals say more). T(R)
     is the running mean time of decode forwards over R rows, kept with the network across
     generations (`times`); a row count not yet measured is assumed to cost
-    T(1) * (1 + 0.1 (R - 1)), a guess that the first measurement replaces."""
+    T(1) * (1 + 0.1 (R - 1)), a guess that the first measurement replaces.
 
-    def __init__(self, n_max: int = NGRAM_MAX, decay: float = 0.9, times: Optional[dict] = None):
-        self.hits = [1.0] * (n_max + 1)  # by match length; Beta(1, 3) prior
-        self.tries = [4.0] * (n_max + 1)
+    The accept rates, like the timings, can outlive one generation (`rates`, kept with the
+    network: a chat's turns and a batch's prompts go on from what the earlier ones taught, so
+    each does not pay again to learn that drafts fail). Their memory is bounded: once a match
+    length has MEMORY tries, its counts are scaled down so that each new outcome weighs as
+    much as one in MEMORY, and a change of text is followed within tens of proposals."""
+
+    MEMORY = 64.0
+
+    def __init__(self, n_max: int = NGRAM_MAX, decay: float = 0.9, times: Optional[dict] = None,
+                 rates: Optional[dict] = None):
+        rates = {} if rates is None else rates
+        self.hits = rates.setdefault("hits", [1.0] * (n_max + 1))  # by match length; Beta(1, 3) prior
+        self.tries = rates.setdefault("tries", [4.0] * (n_max + 1))
         self.time: dict[int, float] = {} if times is None else times
         self.decay = decay
         self._open: Optional[tuple[int, list[int], list[int]]] = None  # (start, drafts, lengths) to score
@@ -125,9 +135,13 @@ class DraftPolicy:
             if start + i >= len(tokens):
                 break
             self.tries[n] += 1
-            if tokens[start + i] != t:
+            right = tokens[start + i] == t
+            self.hits[n] += right
+            if self.tries[n] > self.MEMORY:
+                self.hits[n] *= self.MEMORY / self.tries[n]
+                self.tries[n] = self.MEMORY
+            if not right:
                 break
-            self.hits[n] += 1
 
     def choose(self, tokens: Sequence[int], drafts: list[int], lengths: list[int]) -> int:
         """How many of `drafts` (proposed to follow `tokens`) to verify; opens them for scoring."""

@@ -505,6 +505,34 @@ def test_policy_learns_the_accept_rate_from_every_proposal():
     assert (p.hits[2], p.tries[2]) == (3.0, 7.0)
 
 
+def test_policy_rates_outlive_a_generation_when_kept():
+    """A second generation sharing the rates (as the network keeps them) starts from what the
+    first learned; a fresh one starts from the prior."""
+    rates, times = {}, {R: 1.0 + 0.1 * (R - 1) for R in range(1, 10)}
+    first = DraftPolicy(times=times, rates=rates)
+    assert first.choose([1, 2, 3], [4], [2]) == 1  # the prior (0.25 right) pays at 1.1x a step
+    toks = [1, 2, 3]
+    for _ in range(20):  # every draft behind a 2-token match wrong
+        first.choose(toks, [4], [2])
+        toks = toks + [5]
+    first.score(toks)
+    assert first.rate(2) < 0.05
+    assert DraftPolicy(times=times, rates=rates).choose(toks, [4], [2]) == 0
+    assert DraftPolicy(times=times).choose(toks, [4], [2]) == 1
+
+
+def test_policy_memory_is_bounded_so_a_change_of_text_is_followed():
+    p = DraftPolicy()
+    p.hits[3], p.tries[3] = 10_000.0, 10_000.0  # long right
+    toks = [1, 2, 3]
+    for _ in range(40):  # then wrong 40 times in a row
+        p.choose(toks, [9], [3])
+        toks = toks + [8]
+    p.score(toks)
+    assert p.tries[3] == DraftPolicy.MEMORY
+    assert p.rate(3) < 0.6  # without the bound it would still be 10000 / 10040 = 0.996
+
+
 # -- streamed experts ---------------------------------------------------------------------
 
 
