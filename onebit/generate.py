@@ -57,9 +57,10 @@ def generate_step(
     rollback = lookup and not cache.can_trim
     point = None  # (checkpoint, the rows run after it) of the last verify forward
     drafter = NgramDrafter(tokens) if lookup else None
-    # row-count timings and accept rates outlive one generation: they belong to the network
-    policy = DraftPolicy(times=getattr(net, "draft_times", None), rates=getattr(net, "draft_rates", None)) \
+    # row-count timings, accept rates and the gate outlive one generation: they belong to the network
+    policy = DraftPolicy(times=getattr(net, "draft_times", None), learned=getattr(net, "draft_learned", None)) \
         if lookup else None
+    made = 0  # tokens the last decode forward produced
     yielded = 0
     logits = None
     if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens
@@ -94,6 +95,9 @@ def generate_step(
                 drafts = drafts[: min(policy.choose(tokens, drafts, lengths), max(room, 0))]
             rows = np.asarray([tok, *drafts], dtype=np.int64)
             point = (cache.checkpoint(), rows) if rollback and drafts else None
+            if policy is not None:
+                policy.started(made)
+            made = 1
             t0 = time.perf_counter()
             logits = net.forward(rows, cache, hook=hook, last_only=not drafts)  # [1 + drafts, vocab]
             spent = time.perf_counter() - t0
@@ -112,6 +116,7 @@ def generate_step(
                         point = None
                     break
                 stats.accepted += 1
+                made += 1
                 tokens.append(d)
                 drafter.push(d)
                 yielded += 1

@@ -9,13 +9,15 @@ token that followed it, then drafts on as if that token had been accepted.
 How many of the proposed tokens a forward verifies is the `DraftPolicy`'s choice: the one
 that maximises expected tokens per second, from the accept rate of past proposals (by match
 length, counted for every proposal, verified or not, against the tokens that followed) and
-the measured time of forwards over R rows. It changes only how many rows a forward has,
+the measured time of forwards over R rows, behind a gate that turns drafting off while
+measured decode speed says it does not pay. It changes only how many rows a forward has,
 never which tokens come out.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -83,7 +85,8 @@ class NgramDrafter:
 
 
 class DraftPolicy:
-    """How many drafts to verify: the d maximising E(tokens | d) / T(1 + d rows).
+    """How many drafts to verify: the d maximising E(tokens | d) / T(1 + d rows), behind a gate
+    that measures whether drafting pays at all.
 
     E(tokens | d) = 1 + sum over i <= d of prod_{j <= i} a(n_j), where a(n) is the rate at which
     a draft behind an n-token match turned out right, given the drafts before it were (counted
@@ -93,22 +96,68 @@ class DraftPolicy:
     generations (`times`); a row count not yet measured is assumed to cost
     T(1) * (1 + 0.1 (R - 1)), a guess that the first measurement replaces.
 
-    The accept rates, like the timings, can outlive one generation (`rates`, kept with the
-    network: a chat's turns and a batch's prompts go on from what the earlier ones taught, so
-    each does not pay again to learn that drafts fail). Their memory is bounded: once a match
-    length has MEMORY tries, its counts are scaled down so that each new outcome weighs as
-    much as one in MEMORY, and a change of text is followed within tens of proposals."""
+    The accept rates, like the timings, outlive one generation (`learned`, kept with the
+    network: a chat's turns and a batch's prompts go on from what the earlier ones taught).
+    Their memory is bounded: once a match length has MEMORY tries, its counts are scaled down
+    so that each new outcome weighs as much as one in MEMORY.
+
+    The model above misses costs that no single forward shows (experts that verify rows pull
+    into a streaming pool evict ones the next tokens need; timings of a loaded machine move),
+    so a gate judges the result: decode forwards are timed start to start in windows of
+    WINDOW, and each window's seconds per token produced go to a running mean for the state
+    it ran in, drafting (the model's choice) or not (no drafts verified). The faster state
+    runs; the other is tried one window in EXPLORE, so a wrong state costs at most about
+    1/EXPLORE of the difference. Only timing decides, and it changes only how many rows a
+    forward has, never which tokens come out."""
 
     MEMORY = 64.0
+    WINDOW, EXPLORE, DECAY = 8, 8, 0.7
 
     def __init__(self, n_max: int = NGRAM_MAX, decay: float = 0.9, times: Optional[dict] = None,
-                 rates: Optional[dict] = None):
-        rates = {} if rates is None else rates
-        self.hits = rates.setdefault("hits", [1.0] * (n_max + 1))  # by match length; Beta(1, 3) prior
-        self.tries = rates.setdefault("tries", [4.0] * (n_max + 1))
+                 learned: Optional[dict] = None, clock=time.perf_counter):
+        learned = {} if learned is None else learned
+        self.hits = learned.setdefault("hits", [1.0] * (n_max + 1))  # by match length; Beta(1, 3) prior
+        self.tries = learned.setdefault("tries", [4.0] * (n_max + 1))
+        self.gate = learned.setdefault("gate", {"on": True, "mean": {True: None, False: None}, "windows": 0})
         self.time: dict[int, float] = {} if times is None else times
         self.decay = decay
+        self.clock = clock
         self._open: Optional[tuple[int, list[int], list[int]]] = None  # (start, drafts, lengths) to score
+        self._last: Optional[float] = None  # when the last decode forward started
+        self._window = [0.0, 0, 0]  # seconds, tokens, forwards
+
+    @property
+    def drafting(self) -> bool:
+        return self.gate["on"]
+
+    def started(self, made: int) -> None:
+        """A decode forward starts; the one before it produced `made` tokens (its accepted
+        drafts and the token after them)."""
+        now = self.clock()
+        w = self._window
+        if self._last is not None:
+            w[0] += now - self._last
+            w[1] += made
+            w[2] += 1
+        self._last = now
+        if w[2] < self.WINDOW:
+            return
+        g, state = self.gate, self.gate["on"]
+        per_token = w[0] / max(w[1], 1)
+        old = g["mean"][state]
+        g["mean"][state] = per_token if old is None else self.DECAY * old + (1 - self.DECAY) * per_token
+        self._window = [0.0, 0, 0]
+        g["windows"] += 1
+        other = not state
+        if g["windows"] % self.EXPLORE == 0:
+            nxt = other  # try the other state now and then (not drafting is first tried after EXPLORE windows)
+        elif g["mean"][other] is None:
+            nxt = state
+        else:
+            nxt = min((True, False), key=lambda k: g["mean"][k])
+        if nxt != state:
+            g["on"] = nxt
+            self._last = None  # the next interval carries the old state's work
 
     def rate(self, n: int) -> float:
         return self.hits[n] / self.tries[n]
@@ -148,6 +197,8 @@ class DraftPolicy:
         self.score(tokens)
         if self._open is None and drafts:
             self._open = (len(tokens), drafts, lengths)
+        if not self.gate["on"]:
+            return 0
         best, best_d = 1.0 / self.cost(1), 0
         expect, chain = 1.0, 1.0
         for d, n in enumerate(lengths, start=1):

@@ -509,7 +509,7 @@ def test_policy_rates_outlive_a_generation_when_kept():
     """A second generation sharing the rates (as the network keeps them) starts from what the
     first learned; a fresh one starts from the prior."""
     rates, times = {}, {R: 1.0 + 0.1 * (R - 1) for R in range(1, 10)}
-    first = DraftPolicy(times=times, rates=rates)
+    first = DraftPolicy(times=times, learned=rates)
     assert first.choose([1, 2, 3], [4], [2]) == 1  # the prior (0.25 right) pays at 1.1x a step
     toks = [1, 2, 3]
     for _ in range(20):  # every draft behind a 2-token match wrong
@@ -517,7 +517,7 @@ def test_policy_rates_outlive_a_generation_when_kept():
         toks = toks + [5]
     first.score(toks)
     assert first.rate(2) < 0.05
-    assert DraftPolicy(times=times, rates=rates).choose(toks, [4], [2]) == 0
+    assert DraftPolicy(times=times, learned=rates).choose(toks, [4], [2]) == 0
     assert DraftPolicy(times=times).choose(toks, [4], [2]) == 1
 
 
@@ -531,6 +531,56 @@ def test_policy_memory_is_bounded_so_a_change_of_text_is_followed():
     p.score(toks)
     assert p.tries[3] == DraftPolicy.MEMORY
     assert p.rate(3) < 0.6  # without the bound it would still be 10000 / 10040 = 0.996
+
+
+def _gated_run(per_forward, n=800):
+    """n decode forwards through a policy whose model always wants to draft (accept rates
+    pinned high, rows priced as free), on a fake clock: per_forward(d) = (seconds, tokens made)
+    for a forward verifying d drafts. The share of forwards that drafted, and the gate."""
+    t = [0.0]
+    p = DraftPolicy(clock=lambda: t[0])
+    for R in range(1, 10):
+        p.timed(R, 1.0)
+    made, drafted = 0, 0
+    for i in range(n):
+        p.hits[4], p.tries[4] = 95.0, 100.0
+        d = p.choose(list(range(i + 10)), [1] * 8, [4] * 8)
+        p.started(made)
+        dt, made = per_forward(d)
+        t[0] += dt
+        drafted += d > 0
+    return drafted / n, p.gate
+
+
+def test_gate_turns_drafting_off_when_measured_decode_is_slower_with_it():
+    """Drafts that the model prices as paying but that make decode slower (3 s a token against
+    1 s): after the first EXPLORE windows the gate keeps them off, but for one window in EXPLORE."""
+    share, gate = _gated_run(lambda d: (3.0, 1) if d else (1.0, 1))
+    assert not gate["on"] and gate["mean"][True] > gate["mean"][False]
+    assert 0.1 < share < 0.25  # 8 windows at the start + 1 in 8 after, of 100
+
+
+def test_gate_keeps_drafting_when_it_pays():
+    share, gate = _gated_run(lambda d: (1.2, 3) if d else (1.0, 1))
+    assert gate["on"] and share > 0.85
+
+
+def test_gate_is_fed_by_generation_and_its_off_state_verifies_nothing(monkeypatch):
+    """Through generate_step: with the network's gate off (and off measured faster), lookup
+    verifies no drafts (the output is plain decoding's), and the forwards reach the gate."""
+    monkeypatch.setattr(generate_mod, "DraftPolicy", DraftPolicy)
+    name = "qwen3moe-f32"
+    m = onebit.load(fixture_path(f"{name}.gguf"), backend="numpy")
+    try:
+        want = step_tokens(m, prompt(name), 0)[0]
+        m.net.draft_learned["gate"] = {"on": False, "mean": {True: 1e9, False: 1e-9}, "windows": 1}
+        got, _, st = step_tokens(m, prompt(name), 8)
+        assert got == want and st.proposed == 0
+        assert m.net.draft_learned["gate"]["windows"] >= 1 + (N_GEN - 1) // DraftPolicy.WINDOW - 1
+        assert m.net.draft_learned["hits"] != [1.0] * len(m.net.draft_learned["hits"]) or \
+            m.net.draft_learned["tries"] != [4.0] * len(m.net.draft_learned["tries"])  # proposals still scored
+    finally:
+        m.close()
 
 
 # -- streamed experts ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ class TransformerLM:
         self.kv_capacity = kv_capacity  # positions a new cache holds up front (0: grown as needed)
         self.rows_run = 0
         self.draft_times: dict[int, float] = {}  # lookup decoding: seconds of a forward by row count
-        self.draft_rates: dict = {}  # lookup decoding: how often drafts were right, by match length
+        self.draft_learned: dict = {}  # lookup decoding: accept rates by match length, the gate's means
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
         blocks.check_tensors(gguf, self.expected_tensors(gguf))
         attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
