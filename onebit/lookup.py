@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .errors import UsageError
+from .gate import SpeedGate
 
 MAX_DRAFTS = 8
 NGRAM_MAX = 4
@@ -118,17 +119,13 @@ class DraftPolicy:
         learned = {} if learned is None else learned
         self.hits = learned.setdefault("hits", [1.0] * (n_max + 1))  # by match length; Beta(1, 3) prior
         self.tries = learned.setdefault("tries", [4.0] * (n_max + 1))
-        self.gate = learned.setdefault("gate", {"on": True, "mean": {True: None, False: None}, "windows": 0})
+        self.gate = SpeedGate(self.EXPLORE, self.DECAY, learned.setdefault("gate", {}))
         self.time: dict[int, float] = {} if times is None else times
         self.decay = decay
         self.clock = clock
         self._open: Optional[tuple[int, list[int], list[int]]] = None  # (start, drafts, lengths) to score
         self._last: Optional[float] = None  # when the last decode forward started
         self._window = [0.0, 0, 0]  # seconds, tokens, forwards
-
-    @property
-    def drafting(self) -> bool:
-        return self.gate["on"]
 
     def started(self, made: int) -> None:
         """A decode forward starts; the one before it produced `made` tokens (its accepted
@@ -140,24 +137,10 @@ class DraftPolicy:
             w[1] += made
             w[2] += 1
         self._last = now
-        if w[2] < self.WINDOW:
-            return
-        g, state = self.gate, self.gate["on"]
-        per_token = w[0] / max(w[1], 1)
-        old = g["mean"][state]
-        g["mean"][state] = per_token if old is None else self.DECAY * old + (1 - self.DECAY) * per_token
-        self._window = [0.0, 0, 0]
-        g["windows"] += 1
-        other = not state
-        if g["windows"] % self.EXPLORE == 0:
-            nxt = other  # try the other state now and then (not drafting is first tried after EXPLORE windows)
-        elif g["mean"][other] is None:
-            nxt = state
-        else:
-            nxt = min((True, False), key=lambda k: g["mean"][k])
-        if nxt != state:
-            g["on"] = nxt
-            self._last = None  # the next interval carries the old state's work
+        if w[2] >= self.WINDOW:
+            self._window = [0.0, 0, 0]
+            if self.gate.window(w[0] / max(w[1], 1)):
+                self._last = None  # the next interval carries the old state's work
 
     def rate(self, n: int) -> float:
         return self.hits[n] / self.tries[n]
@@ -197,7 +180,7 @@ class DraftPolicy:
         self.score(tokens)
         if self._open is None and drafts:
             self._open = (len(tokens), drafts, lengths)
-        if not self.gate["on"]:
+        if not self.gate.on:
             return 0
         best, best_d = 1.0 / self.cost(1), 0
         expect, chain = 1.0, 1.0

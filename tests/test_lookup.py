@@ -556,13 +556,13 @@ def test_gate_turns_drafting_off_when_measured_decode_is_slower_with_it():
     """Drafts that the model prices as paying but that make decode slower (3 s a token against
     1 s): after the first EXPLORE windows the gate keeps them off, but for one window in EXPLORE."""
     share, gate = _gated_run(lambda d: (3.0, 1) if d else (1.0, 1))
-    assert not gate["on"] and gate["mean"][True] > gate["mean"][False]
+    assert not gate.on and gate.mean[True] > gate.mean[False]
     assert 0.1 < share < 0.25  # 8 windows at the start + 1 in 8 after, of 100
 
 
 def test_gate_keeps_drafting_when_it_pays():
     share, gate = _gated_run(lambda d: (1.2, 3) if d else (1.0, 1))
-    assert gate["on"] and share > 0.85
+    assert gate.on and share > 0.85
 
 
 def test_gate_is_fed_by_generation_and_its_off_state_verifies_nothing(monkeypatch):
