@@ -14,7 +14,7 @@ import pytest
 
 from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.device import VulkanKernelError
-from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, shader_qk
+from onebit.backends.vulkan.kernels import MV_WINDOW, SUPPORTED_TYPES, shader_qk
 from onebit.backends.vulkan.ops import VulkanOps
 
 REDUCE_MODES = ("none", "subgroup", "shmem")
@@ -108,6 +108,29 @@ def test_weights_ending_mid_word(ops_by_reduce, rng, type_name):
     rows = np.array([4, 0, 4], np.int32)
     close(o.get_rows(w, type_name, rows), ref.get_rows(w, type_name, rows), rng, TOL[type_name],
           f"get_rows {type_name} tail")
+
+
+# The whole-unit IQ types' one-row mat-vec reads each block as the 16-byte words around it
+# (shaders/dequant.glsl block_window) when every row is whole 16-byte runs (Kernels._w_aligned):
+# 2048 columns of these 50/66/74/82-byte blocks are (8 blocks a row), 512 are not. Both paths,
+# dense (37 rows) and experts, against numpy; the last block ends mid-word.
+@pytest.mark.parametrize("cols", [512, 2048])
+@pytest.mark.parametrize("type_name", sorted(MV_WINDOW))
+def test_mul_mv_block_windows(ops_by_reduce, rng, type_name, cols):
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    w = ref.random_blocks(type_name, (37, cols), rng)
+    # thread per row (CPU devices), in parts too, and split across a subgroup (GPUs: lane-varying blocks)
+    in_parts = VulkanOps(reduce="none", max_part_bytes=8 * w[0].nbytes)
+    for o in (ops_by_reduce["none"], in_parts, ops_by_reduce["subgroup"]):
+        assert o.k._w_aligned(o._weights(w, type_name, (37, cols))) == (cols == 2048)
+        close(o.mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name],
+              f"mul_mv {type_name} cols={cols} {o.k.reduce} parts={o.max_part_bytes}")
+    o = ops_by_reduce["none"]
+    ids = np.array([[0, 2], [2, 1]], np.int32)
+    wts = rng.random((2, 2)).astype(np.float32)
+    we = ref.random_blocks(type_name, (3, 13, cols), rng)
+    close(o.mul_mv_id(we, type_name, x, ids, wts, "sum"), ref.mul_mv_id(we, type_name, x, ids, wts, "sum"), rng,
+          TOL[type_name], f"mul_mv_id {type_name} cols={cols}")
 
 
 # Every type's thread-per-row mat-vec reads x from a uniform buffer when x fits one
