@@ -133,9 +133,10 @@ uint field_word(uint b, uint j) {
     return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh));
 }
 
-#if defined(TYPE_IQ1_S) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || defined(TYPE_IQ2_S)
+#if defined(TYPE_IQ1_S) || defined(TYPE_IQ1_M) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || defined(TYPE_IQ2_S)
 // Block windows, for mul_mv's whole-unit dots (UNIT_QDOT) when the host sets W_ALIGNED. These
-// blocks are only 2-byte aligned, so field_word reads a block as its words, each a per-lane
+// blocks are read as single words (IQ1_M's 56 bytes are whole words; the others are only 2-byte
+// aligned, read by field_word), each a per-lane
 // bounds-checked loop on lavapipe (about 17 instructions a lane). When every row is a whole
 // number of 16-byte runs and the binding starts on one (kernels.Kernels._w_aligned), a block's
 // offset within 16 bytes depends on its index in the row only: the same in every lane. The block
@@ -145,6 +146,10 @@ uint field_word(uint b, uint j) {
 #define BLOCK_BYTES 50u
 #define WIN_Q 4u
 #define WIN_W 13u
+#elif defined(TYPE_IQ1_M)
+#define BLOCK_BYTES 56u
+#define WIN_Q 4u
+#define WIN_W 14u
 #elif defined(TYPE_IQ2_XXS)
 #define BLOCK_BYTES 66u
 #define WIN_Q 5u
@@ -159,7 +164,7 @@ uint field_word(uint b, uint j) {
 #define WIN_W 21u
 #endif
 // (WIN_W words from the block's first 4-byte boundary cover it and the word after; the selects
-// below read words up to WIN_W + 2 < 4 WIN_Q of those loaded)
+// below read words up to WIN_W + 2 < 4 WIN_Q of those loaded; IQ1_M's offsets are 0 or 8)
 layout(binding = A_BINDING, std430) readonly buffer WeightU128 { uvec4 data_a128[]; };
 layout(constant_id = 3) const uint W_ALIGNED = 0u;
 struct Window {
@@ -181,7 +186,9 @@ Window block_window(uint b, uint ibr) {
     const uint k0 = m >> 2;
     Window win;
     [[unroll]] for (uint i = 0u; i < WIN_W; i++) {
-        win.v[i] = k0 == 0u ? w[i] : k0 == 1u ? w[i + 1u] : k0 == 2u ? w[i + 2u] : w[i + 3u];
+        const uint last = 4u * WIN_Q - 1u;  // (IQ1_M: k0 is 0 or 2 only)
+        win.v[i] = k0 == 0u ? w[i] : k0 == 1u ? w[min(i + 1u, last)] : k0 == 2u ? w[min(i + 2u, last)]
+                                                                     : w[min(i + 3u, last)];
     }
     win.r = m & 3u;
     return win;
@@ -690,21 +697,51 @@ float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
 // changes every 8 weights, inside a unit, so get_q4 returns v + delta.
 #define QK 256u
 #define QU 16u
+// (scale, 0) of unit iu from the block's two scale words and its 3-bit scale s
+vec2 iq1m_dm(uint w01, uint w23, uint s) {
+    uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
+    return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
+}
+// weights 4g..4g+3 of unit iu from the block's qs word (i >> 2) and qh word (8 + (i >> 3)), i = 2 iu + g / 2
+vec4 iq1m_q4(uint qs, uint qh, uint iu, uint g) {
+    uint i = 2u * iu + (g >> 1);
+    uint nib = (qh >> (4u * (i & 7u))) & 15u;
+    uint gi = ((qs >> (8u * (i & 3u))) & 255u) | ((nib & 7u) << 8);
+    uint n = grid_word(gi) >> (16u * (g & 1u));
+    float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
+    return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
+}
 vec2 get_dm(uint ib, uint iu) {
     // d from the four u16 scales read as two words (a block is 14 words, so word-aligned)
-    uint w01 = data_a32[ib * 14u + 12u], w23 = data_a32[ib * 14u + 13u];
-    uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
     uint s = (uint(data_a[ib].scales[iu >> 2]) >> (3u * (iu & 3u))) & 7u;
-    return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
+    return iq1m_dm(data_a32[ib * 14u + 12u], data_a32[ib * 14u + 13u], s);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint i = 2u * iu + (g >> 1);
     // qs[i] and qh[i / 2] from words (qs: words 0..7, qh: words 8..11)
-    uint nib = (data_a32[ib * 14u + 8u + (i >> 3)] >> (4u * (i & 7u))) & 15u;
-    uint gi = ((data_a32[ib * 14u + (i >> 2)] >> (8u * (i & 3u))) & 255u) | ((nib & 7u) << 8);
-    uint n = grid_word(gi) >> (16u * (g & 1u));
-    float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
-    return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
+    return iq1m_q4(data_a32[ib * 14u + (i >> 2)], data_a32[ib * 14u + 8u + (i >> 3)], iu, g);
+}
+// mul_mv's one-row dot under W_ALIGNED: the unit from the block's window, summed term for term
+// as unit_dot's get_q4 loop (the many-row XROWS kernel's sums too: a row gets the same bits
+// from either), so IQ1_M keeps the many-row kernel.
+#define UNIT_QDOT
+float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    float q = 0.0;
+    if (W_ALIGNED != 0u) {
+        const Window win = block_window(ib, ibr);  // r = 0: the block is whole words
+        const uint sw = win.v[12u + (iu >> 3)];  // scales[iu >> 2]: half (iu >> 2) & 1 of word 12 + iu / 8
+        dm = iq1m_dm(win.v[12], win.v[13], (sw >> (16u * ((iu >> 2) & 1u) + 3u * (iu & 3u))) & 7u);
+        [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+            const uint i = 2u * iu + (g >> 1);
+            q += dot(iq1m_q4(win.v[i >> 2], win.v[8u + (i >> 3)], iu, g), xv[g]);
+        }
+    } else {
+        dm = get_dm(ib, iu);
+        [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+            q += dot(get_q4(ib, iu, g), xv[g]);
+        }
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ4_NL) || defined(TYPE_IQ4_XS)

@@ -14,7 +14,7 @@ import pytest
 
 from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.device import VulkanKernelError
-from onebit.backends.vulkan.kernels import MV_WINDOW, SUPPORTED_TYPES, shader_qk
+from onebit.backends.vulkan.kernels import MV_WHOLE_UNIT, MV_WINDOW, SUPPORTED_TYPES, shader_qk
 from onebit.backends.vulkan.ops import VulkanOps
 
 REDUCE_MODES = ("none", "subgroup", "shmem")
@@ -112,9 +112,10 @@ def test_weights_ending_mid_word(ops_by_reduce, rng, type_name):
 
 # The whole-unit IQ types' one-row mat-vec reads each block as the 16-byte words around it
 # (shaders/dequant.glsl block_window) when every row is whole 16-byte runs (Kernels._w_aligned):
-# 2048 columns of these 50/66/74/82-byte blocks are (8 blocks a row), 512 are not. Both paths,
-# dense (37 rows) and experts, against numpy; the last block ends mid-word.
-@pytest.mark.parametrize("cols", [512, 2048])
+# 2048 columns of these 50/56/66/74/82-byte blocks are (8 blocks a row), 768 are not. Both paths,
+# dense (37 rows) and experts, against numpy; the last block ends mid-word. IQ1_M keeps the
+# many-row kernel, whose sums must stay the one-row kernel's bit for bit.
+@pytest.mark.parametrize("cols", [768, 2048])
 @pytest.mark.parametrize("type_name", sorted(MV_WINDOW))
 def test_mul_mv_block_windows(ops_by_reduce, rng, type_name, cols):
     x = rng.standard_normal((2, cols)).astype(np.float32)
@@ -126,6 +127,9 @@ def test_mul_mv_block_windows(ops_by_reduce, rng, type_name, cols):
         close(o.mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name],
               f"mul_mv {type_name} cols={cols} {o.k.reduce} parts={o.max_part_bytes}")
     o = ops_by_reduce["none"]
+    if type_name not in MV_WHOLE_UNIT:  # 2 rows: the many-row kernel
+        one = np.concatenate([o.mul_mv(w, type_name, x[r : r + 1]) for r in range(2)])
+        np.testing.assert_array_equal(o.mul_mv(w, type_name, x), one, err_msg=f"{type_name} many-row bits")
     ids = np.array([[0, 2], [2, 1]], np.int32)
     wts = rng.random((2, 2)).astype(np.float32)
     we = ref.random_blocks(type_name, (3, 13, cols), rng)

@@ -36,9 +36,10 @@ MV_ROWS_CPU = {"IQ1_S": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 8, 
 # Types whose one-row mul_mv decodes a whole unit at a time (shaders/dequant.glsl UNIT_QDOT), so
 # its sums run in another order than the many-row kernels': they keep the one-row kernel.
 MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
-# Of those, the types whose one-row mat-vec reads a block as the uvec4s around it when rows are
-# whole 16-byte runs (shaders/dequant.glsl block_window, specialization constant 3: W_ALIGNED).
-MV_WINDOW = MV_WHOLE_UNIT
+# The types whose one-row mat-vec reads a block as the uvec4s around it when rows are whole
+# 16-byte runs (shaders/dequant.glsl block_window, specialization constant 3: W_ALIGNED); IQ1_M's
+# sums stay term for term the many-row kernel's, so it is not in MV_WHOLE_UNIT.
+MV_WINDOW = MV_WHOLE_UNIT | {"IQ1_M"}
 # Grouped expert mat-vec (Kernels.mul_mv_id_xr) with 32 weight rows per thread, not 16: the
 # types whose 32-row pipeline compiles in under 10 s on lavapipe (Q4_K 7.9 s, Q6_K 9.3 s;
 # Q5_K 13.6 s and MXFP4 10.9 s did not).
