@@ -134,21 +134,22 @@ uint field_word(uint b, uint j) {
 }
 
 #if defined(TYPE_IQ1_S) || defined(TYPE_IQ1_M) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || defined(TYPE_IQ2_S)
-// Block windows, for mul_mv's whole-unit dots (UNIT_QDOT) when the host sets W_ALIGNED. These
-// blocks are read as single words (IQ1_M's 56 bytes are whole words; the others are only 2-byte
-// aligned, read by field_word), each a per-lane
-// bounds-checked loop on lavapipe (about 17 instructions a lane). When every row is a whole
-// number of 16-byte runs and the binding starts on one (kernels.Kernels._w_aligned), a block's
-// offset within 16 bytes depends on its index in the row only: the same in every lane. The block
-// is then read as the WIN_Q uvec4s around it (one loop each, ~38 instructions a lane for 4 words
-// against 4 x 17), and its words selected at that lane-uniform offset. Same words, same sums.
+// Block windows, for mul_mv's whole-unit dots (UNIT_QDOT). Read as single words (IQ1_M's 56
+// bytes are whole words; the others are only 2-byte aligned, read by field_word), a block costs
+// a per-lane bounds-checked loop per word on lavapipe (about 17 instructions a lane). Read as
+// the WIN_Q uvec4s around it, it costs one loop per uvec4 (~38 instructions a lane for 4 words);
+// its words are then selected at the block's offset within 16 bytes. When every row is a whole
+// number of 16-byte runs and the binding starts on one (the host sets W_ALIGNED:
+// kernels.Kernels._w_aligned), that offset depends on the block's index in its row only, the
+// same in every lane, which measured 1.05-1.25x faster than the per-lane offset. Same words,
+// same sums.
 #if defined(TYPE_IQ1_S)
 #define BLOCK_BYTES 50u
 #define WIN_Q 4u
 #define WIN_W 13u
 #elif defined(TYPE_IQ1_M)
 #define BLOCK_BYTES 56u
-#define WIN_Q 4u
+#define WIN_Q 5u
 #define WIN_W 14u
 #elif defined(TYPE_IQ2_XXS)
 #define BLOCK_BYTES 66u
@@ -164,20 +165,26 @@ uint field_word(uint b, uint j) {
 #define WIN_W 21u
 #endif
 // (WIN_W words from the block's first 4-byte boundary cover it and the word after; the selects
-// below read words up to WIN_W + 2 < 4 WIN_Q of those loaded; IQ1_M's offsets are 0 or 8)
+// below read words up to WIN_W + 2 < 4 WIN_Q of those loaded)
 layout(binding = A_BINDING, std430) readonly buffer WeightU128 { uvec4 data_a128[]; };
 layout(constant_id = 3) const uint W_ALIGNED = 0u;
 struct Window {
     uint v[WIN_W];  // word i of the block's 4-byte-aligned span
     uint r;         // the block's first byte within v[0]: 0 or 2
 };
-// Block b (index in the binding) of a row; ibr: its index within the row (lane-uniform).
+// Block b (index in the binding); ibr: its index within its row.
 Window block_window(uint b, uint ibr) {
     const uint q0 = (b * BLOCK_BYTES) >> 4;
-    const uint m = (ibr * BLOCK_BYTES) & 15u;  // = (b * BLOCK_BYTES) & 15 under W_ALIGNED
+    const uint m = ((W_ALIGNED != 0u ? ibr : b) * BLOCK_BYTES) & 15u;
     uint w[4u * WIN_Q];
     [[unroll]] for (uint i = 0u; i < WIN_Q; i++) {
+#if defined(TYPE_IQ1_M)
+        // the fifth only for offsets 12 (not under W_ALIGNED: an even block count a row puts
+        // every block at 0 or 8)
+        const uvec4 t = i < 4u || W_ALIGNED == 0u ? data_a128[q0 + i] : uvec4(0u);
+#else
         const uvec4 t = data_a128[q0 + i];
+#endif
         w[4u * i] = t.x;
         w[4u * i + 1u] = t.y;
         w[4u * i + 2u] = t.z;
@@ -186,11 +193,9 @@ Window block_window(uint b, uint ibr) {
     const uint k0 = m >> 2;
     Window win;
     [[unroll]] for (uint i = 0u; i < WIN_W; i++) {
-        const uint last = 4u * WIN_Q - 1u;  // (IQ1_M: k0 is 0 or 2 only)
-        win.v[i] = k0 == 0u ? w[i] : k0 == 1u ? w[min(i + 1u, last)] : k0 == 2u ? w[min(i + 2u, last)]
-                                                                     : w[min(i + 3u, last)];
+        win.v[i] = k0 == 0u ? w[i] : k0 == 1u ? w[i + 1u] : k0 == 2u ? w[i + 2u] : w[i + 3u];
     }
-    win.r = m & 3u;
+    win.r = m & 3u;  // (IQ1_M: 0)
     return win;
 }
 // The 32 bits at byte o (even) of the block.
@@ -494,23 +499,13 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint s = even_signs((field_word(ib * 66u + 2u, 2u * iu + 1u) >> (7u * l)) & 127u);
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
-// mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the unit's two
-// words read once (get_q4 reads them for every 4 weights) and the signs xor'ed into x's sign bits.
+// mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the block read
+// as a window (block_window) and the signs xor'ed into x's sign bits.
 #define UNIT_QDOT
 float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qw, aux;
-    float d;
-    if (W_ALIGNED != 0u) {
-        const Window win = block_window(ib, ibr);
-        qw = win_word(win, 2u + 8u * iu);
-        aux = win_word(win, 6u + 8u * iu);
-        d = unpackHalf2x16(win_word(win, 0u)).x;
-    } else {
-        qw = field_word(ib * 66u + 2u, 2u * iu);
-        aux = field_word(ib * 66u + 2u, 2u * iu + 1u);
-        d = float(data_a[ib].d);
-    }
-    dm = vec2(d * (0.5 + float(aux >> 28)) * 0.25, 0.0);
+    const Window win = block_window(ib, ibr);
+    const uint qw = win_word(win, 2u + 8u * iu), aux = win_word(win, 6u + 8u * iu);
+    dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(aux >> 28)) * 0.25, 0.0);
     // the four 7-bit sign fields, one a byte, with their eighth (parity) bits
     const uint s8 = even_signs_bytes((aux & 0x7Fu) | ((aux << 1) & 0x7F00u) | ((aux << 2) & 0x7F0000u)
                                      | ((aux << 3) & 0x7F000000u));
@@ -540,16 +535,10 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 }
 #define UNIT_QDOT  // as IQ2_XXS's: the unit's two u16s read as one word
 float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint w;
-    if (W_ALIGNED != 0u) {
-        const Window win = block_window(ib, ibr);
-        w = win_word(win, 2u + 4u * iu);
-        const uint s = (win_word(win, 66u + 4u * (iu >> 3)) >> (4u * (iu & 7u))) & 15u;
-        dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(s)) * 0.25, 0.0);
-    } else {
-        dm = get_dm(ib, iu);
-        w = field_word(ib * 74u + 2u, iu);
-    }
+    const Window win = block_window(ib, ibr);
+    const uint w = win_word(win, 2u + 4u * iu);
+    const uint s = (win_word(win, 66u + 4u * (iu >> 3)) >> (4u * (iu & 7u))) & 15u;
+    dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(s)) * 0.25, 0.0);
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 2u; l++) {
         uint qq = (w >> (16u * l)) & 0xFFFFu;
@@ -581,21 +570,12 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 }
 #define UNIT_QDOT  // as IQ2_XXS's
 float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qw, sw, qh;
-    if (W_ALIGNED != 0u) {
-        // words j of the fields from byte 2: at byte 2 + 4j of the block
-        const Window win = block_window(ib, ibr);
-        qw = win_word(win, 2u + 4u * (iu >> 1));
-        sw = win_word(win, 34u + 4u * (iu >> 1));
-        qh = (win_word(win, 66u + 4u * (iu >> 3)) >> (8u * ((iu >> 1) & 3u))) & 255u;
-        const uint s = (win_word(win, 74u + 4u * (iu >> 3)) >> (8u * ((iu >> 1) & 3u) + 4u * (iu & 1u))) & 15u;
-        dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(s)) * 0.25, 0.0);
-    } else {
-        dm = get_dm(ib, iu);
-        qw = field_word(ib * 82u + 2u, iu >> 1);
-        sw = field_word(ib * 82u + 2u, 8u + (iu >> 1));
-        qh = iq2s_byte(ib, 16u, iu >> 1);
-    }
+    // word j of the fields from byte 2 is at byte 2 + 4j of the block
+    const Window win = block_window(ib, ibr);
+    const uint qw = win_word(win, 2u + 4u * (iu >> 1)), sw = win_word(win, 34u + 4u * (iu >> 1));
+    const uint qh = (win_word(win, 66u + 4u * (iu >> 3)) >> (8u * ((iu >> 1) & 3u))) & 255u;
+    const uint s = (win_word(win, 74u + 4u * (iu >> 3)) >> (8u * ((iu >> 1) & 3u) + 4u * (iu & 1u))) & 15u;
+    dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(s)) * 0.25, 0.0);
     float q = 0.0;
     [[unroll]] for (uint h = 0u; h < 2u; h++) {
         uint l = 2u * (iu & 1u) + h;
@@ -667,19 +647,10 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 }
 #define UNIT_QDOT  // the unit's index word and qh read once
 float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qh, qw;
-    float d;
-    if (W_ALIGNED != 0u) {
-        const Window win = block_window(ib, ibr);
-        qh = (win_word(win, 34u + 4u * (iu >> 1)) >> (16u * (iu & 1u))) & 0xFFFFu;
-        qw = win_word(win, 2u + 4u * iu);
-        d = unpackHalf2x16(win_word(win, 0u)).x;
-    } else {
-        qh = iq1s_qh(ib, iu);
-        qw = field_word(ib * 50u + 2u, iu);
-        d = float(data_a[ib].d);
-    }
-    float dl = d * float(2u * ((qh >> 12) & 7u) + 1u);
+    const Window win = block_window(ib, ibr);
+    const uint qh = (win_word(win, 34u + 4u * (iu >> 1)) >> (16u * (iu & 1u))) & 0xFFFFu;
+    const uint qw = win_word(win, 2u + 4u * iu);
+    float dl = unpackHalf2x16(win_word(win, 0u)).x * float(2u * ((qh >> 12) & 7u) + 1u);
     dm = vec2(dl, dl * (((qh & 0x8000u) != 0u ? -0.125 : 0.125) - 1.0));
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 4u; l++) {
@@ -721,25 +692,18 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     // qs[i] and qh[i / 2] from words (qs: words 0..7, qh: words 8..11)
     return iq1m_q4(data_a32[ib * 14u + (i >> 2)], data_a32[ib * 14u + 8u + (i >> 3)], iu, g);
 }
-// mul_mv's one-row dot under W_ALIGNED: the unit from the block's window, summed term for term
-// as unit_dot's get_q4 loop (the many-row XROWS kernel's sums too: a row gets the same bits
-// from either), so IQ1_M keeps the many-row kernel.
+// mul_mv's one-row dot: the unit from the block's window (block_window), summed term for term
+// as unit_dot's get_q4 loop and the many-row XROWS kernel (a row gets the same bits from
+// either), so IQ1_M keeps the many-row kernel.
 #define UNIT_QDOT
 float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
     float q = 0.0;
-    if (W_ALIGNED != 0u) {
-        const Window win = block_window(ib, ibr);  // r = 0: the block is whole words
-        const uint sw = win.v[12u + (iu >> 3)];  // scales[iu >> 2]: half (iu >> 2) & 1 of word 12 + iu / 8
-        dm = iq1m_dm(win.v[12], win.v[13], (sw >> (16u * ((iu >> 2) & 1u) + 3u * (iu & 3u))) & 7u);
-        [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-            const uint i = 2u * iu + (g >> 1);
-            q += dot(iq1m_q4(win.v[i >> 2], win.v[8u + (i >> 3)], iu, g), xv[g]);
-        }
-    } else {
-        dm = get_dm(ib, iu);
-        [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-            q += dot(get_q4(ib, iu, g), xv[g]);
-        }
+    const Window win = block_window(ib, ibr);  // r = 0: the block is whole words
+    const uint sw = win.v[12u + (iu >> 3)];  // scales[iu >> 2]: half (iu >> 2) & 1 of word 12 + iu / 8
+    dm = iq1m_dm(win.v[12], win.v[13], (sw >> (16u * ((iu >> 2) & 1u) + 3u * (iu & 3u))) & 7u);
+    [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+        const uint i = 2u * iu + (g >> 1);
+        q += dot(iq1m_q4(win.v[i >> 2], win.v[8u + (i >> 3)], iu, g), xv[g]);
     }
     return q;
 }

@@ -110,17 +110,21 @@ def test_weights_ending_mid_word(ops_by_reduce, rng, type_name):
           f"get_rows {type_name} tail")
 
 
-# The whole-unit IQ types' one-row mat-vec reads each block as the 16-byte words around it
-# (shaders/dequant.glsl block_window) when every row is whole 16-byte runs (Kernels._w_aligned):
-# 2048 columns of these 50/56/66/74/82-byte blocks are (8 blocks a row), 768 are not. Both paths,
-# dense (37 rows) and experts, against numpy; the last block ends mid-word. IQ1_M keeps the
-# many-row kernel, whose sums must stay the one-row kernel's bit for bit.
+# The one-row mat-vec of these types reads each block as the 16-byte words around it
+# (shaders/dequant.glsl block_window) and picks its words at the block's offset in them: 768
+# columns (3 blocks a row) put a row's blocks at offsets that differ from row to row, 2048 (8)
+# at the same offsets in every row (Kernels._w_aligned: the offset from the block's index).
+# Dense (37 rows; thread per row, in parts, and split across a subgroup) and experts, against
+# numpy; the last block ends mid-word. IQ1_M keeps the many-row kernel, whose sums must stay
+# the one-row kernel's bit for bit.
+BLOCK_WINDOW_TYPES = sorted(MV_WINDOW)
+
+
 @pytest.mark.parametrize("cols", [768, 2048])
-@pytest.mark.parametrize("type_name", sorted(MV_WINDOW))
+@pytest.mark.parametrize("type_name", BLOCK_WINDOW_TYPES)
 def test_mul_mv_block_windows(ops_by_reduce, rng, type_name, cols):
     x = rng.standard_normal((2, cols)).astype(np.float32)
     w = ref.random_blocks(type_name, (37, cols), rng)
-    # thread per row (CPU devices), in parts too, and split across a subgroup (GPUs: lane-varying blocks)
     in_parts = VulkanOps(reduce="none", max_part_bytes=8 * w[0].nbytes)
     for o in (ops_by_reduce["none"], in_parts, ops_by_reduce["subgroup"]):
         assert o.k._w_aligned(o._weights(w, type_name, (37, cols))) == (cols == 2048)

@@ -36,8 +36,8 @@ MV_ROWS_CPU = {"IQ1_S": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 8, 
 # Types whose one-row mul_mv decodes a whole unit at a time (shaders/dequant.glsl UNIT_QDOT), so
 # its sums run in another order than the many-row kernels': they keep the one-row kernel.
 MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
-# The types whose one-row mat-vec reads a block as the uvec4s around it when rows are whole
-# 16-byte runs (shaders/dequant.glsl block_window, specialization constant 3: W_ALIGNED); IQ1_M's
+# The types whose one-row mat-vec reads a block as the uvec4s around it (shaders/dequant.glsl
+# block_window; specialization constant 3, W_ALIGNED, where rows are whole 16-byte runs); IQ1_M's
 # sums stay term for term the many-row kernel's, so it is not in MV_WHOLE_UNIT.
 MV_WINDOW = MV_WHOLE_UNIT | {"IQ1_M"}
 # Grouped expert mat-vec (Kernels.mul_mv_id_xr) with 32 weight rows per thread, not 16: the
@@ -351,9 +351,9 @@ class Kernels:
 
     @staticmethod
     def _w_aligned(w: DeviceTensor) -> int:
-        """1 where the one-row mat-vec may read w's blocks as 16-byte windows (MV_WINDOW types):
-        every row a whole number of 16 bytes and every part's binding on a 16-byte boundary, so a
-        block's offset within 16 bytes is the same in every row."""
+        """1 where a block's offset within 16 bytes is the same in every row of w (MV_WINDOW types:
+        the one-row mat-vec then takes it from the block's index in its row, the same in every
+        lane): every row a whole number of 16 bytes, every part's binding on a 16-byte boundary."""
         if w.type_name not in MV_WINDOW:
             return 0
         cls = QTYPES_BY_NAME[w.type_name]
