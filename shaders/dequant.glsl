@@ -133,6 +133,78 @@ uint field_word(uint b, uint j) {
     return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh));
 }
 
+#if defined(TYPE_IQ1_S) || defined(TYPE_IQ1_M) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || defined(TYPE_IQ2_S)
+// Block windows, for mul_mv's whole-unit dots (UNIT_QDOT). Read as single words (IQ1_M's 56
+// bytes are whole words; the others are only 2-byte aligned, read by field_word), a block costs
+// a per-lane bounds-checked loop per word on lavapipe (about 17 instructions a lane). Read as
+// the WIN_Q uvec4s around it, it costs one loop per uvec4 (~38 instructions a lane for 4 words);
+// its words are then selected at the block's offset within 16 bytes. When every row is a whole
+// number of 16-byte runs and the binding starts on one (the host sets W_ALIGNED:
+// kernels.Kernels._w_aligned), that offset depends on the block's index in its row only, the
+// same in every lane, which measured 1.05-1.25x faster than the per-lane offset. Same words,
+// same sums.
+#if defined(TYPE_IQ1_S)
+#define BLOCK_BYTES 50u
+#define WIN_Q 4u
+#define WIN_W 13u
+#elif defined(TYPE_IQ1_M)
+#define BLOCK_BYTES 56u
+#define WIN_Q 5u
+#define WIN_W 14u
+#elif defined(TYPE_IQ2_XXS)
+#define BLOCK_BYTES 66u
+#define WIN_Q 5u
+#define WIN_W 17u
+#elif defined(TYPE_IQ2_XS)
+#define BLOCK_BYTES 74u
+#define WIN_Q 6u
+#define WIN_W 19u
+#else
+#define BLOCK_BYTES 82u
+#define WIN_Q 6u
+#define WIN_W 21u
+#endif
+// (WIN_W words from the block's first 4-byte boundary cover it and the word after; the selects
+// below read words up to WIN_W + 2 < 4 WIN_Q of those loaded)
+layout(binding = A_BINDING, std430) readonly buffer WeightU128 { uvec4 data_a128[]; };
+layout(constant_id = 3) const uint W_ALIGNED = 0u;
+struct Window {
+    uint v[WIN_W];  // word i of the block's 4-byte-aligned span
+    uint r;         // the block's first byte within v[0]: 0 or 2
+};
+// Block b (index in the binding); ibr: its index within its row.
+Window block_window(uint b, uint ibr) {
+    const uint q0 = (b * BLOCK_BYTES) >> 4;
+    const uint m = ((W_ALIGNED != 0u ? ibr : b) * BLOCK_BYTES) & 15u;
+    uint w[4u * WIN_Q];
+    [[unroll]] for (uint i = 0u; i < WIN_Q; i++) {
+#if defined(TYPE_IQ1_M)
+        // the fifth only for offsets 12 (not under W_ALIGNED: an even block count a row puts
+        // every block at 0 or 8)
+        const uvec4 t = i < 4u || W_ALIGNED == 0u ? data_a128[q0 + i] : uvec4(0u);
+#else
+        const uvec4 t = data_a128[q0 + i];
+#endif
+        w[4u * i] = t.x;
+        w[4u * i + 1u] = t.y;
+        w[4u * i + 2u] = t.z;
+        w[4u * i + 3u] = t.w;
+    }
+    const uint k0 = m >> 2;
+    Window win;
+    [[unroll]] for (uint i = 0u; i < WIN_W; i++) {
+        win.v[i] = k0 == 0u ? w[i] : k0 == 1u ? w[i + 1u] : k0 == 2u ? w[i + 2u] : w[i + 3u];
+    }
+    win.r = m & 3u;  // (IQ1_M: 0)
+    return win;
+}
+// The 32 bits at byte o (even) of the block.
+uint win_word(Window win, uint o) {
+    const uint a = o >> 2, p = win.r + (o & 3u);  // 0, 2 or 4
+    return p == 0u ? win.v[a] : p == 4u ? win.v[a + 1u] : (win.v[a] >> 16) | (win.v[a + 1u] << 16);
+}
+#endif
+
 
 #if defined(TYPE_Q8_0)
 // 34 bytes = 17 halfwords: d, then 32 signed bytes.
@@ -400,6 +472,16 @@ vec4 signed4(vec4 v, uint bits) {  // v with its sign flipped where bits 0..3 ar
 uint even_signs(uint s7) {
     return s7 | ((bitCount(s7) & 1u) << 7);
 }
+// even_signs of up to four 7-bit fields at once: u holds them in bits 0..6 of its bytes; each
+// byte's parity folded into its bit 0 by xor (no bit crosses into the next byte's result) and
+// set as its bit 7. lavapipe's LLVM (no vector popcount here) spends ~10 operations per
+// bitCount; this is 9 for all four.
+uint even_signs_bytes(uint u) {
+    uint p = u ^ (u >> 4);
+    p ^= p >> 2;
+    p ^= p >> 1;
+    return u | ((p & 0x01010101u) << 7);
+}
 #define QK 256u
 
 #if defined(TYPE_IQ2_XXS)
@@ -417,17 +499,20 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     uint s = even_signs((field_word(ib * 66u + 2u, 2u * iu + 1u) >> (7u * l)) & 127u);
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
-// mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the unit's two
-// words read once (get_q4 reads them for every 4 weights) and the signs xor'ed into x's sign bits.
+// mul_mv's whole-unit dot (UNIT_QDOT): q . x over the unit and its scale, with the block read
+// as a window (block_window) and the signs xor'ed into x's sign bits.
 #define UNIT_QDOT
-float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qw = field_word(ib * 66u + 2u, 2u * iu);
-    uint aux = field_word(ib * 66u + 2u, 2u * iu + 1u);
-    dm = vec2(float(data_a[ib].d) * (0.5 + float(aux >> 28)) * 0.25, 0.0);
+float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    const Window win = block_window(ib, ibr);
+    const uint qw = win_word(win, 2u + 8u * iu), aux = win_word(win, 6u + 8u * iu);
+    dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(aux >> 28)) * 0.25, 0.0);
+    // the four 7-bit sign fields, one a byte, with their eighth (parity) bits
+    const uint s8 = even_signs_bytes((aux & 0x7Fu) | ((aux << 1) & 0x7F00u) | ((aux << 2) & 0x7F0000u)
+                                     | ((aux << 3) & 0x7F000000u));
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 4u; l++) {
         uint gi = (qw >> (8u * l)) & 255u;
-        uint s = even_signs((aux >> (7u * l)) & 127u);
+        uint s = s8 >> (8u * l);  // signed4 reads bits 0..3 (and s >> 4 bits 4..7) only
         q += dot(unpack_bytes(grid_word(2u * gi)), signed4(xv[2u * l], s));
         q += dot(unpack_bytes(grid_word(2u * gi + 1u)), signed4(xv[2u * l + 1u], s >> 4));
     }
@@ -449,9 +534,11 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     return unpack_bytes(grid_word(2u * (q & 511u) + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 #define UNIT_QDOT  // as IQ2_XXS's: the unit's two u16s read as one word
-float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    dm = get_dm(ib, iu);
-    uint w = field_word(ib * 74u + 2u, iu);
+float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    const Window win = block_window(ib, ibr);
+    const uint w = win_word(win, 2u + 4u * iu);
+    const uint s = (win_word(win, 66u + 4u * (iu >> 3)) >> (4u * (iu & 7u))) & 15u;
+    dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(s)) * 0.25, 0.0);
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 2u; l++) {
         uint qq = (w >> (16u * l)) & 0xFFFFu;
@@ -482,11 +569,13 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     return unpack_bytes(grid_word(2u * gi + (g & 1u))) * signs4(s >> (4u * (g & 1u)));
 }
 #define UNIT_QDOT  // as IQ2_XXS's
-float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    dm = get_dm(ib, iu);
-    uint qw = field_word(ib * 82u + 2u, iu >> 1);
-    uint sw = field_word(ib * 82u + 2u, 8u + (iu >> 1));
-    uint qh = iq2s_byte(ib, 16u, iu >> 1);
+float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    // word j of the fields from byte 2 is at byte 2 + 4j of the block
+    const Window win = block_window(ib, ibr);
+    const uint qw = win_word(win, 2u + 4u * (iu >> 1)), sw = win_word(win, 34u + 4u * (iu >> 1));
+    const uint qh = (win_word(win, 66u + 4u * (iu >> 3)) >> (8u * ((iu >> 1) & 3u))) & 255u;
+    const uint s = (win_word(win, 74u + 4u * (iu >> 3)) >> (8u * ((iu >> 1) & 3u) + 4u * (iu & 1u))) & 15u;
+    dm = vec2(unpackHalf2x16(win_word(win, 0u)).x * (0.5 + float(s)) * 0.25, 0.0);
     float q = 0.0;
     [[unroll]] for (uint h = 0u; h < 2u; h++) {
         uint l = 2u * (iu & 1u) + h;
@@ -557,11 +646,12 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u);
 }
 #define UNIT_QDOT  // the unit's index word and qh read once
-float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
-    uint qh = iq1s_qh(ib, iu);
-    float dl = float(data_a[ib].d) * float(2u * ((qh >> 12) & 7u) + 1u);
+float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    const Window win = block_window(ib, ibr);
+    const uint qh = (win_word(win, 34u + 4u * (iu >> 1)) >> (16u * (iu & 1u))) & 0xFFFFu;
+    const uint qw = win_word(win, 2u + 4u * iu);
+    float dl = unpackHalf2x16(win_word(win, 0u)).x * float(2u * ((qh >> 12) & 7u) + 1u);
     dm = vec2(dl, dl * (((qh & 0x8000u) != 0u ? -0.125 : 0.125) - 1.0));
-    uint qw = field_word(ib * 50u + 2u, iu);
     float q = 0.0;
     [[unroll]] for (uint l = 0u; l < 4u; l++) {
         uint n = grid_word(((qw >> (8u * l)) & 255u) | (((qh >> (3u * l)) & 7u) << 8));
@@ -578,21 +668,44 @@ float unit_qdot(uint ib, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
 // changes every 8 weights, inside a unit, so get_q4 returns v + delta.
 #define QK 256u
 #define QU 16u
+// (scale, 0) of unit iu from the block's two scale words and its 3-bit scale s
+vec2 iq1m_dm(uint w01, uint w23, uint s) {
+    uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
+    return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
+}
+// weights 4g..4g+3 of unit iu from the block's qs word (i >> 2) and qh word (8 + (i >> 3)), i = 2 iu + g / 2
+vec4 iq1m_q4(uint qs, uint qh, uint iu, uint g) {
+    uint i = 2u * iu + (g >> 1);
+    uint nib = (qh >> (4u * (i & 7u))) & 15u;
+    uint gi = ((qs >> (8u * (i & 3u))) & 255u) | ((nib & 7u) << 8);
+    uint n = grid_word(gi) >> (16u * (g & 1u));
+    float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
+    return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
+}
 vec2 get_dm(uint ib, uint iu) {
     // d from the four u16 scales read as two words (a block is 14 words, so word-aligned)
-    uint w01 = data_a32[ib * 14u + 12u], w23 = data_a32[ib * 14u + 13u];
-    uint d16 = ((w01 >> 12) & 0xFu) | ((w01 >> 24) & 0xF0u) | ((w23 >> 4) & 0xF00u) | ((w23 >> 16) & 0xF000u);
     uint s = (uint(data_a[ib].scales[iu >> 2]) >> (3u * (iu & 3u))) & 7u;
-    return vec2(unpackHalf2x16(d16).x * float(2u * s + 1u), 0.0);
+    return iq1m_dm(data_a32[ib * 14u + 12u], data_a32[ib * 14u + 13u], s);
 }
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint i = 2u * iu + (g >> 1);
     // qs[i] and qh[i / 2] from words (qs: words 0..7, qh: words 8..11)
-    uint nib = (data_a32[ib * 14u + 8u + (i >> 3)] >> (4u * (i & 7u))) & 15u;
-    uint gi = ((data_a32[ib * 14u + (i >> 2)] >> (8u * (i & 3u))) & 255u) | ((nib & 7u) << 8);
-    uint n = grid_word(gi) >> (16u * (g & 1u));
-    float delta = (nib & 8u) != 0u ? -0.125 : 0.125;
-    return vec4(uvec4(n, n >> 4, n >> 8, n >> 12) & 15u) + (delta - 1.0);
+    return iq1m_q4(data_a32[ib * 14u + (i >> 2)], data_a32[ib * 14u + 8u + (i >> 3)], iu, g);
+}
+// mul_mv's one-row dot: the unit from the block's window (block_window), summed term for term
+// as unit_dot's get_q4 loop and the many-row XROWS kernel (a row gets the same bits from
+// either), so IQ1_M keeps the many-row kernel.
+#define UNIT_QDOT
+float unit_qdot(uint ib, uint ibr, uint iu, vec4 xv[QU / 4u], out vec2 dm) {
+    float q = 0.0;
+    const Window win = block_window(ib, ibr);  // r = 0: the block is whole words
+    const uint sw = win.v[12u + (iu >> 3)];  // scales[iu >> 2]: half (iu >> 2) & 1 of word 12 + iu / 8
+    dm = iq1m_dm(win.v[12], win.v[13], (sw >> (16u * ((iu >> 2) & 1u) + 3u * (iu & 3u))) & 7u);
+    [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+        const uint i = 2u * iu + (g >> 1);
+        q += dot(iq1m_q4(win.v[i >> 2], win.v[8u + (i >> 3)], iu, g), xv[g]);
+    }
+    return q;
 }
 
 #elif defined(TYPE_IQ4_NL) || defined(TYPE_IQ4_XS)

@@ -94,7 +94,7 @@ void unit_dot(uint ab, uint xb, uint first, float scale, uint ib, uint iu, uint 
         const uint b = ab + min(first + n, last) * row_blocks + ib;
 #ifdef UNIT_QDOT
         vec2 dm;
-        const float q = unit_qdot(b, iu, xv, dm);
+        const float q = unit_qdot(b, ib, iu, xv, dm);  // ib: lane-uniform (W_ALIGNED)
 #else
         const vec2 dm = get_dm(b, iu);
         float q = 0.0;

@@ -14,7 +14,7 @@ import pytest
 
 from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.device import VulkanKernelError
-from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, shader_qk
+from onebit.backends.vulkan.kernels import MV_WHOLE_UNIT, MV_WINDOW, SUPPORTED_TYPES, shader_qk
 from onebit.backends.vulkan.ops import VulkanOps
 
 REDUCE_MODES = ("none", "subgroup", "shmem")
@@ -108,6 +108,37 @@ def test_weights_ending_mid_word(ops_by_reduce, rng, type_name):
     rows = np.array([4, 0, 4], np.int32)
     close(o.get_rows(w, type_name, rows), ref.get_rows(w, type_name, rows), rng, TOL[type_name],
           f"get_rows {type_name} tail")
+
+
+# The one-row mat-vec of these types reads each block as the 16-byte words around it
+# (shaders/dequant.glsl block_window) and picks its words at the block's offset in them: 768
+# columns (3 blocks a row) put a row's blocks at offsets that differ from row to row, 2048 (8)
+# at the same offsets in every row (Kernels._w_aligned: the offset from the block's index).
+# Dense (37 rows; thread per row, in parts, and split across a subgroup) and experts, against
+# numpy; the last block ends mid-word. IQ1_M keeps the many-row kernel, whose sums must stay
+# the one-row kernel's bit for bit.
+BLOCK_WINDOW_TYPES = sorted(MV_WINDOW)
+
+
+@pytest.mark.parametrize("cols", [768, 2048])
+@pytest.mark.parametrize("type_name", BLOCK_WINDOW_TYPES)
+def test_mul_mv_block_windows(ops_by_reduce, rng, type_name, cols):
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    w = ref.random_blocks(type_name, (37, cols), rng)
+    in_parts = VulkanOps(reduce="none", max_part_bytes=8 * w[0].nbytes)
+    for o in (ops_by_reduce["none"], in_parts, ops_by_reduce["subgroup"]):
+        assert o.k._w_aligned(o._weights(w, type_name, (37, cols))) == (cols == 2048)
+        close(o.mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name],
+              f"mul_mv {type_name} cols={cols} {o.k.reduce} parts={o.max_part_bytes}")
+    o = ops_by_reduce["none"]
+    if type_name not in MV_WHOLE_UNIT:  # 2 rows: the many-row kernel
+        one = np.concatenate([o.mul_mv(w, type_name, x[r : r + 1]) for r in range(2)])
+        np.testing.assert_array_equal(o.mul_mv(w, type_name, x), one, err_msg=f"{type_name} many-row bits")
+    ids = np.array([[0, 2], [2, 1]], np.int32)
+    wts = rng.random((2, 2)).astype(np.float32)
+    we = ref.random_blocks(type_name, (3, 13, cols), rng)
+    close(o.mul_mv_id(we, type_name, x, ids, wts, "sum"), ref.mul_mv_id(we, type_name, x, ids, wts, "sum"), rng,
+          TOL[type_name], f"mul_mv_id {type_name} cols={cols}")
 
 
 # Every type's thread-per-row mat-vec reads x from a uniform buffer when x fits one

@@ -30,11 +30,16 @@ UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_
 # Rows per thread of the thread-per-row mat-vec (CPU devices) where measured faster than the
 # rule in Kernels._mv_rows gives (bench/results/quants-vulkan-kernels.md): the IQ2 types and IQ1_S
 # (whole-unit decode, shaders/dequant.glsl UNIT_QDOT), IQ3_XXS, IQ3_S, TQ1_0 (2 -> 8) and IQ1_M
-# (2 -> 4). More rows cost lavapipe compile time: about 3 s per pipeline at 8 rows for IQ3_S.
-MV_ROWS_CPU = {"IQ1_S": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 8, "IQ3_S": 8, "TQ1_0": 8, "IQ1_M": 4}
+# (2 -> 4 -> 8: 1.1-1.3x over 4, its pipelines compile in ~1 s). More rows cost lavapipe compile
+# time: about 3 s per pipeline at 8 rows for IQ3_S.
+MV_ROWS_CPU = {"IQ1_S": 8, "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 8, "IQ3_S": 8, "TQ1_0": 8, "IQ1_M": 8}
 # Types whose one-row mul_mv decodes a whole unit at a time (shaders/dequant.glsl UNIT_QDOT), so
 # its sums run in another order than the many-row kernels': they keep the one-row kernel.
 MV_WHOLE_UNIT = frozenset({"IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S"})
+# The types whose one-row mat-vec reads a block as the uvec4s around it (shaders/dequant.glsl
+# block_window; specialization constant 3, W_ALIGNED, where rows are whole 16-byte runs); IQ1_M's
+# sums stay term for term the many-row kernel's, so it is not in MV_WHOLE_UNIT.
+MV_WINDOW = MV_WHOLE_UNIT | {"IQ1_M"}
 # Grouped expert mat-vec (Kernels.mul_mv_id_xr) with 32 weight rows per thread, not 16: the
 # types whose 32-row pipeline compiles in under 10 s on lavapipe (Q4_K 7.9 s, Q6_K 9.3 s;
 # Q5_K 13.6 s and MXFP4 10.9 s did not).
@@ -344,6 +349,23 @@ class Kernels:
         cost = UNITS_PER_BLOCK.get(type_name, 1) * (4 if type_name in GRID_OF else 1)
         return max(2, min(self.mv_rows, self.mv_unrolled // cost))
 
+    @staticmethod
+    def _w_aligned(w: DeviceTensor) -> int:
+        """1 where a block's offset within 16 bytes is the same in every row of w (MV_WINDOW types:
+        the one-row mat-vec then takes it from the block's index in its row, the same in every
+        lane): every row a whole number of 16 bytes, every part's binding on a 16-byte boundary."""
+        if w.type_name not in MV_WINDOW:
+            return 0
+        cls = QTYPES_BY_NAME[w.type_name]
+        row_bytes = w.ncols // cls.block_size * cls.type_size
+        return int(row_bytes % 16 == 0 and all(p.slice.offset % 16 == 0 for p in w.parts))
+
+    def _mv_spec(self, w: DeviceTensor) -> tuple[int, ...]:
+        """The one-row mat-vec's specialization constants: workgroup, rows per thread (or group),
+        and for the MV_WINDOW types (constant 2, XROWS' width, unused there) W_ALIGNED."""
+        spec = (self.mv_wg, self._mv_rows(w.type_name))
+        return spec + (1, 1) if self._w_aligned(w) else spec
+
     def _mv_rows_per_group(self, type_name: str) -> int:
         return self._mv_rows(type_name) * (self.mv_wg if self.reduce == "none" else 1)
 
@@ -367,7 +389,7 @@ class Kernels:
             return
         extra = self._extra(w.type_name)
         name, uniform = self._mv_variant(f"mul_mv_{w.type_name}_{self.reduce}", w.type_name, 3 + len(extra), x)
-        p = self.pipeline(name, 3 + len(extra), (self.mv_wg, self._mv_rows(w.type_name)), uniform)
+        p = self.pipeline(name, 3 + len(extra), self._mv_spec(w), uniform)
         for part in w.parts:
             gx, gy = self._grid(math.ceil(part.count / self._mv_rows_per_group(w.type_name)))
             push = _push("10I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0)
@@ -447,7 +469,7 @@ class Kernels:
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
         extra = self._extra(w.type_name)
         name, uniform = self._mv_variant(f"mul_mv_id_{w.type_name}_{self.reduce}", w.type_name, 5 + len(extra), x)
-        p = self.pipeline(name, 5 + len(extra), (self.mv_wg, self._mv_rows(w.type_name)), uniform)
+        p = self.pipeline(name, 5 + len(extra), self._mv_spec(w), uniform)
         nrows = w.shape[1]
         gx, gy = self._grid(math.ceil(nrows / self._mv_rows_per_group(w.type_name)))
         gz = n_tokens if mode == "sum" else n_tokens * k
