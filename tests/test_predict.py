@@ -324,3 +324,138 @@ def test_prompt_rows_do_not_feed_the_gate(monkeypatch):
         g.step(32)
         clock[0] += 5.0
     assert g.windows == 0 and g.on
+
+
+# -- the ledger: which level of prediction each layer runs at, from injected timings ---------
+
+def ledger_run(ledger, steps, cost, pool):
+    """Feed `steps` decode steps: cost(level) -> host seconds, pool(level) -> the pool's
+    per-layer delta [prefetch hits, misses, wasted, stall, stall of missing acquires]. Returns
+    the levels the layer ran at, step by step."""
+    levels = []
+    for _ in range(steps):
+        lv = ledger.level[1]
+        levels.append(lv)
+        ledger.step({1: lv} if lv else {}, {1: cost(lv)} if lv else {}, {1: pool(lv)})
+    return levels
+
+
+def priced(hits_by_level, demand=2, t_miss=1e-3):
+    """Pool deltas where a level's prefetches turn `hits_by_level[level]` of `demand` demand
+    reads into hits, the rest missing at t_miss seconds each."""
+    def pool(lv):
+        hits = hits_by_level[lv]
+        miss = demand - hits
+        return [hits, miss, 0, miss * t_miss, miss * t_miss]
+    return pool
+
+
+def test_ledger_turns_off_a_layer_whose_prediction_costs_more_than_it_saves():
+    from onebit.moe.predict import BLOCK, NONE, ROUTER, Ledger
+
+    led = Ledger([1], BLOCK)
+    # each level saves one 1 ms read a step but costs 3 ms (block) or 2 ms (router)
+    levels = ledger_run(led, 12, lambda lv: {BLOCK: 3e-3, ROUTER: 2e-3}[lv], priced({NONE: 0, ROUTER: 1, BLOCK: 1}))
+    w = Ledger.WARM
+    assert levels[:w] == [BLOCK] * w and levels[w : 2 * w] == [ROUTER] * w  # block lost: router is tried
+    assert levels[2 * w :] == [NONE] * (12 - 2 * w)  # router lost too: off, within 2 * WARM steps
+    assert led.value(1, ROUTER) < 0 and led.value(1, BLOCK) < 0
+
+
+def test_ledger_keeps_a_layer_whose_prediction_pays_and_picks_the_best_level():
+    from onebit.moe.predict import BLOCK, NONE, ROUTER, Ledger
+
+    led = Ledger([1], BLOCK)  # block pays: 0.2 ms for two 1 ms reads saved of three
+    assert set(ledger_run(led, 40, lambda lv: 2e-4, priced({NONE: 0, ROUTER: 1, BLOCK: 2}, demand=3))) == {BLOCK}
+    led = Ledger([1], BLOCK)  # block's mixer costs 3 ms, the router 0.1 ms: router, one read saved
+    levels = ledger_run(led, 40, lambda lv: {BLOCK: 3e-3, ROUTER: 1e-4}[lv], priced({NONE: 0, ROUTER: 1, BLOCK: 2}))
+    assert levels[Ledger.WARM : Ledger.WARM + Ledger.PROBE] == [ROUTER] * Ledger.PROBE
+    assert levels.count(BLOCK) == Ledger.WARM * 2  # the start, and one retry after PROBE steps that lost
+    assert led.probe[1] == 2 * Ledger.PROBE  # so the next retry waits twice as long
+
+
+def test_ledger_prices_a_stopped_level_at_the_current_demand():
+    """A layer stopped while its misses were cheap (a read took 0.1 ms) starts again, without
+    waiting for a retry, once its misses cost more (the drive got busy: 1 ms a read)."""
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    led = Ledger([1], ROUTER)
+    fast, slow = 1e-4, 1e-3
+    # the router costs 0.5 ms and prefetches the one read a step the layer needs
+    levels = ledger_run(led, 6, lambda lv: 5e-4, lambda lv: [1, 0, 0, 0.0, 0.0] if lv else [0, 1, 0, fast, fast])
+    assert levels[-1] == NONE  # 0.1 ms saved for 0.5 ms: stopped
+    levels = ledger_run(led, 6, lambda lv: 5e-4, lambda lv: [2, 0, 0, 0.0, 0.0] if lv else [0, 2, 0, 2 * slow, 2 * slow])
+    assert levels[-1] == ROUTER and led.since[1] < Ledger.PROBE  # back on before a retry was due
+    assert led.value(1, ROUTER) > 0
+
+
+def test_ledger_does_not_charge_host_time_when_a_device_computes_meanwhile():
+    from onebit.moe.predict import BLOCK, Ledger
+
+    led = Ledger([1], BLOCK, overlapped=True)
+    levels = ledger_run(led, 10, lambda lv: 1.0, priced({0: 0, 1: 1, 2: 1}))
+    assert set(levels) == {BLOCK}
+
+
+def test_ledger_cost_is_robust_to_one_preempted_step():
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    led = Ledger([1], ROUTER)
+    costs = iter([1e-4, 5e-2] + [1e-4] * 20)  # the second step lost the core for 50 ms
+    levels = ledger_run(led, 20, lambda lv: next(costs), priced({NONE: 0, ROUTER: 1}))
+    assert set(levels) == {ROUTER}
+
+
+class _FakePool:
+    """What the predictor reads of a pool: prefetch, and the per-layer counters the ledger uses."""
+
+    def __init__(self, layers):
+        self.by_layer = {l: [0, 0, 0, 0.0, 0.0] for l in layers}
+        self.prefetched = []
+
+    def prefetch(self, layer, experts, keep=()):
+        self.prefetched.append((layer, list(experts)))
+        return len(experts)
+
+
+def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
+    """End to end through the predictor, with a fake clock and pool: layer 2's ranking costs
+    5 ms and saves nothing; layer 1's costs 0.1 ms and turns its misses into hits. Within a
+    few steps layer 2 is no longer ranked at all (no router call, no prefetch), layer 1 is."""
+    import onebit.moe.predict as P
+
+    m = onebit.load(shipped(), backend="numpy")
+    cfg = m.cfg
+    pool = _FakePool(range(cfg.n_layers))
+    pred = Predictor(m.gguf, cfg, settings_from({}, mode="router"), pool, m.be)
+    pred.gate.step = lambda rows: True  # (the whole-step gate is tested on its own)
+    clock = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    real_router = pred._router
+    ranked = []
+
+    def router(layer, r):
+        ranked.append(layer)
+        clock[0] += 5e-3 if layer == 2 else 1e-4
+        return real_router(layer, r)
+
+    pred._router = router
+    h = np.ones((1, cfg.dim), np.float32)
+    ids = np.array([[0, 1]])
+    ctx = P.PauseContext(0, 1, None, None)
+    per_step = []
+    for step in range(10):
+        pred.begin(1)
+        ranked.clear()
+        for layer in pred.moe_layers:
+            pred.at_pause(ctx, layer, ids, None, h)
+        per_step.append(sorted(set(ranked)))
+        # this step in the pool: layer 1 prefetched both of its demand reads, layer 2 missed both
+        pool.by_layer[1][0] += 2
+        pool.by_layer[2][1] += 2
+        pool.by_layer[2][3] += 2e-3
+        pool.by_layer[2][4] += 2e-3
+    assert per_step[0] == [1, 2, 3, 4, 5]
+    assert all(2 not in s and 1 in s for s in per_step[P.Ledger.WARM + 1 :])
+    assert pred.ledger.level[2] == P.NONE and pred.ledger.level[1] == P.ROUTER
+    assert pred.stats[2].paused and not pred.stats[1].paused

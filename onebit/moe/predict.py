@@ -18,13 +18,17 @@ prefetch never evicts what the current layer routes to). Only the ranking leaves
 predictor: the forward's arithmetic is untouched, so output with prediction on is
 bit-identical to off (tested), and a poisoned scratch changes nothing.
 
-Adaptive rule (per predicted layer): the precision of its predictions (routed / predicted,
-a running mean over recent tokens) is tracked whether or not they were issued. Below
-PAUSE_BELOW the layer's prefetches stop (a wrong read costs drive time a demand read may
-need); they resume above RESUME_ABOVE. Candidates past the top-k (depth) are issued only
-while their own precision stays above DEEP_ABOVE. Predictions for layers more than one
-ahead are issued only while that layer's precision is above AHEAD_ABOVE. When streaming, a
-`Gate` over all of it turns prediction off while decode steps have been faster without it.
+Adaptive rule, when streaming (`Ledger`): per predicted layer, the form of prediction that
+pays for itself (block, router or none), decided from what each decode step measures
+directly: the host time spent predicting that layer, and the stall its prefetches took off
+the drive's critical path (its prefetch hits, priced at the measured stall per demand-missed
+expert, less what acquire still waited on prefetches in flight and on wrong reads). A layer
+whose prediction costs more than it saves drops a level after two steps, and retries the
+level above now and then. Candidates past the top-k (depth) are issued only while their own
+precision stays above DEEP_ABOVE; predictions for layers more than one ahead only while that
+layer's precision is above AHEAD_ABOVE. Over all of it a `Gate` turns prediction off while
+whole decode steps have been faster without it (what no per-layer figure sees: reads in
+flight taking cores from compute).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from ..errors import UsageError
 
 MODES = ("off", "router", "block")
 ENV = "ONEBIT_MOE_PREDICT"
-PAUSE_BELOW, RESUME_ABOVE, DEEP_ABOVE, AHEAD_ABOVE = 0.30, 0.40, 0.15, 0.50
+DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
 EMA = 0.1  # weight of the newest token in the running precisions
 
 
@@ -174,7 +178,7 @@ class LayerStats:
     prefetched: int = 0  # experts queued by those
     precision: float = 1.0  # running (EMA) routed-and-predicted / predicted
     deep_precision: float = 1.0  # the same for candidates past the top-k
-    paused: bool = False  # the adaptive rule stopped its prefetches
+    paused: bool = False  # the ledger stopped predicting it (level none)
 
     @property
     def recall(self) -> float:
@@ -231,6 +235,128 @@ class Gate:
         return self.on
 
 
+NONE, ROUTER, BLOCK = 0, 1, 2  # the ledger's levels of prediction for one layer
+LEVEL_NAMES = ("none", "router", "block")
+
+
+class Ledger:
+    """Per predicted layer, the level of prediction that pays for itself: block (its mixer,
+    then its router), router, or none, from what each decode step (one row) measures:
+
+      cost    host seconds spent predicting the layer (its mixer when block, norm + router,
+              the selection, the prefetch call): the median of the level's last COSTS
+              steps (a step the OS took the core from is not the level's cost);
+      demand  experts the layer routed to that were not resident by LRU alone (its prefetch
+              hits + demand misses in the pool);
+      cover   (prefetch hits - the stall acquire still spent on prefetches in flight, in
+              reads) / demand, each summed as a running mean: the share of the demand its
+              prefetches took off the critical path;
+      waste   the layer's prefetches evicted unused;
+      t_miss  seconds of stall per demand-missed expert (acquires that missed, all layers;
+              the pool's mean read time until one is timed).
+
+    A level's value per step is what it saves less what it costs,
+
+        value = (cover * demand - WASTE * waste) * t_miss - cost        (none: 0),
+
+    with cover and waste running means (EMA) over the steps the layer ran at that level,
+    demand and t_miss over every step (so a level not running is priced at today's demand).
+    After WARM steps at a level the layer takes the level of highest value; while the
+    current level's value is negative, a lower level never measured is tried first
+    (block -> router -> none). A layer below its top level retries the level above for WARM
+    steps after `probe` steps: PROBE at first, doubled each time the retry loses, up to
+    MAX_PROBE. WASTE: a wrong read holds a reader for one read; on average half of it
+    delays a demand read queued behind it. With `overlapped` (a device backend: the host
+    predicts while the device runs) the host's time is not counted as cost.
+
+    Only which experts are read ahead depends on the ledger, never the output."""
+
+    WARM, PROBE, MAX_PROBE, EMA, WASTE, COSTS = 2, 16, 128, 0.3, 0.5, 5
+
+    def __init__(self, layers, top: int, overlapped: bool = False):
+        self.top, self.overlapped = top, overlapped
+        self.level = {l: top for l in layers}
+        self.costs = {l: [[] for _ in range(top + 1)] for l in layers}  # per level: its last steps' seconds
+        self.saved = {l: [None] * (top + 1) for l in layers}  # per level: EMA of prefetch hits less waits
+        self.served = {l: [None] * (top + 1) for l in layers}  # per level: EMA of demand
+        self.waste = {l: [None] * (top + 1) for l in layers}
+        self.demand: dict[int, Optional[float]] = {l: None for l in layers}
+        self.t_miss: Optional[float] = None
+        self.seen = {l: 0 for l in layers}  # steps measured at the current level
+        self.since = {l: 0 for l in layers}  # steps since the level last changed
+        self.probe = {l: self.PROBE for l in layers}
+        self.probing = {l: False for l in layers}
+        self.changes = 0
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.EMA) * old + self.EMA * new
+
+    def value(self, layer: int, level: int) -> Optional[float]:
+        """Seconds per step the level saves, less its cost (None: never measured)."""
+        if level == NONE:
+            return 0.0
+        costs, waste = self.costs[layer][level], self.waste[layer][level]
+        if not costs:
+            return None
+        cost = sorted(costs)[(len(costs) - 1) // 2]  # (of two: the lower)
+        cover = self.saved[layer][level] / self.served[layer][level] if self.served[layer][level] else 0.0
+        t = self.t_miss or 0.0
+        return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost
+
+    def step(self, used: dict, cost: dict, pool_delta: dict) -> None:
+        """One decode step done: `used` layer -> the level it was predicted at, `cost` layer
+        -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits, demand misses,
+        wasted, stall, stall of acquires that missed] during the step."""
+        missed = sum(d[1] for d in pool_delta.values())
+        if missed:
+            self.t_miss = self._ema(self.t_miss, sum(d[4] for d in pool_delta.values()) / missed)
+        t = self.t_miss or 0.0
+        for layer in self.level:
+            d = pool_delta.get(layer, (0, 0, 0, 0.0, 0.0))
+            hits, misses, wasted, stall, miss_stall = d
+            demand = hits + misses
+            self.demand[layer] = self._ema(self.demand[layer], demand)
+            lv = used.get(layer, NONE)
+            if lv != self.level[layer]:
+                continue  # (the step ran before a switch: not this level's)
+            if lv != NONE:
+                costs = self.costs[layer][lv]
+                costs.append(0.0 if self.overlapped else cost.get(layer, 0.0))
+                del costs[: -self.COSTS]
+                pf_wait = (stall - miss_stall) / t if t else 0.0  # in reads
+                self.saved[layer][lv] = self._ema(self.saved[layer][lv], max(0.0, hits - pf_wait))
+                self.served[layer][lv] = self._ema(self.served[layer][lv], demand)
+                self.waste[layer][lv] = self._ema(self.waste[layer][lv], wasted)
+            self.seen[layer] += 1
+            self.since[layer] += 1
+            self._decide(layer)
+
+    def _decide(self, layer: int) -> None:
+        cur = self.level[layer]
+        if self.seen[layer] < self.WARM:
+            return
+        vals = {lv: v for lv in range(self.top + 1) if (v := self.value(layer, lv)) is not None}
+        new = max(vals, key=lambda lv: (vals[lv], -lv))  # ties: the cheaper level
+        if vals[cur] < 0:
+            untried = [lv for lv in range(cur - 1, NONE, -1) if lv not in vals]
+            if untried:
+                new = untried[0]
+        if new == cur and cur < self.top and self.since[layer] >= self.probe[layer]:
+            new = cur + 1  # retry the level above
+            self.probing[layer] = True
+        elif self.probing[layer]:
+            self.probing[layer] = False
+            if new < cur:
+                self.probe[layer] = min(2 * self.probe[layer], self.MAX_PROBE)
+            else:
+                self.probe[layer] = self.PROBE
+        if new != cur:
+            self.level[layer] = new
+            self.seen[layer] = 0
+            self.since[layer] = 0
+            self.changes += 1
+
+
 class PauseContext:
     """What a backend hands the predictor at a pause point: the rows' positions and a view of
     the real cache's earlier keys and values (read only)."""
@@ -244,9 +370,10 @@ class PauseContext:
 class Predictor:
     """Ranks the next layers' experts at each pause point and feeds the pool's prefetch queue."""
 
-    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None):
+    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None, overlapped: bool = False):
         """`host`: the backend whose ops the predictor runs on the host (the model's own when
-        it is a host backend: numpy or cpu); numpy's reference ops if None."""
+        it is a host backend: numpy or cpu); numpy's reference ops if None. `overlapped`: the
+        host predicts while a device computes (the ledger does not count the host's time)."""
         from ..backends.numpy_backend import NumpyBackend
         from ..memory.plan import parse_layers
 
@@ -273,6 +400,16 @@ class Predictor:
         self.forwards = 0
         self.gate = Gate()
         self.active = True
+        top = BLOCK if settings.mode == "block" and not settings.no_attn else ROUTER
+        # (the first MoE layer is never predicted: nothing runs before it)
+        self.ledger = Ledger(self.targets[1:] if self.targets[:1] == self.moe_layers[:1] else self.targets,
+                             top, overlapped) if pool is not None else None
+        self.level = {l: top for l in self.targets}  # what each layer is predicted at now
+        self._used: dict[int, int] = {}  # this forward: layer -> the level it was predicted at
+        self._cost: dict[int, float] = {}  # this forward: layer -> host seconds predicting it
+        self._pool_mark = None  # the pool's per-layer counters at this forward's start
+        self._one_row = False
+        self._routers: dict[int, Optional[tuple]] = {}  # layer -> (norm weight, router [E, dim], bias) in float32
         self.trace = None
         if settings.out:
             try:
@@ -295,6 +432,20 @@ class Predictor:
         self.pending.clear()
         self.older.clear()
         self.forwards += 1
+        if self.ledger is not None:
+            mark = {l: list(v) for l, v in self.pool.by_layer.items()}
+            if self._one_row and self._pool_mark is not None:
+                delta = {l: [a - b for a, b in zip(v, self._pool_mark[l])] for l, v in mark.items()}
+                self.ledger.step(self._used, self._cost, delta)
+            self._pool_mark = mark
+            if self.ledger.t_miss is None and getattr(self.pool, "reads", 0):
+                self.ledger.t_miss = self.pool.read_seconds / self.pool.reads  # until a demand miss is timed
+            self.level.update(self.ledger.level)
+            for l, st in self.stats.items():
+                st.paused = self.level[l] == NONE
+        self._one_row = rows == 1
+        self._used.clear()
+        self._cost.clear()
         self.active = self.gate.step(rows) if self.pool is not None else True
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
@@ -302,16 +453,22 @@ class Predictor:
             return
         self._score(layer, ids)
         i = self.moe_layers.index(layer)
-        keep = [(layer, int(e)) for e in np.unique(ids)]  # what this layer routes to: never evicted
+        keep = [(layer, e) for e in set(ids.ravel().tolist())]  # what this layer routes to: never evicted
         r = h
+        t0 = time.perf_counter()
         for j, target in enumerate(self.moe_layers[i + 1 : i + 1 + self.s.ahead]):
-            if self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain):
+            level = self.level.get(target, BLOCK)  # (a layer passed through: as configured)
+            if (self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain)
+                    and level == BLOCK):
                 r = self._block(ctx, target, r)
             if target not in self.stats:
                 continue
+            if level == NONE:
+                t0 = time.perf_counter()
+                continue
             rows = self.select(self._router(target, r))
             st = self.stats[target]
-            issue = not st.paused and (j == 0 or st.precision >= AHEAD_ABOVE)
+            issue = j == 0 or st.precision >= AHEAD_ABOVE
             if issue and self.pool is not None:
                 deep = st.deep_precision >= DEEP_ABOVE
                 send = set().union(*[sel if deep else base for sel, base, _ in rows])
@@ -322,6 +479,10 @@ class Predictor:
             if old is not None:
                 self.older.setdefault(target, []).append((old.distance, old.rows))
             self.pending[target] = _Pending(rows, issue, j + 1)
+            t1 = time.perf_counter()
+            self._used[target] = level
+            self._cost[target] = self._cost.get(target, 0.0) + (t1 - t0)
+            t0 = t1
 
     def _score(self, layer: int, ids: np.ndarray) -> None:
         """Compare the pending prediction for `layer` with its routing, row by row."""
@@ -346,10 +507,6 @@ class Predictor:
             deep = sel - base
             if deep:
                 st.deep_precision = (1 - EMA) * st.deep_precision + EMA * (len(routed & deep) / len(deep))
-        if st.paused and st.precision > RESUME_ABOVE:
-            st.paused = False
-        elif not st.paused and st.precision < PAUSE_BELOW:
-            st.paused = True
         if self.trace is not None:
             for r, ((sel, base, top), routed) in enumerate(zip(p.rows, actual)):
                 self.trace.write(json.dumps({"forward": self.forwards, "row": r, "layer": layer,
@@ -363,6 +520,20 @@ class Predictor:
         """What layer's router ranks experts by, for residual r: [R, E]. Its logits; with
         sigmoid routing (GLM) the route's own selection scores (sigmoid + correction bias, -inf
         outside the chosen expert groups), so a prediction is ranked by the rule that routes."""
+        fast = self._routers.get(layer, False)
+        if fast is False:
+            fast = self._routers[layer] = self._fast_router(layer)
+        if fast is not None:  # float32 weights as they lie in the file: plain numpy, no kernel call
+            g, w, b = fast
+            x = r if r.dtype == np.float32 else r.astype(np.float32)
+            if len(x) == 1:  # a decode step: the norm's scale as one float
+                hn = x * g
+                hn *= np.float32(1.0 / math.sqrt(float(x[0] @ x[0]) / x.shape[1] + self.cfg.norm_eps))
+            else:
+                ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+                hn = x / np.sqrt(ms + np.float32(self.cfg.norm_eps)) * g
+            logits = hn @ w.T  # [R, E]
+            return logits if b is None else logits + b
         be, cfg = self.be, self.cfg
         norm, router, bias = self.arch.router_names(cfg, layer)
         hn = be.rms_norm(r, be.weight(norm), cfg.norm_eps)
@@ -374,6 +545,20 @@ class Predictor:
         correction = f"blk.{layer}.exp_probs_b.bias"
         b = be.weight(correction) if be.has(correction) else None
         return be.selection_scores(logits, b, cfg.expert_groups, cfg.expert_groups_used)
+
+    def _fast_router(self, layer: int) -> Optional[tuple]:
+        """(norm weight, router [E, dim], bias) as float32 views of the file, when the router
+        and its norm are stored as F32 and routing is softmax (the common case); else None."""
+        cfg, g = self.cfg, self.be.gguf
+        if cfg.expert_gating == "sigmoid":
+            return None
+        names = [n for n in self.arch.router_names(cfg, layer) if n is not None]
+        if any(g.tensor(n).type_name != "F32" for n in names):
+            return None
+        norm, router, bias = self.arch.router_names(cfg, layer)
+        arr = [np.asarray(g.tensor(n).raw).view(np.float32).reshape(g.tensor(n).shape) if n else None
+               for n in (norm, router, bias)]
+        return arr[0], arr[1], arr[2]
 
     def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
         """r + layer's mixer over norm(r), its K/V (or its recurrent state) for these rows in the
