@@ -118,16 +118,17 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
     total = sum(cfg.n_experts for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
     print(f"## streamed decode on {backend}: {n} greedy tokens, ABBA x {reps}; resident: {resident_tps:.2f} tok/s\n")
     print("| pool | mode | tok/s | vs resident | vs off | prefetch hits/tok | wasted/tok | stall ms/tok "
-          "| MiB read/tok | read GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| MiB read/tok | read GB/s | layers block/router/none at the end |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for f in fractions:
         slots = max(cfg.n_experts_used, round(total * f / 100))
         m = onebit.load(path, backend=backend, slots=slots, budget="64GiB")
         if m.pool is None:
-            print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | |")
+            print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | | |")
             m.close()
             continue
         results = {name: [] for name, _ in MODES}
+        levels = {}  # mode -> layers at block / router / none when its last run ended
         for rep in range(reps):
             order = MODES if rep % 2 == 0 else MODES[::-1]
             for name, kw in order:
@@ -138,6 +139,9 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
                 after = m.pool.stats.__dict__
                 assert toks == want, f"{name} at {f}% changed the output"
                 results[name].append((dt, {k: after[k] - before[k] for k in before}))
+                if m.predictor is not None and m.predictor.ledger is not None:
+                    lv = list(m.predictor.ledger.level.values())
+                    levels[name] = "/".join(str(lv.count(x)) for x in (2, 1, 0)) + ("" if m.predictor.gate.on else " gate off")
         off_tps = (n - 1) / statistics.median(dt for dt, _ in results["off"])
         for name, _ in MODES:
             runs = results[name]
@@ -150,7 +154,8 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
             rate = sum(d["bytes_read"] for _, d in runs) / busy / 1e9 if busy else 0.0
             print(f"| {f}% ({slots}) | {name} | {tps:.2f} | {tps / resident_tps:.2f}x | {tps / off_tps:.2f}x | "
                   f"{per_tok('prefetch_hits'):.1f} | {per_tok('wasted_prefetches'):.1f} | "
-                  f"{1000 * per_tok('stall_seconds'):.1f} | {per_tok('bytes_read') / 2**20:.2f} | {rate:.2f} |")
+                  f"{1000 * per_tok('stall_seconds'):.1f} | {per_tok('bytes_read') / 2**20:.2f} | {rate:.2f} | "
+                  f"{levels.get(name, '')} |")
         m.set_predict("off")
         m.close()
     print()

@@ -201,6 +201,7 @@ class ExpertPool:
         # wasted prefetches, stall seconds, stall seconds of acquires that had a demand miss
         self.by_layer: dict[int, list] = {layer: [0, 0, 0, 0.0, 0.0] for layer in self.class_of_layer}
         self.reads, self.read_seconds = 0, 0.0  # reads done and their summed durations (one expert each)
+        self.read_cpu_seconds = 0.0  # the reader threads' CPU time for them (what a read takes from compute)
         self.lock = threading.Condition()
         self.readers = {}
         for (layer, part), src in self.sources.items():
@@ -434,7 +435,7 @@ class ExpertPool:
             layer, e = key
             err = None
             n = 0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 for part in EXPERT_PARTS:
                     src = self.sources[(layer, part)]
@@ -444,11 +445,12 @@ class ExpertPool:
                 err = ex
             except OSError as ex:
                 err = StreamReadError(f"{src.file}: read error while streaming experts ({ex.strerror or ex})")
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
             with self.lock:
                 self.stats.bytes_read += n
                 self.reads += 1
                 self.read_seconds += dt
+                self.read_cpu_seconds += cpu
                 self.in_flight -= 1
                 if self.in_flight == 0:
                     self.stats.busy_seconds += time.perf_counter() - self._busy_since

@@ -410,7 +410,11 @@ class _FakePool:
     """What the predictor reads of a pool: prefetch, and the per-layer counters the ledger uses."""
 
     def __init__(self, layers):
+        from onebit.memory.pool import PoolStats
+
         self.by_layer = {l: [0, 0, 0, 0.0, 0.0] for l in layers}
+        self.stats = PoolStats()
+        self.reads, self.read_seconds, self.read_cpu_seconds = 0, 0.0, 0.0
         self.prefetched = []
 
     def prefetch(self, layer, experts, keep=()):
@@ -459,3 +463,47 @@ def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
     assert all(2 not in s and 1 in s for s in per_step[P.Ledger.WARM + 1 :])
     assert pred.ledger.level[2] == P.NONE and pred.ledger.level[1] == P.ROUTER
     assert pred.stats[2].paused and not pred.stats[1].paused
+
+
+def test_read_cost_is_the_slope_of_compute_on_prefetch_reads():
+    """Steps whose compute is 2 ms + 0.15 ms per prefetch read in flight (and noise that does
+    not depend on the reads): the estimate finds the 0.15 ms, not the readers' CPU floor."""
+    from onebit.moe.predict import ReadCost
+
+    rc = ReadCost()
+    rc.floor = 5e-5
+    rng = np.random.default_rng(0)
+    for i in range(ReadCost.MIN - 1):
+        rc.add(i % 5, 2e-3 + 1.5e-4 * (i % 5))
+    assert rc.value == rc.floor  # too few steps yet
+    for i in range(60):
+        reads = int(rng.integers(0, 8))
+        rc.add(reads, 2e-3 + 1.5e-4 * reads + rng.normal(0, 2e-4))
+    assert 1.0e-4 < rc.value < 2.0e-4
+    flat = ReadCost()
+    flat.floor = 5e-5
+    for i in range(40):
+        flat.add(3, 2e-3 + rng.normal(0, 2e-4))  # the read count never varied: no slope to fit
+    assert flat.value == flat.floor
+    free = ReadCost()
+    free.floor = 5e-5
+    for i in range(40):
+        free.add(i % 6, 2e-3 - 1e-4 * (i % 6))  # (a negative slope: never below the floor)
+    assert free.value == free.floor
+
+
+def test_ledger_charges_the_compute_its_prefetch_reads_take():
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    def run(read_cost):
+        led = Ledger([1], ROUTER)
+        led.read_cost = read_cost
+        for _ in range(6):
+            lv = led.level[1]
+            # 0.1 ms to rank; it queues 4 reads a step, one of which is the layer's 1 ms miss
+            led.step({1: lv} if lv else {}, {1: 1e-4}, {1: [1, 0, 0, 0.0, 0.0] if lv else [0, 1, 0, 1e-3, 1e-3]},
+                     {1: 4} if lv else {})
+        return led.level[1]
+
+    assert run(1e-4) == ROUTER  # 1 ms saved for 0.1 + 0.4 ms
+    assert run(5e-4) == NONE  # 1 ms saved for 0.1 + 2 ms

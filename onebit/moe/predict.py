@@ -239,6 +239,40 @@ NONE, ROUTER, BLOCK = 0, 1, 2  # the ledger's levels of prediction for one layer
 LEVEL_NAMES = ("none", "router", "block")
 
 
+class ReadCost:
+    """Compute time one prefetch read takes from a decode step, measured: reads in flight
+    while the host computes take a core from its kernels (and the interpreter lock from the
+    loop). Per one-row step, y = the step's time less its stall and the predictor's own time
+    (the compute), x = the prefetch reads queued in it; the estimate is the slope of y on x,
+    a least-squares fit with older steps weighted down by DECAY each step, and never below
+    the readers' own CPU time per read (`floor`, from the pool). Until the steps' read counts
+    have varied enough (a weighted variance of VAR reads^2 over at least MIN steps), the
+    floor alone."""
+
+    DECAY, MIN, VAR = 0.97, 8, 0.5
+
+    def __init__(self):
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.n = 0
+        self.floor = 0.0
+
+    def add(self, reads: float, compute: float) -> None:
+        d = self.DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + reads, d * self.y + compute
+        self.xx, self.xy = d * self.xx + reads * reads, d * self.xy + reads * compute
+        self.n += 1
+
+    @property
+    def value(self) -> float:
+        if self.n < self.MIN:
+            return self.floor
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var < self.VAR:
+            return self.floor
+        return max(self.floor, (self.xy / self.w - mx * my) / var)
+
+
 class Ledger:
     """Per predicted layer, the level of prediction that pays for itself: block (its mixer,
     then its router), router, or none, from what each decode step (one row) measures:
@@ -253,11 +287,13 @@ class Ledger:
               prefetches took off the critical path;
       waste   the layer's prefetches evicted unused;
       t_miss  seconds of stall per demand-missed expert (acquires that missed, all layers;
-              the pool's mean read time until one is timed).
+              the pool's mean read time until one is timed);
+      sent    prefetch reads the layer's prediction queued, each charged `read_cost`: the
+              compute a read in flight takes from the step (ReadCost).
 
     A level's value per step is what it saves less what it costs,
 
-        value = (cover * demand - WASTE * waste) * t_miss - cost        (none: 0),
+        value = (cover * demand - WASTE * waste) * t_miss - cost - read_cost * sent   (none: 0),
 
     with cover and waste running means (EMA) over the steps the layer ran at that level,
     demand and t_miss over every step (so a level not running is priced at today's demand).
@@ -267,7 +303,7 @@ class Ledger:
     steps after `probe` steps: PROBE at first, doubled each time the retry loses, up to
     MAX_PROBE. WASTE: a wrong read holds a reader for one read; on average half of it
     delays a demand read queued behind it. With `overlapped` (a device backend: the host
-    predicts while the device runs) the host's time is not counted as cost.
+    predicts while the device runs) neither the host's time nor its reads count as cost.
 
     Only which experts are read ahead depends on the ledger, never the output."""
 
@@ -280,6 +316,8 @@ class Ledger:
         self.saved = {l: [None] * (top + 1) for l in layers}  # per level: EMA of prefetch hits less waits
         self.served = {l: [None] * (top + 1) for l in layers}  # per level: EMA of demand
         self.waste = {l: [None] * (top + 1) for l in layers}
+        self.sent = {l: [None] * (top + 1) for l in layers}  # per level: EMA of prefetch reads queued
+        self.read_cost = 0.0  # compute seconds one prefetch read takes from the step (ReadCost)
         self.demand: dict[int, Optional[float]] = {l: None for l in layers}
         self.t_miss: Optional[float] = None
         self.seen = {l: 0 for l in layers}  # steps measured at the current level
@@ -301,12 +339,16 @@ class Ledger:
         cost = sorted(costs)[(len(costs) - 1) // 2]  # (of two: the lower)
         cover = self.saved[layer][level] / self.served[layer][level] if self.served[layer][level] else 0.0
         t = self.t_miss or 0.0
-        return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost
+        sent = self.sent[layer][level] or 0.0
+        return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost \
+            - (0.0 if self.overlapped else self.read_cost * sent)
 
-    def step(self, used: dict, cost: dict, pool_delta: dict) -> None:
+    def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None) -> None:
         """One decode step done: `used` layer -> the level it was predicted at, `cost` layer
         -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits, demand misses,
-        wasted, stall, stall of acquires that missed] during the step."""
+        wasted, stall, stall of acquires that missed] during the step, `sent` layer -> the
+        prefetch reads its prediction queued."""
+        sent = sent or {}
         missed = sum(d[1] for d in pool_delta.values())
         if missed:
             self.t_miss = self._ema(self.t_miss, sum(d[4] for d in pool_delta.values()) / missed)
@@ -327,6 +369,7 @@ class Ledger:
                 self.saved[layer][lv] = self._ema(self.saved[layer][lv], max(0.0, hits - pf_wait))
                 self.served[layer][lv] = self._ema(self.served[layer][lv], demand)
                 self.waste[layer][lv] = self._ema(self.waste[layer][lv], wasted)
+                self.sent[layer][lv] = self._ema(self.sent[layer][lv], sent.get(layer, 0))
             self.seen[layer] += 1
             self.since[layer] += 1
             self._decide(layer)
@@ -408,6 +451,11 @@ class Predictor:
         self._used: dict[int, int] = {}  # this forward: layer -> the level it was predicted at
         self._cost: dict[int, float] = {}  # this forward: layer -> host seconds predicting it
         self._pool_mark = None  # the pool's per-layer counters at this forward's start
+        self._stall_mark = self._queued_mark = 0
+        self._t_step = 0.0  # when this forward started
+        self._spent = 0.0  # this forward: host seconds in the predictor
+        self._sent: dict[int, int] = {}  # this forward: layer -> prefetch reads queued for it
+        self.read_cost = ReadCost()
         self._one_row = False
         self._routers: dict[int, Optional[tuple]] = {}  # layer -> (norm weight, router [E, dim], bias) in float32
         self.trace = None
@@ -432,25 +480,40 @@ class Predictor:
         self.pending.clear()
         self.older.clear()
         self.forwards += 1
+        now = time.perf_counter()
         if self.ledger is not None:
-            mark = {l: list(v) for l, v in self.pool.by_layer.items()}
+            pool = self.pool
+            mark = {l: list(v) for l, v in pool.by_layer.items()}
+            stall, queued = pool.stats.stall_seconds, pool.stats.prefetches
             if self._one_row and self._pool_mark is not None:
                 delta = {l: [a - b for a, b in zip(v, self._pool_mark[l])] for l, v in mark.items()}
-                self.ledger.step(self._used, self._cost, delta)
-            self._pool_mark = mark
-            if self.ledger.t_miss is None and getattr(self.pool, "reads", 0):
-                self.ledger.t_miss = self.pool.read_seconds / self.pool.reads  # until a demand miss is timed
+                compute = (now - self._t_step) - (stall - self._stall_mark) - self._spent
+                self.read_cost.add(queued - self._queued_mark, compute)
+                self.read_cost.floor = pool.read_cpu_seconds / pool.reads if pool.reads else 0.0
+                self.ledger.read_cost = self.read_cost.value
+                self.ledger.step(self._used, self._cost, delta, self._sent)
+            self._pool_mark, self._stall_mark, self._queued_mark = mark, stall, queued
+            if self.ledger.t_miss is None and pool.reads:
+                self.ledger.t_miss = pool.read_seconds / pool.reads  # until a demand miss is timed
             self.level.update(self.ledger.level)
             for l, st in self.stats.items():
                 st.paused = self.level[l] == NONE
         self._one_row = rows == 1
+        self._t_step = now
+        self._spent = 0.0
         self._used.clear()
         self._cost.clear()
+        self._sent.clear()
         self.active = self.gate.step(rows) if self.pool is not None else True
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         if not self.active:
             return
+        t = time.perf_counter()
+        self._predict(ctx, layer, ids, h)
+        self._spent += time.perf_counter() - t
+
+    def _predict(self, ctx: PauseContext, layer: int, ids: np.ndarray, h: np.ndarray) -> None:
         self._score(layer, ids)
         i = self.moe_layers.index(layer)
         keep = [(layer, e) for e in set(ids.ravel().tolist())]  # what this layer routes to: never evicted
@@ -472,7 +535,7 @@ class Predictor:
             if issue and self.pool is not None:
                 deep = st.deep_precision >= DEEP_ABOVE
                 send = set().union(*[sel if deep else base for sel, base, _ in rows])
-                self.pool.prefetch(target, sorted(send), keep=keep)
+                self._sent[target] = self._sent.get(target, 0) + self.pool.prefetch(target, sorted(send), keep=keep)
                 st.prefetched += len(send)
                 st.issued += 1
             old = self.pending.get(target)
@@ -532,7 +595,8 @@ class Predictor:
             else:
                 ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
                 hn = x / np.sqrt(ms + np.float32(self.cfg.norm_eps)) * g
-            logits = hn @ w.T  # [R, E]
+            logits = np.einsum("rd,ed->re", hn, w)  # [R, E] (einsum: not BLAS, whose threads would spin
+            # on the cores the cpu backend's kernels run on)
             return logits if b is None else logits + b
         be, cfg = self.be, self.cfg
         norm, router, bias = self.arch.router_names(cfg, layer)
@@ -680,8 +744,9 @@ class _ScratchStep(EagerStep):
         Hkv = k.shape[1]
         qg = q.reshape(R, Hkv, H // Hkv, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
         scale = np.float32(1.0 / np.sqrt(D) if scale is None else scale)
-        sc = (qg @ kc.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, s]
-        sn = (qg @ self.k_scratch.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, R]
+        # (einsum, not matmul: BLAS's threads would spin on the cores the cpu kernels run on)
+        sc = np.einsum("hgrd,shd->hgrs", qg, kc) * scale  # [Hkv, G, R, s]
+        sn = np.einsum("hgrd,shd->hgrs", qg, self.k_scratch) * scale  # [Hkv, G, R, R]
         mask_n = np.arange(R)[None, :] > np.arange(R)[:, None]  # causal among the rows
         if window > 0:
             sc = np.where(np.arange(lo, lo + s)[None, :] <= self.pos[:, None] - window, np.float32(-np.inf), sc)
@@ -692,5 +757,6 @@ class _ScratchStep(EagerStep):
         else:
             sink = np.broadcast_to(self.be.weight(sinks).reshape(Hkv, H // Hkv, 1, 1), (*sc.shape[:3], 1))
             p = self.be.softmax(np.concatenate([sc, sn, sink], axis=-1))[..., :-1]
-        out = p[..., :s] @ vc.transpose(1, 0, 2)[:, None] + p[..., s:] @ self.v_scratch.transpose(1, 0, 2)[:, None]
+        out = (np.einsum("hgrs,shd->hgrd", p[..., :s], vc)
+               + np.einsum("hgrs,shd->hgrd", p[..., s:], self.v_scratch))  # [Hkv, G, R, Dv]
         return out.transpose(2, 0, 1, 3).reshape(R, H * v.shape[2])
