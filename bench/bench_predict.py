@@ -161,6 +161,79 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
     print()
 
 
+def recall_why(path: str, n: int) -> None:
+    """Why block mode misses at one layer ahead: layer l + 1 is predicted at layer l's pause
+    point, from the residual before layer l's experts have added their output. Per target
+    layer, recall (top-k, one row per decode step) of block mode with that residual as it is,
+    and with layer l's expert output added back: exactly (the bound), only its top-1 expert,
+    only the routed experts that were predicted for layer l (what a pool would have read
+    ahead: a proxy for "the experts that are resident"), or a linear map of layer l's FFN
+    input fitted online (ridge least squares over every earlier row, the prompt included)."""
+    from onebit.backends.numpy_backend import NumpyBackend
+    from onebit.moe.predict import PauseContext, Predictor
+
+    m = onebit.load(path, backend="numpy")
+    cfg, be = m.cfg, m.be
+    ids0 = prompt_ids(m)
+    k = cfg.n_experts_used
+    variants = ["as today", "+ exact expert output (bound)", "+ top-1 expert only", "+ predicted experts only",
+                "+ linear fit", "router form, + exact expert output"]
+
+    class Why(Predictor):
+        def __init__(self):
+            super().__init__(m.gguf, cfg, settings_from({}, mode="block"), None, be)
+            self.pred = {}  # target -> {variant: set}
+            self.fit = {}  # layer -> [XtX, XtY]
+            self.hits = {}  # target -> {variant: [hits, routed]}
+
+        def at_pause(self, ctx: PauseContext, layer: int, ids, logits, h):
+            x = be.rms_norm(h, be.weight(self.arch.router_names(cfg, layer)[0]), cfg.norm_eps)  # [R, dim]
+            _, w = be.route(logits, k, cfg.expert_weights_norm)
+            y = be.experts(x, layer, ids, w)  # [R, dim]: layer's real expert output
+            got = self.pred.pop(layer, None)
+            if got is not None and len(ids) == 1:
+                acc = self.hits.setdefault(layer, {v: [0, 0] for v in variants})
+                routed = set(int(e) for e in ids[0])
+                for v, sel in got.items():
+                    acc[v][0] += len(routed & sel)
+                    acc[v][1] += k
+            i = self.moe_layers.index(layer)
+            if i + 1 < len(self.moe_layers) and len(ids) == 1:
+                t = self.moe_layers[i + 1]
+                guess = getattr(self, "_guess", {}).get(layer, set())
+                part = [j for j in range(k) if int(ids[0, j]) in guess]
+                A = self.fit.get(layer)
+                lin = h + x @ np.linalg.solve(A[0] + 1e-2 * np.trace(A[0]) / cfg.dim * np.eye(cfg.dim), A[1]) \
+                    if A is not None else h
+                rs = {"as today": h, "+ exact expert output (bound)": h + y,
+                      "+ top-1 expert only": h + be.experts(x, layer, ids[:, :1], w[:, :1]),
+                      "+ predicted experts only": h + (be.experts(x, layer, ids[:, part], w[:, part]) if part else 0),
+                      "+ linear fit": lin}
+                out = {}
+                for v, r in rs.items():
+                    out[v] = set(int(e) for e in np.argsort(-self._router(t, self._block(ctx, t, r))[0])[:k])
+                out["router form, + exact expert output"] = set(int(e) for e in np.argsort(-self._router(t, h + y)[0])[:k])
+                self.pred[t] = out
+                self._guess = {t: out["as today"]}
+            A = self.fit.setdefault(layer, [np.zeros((cfg.dim, cfg.dim)), np.zeros((cfg.dim, cfg.dim))])
+            A[0] += x.T.astype(np.float64) @ x
+            A[1] += x.T.astype(np.float64) @ y
+
+    why = Why()
+    be.predictor = why
+    decode(m, ids0, n)
+    be.predictor = None
+    print(f"## why block mode misses at 1 ahead: {n}-token greedy decode, numpy, top-{k} recall per target layer\n")
+    layers = sorted(why.hits)
+    print("| residual layer l + 1 is predicted from | " + " | ".join(f"layer {l}" for l in layers) + " | all |")
+    print("|---|" + "---|" * (len(layers) + 1))
+    for v in variants:
+        hr = [why.hits[l][v] for l in layers]
+        print(f"| {v} | " + " | ".join(f"{a / b:.2f}" for a, b in hr) +
+              f" | {sum(a for a, _ in hr) / sum(b for _, b in hr):.3f} |")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file (default: the shipped model)")
@@ -169,6 +242,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-recall", action="store_true")
+    ap.add_argument("--why", action="store_true", help="only the table of why block mode misses (numpy)")
     a = ap.parse_args()
     from onebit.cli.main import default_model_path
     from onebit.gguf_file import GGUFFile
@@ -180,6 +254,9 @@ def main() -> None:
     print(f"model: {path}\n")
     print(f"drive: O_DIRECT random reads of {expert / 2**20:.2f} MiB (one expert), 2 threads: "
           f"{drive_ceiling(path, expert):.2f} GB/s\n")
+    if a.why:
+        recall_why(path, a.tokens)
+        return
     fractions = [int(x) for x in a.fractions.split(",")]
     for backend in a.backend or ["numpy"]:
         if not a.no_recall:

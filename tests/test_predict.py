@@ -507,3 +507,23 @@ def test_ledger_charges_the_compute_its_prefetch_reads_take():
 
     assert run(1e-4) == ROUTER  # 1 ms saved for 0.1 + 0.4 ms
     assert run(5e-4) == NONE  # 1 ms saved for 0.1 + 2 ms
+
+
+def test_block_mode_with_all_of_the_layers_own_experts_predicts_the_next_layer_exactly():
+    """Block mode's residual lacks only layer l's own expert output: with all k of them added
+    back (own = k) the prediction is the next layer's real input, so its top-k is the routing
+    the real forward then takes, for every layer and row; without them (own = 0) it is not.
+    Checks the added output (the FFN norm, the routing weights, the order) against the forward."""
+    m = onebit.load(shipped(), backend="numpy")
+    ids = prompt()
+    recall = {}
+    for own in (0, m.cfg.n_experts_used):
+        m.set_predict(settings_from({}, mode="block", own=own))
+        decode(m, ids)
+        st = m.predictor.stats
+        recall[own] = [st[l].top_hits / st[l].routed for l in st if st[l].predictions]
+    assert recall[m.cfg.n_experts_used] == [1.0] * 5
+    assert min(recall[0]) < 0.9
+    assert settings_from({"ONEBIT_MOE_PREDICT_OWN": "0"}).own == 0 and settings_from({}).own == 1
+    with pytest.raises(UsageError):
+        settings_from({"ONEBIT_MOE_PREDICT_OWN": "-1"})

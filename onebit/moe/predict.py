@@ -61,6 +61,7 @@ class PredictSettings:
     ahead: int = 1  # how many MoE layers ahead
     no_attn: bool = False  # block mode without the mixer
     chain: bool = False  # block mode, > 1 ahead: run every deeper layer's block too (else router form)
+    own: int = 1  # block mode: add this many of the current layer's top experts' output to the residual first
     out: Optional[str] = None  # per-token predicted / actual trace (JSONL)
     stats: bool = False  # print the per-layer table at exit
 
@@ -96,6 +97,7 @@ def settings_from(env=None, **given) -> PredictSettings:
         "mode": env.get(ENV), "depth": env.get(ENV + "_DEPTH"), "margin": env.get(ENV + "_MARGIN"),
         "min": env.get(ENV + "_MIN"), "layers": env.get(ENV + "_LAYERS"), "ahead": env.get(ENV + "_AHEAD"),
         "no_attn": env.get(ENV + "_NO_ATTN"), "chain": env.get(ENV + "_CHAIN"), "out": env.get(ENV + "_OUT"), "stats": env.get(ENV + "_STATS"),
+        "own": env.get(ENV + "_OWN"),
     }
     raw.update({k: v for k, v in given.items() if v is not None})
     out = {}
@@ -117,6 +119,8 @@ def settings_from(env=None, **given) -> PredictSettings:
         if not m >= 0:
             raise UsageError(f"--moe-predict-margin must be >= 0, got {raw['margin']!r}")
         out["margin"] = m
+    if raw["own"] not in (None, ""):
+        out["own"] = _int("--moe-predict-own", raw["own"], 0)
     if raw["layers"] not in (None, ""):
         out["layers"] = str(raw["layers"])
     if raw["no_attn"] not in (None, ""):
@@ -444,6 +448,12 @@ class Predictor:
         self.gate = Gate()
         self.active = True
         top = BLOCK if settings.mode == "block" and not settings.no_attn else ROUTER
+        # layer l's own expert output is what block mode's residual lacks (bench_predict --why):
+        # its top `own` experts are added back, on a host backend (a device backend's host ops
+        # would read them from the file map, around the pool), for softmax-routed SwiGLU experts
+        self.own = min(settings.own, self.k) if (top == BLOCK and not overlapped and cfg.expert_gating != "sigmoid"
+                                                 and cfg.arch != "gpt-oss") else 0
+        self._own_stall = 0.0
         # (the first MoE layer is never predicted: nothing runs before it)
         self.ledger = Ledger(self.targets[1:] if self.targets[:1] == self.moe_layers[:1] else self.targets,
                              top, overlapped) if pool is not None else None
@@ -510,15 +520,23 @@ class Predictor:
         if not self.active:
             return
         t = time.perf_counter()
-        self._predict(ctx, layer, ids, h)
-        self._spent += time.perf_counter() - t
+        self._own_stall = 0.0
+        self._predict(ctx, layer, ids, logits, h)
+        self._spent += time.perf_counter() - t - self._own_stall
 
-    def _predict(self, ctx: PauseContext, layer: int, ids: np.ndarray, h: np.ndarray) -> None:
+    def _predict(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         self._score(layer, ids)
         i = self.moe_layers.index(layer)
         keep = [(layer, e) for e in set(ids.ravel().tolist())]  # what this layer routes to: never evicted
         r = h
         t0 = time.perf_counter()
+        nxt = self.moe_layers[i + 1 : i + 2]
+        if self.own and nxt and self.level.get(nxt[0], BLOCK) == BLOCK:
+            stall = self.pool.stats.stall_seconds if self.pool is not None else 0.0
+            r = h + self._own_output(layer, ids, logits, h)
+            if self.pool is not None:  # (the layer's own read, moved earlier: not the prediction's cost)
+                self._own_stall = self.pool.stats.stall_seconds - stall
+                t0 += self._own_stall
         for j, target in enumerate(self.moe_layers[i + 1 : i + 1 + self.s.ahead]):
             level = self.level.get(target, BLOCK)  # (a layer passed through: as configured)
             if (self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain)
@@ -609,6 +627,16 @@ class Predictor:
         correction = f"blk.{layer}.exp_probs_b.bias"
         b = be.weight(correction) if be.has(correction) else None
         return be.selection_scores(logits, b, cfg.expert_groups, cfg.expert_groups_used)
+
+    def _own_output(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """The output of layer's top `own` routed experts (weighted as routed) for residual h:
+        the part of the next layer's input that is known before the layer's experts run.
+        Streamed, the host backend acquires them from the pool: reads the layer needs anyway."""
+        be, cfg = self.be, self.cfg
+        x = be.rms_norm(h, be.weight(self.arch.router_names(cfg, layer)[0]), cfg.norm_eps)  # [R, dim]
+        _, w = be.route(logits, self.k, cfg.expert_weights_norm)  # (the order of ids: by weight)
+        n = self.own
+        return be.experts(x, layer, np.ascontiguousarray(ids[:, :n]), np.ascontiguousarray(w[:, :n]))  # [R, dim]
 
     def _fast_router(self, layer: int) -> Optional[tuple]:
         """(norm weight, router [E, dim], bias) as float32 views of the file, when the router
