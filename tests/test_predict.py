@@ -527,3 +527,19 @@ def test_block_mode_with_all_of_the_layers_own_experts_predicts_the_next_layer_e
     assert settings_from({"ONEBIT_MOE_PREDICT_OWN": "0"}).own == 0 and settings_from({}).own == 1
     with pytest.raises(UsageError):
         settings_from({"ONEBIT_MOE_PREDICT_OWN": "-1"})
+
+
+def test_the_steps_after_a_prompt_do_not_feed_the_ledger(monkeypatch):
+    """The first SETTLE decode steps after a multi-row forward are not measured (they evict
+    what the prompt's rows prefetched); the ones after are."""
+    import onebit.moe.predict as P
+
+    m = onebit.load(shipped(), backend="numpy")
+    pool = _FakePool(range(m.cfg.n_layers))
+    pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="router"), pool, m.be)
+    steps = []
+    monkeypatch.setattr(pred.ledger, "step", lambda *a, **k: steps.append(pred.forwards))
+    pred.begin(12)  # a prompt
+    for _ in range(P.SETTLE + 3):
+        pred.begin(1)
+    assert steps == [P.SETTLE + 3, P.SETTLE + 4]  # (forward n's begin measures step n - 1)

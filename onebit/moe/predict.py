@@ -8,7 +8,9 @@ For each of the next `ahead` MoE layers l + j it ranks experts from:
 - router: layer l + j's FFN norm and router applied to h (the residual available now);
 - block:  layer l + j's own mixer block run speculatively first (attention over the real
           cache's earlier positions plus this step's rows, whose K/V go to that layer's
-          scratch, never to the cache), then its FFN norm and router; deeper layers chain
+          scratch, never to the cache), then its FFN norm and router. At one ahead, h first
+          gets layer l's top `own` experts' output added (what h lacks of layer l + 1's input;
+          on host backends, whose experts the predictor can run); deeper layers chain
           from the predicted residual (`chain`), or take the first predicted residual to
           their routers (the cheap router form). `no_attn` drops the mixer.
 
@@ -48,6 +50,7 @@ from ..errors import UsageError
 MODES = ("off", "router", "block")
 ENV = "ONEBIT_MOE_PREDICT"
 DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
+SETTLE = 2  # decode steps after a multi-row forward that the ledger does not measure
 EMA = 0.1  # weight of the newest token in the running precisions
 
 
@@ -467,6 +470,7 @@ class Predictor:
         self._sent: dict[int, int] = {}  # this forward: layer -> prefetch reads queued for it
         self.read_cost = ReadCost()
         self._one_row = False
+        self._settle = 0  # decode steps still to go before the ledger measures (after a prompt)
         self._routers: dict[int, Optional[tuple]] = {}  # layer -> (norm weight, router [E, dim], bias) in float32
         self.trace = None
         if settings.out:
@@ -495,7 +499,7 @@ class Predictor:
             pool = self.pool
             mark = {l: list(v) for l, v in pool.by_layer.items()}
             stall, queued = pool.stats.stall_seconds, pool.stats.prefetches
-            if self._one_row and self._pool_mark is not None:
+            if self._one_row and self._pool_mark is not None and not self._settle:
                 delta = {l: [a - b for a, b in zip(v, self._pool_mark[l])] for l, v in mark.items()}
                 compute = (now - self._t_step) - (stall - self._stall_mark) - self._spent
                 self.read_cost.add(queued - self._queued_mark, compute)
@@ -509,6 +513,9 @@ class Predictor:
             for l, st in self.stats.items():
                 st.paused = self.level[l] == NONE
         self._one_row = rows == 1
+        # the steps right after a prompt (or verify rows) pay for, and evict, what its many
+        # rows prefetched: not the level's own figures
+        self._settle = SETTLE + 1 if rows > 1 else max(0, self._settle - 1)  # (+1: the prompt's own step)
         self._t_step = now
         self._spent = 0.0
         self._used.clear()
