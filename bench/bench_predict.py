@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -77,15 +78,19 @@ def prompt_ids(m) -> np.ndarray:
     return np.asarray(m.tokenize(PROMPT * 4)[:48], np.int64)
 
 
-def decode(m, ids, n: int):
-    """(tokens, decode seconds): greedy, n tokens after the prompt; EOS does not stop it."""
+def decode(m, ids, n: int, cpu: Optional[list] = None):
+    """(tokens, decode seconds): greedy, n tokens after the prompt; EOS does not stop it.
+    `cpu`: appends the decode's CPU seconds (all of this process's threads: compute, the
+    predictor, the readers), which other processes' load disturbs less than wall time."""
     cache = m.new_cache()
     logits = m.net.forward(ids, cache, last_only=True)
     toks = [int(logits[-1].argmax())]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n - 1):
         logits = m.net.forward(np.array([toks[-1]]), cache, last_only=True)
         toks.append(int(logits[-1].argmax()))
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return toks, time.perf_counter() - t0
 
 
@@ -118,28 +123,29 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
     total = sum(cfg.n_experts for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
     print(f"## streamed decode on {backend}: {n} greedy tokens, ABBA x {reps}; resident: {resident_tps:.2f} tok/s\n")
     print("| pool | mode | tok/s | vs resident | vs off | prefetch hits/tok | wasted/tok | stall ms/tok "
-          "| MiB read/tok | read GB/s | layers block/router/none at the end |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| MiB read/tok | read GB/s | CPU ms/tok | layers block/router/none at the end |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for f in fractions:
         slots = max(cfg.n_experts_used, round(total * f / 100))
         m = onebit.load(path, backend=backend, slots=slots, budget="64GiB")
         if m.pool is None:
-            print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | | |")
+            print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | | | |")
             m.close()
             continue
         results = {name: [] for name, _ in MODES}
         levels = {}  # mode -> layers at block / router / none when its last run ended
+        cpu = {}  # mode -> CPU seconds of each run's decode
         for rep in range(reps):
             order = MODES if rep % 2 == 0 else MODES[::-1]
             for name, kw in order:
                 m.set_predict(settings_from({}, **kw) if kw else "off")
                 before = dict(m.pool.stats.__dict__)
-                toks, dt = decode(m, ids, n)
+                toks, dt = decode(m, ids, n, cpu.setdefault(name, []))
                 m.pool.drain()
                 after = m.pool.stats.__dict__
                 assert toks == want, f"{name} at {f}% changed the output"
                 results[name].append((dt, {k: after[k] - before[k] for k in before}))
-                if m.predictor is not None and m.predictor.ledger is not None:
+                if getattr(m.predictor, "ledger", None) is not None:
                     lv = list(m.predictor.ledger.level.values())
                     levels[name] = "/".join(str(lv.count(x)) for x in (2, 1, 0)) + ("" if m.predictor.gate.on else " gate off")
         off_tps = (n - 1) / statistics.median(dt for dt, _ in results["off"])
@@ -155,13 +161,13 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
             print(f"| {f}% ({slots}) | {name} | {tps:.2f} | {tps / resident_tps:.2f}x | {tps / off_tps:.2f}x | "
                   f"{per_tok('prefetch_hits'):.1f} | {per_tok('wasted_prefetches'):.1f} | "
                   f"{1000 * per_tok('stall_seconds'):.1f} | {per_tok('bytes_read') / 2**20:.2f} | {rate:.2f} | "
-                  f"{levels.get(name, '')} |")
+                  f"{1000 * statistics.median(cpu[name]) / (n - 1):.2f} | {levels.get(name, '')} |")
         m.set_predict("off")
         m.close()
     print()
 
 
-def recall_why(path: str, n: int) -> None:
+def recall_why(path: str, n: int, backend: str = "numpy") -> None:
     """Why block mode misses at one layer ahead: layer l + 1 is predicted at layer l's pause
     point, from the residual before layer l's experts have added their output. Per target
     layer, recall (top-k, one row per decode step) of block mode with that residual as it is,
@@ -169,10 +175,9 @@ def recall_why(path: str, n: int) -> None:
     only the routed experts that were predicted for layer l (what a pool would have read
     ahead: a proxy for "the experts that are resident"), or a linear map of layer l's FFN
     input fitted online (ridge least squares over every earlier row, the prompt included)."""
-    from onebit.backends.numpy_backend import NumpyBackend
     from onebit.moe.predict import PauseContext, Predictor
 
-    m = onebit.load(path, backend="numpy")
+    m = onebit.load(path, backend=backend)
     cfg, be = m.cfg, m.be
     ids0 = prompt_ids(m)
     k = cfg.n_experts_used
@@ -223,7 +228,7 @@ def recall_why(path: str, n: int) -> None:
     be.predictor = why
     decode(m, ids0, n)
     be.predictor = None
-    print(f"## why block mode misses at 1 ahead: {n}-token greedy decode, numpy, top-{k} recall per target layer\n")
+    print(f"## why block mode misses at 1 ahead: {n}-token greedy decode, {backend}, top-{k} recall per target layer\n")
     layers = sorted(why.hits)
     print("| residual layer l + 1 is predicted from | " + " | ".join(f"layer {l}" for l in layers) + " | all |")
     print("|---|" + "---|" * (len(layers) + 1))
@@ -242,7 +247,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-recall", action="store_true")
-    ap.add_argument("--why", action="store_true", help="only the table of why block mode misses (numpy)")
+    ap.add_argument("--modes", default=None, help="only these rows of the streamed table, e.g. off,router,block")
+    ap.add_argument("--why", action="store_true", help="only the table of why block mode misses")
     a = ap.parse_args()
     from onebit.cli.main import default_model_path
     from onebit.gguf_file import GGUFFile
@@ -255,9 +261,13 @@ def main() -> None:
     print(f"drive: O_DIRECT random reads of {expert / 2**20:.2f} MiB (one expert), 2 threads: "
           f"{drive_ceiling(path, expert):.2f} GB/s\n")
     if a.why:
-        recall_why(path, a.tokens)
+        recall_why(path, a.tokens, (a.backend or ["numpy"])[0])
         return
     fractions = [int(x) for x in a.fractions.split(",")]
+    if a.modes:
+        global MODES
+        want = a.modes.split(",")
+        MODES = [mk for mk in MODES if mk[0] in want]
     for backend in a.backend or ["numpy"]:
         if not a.no_recall:
             recall_table(path, backend, a.tokens)

@@ -304,7 +304,8 @@ class Ledger:
 
     with cover and waste running means (EMA) over the steps the layer ran at that level,
     demand and t_miss over every step (so a level not running is priced at today's demand).
-    After WARM steps at a level the layer takes the level of highest value; while the
+    After WARM steps at a level (one, when its cost is more than the level could save with
+    every demand read covered: `bound`) the layer takes the level of highest value; while the
     current level's value is negative, a lower level never measured is tried first
     (block -> router -> none). A layer below its top level retries the level above for WARM
     steps after `probe` steps: PROBE at first, doubled each time the retry loses, up to
@@ -350,6 +351,17 @@ class Ledger:
         return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost \
             - (0.0 if self.overlapped else self.read_cost * sent)
 
+    def bound(self, layer: int, level: int) -> float:
+        """The most the level could be worth: every demand read covered, none wasted (+inf
+        while the stall per miss or the layer's demand is not known yet)."""
+        if self.t_miss is None or self.demand[layer] is None:
+            return math.inf
+        costs = self.costs[layer][level]
+        cost = sorted(costs)[(len(costs) - 1) // 2] if costs else 0.0
+        sent = self.sent[layer][level] or 0.0
+        return (self.demand[layer] or 0.0) * (self.t_miss or 0.0) - cost \
+            - (0.0 if self.overlapped else self.read_cost * sent)
+
     def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None) -> None:
         """One decode step done: `used` layer -> the level it was predicted at, `cost` layer
         -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits, demand misses,
@@ -383,8 +395,8 @@ class Ledger:
 
     def _decide(self, layer: int) -> None:
         cur = self.level[layer]
-        if self.seen[layer] < self.WARM:
-            return
+        if self.seen[layer] < self.WARM and not (cur != NONE and self.bound(layer, cur) < 0):
+            return  # (a level whose cost is more than it could ever save is judged after one step)
         vals = {lv: v for lv in range(self.top + 1) if (v := self.value(layer, lv)) is not None}
         new = max(vals, key=lambda lv: (vals[lv], -lv))  # ties: the cheaper level
         if vals[cur] < 0:
