@@ -547,3 +547,19 @@ def test_the_steps_after_a_prompt_do_not_feed_the_ledger(monkeypatch):
     for _ in range(P.SETTLE + 3):
         pred.begin(1)
     assert steps == [P.SETTLE + 3, P.SETTLE + 4]  # (forward n's begin measures step n - 1)
+
+
+def test_ledger_restarts_a_layer_stopped_while_it_had_nothing_to_save():
+    """A layer whose prediction ran while every expert it routed to was resident (no demand,
+    so no cover measured) is stopped; when its misses come, its recall stands in for cover and
+    it starts again without waiting for a retry."""
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    led = Ledger([1], ROUTER)
+    t = 1e-3
+    led.step({}, {}, {1: [0, 1, 0, t, t]})  # (a miss timed elsewhere: t_miss known)
+    led.recall[1] = 0.8
+    levels = ledger_run(led, 10, lambda lv: 1e-4, lambda lv: [0, 0, 0, 0.0, 0.0])
+    assert levels[-1] == NONE  # nothing to save: stopped
+    levels = ledger_run(led, 4, lambda lv: 1e-4, lambda lv: [1, 0, 0, 0.0, 0.0] if lv else [0, 1, 0, t, t])
+    assert ROUTER in levels and led.since[1] < Ledger.PROBE

@@ -291,7 +291,8 @@ class Ledger:
               hits + demand misses in the pool);
       cover   (prefetch hits - the stall acquire still spent on prefetches in flight, in
               reads) / demand, each summed as a running mean: the share of the demand its
-              prefetches took off the critical path;
+              prefetches took off the critical path (the layer's recall so far, where it
+              ran without demand);
       waste   the layer's prefetches evicted unused;
       t_miss  seconds of stall per demand-missed expert (acquires that missed, all layers;
               the pool's mean read time until one is timed);
@@ -326,6 +327,7 @@ class Ledger:
         self.waste = {l: [None] * (top + 1) for l in layers}
         self.sent = {l: [None] * (top + 1) for l in layers}  # per level: EMA of prefetch reads queued
         self.read_cost = 0.0  # compute seconds one prefetch read takes from the step (ReadCost)
+        self.recall: dict[int, float] = {}  # layer -> its predictions' recall so far (the predictor's)
         self.demand: dict[int, Optional[float]] = {l: None for l in layers}
         self.t_miss: Optional[float] = None
         self.seen = {l: 0 for l in layers}  # steps measured at the current level
@@ -345,7 +347,9 @@ class Ledger:
         if not costs:
             return None
         cost = sorted(costs)[(len(costs) - 1) // 2]  # (of two: the lower)
-        cover = self.saved[layer][level] / self.served[layer][level] if self.served[layer][level] else 0.0
+        served = self.served[layer][level]
+        # (no demand while it ran, so no cover measured: its recall so far stands in)
+        cover = self.saved[layer][level] / served if served else self.recall.get(layer, 1.0)
         t = self.t_miss or 0.0
         sent = self.sent[layer][level] or 0.0
         return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost \
@@ -524,6 +528,8 @@ class Predictor:
             self.level.update(self.ledger.level)
             for l, st in self.stats.items():
                 st.paused = self.level[l] == NONE
+                if st.routed:
+                    self.ledger.recall[l] = st.hits / st.routed
         self._one_row = rows == 1
         # the steps right after a prompt (or verify rows) pay for, and evict, what its many
         # rows prefetched: not the level's own figures
