@@ -471,11 +471,12 @@ def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
 
 def test_read_cost_is_the_slope_of_compute_on_prefetch_reads():
     """Steps whose compute is 2 ms + 0.15 ms per prefetch read in flight (and noise that does
-    not depend on the reads): the estimate finds the 0.15 ms, not the readers' CPU floor."""
+    not depend on the reads): the estimate finds the 0.15 ms, not the readers' CPU floor
+    (0.1 ms); a slope past CAP times the floor is capped."""
     from onebit.moe.predict import ReadCost
 
     rc = ReadCost()
-    rc.floor = 5e-5
+    rc.floor = 1e-4
     rng = np.random.default_rng(0)
     for i in range(ReadCost.MIN - 1):
         rc.add(i % 5, 2e-3 + 1.5e-4 * (i % 5))
@@ -483,7 +484,12 @@ def test_read_cost_is_the_slope_of_compute_on_prefetch_reads():
     for i in range(60):
         reads = int(rng.integers(0, 8))
         rc.add(reads, 2e-3 + 1.5e-4 * reads + rng.normal(0, 2e-4))
-    assert 1.0e-4 < rc.value < 2.0e-4
+    assert 1.25e-4 < rc.value < 1.75e-4
+    steep = ReadCost()
+    steep.floor = 1e-4
+    for i in range(40):
+        steep.add(i % 6, 2e-3 + 1e-3 * (i % 6))  # 10 times the readers' CPU: capped
+    assert steep.value == ReadCost.CAP * steep.floor
     flat = ReadCost()
     flat.floor = 5e-5
     for i in range(40):

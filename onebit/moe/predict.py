@@ -252,11 +252,13 @@ class ReadCost:
     loop). Per one-row step, y = the step's time less its stall and the predictor's own time
     (the compute), x = the prefetch reads queued in it; the estimate is the slope of y on x,
     a least-squares fit with older steps weighted down by DECAY each step, and never below
-    the readers' own CPU time per read (`floor`, from the pool). Until the steps' read counts
-    have varied enough (a weighted variance of VAR reads^2 over at least MIN steps), the
-    floor alone."""
+    the readers' own CPU time per read (`floor`, from the pool), nor above CAP times it (a
+    read can hold up one of the kernels' threads for its CPU time, and the interpreter lock
+    about as long again: a steeper fit is other load that happened to come with the reads).
+    Until the steps' read counts have varied enough (a weighted variance of VAR reads^2 over
+    at least MIN steps), the floor alone."""
 
-    DECAY, MIN, VAR = 0.97, 8, 0.5
+    DECAY, MIN, VAR, CAP = 0.97, 8, 0.5, 2.0
 
     def __init__(self):
         self.w = self.x = self.y = self.xx = self.xy = 0.0
@@ -277,7 +279,7 @@ class ReadCost:
         var = self.xx / self.w - mx * mx
         if var < self.VAR:
             return self.floor
-        return max(self.floor, (self.xy / self.w - mx * my) / var)
+        return min(self.CAP * self.floor, max(self.floor, (self.xy / self.w - mx * my) / var))
 
 
 class Ledger:
