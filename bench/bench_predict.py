@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -77,15 +78,19 @@ def prompt_ids(m) -> np.ndarray:
     return np.asarray(m.tokenize(PROMPT * 4)[:48], np.int64)
 
 
-def decode(m, ids, n: int):
-    """(tokens, decode seconds): greedy, n tokens after the prompt; EOS does not stop it."""
+def decode(m, ids, n: int, cpu: Optional[list] = None):
+    """(tokens, decode seconds): greedy, n tokens after the prompt; EOS does not stop it.
+    `cpu`: appends the decode's CPU seconds (all of this process's threads: compute, the
+    predictor, the readers), which other processes' load disturbs less than wall time."""
     cache = m.new_cache()
     logits = m.net.forward(ids, cache, last_only=True)
     toks = [int(logits[-1].argmax())]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n - 1):
         logits = m.net.forward(np.array([toks[-1]]), cache, last_only=True)
         toks.append(int(logits[-1].argmax()))
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return toks, time.perf_counter() - t0
 
 
@@ -118,26 +123,31 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
     total = sum(cfg.n_experts for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
     print(f"## streamed decode on {backend}: {n} greedy tokens, ABBA x {reps}; resident: {resident_tps:.2f} tok/s\n")
     print("| pool | mode | tok/s | vs resident | vs off | prefetch hits/tok | wasted/tok | stall ms/tok "
-          "| MiB read/tok | read GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| MiB read/tok | read GB/s | CPU ms/tok | layers block/router/none at the end |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for f in fractions:
         slots = max(cfg.n_experts_used, round(total * f / 100))
         m = onebit.load(path, backend=backend, slots=slots, budget="64GiB")
         if m.pool is None:
-            print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | |")
+            print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | | | |")
             m.close()
             continue
         results = {name: [] for name, _ in MODES}
+        levels = {}  # mode -> layers at block / router / none when its last run ended
+        cpu = {}  # mode -> CPU seconds of each run's decode
         for rep in range(reps):
             order = MODES if rep % 2 == 0 else MODES[::-1]
             for name, kw in order:
                 m.set_predict(settings_from({}, **kw) if kw else "off")
                 before = dict(m.pool.stats.__dict__)
-                toks, dt = decode(m, ids, n)
+                toks, dt = decode(m, ids, n, cpu.setdefault(name, []))
                 m.pool.drain()
                 after = m.pool.stats.__dict__
                 assert toks == want, f"{name} at {f}% changed the output"
                 results[name].append((dt, {k: after[k] - before[k] for k in before}))
+                if getattr(m.predictor, "ledger", None) is not None:
+                    lv = list(m.predictor.ledger.level.values())
+                    levels[name] = "/".join(str(lv.count(x)) for x in (2, 1, 0)) + ("" if m.predictor.gate.on else " gate off")
         off_tps = (n - 1) / statistics.median(dt for dt, _ in results["off"])
         for name, _ in MODES:
             runs = results[name]
@@ -150,9 +160,82 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
             rate = sum(d["bytes_read"] for _, d in runs) / busy / 1e9 if busy else 0.0
             print(f"| {f}% ({slots}) | {name} | {tps:.2f} | {tps / resident_tps:.2f}x | {tps / off_tps:.2f}x | "
                   f"{per_tok('prefetch_hits'):.1f} | {per_tok('wasted_prefetches'):.1f} | "
-                  f"{1000 * per_tok('stall_seconds'):.1f} | {per_tok('bytes_read') / 2**20:.2f} | {rate:.2f} |")
+                  f"{1000 * per_tok('stall_seconds'):.1f} | {per_tok('bytes_read') / 2**20:.2f} | {rate:.2f} | "
+                  f"{1000 * statistics.median(cpu[name]) / (n - 1):.2f} | {levels.get(name, '')} |")
         m.set_predict("off")
         m.close()
+    print()
+
+
+def recall_why(path: str, n: int, backend: str = "numpy") -> None:
+    """Why block mode misses at one layer ahead: layer l + 1 is predicted at layer l's pause
+    point, from the residual before layer l's experts have added their output. Per target
+    layer, recall (top-k, one row per decode step) of block mode with that residual as it is,
+    and with layer l's expert output added back: exactly (the bound), only its top-1 expert,
+    only the routed experts that were predicted for layer l (what a pool would have read
+    ahead: a proxy for "the experts that are resident"), or a linear map of layer l's FFN
+    input fitted online (ridge least squares over every earlier row, the prompt included)."""
+    from onebit.moe.predict import PauseContext, Predictor
+
+    m = onebit.load(path, backend=backend)
+    cfg, be = m.cfg, m.be
+    ids0 = prompt_ids(m)
+    k = cfg.n_experts_used
+    variants = ["as today", "+ exact expert output (bound)", "+ top-1 expert only", "+ predicted experts only",
+                "+ linear fit", "router form, + exact expert output"]
+
+    class Why(Predictor):
+        def __init__(self):
+            super().__init__(m.gguf, cfg, settings_from({}, mode="block"), None, be)
+            self.pred = {}  # target -> {variant: set}
+            self.fit = {}  # layer -> [XtX, XtY]
+            self.hits = {}  # target -> {variant: [hits, routed]}
+
+        def at_pause(self, ctx: PauseContext, layer: int, ids, logits, h):
+            x = be.rms_norm(h, be.weight(self.arch.router_names(cfg, layer)[0]), cfg.norm_eps)  # [R, dim]
+            _, w = be.route(logits, k, cfg.expert_weights_norm)
+            y = be.experts(x, layer, ids, w)  # [R, dim]: layer's real expert output
+            got = self.pred.pop(layer, None)
+            if got is not None and len(ids) == 1:
+                acc = self.hits.setdefault(layer, {v: [0, 0] for v in variants})
+                routed = set(int(e) for e in ids[0])
+                for v, sel in got.items():
+                    acc[v][0] += len(routed & sel)
+                    acc[v][1] += k
+            i = self.moe_layers.index(layer)
+            if i + 1 < len(self.moe_layers) and len(ids) == 1:
+                t = self.moe_layers[i + 1]
+                guess = getattr(self, "_guess", {}).get(layer, set())
+                part = [j for j in range(k) if int(ids[0, j]) in guess]
+                A = self.fit.get(layer)
+                lin = h + x @ np.linalg.solve(A[0] + 1e-2 * np.trace(A[0]) / cfg.dim * np.eye(cfg.dim), A[1]) \
+                    if A is not None else h
+                rs = {"as today": h, "+ exact expert output (bound)": h + y,
+                      "+ top-1 expert only": h + be.experts(x, layer, ids[:, :1], w[:, :1]),
+                      "+ predicted experts only": h + (be.experts(x, layer, ids[:, part], w[:, part]) if part else 0),
+                      "+ linear fit": lin}
+                out = {}
+                for v, r in rs.items():
+                    out[v] = set(int(e) for e in np.argsort(-self._router(t, self._block(ctx, t, r))[0])[:k])
+                out["router form, + exact expert output"] = set(int(e) for e in np.argsort(-self._router(t, h + y)[0])[:k])
+                self.pred[t] = out
+                self._guess = {t: out["as today"]}
+            A = self.fit.setdefault(layer, [np.zeros((cfg.dim, cfg.dim)), np.zeros((cfg.dim, cfg.dim))])
+            A[0] += x.T.astype(np.float64) @ x
+            A[1] += x.T.astype(np.float64) @ y
+
+    why = Why()
+    be.predictor = why
+    decode(m, ids0, n)
+    be.predictor = None
+    print(f"## why block mode misses at 1 ahead: {n}-token greedy decode, {backend}, top-{k} recall per target layer\n")
+    layers = sorted(why.hits)
+    print("| residual layer l + 1 is predicted from | " + " | ".join(f"layer {l}" for l in layers) + " | all |")
+    print("|---|" + "---|" * (len(layers) + 1))
+    for v in variants:
+        hr = [why.hits[l][v] for l in layers]
+        print(f"| {v} | " + " | ".join(f"{a / b:.2f}" for a, b in hr) +
+              f" | {sum(a for a, _ in hr) / sum(b for _, b in hr):.3f} |")
     print()
 
 
@@ -164,6 +247,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--no-recall", action="store_true")
+    ap.add_argument("--modes", default=None, help="only these rows of the streamed table, e.g. off,router,block")
+    ap.add_argument("--why", action="store_true", help="only the table of why block mode misses")
     a = ap.parse_args()
     from onebit.cli.main import default_model_path
     from onebit.gguf_file import GGUFFile
@@ -175,7 +260,14 @@ def main() -> None:
     print(f"model: {path}\n")
     print(f"drive: O_DIRECT random reads of {expert / 2**20:.2f} MiB (one expert), 2 threads: "
           f"{drive_ceiling(path, expert):.2f} GB/s\n")
+    if a.why:
+        recall_why(path, a.tokens, (a.backend or ["numpy"])[0])
+        return
     fractions = [int(x) for x in a.fractions.split(",")]
+    if a.modes:
+        global MODES
+        want = a.modes.split(",")
+        MODES = [mk for mk in MODES if mk[0] in want]
     for backend in a.backend or ["numpy"]:
         if not a.no_recall:
             recall_table(path, backend, a.tokens)

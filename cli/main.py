@@ -67,12 +67,12 @@ def _check_ctx(path: str, ctx: int) -> None:
         raise UsageError(f"--ctx {ctx} is out of range: the model's context length is {n}")
 
 
-def _predict(mode, depth, margin, min_, layers, ahead, no_attn, chain, out, stats):
+def _predict(mode, depth, margin, min_, layers, ahead, no_attn, chain, out, stats, own=None):
     """Prediction settings from the flags over $ONEBIT_MOE_PREDICT*; checked before loading."""
     from onebit.moe.predict import settings_from
 
     return settings_from(None, mode=mode, depth=depth, margin=margin, min=min_, layers=layers, ahead=ahead,
-                         no_attn=no_attn, chain=chain, out=out, stats=stats)
+                         no_attn=no_attn, chain=chain, out=out, stats=stats, own=own)
 
 
 def _finish(m, stats: bool, lookup=None) -> None:
@@ -131,6 +131,8 @@ P_AHEAD = typer.Option(None, "--moe-predict-ahead", help="Predict this many MoE 
 P_NO_ATTN = typer.Option(None, "--moe-predict-no-attn", help="Block mode without the mixer (0 or 1).")
 P_CHAIN = typer.Option(None, "--moe-predict-chain", help="Block mode, more than one ahead: run each deeper "
                                                          "layer's block too (0 or 1; default 0: router form).")
+P_OWN = typer.Option(None, "--moe-predict-own", help="Block mode: add this many of the current layer's top "
+                                                     "experts' output before predicting the next (default 1; 0: none).")
 P_OUT = typer.Option(None, "--moe-predict-out", help="Per-token predicted / actual trace (JSONL).")
 P_STATS = typer.Option(None, "--moe-predict-stats", help="Print the per-layer prediction table at exit (0 or 1).")
 TEMPLATE_KWARGS = typer.Option(
@@ -199,6 +201,7 @@ def generate(
     moe_predict_ahead: Optional[str] = P_AHEAD,
     moe_predict_no_attn: Optional[str] = P_NO_ATTN,
     moe_predict_chain: Optional[str] = P_CHAIN,
+    moe_predict_own: Optional[str] = P_OWN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
@@ -231,7 +234,7 @@ def generate(
     lookup_stats = LookupStats() if lookup else None
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       moe_predict_out, moe_predict_stats)
+                       moe_predict_out, moe_predict_stats, moe_predict_own)
     if any(s == "" for s in stop):
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
@@ -462,6 +465,7 @@ def chat(
     moe_predict_ahead: Optional[str] = P_AHEAD,
     moe_predict_no_attn: Optional[str] = P_NO_ATTN,
     moe_predict_chain: Optional[str] = P_CHAIN,
+    moe_predict_own: Optional[str] = P_OWN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
@@ -477,7 +481,7 @@ def chat(
     lookup = lookup_budget(lookup)
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       moe_predict_out, moe_predict_stats)
+                       moe_predict_out, moe_predict_stats, moe_predict_own)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
     m.template_kwargs = template_kw
     try:
@@ -515,6 +519,7 @@ def bench(
     moe_predict_ahead: Optional[str] = P_AHEAD,
     moe_predict_no_attn: Optional[str] = P_NO_ATTN,
     moe_predict_chain: Optional[str] = P_CHAIN,
+    moe_predict_own: Optional[str] = P_OWN,
     moe_predict_out: Optional[str] = P_OUT,
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -527,7 +532,7 @@ def bench(
     lookup = lookup_budget(lookup)
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       moe_predict_out, moe_predict_stats)
+                       moe_predict_out, moe_predict_stats, moe_predict_own)
     m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json)

@@ -197,6 +197,11 @@ class ExpertPool:
             for s in ss:
                 self.lru[ci][id(s)] = s
         self.stats = PoolStats()
+        # per layer, for the predictor's ledger (moe/predict.py): prefetch hits, demand misses,
+        # wasted prefetches, stall seconds, stall seconds of acquires that had a demand miss
+        self.by_layer: dict[int, list] = {layer: [0, 0, 0, 0.0, 0.0] for layer in self.class_of_layer}
+        self.reads, self.read_seconds = 0, 0.0  # reads done and their summed durations (one expert each)
+        self.read_cpu_seconds = 0.0  # the reader threads' CPU time for them (what a read takes from compute)
         self.lock = threading.Condition()
         self.readers = {}
         for (layer, part), src in self.sources.items():
@@ -235,11 +240,14 @@ class ExpertPool:
             self.stats.acquires += 1
             # Pin the resident experts first, so a miss below cannot evict one of them.
             got: dict[int, _Slot] = {}
+            per = self.by_layer[layer]
+            misses = 0
             for e in experts:
                 s = self.where.get((layer, e))
                 if s is not None:
                     if s.prefetched:
                         self.stats.prefetch_hits += 1
+                        per[0] += 1
                         s.prefetched = False
                     else:
                         self.stats.hits += 1
@@ -248,6 +256,7 @@ class ExpertPool:
             for e in experts:
                 if e not in got:
                     self.stats.demand_misses += 1
+                    misses += 1
                     s = self._claim(layer, (layer, e), DEMAND)
                     self._pin(s)
                     got[e] = s
@@ -264,7 +273,12 @@ class ExpertPool:
                             self.lru[w.cls][id(w)] = w
                     self.lock.notify_all()
                 raise s.error
-        self.stats.stall_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.stall_seconds += dt
+        per[1] += misses
+        per[3] += dt
+        if misses:
+            per[4] += dt
         return out
 
     def pinned_groups(self, layer: int, experts: list[int]):
@@ -388,6 +402,7 @@ class ExpertPool:
         if s.key is not None:
             if s.prefetched:
                 self.stats.wasted_prefetches += 1
+                self.by_layer[s.key[0]][2] += 1
             del self.where[s.key]
         s.key = key
         s.ready = threading.Event()
@@ -420,6 +435,7 @@ class ExpertPool:
             layer, e = key
             err = None
             n = 0
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 for part in EXPERT_PARTS:
                     src = self.sources[(layer, part)]
@@ -429,8 +445,12 @@ class ExpertPool:
                 err = ex
             except OSError as ex:
                 err = StreamReadError(f"{src.file}: read error while streaming experts ({ex.strerror or ex})")
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
             with self.lock:
                 self.stats.bytes_read += n
+                self.reads += 1
+                self.read_seconds += dt
+                self.read_cpu_seconds += cpu
                 self.in_flight -= 1
                 if self.in_flight == 0:
                     self.stats.busy_seconds += time.perf_counter() - self._busy_since

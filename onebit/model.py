@@ -159,8 +159,9 @@ class Model:
                 raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
             from .backends.numpy_backend import NumpyBackend
 
-            host = self.be if isinstance(self.be, NumpyBackend) else _host_backend(self.gguf)
-            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host)
+            on_host = isinstance(self.be, NumpyBackend)
+            host = self.be if on_host else _host_backend(self.gguf)
+            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host, overlapped=not on_host)
         self.be.predictor = self.predictor
 
     def close(self) -> None:

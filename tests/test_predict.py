@@ -324,3 +324,248 @@ def test_prompt_rows_do_not_feed_the_gate(monkeypatch):
         g.step(32)
         clock[0] += 5.0
     assert g.windows == 0 and g.on
+
+
+# -- the ledger: which level of prediction each layer runs at, from injected timings ---------
+
+def ledger_run(ledger, steps, cost, pool):
+    """Feed `steps` decode steps: cost(level) -> host seconds, pool(level) -> the pool's
+    per-layer delta [prefetch hits, misses, wasted, stall, stall of missing acquires]. Returns
+    the levels the layer ran at, step by step."""
+    levels = []
+    for _ in range(steps):
+        lv = ledger.level[1]
+        levels.append(lv)
+        ledger.step({1: lv} if lv else {}, {1: cost(lv)} if lv else {}, {1: pool(lv)})
+    return levels
+
+
+def priced(hits_by_level, demand=2, t_miss=1e-3):
+    """Pool deltas where a level's prefetches turn `hits_by_level[level]` of `demand` demand
+    reads into hits, the rest missing at t_miss seconds each."""
+    def pool(lv):
+        hits = hits_by_level[lv]
+        miss = demand - hits
+        return [hits, miss, 0, miss * t_miss, miss * t_miss]
+    return pool
+
+
+def test_ledger_turns_off_a_layer_whose_prediction_costs_more_than_it_saves():
+    from onebit.moe.predict import BLOCK, NONE, ROUTER, Ledger
+
+    led = Ledger([1], BLOCK)
+    # each level saves one 1 ms read a step but costs 3 ms (block) or 2 ms (router)
+    levels = ledger_run(led, 12, lambda lv: {BLOCK: 3e-3, ROUTER: 2e-3}[lv], priced({NONE: 0, ROUTER: 1, BLOCK: 1}))
+    w = Ledger.WARM
+    # block costs more than the most it could save (2 reads, 2 ms): judged after one step
+    assert levels[:1] == [BLOCK] and levels[1 : 1 + w] == [ROUTER] * w  # block lost: router is tried
+    assert levels[1 + w :] == [NONE] * (12 - 1 - w)  # router lost too: off, within 1 + WARM steps
+    assert led.value(1, ROUTER) < 0 and led.value(1, BLOCK) < 0
+
+
+def test_ledger_keeps_a_layer_whose_prediction_pays_and_picks_the_best_level():
+    from onebit.moe.predict import BLOCK, NONE, ROUTER, Ledger
+
+    led = Ledger([1], BLOCK)  # block pays: 0.2 ms for two 1 ms reads saved of three
+    assert set(ledger_run(led, 40, lambda lv: 2e-4, priced({NONE: 0, ROUTER: 1, BLOCK: 2}, demand=3))) == {BLOCK}
+    led = Ledger([1], BLOCK)  # block's mixer costs 3 ms, the router 0.1 ms: router, one read saved
+    levels = ledger_run(led, 40, lambda lv: {BLOCK: 3e-3, ROUTER: 1e-4}[lv], priced({NONE: 0, ROUTER: 1, BLOCK: 2}))
+    w = Ledger.WARM
+    assert levels[w : w + Ledger.PROBE] == [ROUTER] * Ledger.PROBE
+    # the start (WARM steps: no miss had been timed yet, so no bound), and one retry after
+    # PROBE steps, judged in one step (3 ms is more than the 2 ms it could save)
+    assert levels.count(BLOCK) == w + 1
+    assert led.probe[1] == 2 * Ledger.PROBE  # so the next retry waits twice as long
+
+
+def test_ledger_prices_a_stopped_level_at_the_current_demand():
+    """A layer stopped while its misses were cheap (a read took 0.1 ms) starts again, without
+    waiting for a retry, once its misses cost more (the drive got busy: 1 ms a read)."""
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    led = Ledger([1], ROUTER)
+    fast, slow = 1e-4, 1e-3
+    # the router costs 0.5 ms and prefetches the one read a step the layer needs
+    levels = ledger_run(led, 6, lambda lv: 5e-4, lambda lv: [1, 0, 0, 0.0, 0.0] if lv else [0, 1, 0, fast, fast])
+    assert levels[-1] == NONE  # 0.1 ms saved for 0.5 ms: stopped
+    levels = ledger_run(led, 6, lambda lv: 5e-4, lambda lv: [2, 0, 0, 0.0, 0.0] if lv else [0, 2, 0, 2 * slow, 2 * slow])
+    assert levels[-1] == ROUTER and led.since[1] < Ledger.PROBE  # back on before a retry was due
+    assert led.value(1, ROUTER) > 0
+
+
+def test_ledger_does_not_charge_host_time_when_a_device_computes_meanwhile():
+    from onebit.moe.predict import BLOCK, Ledger
+
+    led = Ledger([1], BLOCK, overlapped=True)
+    levels = ledger_run(led, 10, lambda lv: 1.0, priced({0: 0, 1: 1, 2: 1}))
+    assert set(levels) == {BLOCK}
+
+
+def test_ledger_cost_is_robust_to_one_preempted_step():
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    led = Ledger([1], ROUTER)
+    costs = iter([1e-4, 5e-2] + [1e-4] * 20)  # the second step lost the core for 50 ms
+    levels = ledger_run(led, 20, lambda lv: next(costs), priced({NONE: 0, ROUTER: 1}))
+    assert set(levels) == {ROUTER}
+
+
+class _FakePool:
+    """What the predictor reads of a pool: prefetch, and the per-layer counters the ledger uses."""
+
+    def __init__(self, layers):
+        from onebit.memory.pool import PoolStats
+
+        self.by_layer = {l: [0, 0, 0, 0.0, 0.0] for l in layers}
+        self.stats = PoolStats()
+        self.reads, self.read_seconds, self.read_cpu_seconds = 0, 0.0, 0.0
+        self.prefetched = []
+
+    def prefetch(self, layer, experts, keep=()):
+        self.prefetched.append((layer, list(experts)))
+        return len(experts)
+
+
+def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
+    """End to end through the predictor, with a fake clock and pool: layer 2's ranking costs
+    5 ms and saves nothing; layer 1's costs 0.1 ms and turns its misses into hits. Within a
+    few steps layer 2 is no longer ranked at all (no router call, no prefetch), layer 1 is."""
+    import onebit.moe.predict as P
+
+    m = onebit.load(shipped(), backend="numpy")
+    cfg = m.cfg
+    pool = _FakePool(range(cfg.n_layers))
+    pred = Predictor(m.gguf, cfg, settings_from({}, mode="router"), pool, m.be)
+    pred.gate.step = lambda rows: True  # (the whole-step gate is tested on its own)
+    clock = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    real_router = pred._router
+    ranked = []
+
+    def router(layer, r):
+        ranked.append(layer)
+        clock[0] += 5e-3 if layer == 2 else 1e-4
+        return real_router(layer, r)
+
+    pred._router = router
+    h = np.ones((1, cfg.dim), np.float32)
+    ids = np.array([[0, 1]])
+    ctx = P.PauseContext(0, 1, None, None)
+    per_step = []
+    for step in range(10):
+        pred.begin(1)
+        ranked.clear()
+        for layer in pred.moe_layers:
+            pred.at_pause(ctx, layer, ids, None, h)
+        per_step.append(sorted(set(ranked)))
+        # this step in the pool: layer 1 prefetched both of its demand reads, layer 2 missed both
+        pool.by_layer[1][0] += 2
+        pool.by_layer[2][1] += 2
+        pool.by_layer[2][3] += 2e-3
+        pool.by_layer[2][4] += 2e-3
+    assert per_step[0] == [1, 2, 3, 4, 5]
+    assert all(2 not in s and 1 in s for s in per_step[P.Ledger.WARM + 1 :])
+    assert pred.ledger.level[2] == P.NONE and pred.ledger.level[1] == P.ROUTER
+    assert pred.stats[2].paused and not pred.stats[1].paused
+
+
+def test_read_cost_is_the_slope_of_compute_on_prefetch_reads():
+    """Steps whose compute is 2 ms + 0.15 ms per prefetch read in flight (and noise that does
+    not depend on the reads): the estimate finds the 0.15 ms, not the readers' CPU floor
+    (0.1 ms); a slope past CAP times the floor is capped."""
+    from onebit.moe.predict import ReadCost
+
+    rc = ReadCost()
+    rc.floor = 1e-4
+    rng = np.random.default_rng(0)
+    for i in range(ReadCost.MIN - 1):
+        rc.add(i % 5, 2e-3 + 1.5e-4 * (i % 5))
+    assert rc.value == rc.floor  # too few steps yet
+    for i in range(60):
+        reads = int(rng.integers(0, 8))
+        rc.add(reads, 2e-3 + 1.5e-4 * reads + rng.normal(0, 2e-4))
+    assert 1.25e-4 < rc.value < 1.75e-4
+    steep = ReadCost()
+    steep.floor = 1e-4
+    for i in range(40):
+        steep.add(i % 6, 2e-3 + 1e-3 * (i % 6))  # 10 times the readers' CPU: capped
+    assert steep.value == ReadCost.CAP * steep.floor
+    flat = ReadCost()
+    flat.floor = 5e-5
+    for i in range(40):
+        flat.add(3, 2e-3 + rng.normal(0, 2e-4))  # the read count never varied: no slope to fit
+    assert flat.value == flat.floor
+    free = ReadCost()
+    free.floor = 5e-5
+    for i in range(40):
+        free.add(i % 6, 2e-3 - 1e-4 * (i % 6))  # (a negative slope: never below the floor)
+    assert free.value == free.floor
+
+
+def test_ledger_charges_the_compute_its_prefetch_reads_take():
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    def run(read_cost):
+        led = Ledger([1], ROUTER)
+        led.read_cost = read_cost
+        for _ in range(6):
+            lv = led.level[1]
+            # 0.1 ms to rank; it queues 4 reads a step, one of which is the layer's 1 ms miss
+            led.step({1: lv} if lv else {}, {1: 1e-4}, {1: [1, 0, 0, 0.0, 0.0] if lv else [0, 1, 0, 1e-3, 1e-3]},
+                     {1: 4} if lv else {})
+        return led.level[1]
+
+    assert run(1e-4) == ROUTER  # 1 ms saved for 0.1 + 0.4 ms
+    assert run(5e-4) == NONE  # 1 ms saved for 0.1 + 2 ms
+
+
+def test_block_mode_with_all_of_the_layers_own_experts_predicts_the_next_layer_exactly():
+    """Block mode's residual lacks only layer l's own expert output: with all k of them added
+    back (own = k) the prediction is the next layer's real input, so its top-k is the routing
+    the real forward then takes, for every layer and row; without them (own = 0) it is not.
+    Checks the added output (the FFN norm, the routing weights, the order) against the forward."""
+    m = onebit.load(shipped(), backend="numpy")
+    ids = prompt()
+    recall = {}
+    for own in (0, m.cfg.n_experts_used):
+        m.set_predict(settings_from({}, mode="block", own=own))
+        decode(m, ids)
+        st = m.predictor.stats
+        recall[own] = [st[l].top_hits / st[l].routed for l in st if st[l].predictions]
+    assert recall[m.cfg.n_experts_used] == [1.0] * 5
+    assert min(recall[0]) < 0.9
+    assert settings_from({"ONEBIT_MOE_PREDICT_OWN": "0"}).own == 0 and settings_from({}).own == 1
+    with pytest.raises(UsageError):
+        settings_from({"ONEBIT_MOE_PREDICT_OWN": "-1"})
+
+
+def test_the_steps_after_a_prompt_do_not_feed_the_ledger(monkeypatch):
+    """The first SETTLE decode steps after a multi-row forward are not measured (they evict
+    what the prompt's rows prefetched); the ones after are."""
+    import onebit.moe.predict as P
+
+    m = onebit.load(shipped(), backend="numpy")
+    pool = _FakePool(range(m.cfg.n_layers))
+    pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="router"), pool, m.be)
+    steps = []
+    monkeypatch.setattr(pred.ledger, "step", lambda *a, **k: steps.append(pred.forwards))
+    pred.begin(12)  # a prompt
+    for _ in range(P.SETTLE + 3):
+        pred.begin(1)
+    assert steps == [P.SETTLE + 3, P.SETTLE + 4]  # (forward n's begin measures step n - 1)
+
+
+def test_ledger_restarts_a_layer_stopped_while_it_had_nothing_to_save():
+    """A layer whose prediction ran while every expert it routed to was resident (no demand,
+    so no cover measured) is stopped; when its misses come, its recall stands in for cover and
+    it starts again without waiting for a retry."""
+    from onebit.moe.predict import NONE, ROUTER, Ledger
+
+    led = Ledger([1], ROUTER)
+    t = 1e-3
+    led.step({}, {}, {1: [0, 1, 0, t, t]})  # (a miss timed elsewhere: t_miss known)
+    led.recall[1] = 0.8
+    levels = ledger_run(led, 10, lambda lv: 1e-4, lambda lv: [0, 0, 0, 0.0, 0.0])
+    assert levels[-1] == NONE  # nothing to save: stopped
+    levels = ledger_run(led, 4, lambda lv: 1e-4, lambda lv: [1, 0, 0, 0.0, 0.0] if lv else [0, 1, 0, t, t])
+    assert ROUTER in levels and led.since[1] < Ledger.PROBE

@@ -8,7 +8,9 @@ For each of the next `ahead` MoE layers l + j it ranks experts from:
 - router: layer l + j's FFN norm and router applied to h (the residual available now);
 - block:  layer l + j's own mixer block run speculatively first (attention over the real
           cache's earlier positions plus this step's rows, whose K/V go to that layer's
-          scratch, never to the cache), then its FFN norm and router; deeper layers chain
+          scratch, never to the cache), then its FFN norm and router. At one ahead, h first
+          gets layer l's top `own` experts' output added (what h lacks of layer l + 1's input;
+          on host backends, whose experts the predictor can run); deeper layers chain
           from the predicted residual (`chain`), or take the first predicted residual to
           their routers (the cheap router form). `no_attn` drops the mixer.
 
@@ -18,13 +20,17 @@ prefetch never evicts what the current layer routes to). Only the ranking leaves
 predictor: the forward's arithmetic is untouched, so output with prediction on is
 bit-identical to off (tested), and a poisoned scratch changes nothing.
 
-Adaptive rule (per predicted layer): the precision of its predictions (routed / predicted,
-a running mean over recent tokens) is tracked whether or not they were issued. Below
-PAUSE_BELOW the layer's prefetches stop (a wrong read costs drive time a demand read may
-need); they resume above RESUME_ABOVE. Candidates past the top-k (depth) are issued only
-while their own precision stays above DEEP_ABOVE. Predictions for layers more than one
-ahead are issued only while that layer's precision is above AHEAD_ABOVE. When streaming, a
-`Gate` over all of it turns prediction off while decode steps have been faster without it.
+Adaptive rule, when streaming (`Ledger`): per predicted layer, the form of prediction that
+pays for itself (block, router or none), decided from what each decode step measures
+directly: the host time spent predicting that layer, and the stall its prefetches took off
+the drive's critical path (its prefetch hits, priced at the measured stall per demand-missed
+expert, less what acquire still waited on prefetches in flight and on wrong reads). A layer
+whose prediction costs more than it saves drops a level after two steps, and retries the
+level above now and then. Candidates past the top-k (depth) are issued only while their own
+precision stays above DEEP_ABOVE; predictions for layers more than one ahead only while that
+layer's precision is above AHEAD_ABOVE. Over all of it a `Gate` turns prediction off while
+whole decode steps have been faster without it (what no per-layer figure sees: reads in
+flight taking cores from compute).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from ..errors import UsageError
 
 MODES = ("off", "router", "block")
 ENV = "ONEBIT_MOE_PREDICT"
-PAUSE_BELOW, RESUME_ABOVE, DEEP_ABOVE, AHEAD_ABOVE = 0.30, 0.40, 0.15, 0.50
+DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
+SETTLE = 2  # decode steps after a multi-row forward that the ledger does not measure
 EMA = 0.1  # weight of the newest token in the running precisions
 
 
@@ -57,6 +64,7 @@ class PredictSettings:
     ahead: int = 1  # how many MoE layers ahead
     no_attn: bool = False  # block mode without the mixer
     chain: bool = False  # block mode, > 1 ahead: run every deeper layer's block too (else router form)
+    own: int = 1  # block mode: add this many of the current layer's top experts' output to the residual first
     out: Optional[str] = None  # per-token predicted / actual trace (JSONL)
     stats: bool = False  # print the per-layer table at exit
 
@@ -92,6 +100,7 @@ def settings_from(env=None, **given) -> PredictSettings:
         "mode": env.get(ENV), "depth": env.get(ENV + "_DEPTH"), "margin": env.get(ENV + "_MARGIN"),
         "min": env.get(ENV + "_MIN"), "layers": env.get(ENV + "_LAYERS"), "ahead": env.get(ENV + "_AHEAD"),
         "no_attn": env.get(ENV + "_NO_ATTN"), "chain": env.get(ENV + "_CHAIN"), "out": env.get(ENV + "_OUT"), "stats": env.get(ENV + "_STATS"),
+        "own": env.get(ENV + "_OWN"),
     }
     raw.update({k: v for k, v in given.items() if v is not None})
     out = {}
@@ -113,6 +122,8 @@ def settings_from(env=None, **given) -> PredictSettings:
         if not m >= 0:
             raise UsageError(f"--moe-predict-margin must be >= 0, got {raw['margin']!r}")
         out["margin"] = m
+    if raw["own"] not in (None, ""):
+        out["own"] = _int("--moe-predict-own", raw["own"], 0)
     if raw["layers"] not in (None, ""):
         out["layers"] = str(raw["layers"])
     if raw["no_attn"] not in (None, ""):
@@ -174,7 +185,7 @@ class LayerStats:
     prefetched: int = 0  # experts queued by those
     precision: float = 1.0  # running (EMA) routed-and-predicted / predicted
     deep_precision: float = 1.0  # the same for candidates past the top-k
-    paused: bool = False  # the adaptive rule stopped its prefetches
+    paused: bool = False  # the ledger stopped predicting it (level none)
 
     @property
     def recall(self) -> float:
@@ -231,6 +242,189 @@ class Gate:
         return self.on
 
 
+NONE, ROUTER, BLOCK = 0, 1, 2  # the ledger's levels of prediction for one layer
+LEVEL_NAMES = ("none", "router", "block")
+
+
+class ReadCost:
+    """Compute time one prefetch read takes from a decode step, measured: reads in flight
+    while the host computes take a core from its kernels (and the interpreter lock from the
+    loop). Per one-row step, y = the step's time less its stall and the predictor's own time
+    (the compute), x = the prefetch reads queued in it; the estimate is the slope of y on x,
+    a least-squares fit with older steps weighted down by DECAY each step, and never below
+    the readers' own CPU time per read (`floor`, from the pool), nor above CAP times it (a
+    read can hold up one of the kernels' threads for its CPU time, and the interpreter lock
+    about as long again: a steeper fit is other load that happened to come with the reads).
+    Until the steps' read counts have varied enough (a weighted variance of VAR reads^2 over
+    at least MIN steps), the floor alone."""
+
+    DECAY, MIN, VAR, CAP = 0.97, 8, 0.5, 2.0
+
+    def __init__(self):
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.n = 0
+        self.floor = 0.0
+
+    def add(self, reads: float, compute: float) -> None:
+        d = self.DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + reads, d * self.y + compute
+        self.xx, self.xy = d * self.xx + reads * reads, d * self.xy + reads * compute
+        self.n += 1
+
+    @property
+    def value(self) -> float:
+        if self.n < self.MIN:
+            return self.floor
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var < self.VAR:
+            return self.floor
+        return min(self.CAP * self.floor, max(self.floor, (self.xy / self.w - mx * my) / var))
+
+
+class Ledger:
+    """Per predicted layer, the level of prediction that pays for itself: block (its mixer,
+    then its router), router, or none, from what each decode step (one row) measures:
+
+      cost    host seconds spent predicting the layer (its mixer when block, norm + router,
+              the selection, the prefetch call): the median of the level's last COSTS
+              steps (a step the OS took the core from is not the level's cost);
+      demand  experts the layer routed to that were not resident by LRU alone (its prefetch
+              hits + demand misses in the pool);
+      cover   (prefetch hits - the stall acquire still spent on prefetches in flight, in
+              reads) / demand, each summed as a running mean: the share of the demand its
+              prefetches took off the critical path (the layer's recall so far, where it
+              ran without demand);
+      waste   the layer's prefetches evicted unused;
+      t_miss  seconds of stall per demand-missed expert (acquires that missed, all layers;
+              the pool's mean read time until one is timed);
+      sent    prefetch reads the layer's prediction queued, each charged `read_cost`: the
+              compute a read in flight takes from the step (ReadCost).
+
+    A level's value per step is what it saves less what it costs,
+
+        value = (cover * demand - WASTE * waste) * t_miss - cost - read_cost * sent   (none: 0),
+
+    with cover and waste running means (EMA) over the steps the layer ran at that level,
+    demand and t_miss over every step (so a level not running is priced at today's demand).
+    After WARM steps at a level (one, when its cost is more than the level could save with
+    every demand read covered: `bound`) the layer takes the level of highest value; while the
+    current level's value is negative, a lower level never measured is tried first
+    (block -> router -> none). A layer below its top level retries the level above for WARM
+    steps after `probe` steps: PROBE at first, doubled each time the retry loses, up to
+    MAX_PROBE. WASTE: a wrong read holds a reader for one read; on average half of it
+    delays a demand read queued behind it. With `overlapped` (a device backend: the host
+    predicts while the device runs) neither the host's time nor its reads count as cost.
+
+    Only which experts are read ahead depends on the ledger, never the output."""
+
+    WARM, PROBE, MAX_PROBE, EMA, WASTE, COSTS = 2, 16, 128, 0.3, 0.5, 5
+
+    def __init__(self, layers, top: int, overlapped: bool = False):
+        self.top, self.overlapped = top, overlapped
+        self.level = {l: top for l in layers}
+        self.costs = {l: [[] for _ in range(top + 1)] for l in layers}  # per level: its last steps' seconds
+        self.saved = {l: [None] * (top + 1) for l in layers}  # per level: EMA of prefetch hits less waits
+        self.served = {l: [None] * (top + 1) for l in layers}  # per level: EMA of demand
+        self.waste = {l: [None] * (top + 1) for l in layers}
+        self.sent = {l: [None] * (top + 1) for l in layers}  # per level: EMA of prefetch reads queued
+        self.read_cost = 0.0  # compute seconds one prefetch read takes from the step (ReadCost)
+        self.recall: dict[int, float] = {}  # layer -> its predictions' recall so far (the predictor's)
+        self.demand: dict[int, Optional[float]] = {l: None for l in layers}
+        self.t_miss: Optional[float] = None
+        self.seen = {l: 0 for l in layers}  # steps measured at the current level
+        self.since = {l: 0 for l in layers}  # steps since the level last changed
+        self.probe = {l: self.PROBE for l in layers}
+        self.probing = {l: False for l in layers}
+        self.changes = 0
+
+    def _ema(self, old, new):
+        return new if old is None else (1 - self.EMA) * old + self.EMA * new
+
+    def value(self, layer: int, level: int) -> Optional[float]:
+        """Seconds per step the level saves, less its cost (None: never measured)."""
+        if level == NONE:
+            return 0.0
+        costs, waste = self.costs[layer][level], self.waste[layer][level]
+        if not costs:
+            return None
+        cost = sorted(costs)[(len(costs) - 1) // 2]  # (of two: the lower)
+        served = self.served[layer][level]
+        # (no demand while it ran, so no cover measured: its recall so far stands in)
+        cover = self.saved[layer][level] / served if served else self.recall.get(layer, 1.0)
+        t = self.t_miss or 0.0
+        sent = self.sent[layer][level] or 0.0
+        return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost \
+            - (0.0 if self.overlapped else self.read_cost * sent)
+
+    def bound(self, layer: int, level: int) -> float:
+        """The most the level could be worth: every demand read covered, none wasted (+inf
+        while the stall per miss or the layer's demand is not known yet)."""
+        if self.t_miss is None or self.demand[layer] is None:
+            return math.inf
+        costs = self.costs[layer][level]
+        cost = sorted(costs)[(len(costs) - 1) // 2] if costs else 0.0
+        sent = self.sent[layer][level] or 0.0
+        return (self.demand[layer] or 0.0) * (self.t_miss or 0.0) - cost \
+            - (0.0 if self.overlapped else self.read_cost * sent)
+
+    def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None) -> None:
+        """One decode step done: `used` layer -> the level it was predicted at, `cost` layer
+        -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits, demand misses,
+        wasted, stall, stall of acquires that missed] during the step, `sent` layer -> the
+        prefetch reads its prediction queued."""
+        sent = sent or {}
+        missed = sum(d[1] for d in pool_delta.values())
+        if missed:
+            self.t_miss = self._ema(self.t_miss, sum(d[4] for d in pool_delta.values()) / missed)
+        t = self.t_miss or 0.0
+        for layer in self.level:
+            d = pool_delta.get(layer, (0, 0, 0, 0.0, 0.0))
+            hits, misses, wasted, stall, miss_stall = d
+            demand = hits + misses
+            self.demand[layer] = self._ema(self.demand[layer], demand)
+            lv = used.get(layer, NONE)
+            if lv != self.level[layer]:
+                continue  # (the step ran before a switch: not this level's)
+            if lv != NONE:
+                costs = self.costs[layer][lv]
+                costs.append(0.0 if self.overlapped else cost.get(layer, 0.0))
+                del costs[: -self.COSTS]
+                pf_wait = (stall - miss_stall) / t if t else 0.0  # in reads
+                self.saved[layer][lv] = self._ema(self.saved[layer][lv], max(0.0, hits - pf_wait))
+                self.served[layer][lv] = self._ema(self.served[layer][lv], demand)
+                self.waste[layer][lv] = self._ema(self.waste[layer][lv], wasted)
+                self.sent[layer][lv] = self._ema(self.sent[layer][lv], sent.get(layer, 0))
+            self.seen[layer] += 1
+            self.since[layer] += 1
+            self._decide(layer)
+
+    def _decide(self, layer: int) -> None:
+        cur = self.level[layer]
+        if self.seen[layer] < self.WARM and not (cur != NONE and self.bound(layer, cur) < 0):
+            return  # (a level whose cost is more than it could ever save is judged after one step)
+        vals = {lv: v for lv in range(self.top + 1) if (v := self.value(layer, lv)) is not None}
+        new = max(vals, key=lambda lv: (vals[lv], -lv))  # ties: the cheaper level
+        if vals[cur] < 0:
+            untried = [lv for lv in range(cur - 1, NONE, -1) if lv not in vals]
+            if untried:
+                new = untried[0]
+        if new == cur and cur < self.top and self.since[layer] >= self.probe[layer]:
+            new = cur + 1  # retry the level above
+            self.probing[layer] = True
+        elif self.probing[layer]:
+            self.probing[layer] = False
+            if new < cur:
+                self.probe[layer] = min(2 * self.probe[layer], self.MAX_PROBE)
+            else:
+                self.probe[layer] = self.PROBE
+        if new != cur:
+            self.level[layer] = new
+            self.seen[layer] = 0
+            self.since[layer] = 0
+            self.changes += 1
+
+
 class PauseContext:
     """What a backend hands the predictor at a pause point: the rows' positions and a view of
     the real cache's earlier keys and values (read only)."""
@@ -244,9 +438,10 @@ class PauseContext:
 class Predictor:
     """Ranks the next layers' experts at each pause point and feeds the pool's prefetch queue."""
 
-    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None):
+    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None, overlapped: bool = False):
         """`host`: the backend whose ops the predictor runs on the host (the model's own when
-        it is a host backend: numpy or cpu); numpy's reference ops if None."""
+        it is a host backend: numpy or cpu); numpy's reference ops if None. `overlapped`: the
+        host predicts while a device computes (the ledger does not count the host's time)."""
         from ..backends.numpy_backend import NumpyBackend
         from ..memory.plan import parse_layers
 
@@ -273,6 +468,28 @@ class Predictor:
         self.forwards = 0
         self.gate = Gate()
         self.active = True
+        top = BLOCK if settings.mode == "block" and not settings.no_attn else ROUTER
+        # layer l's own expert output is what block mode's residual lacks (bench_predict --why):
+        # its top `own` experts are added back, on a host backend (a device backend's host ops
+        # would read them from the file map, around the pool), for softmax-routed SwiGLU experts
+        self.own = min(settings.own, self.k) if (top == BLOCK and not overlapped and cfg.expert_gating != "sigmoid"
+                                                 and cfg.arch != "gpt-oss") else 0
+        self._own_stall = 0.0
+        # (the first MoE layer is never predicted: nothing runs before it)
+        self.ledger = Ledger(self.targets[1:] if self.targets[:1] == self.moe_layers[:1] else self.targets,
+                             top, overlapped) if pool is not None else None
+        self.level = {l: top for l in self.targets}  # what each layer is predicted at now
+        self._used: dict[int, int] = {}  # this forward: layer -> the level it was predicted at
+        self._cost: dict[int, float] = {}  # this forward: layer -> host seconds predicting it
+        self._pool_mark = None  # the pool's per-layer counters at this forward's start
+        self._stall_mark = self._queued_mark = 0
+        self._t_step = 0.0  # when this forward started
+        self._spent = 0.0  # this forward: host seconds in the predictor
+        self._sent: dict[int, int] = {}  # this forward: layer -> prefetch reads queued for it
+        self.read_cost = ReadCost()
+        self._one_row = False
+        self._settle = 0  # decode steps still to go before the ledger measures (after a prompt)
+        self._routers: dict[int, Optional[tuple]] = {}  # layer -> (norm weight, router [E, dim], bias) in float32
         self.trace = None
         if settings.out:
             try:
@@ -295,33 +512,85 @@ class Predictor:
         self.pending.clear()
         self.older.clear()
         self.forwards += 1
+        now = time.perf_counter()
+        if self.ledger is not None:
+            pool = self.pool
+            mark = {l: list(v) for l, v in pool.by_layer.items()}
+            stall, queued = pool.stats.stall_seconds, pool.stats.prefetches
+            if self._one_row and self._pool_mark is not None and not self._settle:
+                delta = {l: [a - b for a, b in zip(v, self._pool_mark[l])] for l, v in mark.items()}
+                compute = (now - self._t_step) - (stall - self._stall_mark) - self._spent
+                self.read_cost.add(queued - self._queued_mark, compute)
+                self.read_cost.floor = pool.read_cpu_seconds / pool.reads if pool.reads else 0.0
+                self.ledger.read_cost = self.read_cost.value
+                self.ledger.step(self._used, self._cost, delta, self._sent)
+            self._pool_mark, self._stall_mark, self._queued_mark = mark, stall, queued
+            if self.ledger.t_miss is None and pool.reads:
+                self.ledger.t_miss = pool.read_seconds / pool.reads  # until a demand miss is timed
+            self.level.update(self.ledger.level)
+            for l, st in self.stats.items():
+                st.paused = self.level[l] == NONE
+                if st.routed:
+                    self.ledger.recall[l] = st.hits / st.routed
+        self._one_row = rows == 1
+        # the steps right after a prompt (or verify rows) pay for, and evict, what its many
+        # rows prefetched: not the level's own figures
+        self._settle = SETTLE + 1 if rows > 1 else max(0, self._settle - 1)  # (+1: the prompt's own step)
+        self._t_step = now
+        self._spent = 0.0
+        self._used.clear()
+        self._cost.clear()
+        self._sent.clear()
         self.active = self.gate.step(rows) if self.pool is not None else True
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         if not self.active:
             return
+        t = time.perf_counter()
+        self._own_stall = 0.0
+        self._predict(ctx, layer, ids, logits, h)
+        self._spent += time.perf_counter() - t - self._own_stall
+
+    def _predict(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         self._score(layer, ids)
         i = self.moe_layers.index(layer)
-        keep = [(layer, int(e)) for e in np.unique(ids)]  # what this layer routes to: never evicted
+        keep = [(layer, e) for e in set(ids.ravel().tolist())]  # what this layer routes to: never evicted
         r = h
+        t0 = time.perf_counter()
+        nxt = self.moe_layers[i + 1 : i + 2]
+        if self.own and nxt and self.level.get(nxt[0], BLOCK) == BLOCK:
+            stall = self.pool.stats.stall_seconds if self.pool is not None else 0.0
+            r = h + self._own_output(layer, ids, logits, h)
+            if self.pool is not None:  # (the layer's own read, moved earlier: not the prediction's cost)
+                self._own_stall = self.pool.stats.stall_seconds - stall
+                t0 += self._own_stall
         for j, target in enumerate(self.moe_layers[i + 1 : i + 1 + self.s.ahead]):
-            if self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain):
+            level = self.level.get(target, BLOCK)  # (a layer passed through: as configured)
+            if (self.s.mode == "block" and not self.s.no_attn and (j == 0 or self.s.chain)
+                    and level == BLOCK):
                 r = self._block(ctx, target, r)
             if target not in self.stats:
                 continue
+            if level == NONE:
+                t0 = time.perf_counter()
+                continue
             rows = self.select(self._router(target, r))
             st = self.stats[target]
-            issue = not st.paused and (j == 0 or st.precision >= AHEAD_ABOVE)
+            issue = j == 0 or st.precision >= AHEAD_ABOVE
             if issue and self.pool is not None:
                 deep = st.deep_precision >= DEEP_ABOVE
                 send = set().union(*[sel if deep else base for sel, base, _ in rows])
-                self.pool.prefetch(target, sorted(send), keep=keep)
+                self._sent[target] = self._sent.get(target, 0) + self.pool.prefetch(target, sorted(send), keep=keep)
                 st.prefetched += len(send)
                 st.issued += 1
             old = self.pending.get(target)
             if old is not None:
                 self.older.setdefault(target, []).append((old.distance, old.rows))
             self.pending[target] = _Pending(rows, issue, j + 1)
+            t1 = time.perf_counter()
+            self._used[target] = level
+            self._cost[target] = self._cost.get(target, 0.0) + (t1 - t0)
+            t0 = t1
 
     def _score(self, layer: int, ids: np.ndarray) -> None:
         """Compare the pending prediction for `layer` with its routing, row by row."""
@@ -346,10 +615,6 @@ class Predictor:
             deep = sel - base
             if deep:
                 st.deep_precision = (1 - EMA) * st.deep_precision + EMA * (len(routed & deep) / len(deep))
-        if st.paused and st.precision > RESUME_ABOVE:
-            st.paused = False
-        elif not st.paused and st.precision < PAUSE_BELOW:
-            st.paused = True
         if self.trace is not None:
             for r, ((sel, base, top), routed) in enumerate(zip(p.rows, actual)):
                 self.trace.write(json.dumps({"forward": self.forwards, "row": r, "layer": layer,
@@ -363,6 +628,21 @@ class Predictor:
         """What layer's router ranks experts by, for residual r: [R, E]. Its logits; with
         sigmoid routing (GLM) the route's own selection scores (sigmoid + correction bias, -inf
         outside the chosen expert groups), so a prediction is ranked by the rule that routes."""
+        fast = self._routers.get(layer, False)
+        if fast is False:
+            fast = self._routers[layer] = self._fast_router(layer)
+        if fast is not None:  # float32 weights as they lie in the file: plain numpy, no kernel call
+            g, w, b = fast
+            x = r if r.dtype == np.float32 else r.astype(np.float32)
+            if len(x) == 1:  # a decode step: the norm's scale as one float
+                hn = x * g
+                hn *= np.float32(1.0 / math.sqrt(float(x[0] @ x[0]) / x.shape[1] + self.cfg.norm_eps))
+            else:
+                ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+                hn = x / np.sqrt(ms + np.float32(self.cfg.norm_eps)) * g
+            logits = np.einsum("rd,ed->re", hn, w)  # [R, E] (einsum: not BLAS, whose threads would spin
+            # on the cores the cpu backend's kernels run on)
+            return logits if b is None else logits + b
         be, cfg = self.be, self.cfg
         norm, router, bias = self.arch.router_names(cfg, layer)
         hn = be.rms_norm(r, be.weight(norm), cfg.norm_eps)
@@ -374,6 +654,30 @@ class Predictor:
         correction = f"blk.{layer}.exp_probs_b.bias"
         b = be.weight(correction) if be.has(correction) else None
         return be.selection_scores(logits, b, cfg.expert_groups, cfg.expert_groups_used)
+
+    def _own_output(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """The output of layer's top `own` routed experts (weighted as routed) for residual h:
+        the part of the next layer's input that is known before the layer's experts run.
+        Streamed, the host backend acquires them from the pool: reads the layer needs anyway."""
+        be, cfg = self.be, self.cfg
+        x = be.rms_norm(h, be.weight(self.arch.router_names(cfg, layer)[0]), cfg.norm_eps)  # [R, dim]
+        _, w = be.route(logits, self.k, cfg.expert_weights_norm)  # (the order of ids: by weight)
+        n = self.own
+        return be.experts(x, layer, np.ascontiguousarray(ids[:, :n]), np.ascontiguousarray(w[:, :n]))  # [R, dim]
+
+    def _fast_router(self, layer: int) -> Optional[tuple]:
+        """(norm weight, router [E, dim], bias) as float32 views of the file, when the router
+        and its norm are stored as F32 and routing is softmax (the common case); else None."""
+        cfg, g = self.cfg, self.be.gguf
+        if cfg.expert_gating == "sigmoid":
+            return None
+        names = [n for n in self.arch.router_names(cfg, layer) if n is not None]
+        if any(g.tensor(n).type_name != "F32" for n in names):
+            return None
+        norm, router, bias = self.arch.router_names(cfg, layer)
+        arr = [np.asarray(g.tensor(n).raw).view(np.float32).reshape(g.tensor(n).shape) if n else None
+               for n in (norm, router, bias)]
+        return arr[0], arr[1], arr[2]
 
     def _block(self, ctx: PauseContext, layer: int, r: np.ndarray) -> np.ndarray:
         """r + layer's mixer over norm(r), its K/V (or its recurrent state) for these rows in the
@@ -495,8 +799,9 @@ class _ScratchStep(EagerStep):
         Hkv = k.shape[1]
         qg = q.reshape(R, Hkv, H // Hkv, D).transpose(1, 2, 0, 3)  # [Hkv, G, R, D]
         scale = np.float32(1.0 / np.sqrt(D) if scale is None else scale)
-        sc = (qg @ kc.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, s]
-        sn = (qg @ self.k_scratch.transpose(1, 2, 0)[:, None]) * scale  # [Hkv, G, R, R]
+        # (einsum, not matmul: BLAS's threads would spin on the cores the cpu kernels run on)
+        sc = np.einsum("hgrd,shd->hgrs", qg, kc) * scale  # [Hkv, G, R, s]
+        sn = np.einsum("hgrd,shd->hgrs", qg, self.k_scratch) * scale  # [Hkv, G, R, R]
         mask_n = np.arange(R)[None, :] > np.arange(R)[:, None]  # causal among the rows
         if window > 0:
             sc = np.where(np.arange(lo, lo + s)[None, :] <= self.pos[:, None] - window, np.float32(-np.inf), sc)
@@ -507,5 +812,6 @@ class _ScratchStep(EagerStep):
         else:
             sink = np.broadcast_to(self.be.weight(sinks).reshape(Hkv, H // Hkv, 1, 1), (*sc.shape[:3], 1))
             p = self.be.softmax(np.concatenate([sc, sn, sink], axis=-1))[..., :-1]
-        out = p[..., :s] @ vc.transpose(1, 0, 2)[:, None] + p[..., s:] @ self.v_scratch.transpose(1, 0, 2)[:, None]
+        out = (np.einsum("hgrs,shd->hgrd", p[..., :s], vc)
+               + np.einsum("hgrs,shd->hgrd", p[..., s:], self.v_scratch))  # [Hkv, G, R, Dv]
         return out.transpose(2, 0, 1, 3).reshape(R, H * v.shape[2])
