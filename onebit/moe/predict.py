@@ -46,6 +46,7 @@ import numpy as np
 
 from ..backends.numpy_backend import EagerStep
 from ..errors import UsageError
+from ..gate import SpeedGate
 
 MODES = ("off", "router", "block")
 ENV = "ONEBIT_MOE_PREDICT"
@@ -212,11 +213,21 @@ class Gate:
     WINDOW, EXPLORE, DECAY = 8, 6, 0.7
 
     def __init__(self):
-        self.on = True
-        self.mean: dict[bool, Optional[float]] = {True: None, False: None}
+        self.speed = SpeedGate(self.EXPLORE, self.DECAY)
         self._t: Optional[float] = None
         self._acc: list[float] = []
-        self.windows = 0
+
+    @property
+    def on(self) -> bool:
+        return self.speed.on
+
+    @property
+    def mean(self) -> dict:
+        return self.speed.mean
+
+    @property
+    def windows(self) -> int:
+        return self.speed.windows
 
     def step(self, rows: int) -> bool:
         now = time.perf_counter()
@@ -225,19 +236,8 @@ class Gate:
         self._t = now if rows == 1 else None
         if len(self._acc) >= self.WINDOW:
             m = sorted(self._acc)[len(self._acc) // 2]  # the window's median step
-            old = self.mean[self.on]
-            self.mean[self.on] = m if old is None else self.DECAY * old + (1 - self.DECAY) * m
             self._acc = []
-            self.windows += 1
-            other = not self.on
-            if self.windows % self.EXPLORE == 0:
-                nxt = other  # try the other state now and then (off is first tried after EXPLORE windows)
-            elif self.mean[other] is None:
-                nxt = self.on
-            else:
-                nxt = min((True, False), key=lambda k: self.mean[k])
-            if nxt != self.on:
-                self.on = nxt
+            if self.speed.window(m):
                 self._t = None  # the first step after a switch carries the old state's work
         return self.on
 
