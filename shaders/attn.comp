@@ -58,41 +58,46 @@ uint first_key(uint p) {
 #include "reduce.glsl"
 
 #ifdef ROWS
-// Many rows (prefill, verify rows; CPU devices): a workgroup of one subgroup takes one head and
-// WG consecutive rows, lane i row r0 + i. The lanes walk the keys together, so each key's K and
-// V rows are read once for all of them: lane l reads vec4s l, l + WG, ... and subgroupBroadcast
-// hands each to every lane (on lavapipe a storage-buffer read is a loop over the lanes: the K
-// and V reads were most of the one-row kernel's time). Each row sums its keys in order with an
-// online softmax: its result does not depend on the other rows of its block (but its sums run in
-// another order than the one-row kernel's).
+// Many rows (prefill, verify rows; CPU devices): a workgroup of one subgroup takes GH heads of
+// one KV head and WG consecutive rows, lane i row r0 + i. The lanes walk the keys together, so
+// each key's K and V rows are read once for all of them: lane l reads vec4s l, l + WG, ... and
+// subgroupBroadcast hands each to every lane (on lavapipe a storage-buffer read is a loop over
+// the lanes: the K and V reads were most of the one-row kernel's time). Each row and head sums
+// its keys in order with an online softmax: its result does not depend on the rows or heads it
+// shares a workgroup with (but its sums run in another order than the one-row kernel's).
 layout(constant_id = 1) const uint HD = 128u;   // head_dim
 layout(constant_id = 2) const uint HDV = 128u;  // head_dim_v
-// vec4s of a K (V) row each lane reads: HD / 4 over the subgroup, rounded up
+layout(constant_id = 3) const uint GH = 1u;     // heads per workgroup (dividing n_heads / n_kv_heads)
+// vec4s of a K (V) row each lane reads: n / 4 over the subgroup, rounded up
 #define KV_READS(n) (((n) / 4u + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x)
-// row[t * WG + c] = vec4 t * WG + c of the row at vec4 base (vec4s past the row's n / 4 read
-// its last one and are not used)
+// row[t * WG + c] = vec4 t * WG + c of the key's row (vec4s past the row's end repeat its last)
 #define BCAST(c) if ((c) < gl_WorkGroupSize.x) { row[t * gl_WorkGroupSize.x + (c)] = subgroupBroadcast(mine, (c)); }
 void main() {
-    const uint h = gl_WorkGroupID.x;
+    const uint h0 = gl_WorkGroupID.x * GH;
     const uint WG = gl_WorkGroupSize.x;
     const uint tid = gl_LocalInvocationID.x;
     const uint r = min(gl_WorkGroupID.y * WG + tid, pc.rows - 1u);  // lanes past the last row redo it
-    const uint kvh = h / (pc.n_heads / pc.n_kv_heads);
+    const uint kvh = h0 / (pc.n_heads / pc.n_kv_heads);
     const uint p_r = uint(pos[r]);
     const uint lo = first_key(p_r);
     const uint j0 = subgroupMin(lo), j1 = subgroupMax(p_r + 1u);
-    vec4 qv[HD / 4u];
-    [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
-        const uint qb = r * pc.q_stride + h * HD + 4u * d;
-        qv[d] = vec4(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]) * pc.scale;
-    }
-    float m = -1.0 / 0.0;
-    float l = 0.0;
-    vec4 acc[HDV / 4u];
-    [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
-        acc[d] = vec4(0.0);
+    vec4 qv[GH * (HD / 4u)];
+    float m[GH];
+    float l[GH];
+    vec4 acc[GH * (HDV / 4u)];
+    [[unroll]] for (uint g = 0u; g < GH; g++) {
+        [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
+            const uint qb = r * pc.q_stride + (h0 + g) * HD + 4u * d;
+            qv[g * (HD / 4u) + d] = vec4(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]) * pc.scale;
+        }
+        m[g] = -1.0 / 0.0;
+        l[g] = 0.0;
+        [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+            acc[g * (HDV / 4u) + d] = vec4(0.0);
+        }
     }
     for (uint j = j0; j < j1; j++) {
+        const bool live = j >= lo && j <= p_r;
         const uint kb = ((j % pc.n_kv) * pc.k_stride + kvh * HD) / 4u;
         vec4 row[KV_READS(HD) * gl_WorkGroupSize.x];
         [[unroll]] for (uint t = 0u; t < KV_READS(HD); t++) {
@@ -100,21 +105,23 @@ void main() {
             BCAST(0u) BCAST(1u) BCAST(2u) BCAST(3u) BCAST(4u) BCAST(5u) BCAST(6u) BCAST(7u)
             BCAST(8u) BCAST(9u) BCAST(10u) BCAST(11u) BCAST(12u) BCAST(13u) BCAST(14u) BCAST(15u)
         }
-        float s = 0.0;
-        [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
-            s += dot(qv[d], row[d]);
-        }
-        const bool live = j >= lo && j <= p_r;
-        if (live && s > m) {  // a new running max: rescale what was summed so far
-            const float c = exp(m - s);
-            l *= c;
-            [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
-                acc[d] *= c;
+        float p[GH];
+        [[unroll]] for (uint g = 0u; g < GH; g++) {
+            float s = 0.0;
+            [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
+                s += dot(qv[g * (HD / 4u) + d], row[d]);
             }
-            m = s;
+            if (live && s > m[g]) {  // a new running max: rescale what was summed so far
+                const float c = exp(m[g] - s);
+                l[g] *= c;
+                [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                    acc[g * (HDV / 4u) + d] *= c;
+                }
+                m[g] = s;
+            }
+            p[g] = live ? exp(s - m[g]) : 0.0;
+            l[g] += p[g];
         }
-        const float p = live ? exp(s - m) : 0.0;
-        l += p;
         const uint vb = ((j % pc.n_kv) * pc.v_stride + kvh * HDV) / 4u;
         vec4 vrow[KV_READS(HDV) * gl_WorkGroupSize.x];
         [[unroll]] for (uint t = 0u; t < KV_READS(HDV); t++) {
@@ -125,22 +132,27 @@ void main() {
 #undef row
         }
         if (live) {
-            [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
-                acc[d] += p * vrow[d];
+            [[unroll]] for (uint g = 0u; g < GH; g++) {
+                [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                    acc[g * (HDV / 4u) + d] += p[g] * vrow[d];
+                }
             }
         }
     }
-    const float mx = pc.has_sinks != 0u ? max(m, sinks[h]) : m;
-    const float f = exp(m - mx);
-    const float total = l * f + (pc.has_sinks != 0u ? exp(sinks[h] - mx) : 0.0);
     if (gl_WorkGroupID.y * WG + tid < pc.rows) {
-        [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
-            const vec4 a = acc[d] * f / total;
-            const uint ob = r * pc.out_stride + h * HDV + 4u * d;
-            o[ob] = a.x;
-            o[ob + 1u] = a.y;
-            o[ob + 2u] = a.z;
-            o[ob + 3u] = a.w;
+        [[unroll]] for (uint g = 0u; g < GH; g++) {
+            const uint h = h0 + g;
+            const float mx = pc.has_sinks != 0u ? max(m[g], sinks[h]) : m[g];
+            const float f = exp(m[g] - mx);
+            const float total = l[g] * f + (pc.has_sinks != 0u ? exp(sinks[h] - mx) : 0.0);
+            [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                const vec4 a = acc[g * (HDV / 4u) + d] * f / total;
+                const uint ob = r * pc.out_stride + h * HDV + 4u * d;
+                o[ob] = a.x;
+                o[ob + 1u] = a.y;
+                o[ob + 2u] = a.z;
+                o[ob + 3u] = a.w;
+            }
         }
     }
 }

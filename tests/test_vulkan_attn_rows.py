@@ -4,7 +4,8 @@ subgroup of rows, the lanes walking the keys together), against plain loops and 
 tests/test_vulkan_kernels.py's attention tests (GQA, windows, rings, scales) and test_gptoss's
 sinks test run it too wherever R >= Kernels.attn_rows; here: the shapes that take its other
 paths (head widths that are not a multiple of 4 x the subgroup, rows that do not fill the last
-subgroup, positions in any order) and that a row's result does not depend on its block.
+subgroup, 1 to 4 heads per workgroup, positions in any order) and that a row's result does not
+depend on its block.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _qkv(rng, R, S, H, Hkv, D, Dv):
 
 @pytest.mark.parametrize("H,Hkv,D,Dv,S,R,window", [
     (8, 2, 64, 64, 50, 37, 0),    # the last subgroup of rows part-full
-    (6, 2, 80, 48, 45, 9, 0),     # 20 vec4s per key row: three broadcast rounds, the last part-used
+    (6, 2, 80, 48, 45, 9, 0),     # 20 vec4s per key row: three broadcast rounds, the last part-used; 3 heads
     (2, 1, 256, 256, 30, 2, 0),   # the widest heads, two rows
     (4, 4, 16, 32, 70, 16, 5),    # a window: the rows' first keys differ within a subgroup
 ])
@@ -67,18 +68,25 @@ def test_rows_kernel_against_loops(cpu_ops, rng, H, Hkv, D, Dv, S, R, window):
     close(got, want, rng, 1e-5, f"attn_rows H={H}/{Hkv} D={D}/{Dv} S={S} R={R} window={window}")
 
 
-def test_a_rows_result_does_not_depend_on_its_block(cpu_ops, rng):
+def test_a_rows_result_does_not_depend_on_its_block(rng):
     """Rows in any order and any company give the same bits (chunked prefill is compared bit for
-    bit with unchunked): all rows at once, a part of them alone, and the rows permuted."""
-    H, Hkv, D, S, R = 4, 2, 32, 64, 21
+    bit with unchunked): all rows at once, a part of them alone, the rows permuted, and the
+    heads one per workgroup instead of four."""
+    o = VulkanOps(reduce="none")
+    H, Hkv, D, S, R = 8, 2, 32, 64, 21
     q, k, v = _qkv(rng, R, S, H, Hkv, D, D)
     pos = np.arange(S - R, S)
-    full = cpu_ops.attention(q, k, v, pos)
-    part = cpu_ops.attention(q[5:14], k, v, pos[5:14])
+    with PipelineSpy(o.k) as spy:
+        full = o.attention(q, k, v, pos)
+    assert "attn_rows" in spy.names
+    part = o.attention(q[5:14], k, v, pos[5:14])
     np.testing.assert_array_equal(part, full[5:14])
     perm = rng.permutation(R)
-    shuffled = cpu_ops.attention(q[perm], k, v, pos[perm])
+    shuffled = o.attention(q[perm], k, v, pos[perm])
     np.testing.assert_array_equal(shuffled, full[perm])
+    assert o.k.attn_rows_heads == 4
+    o.k.attn_rows_heads = 1
+    np.testing.assert_array_equal(o.attention(q, k, v, pos), full)
     close(full, _attention_by_loops(q, k, v, pos, 0), rng, 1e-5, "attn_rows")
 
 

@@ -271,6 +271,7 @@ class Kernels:
         info = dev.info
         self.attn_rows = 2 if self.reduce == "none" and info.subgroup_arithmetic and info.subgroup_ballot \
             and 4 <= info.subgroup_size <= 16 else 0
+        self.attn_rows_heads = 4  # ... query heads of one KV head per workgroup (K/V read once for them)
         self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
     # -- pipelines ------------------------------------------------------------------------
@@ -609,10 +610,15 @@ class Kernels:
                      int(window), int(sinks is not None))
         sg = self.dev.info.subgroup_size
         groups = (n_heads, n_rows, 1)
-        if cpu and self.attn_rows and n_rows >= self.attn_rows:  # a workgroup per head and WG rows
-            p = self.pipeline("attn_rows", 6, (sg, head_dim, head_dim_v))
+        if cpu and self.attn_rows and n_rows >= self.attn_rows:  # a workgroup per gh heads and WG rows
+            group = n_heads // n_kv_heads
+            # (at most 256 dims of q and output per lane over its heads: LLVM's compile time on
+            # lavapipe grows with the unrolled body, 8.6 s at 4 heads of 64)
+            most = min(group, self.attn_rows_heads, max(1, 256 // max(head_dim, head_dim_v)))
+            gh = max(g for g in range(1, most + 1) if group % g == 0)
+            p = self.pipeline("attn_rows", 6, (sg, head_dim, head_dim_v, gh))
             push += _push("I", n_rows)
-            groups = (n_heads, math.ceil(n_rows / sg), 1)
+            groups = (n_heads // gh, math.ceil(n_rows / sg), 1)
         elif cpu:  # one subgroup per workgroup; head dims are specialization constants
             p = self.pipeline("attn_none", 6, (sg, head_dim, head_dim_v))
         else:
