@@ -97,7 +97,8 @@ def main() -> int:
                     help="rows of x for mul_mv_rows / mul_mm; for mul_mv_xr a list, e.g. 1,2,4,8,16")
     ap.add_argument("--kernels", default="mul_mv,mul_mv_id,mul_mv_rows,mul_mm,get_rows,attn",
                     help="which kernels (mul_mv_rows: mul_mv at --prefill-rows rows; mul_mv_xr: mat-vec per row "
-                         "against many rows per weight decode, alternating, at each of --prefill-rows)")
+                         "against many rows per weight decode, alternating, at each of --prefill-rows; attn_rows: prefill "
+                         "attention, the one-row kernel against attn.comp ROWS, at each of --prefill-rows)")
     ap.add_argument("--xrows", default=None, help="mul_mv_xr: Kernels.mv_xrows values to compare, e.g. 4,8 "
                     "(default: the Kernels default)")
     ap.add_argument("--xr-nr", type=int, default=None, help="mul_mv_xr: weight rows per thread (Kernels.mv_xr_nr)")
@@ -107,6 +108,10 @@ def main() -> int:
     ap.add_argument("--id-min-slots", type=float, default=None,
                     help="mul_mv_id_xr: group the experts from this many slots per expert (Kernels.mv_id_xr_min_slots)")
     ap.add_argument("--xr-storage", action="store_true", help="mul_mv_xr: x from a storage buffer")
+    ap.add_argument("--id-nr", type=int, default=None, help="mul_mv_id_xr: weight rows per thread "
+                    "(Kernels.mv_id_xr_nr; twice that for kernels.MV_ID_XR_WIDE)")
+    ap.add_argument("--id-xrows", type=int, default=None, help="mul_mv_id_xr: rows of x per decode at most "
+                    "(Kernels.mv_id_xrows)")
     ap.add_argument("--unrolled", type=int, default=None,
                     help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
                          "which sets rows per thread")
@@ -153,6 +158,10 @@ def main() -> int:
         k.mv_xr_nr = args.xr_nr
     if args.xr_storage:
         k.mv_xr_uniform = False
+    if args.id_nr:
+        k.mv_id_xr_nr = args.id_nr
+    if args.id_xrows:
+        k.mv_id_xrows = args.id_xrows
     if args.id_min_slots is not None:
         k.mv_id_xr_min_slots = args.id_min_slots
     xrows_list = [int(v) for v in args.xrows.split(",")] if args.xrows else [k.mv_xrows]
@@ -232,6 +241,36 @@ def main() -> int:
         add("attn", "F32 KV", 2 * S * Hkv * D * 4,
             lambda s: k.attention(s, q.slice(), kc.slice(), vc.slice(), pos.slice(), o.slice(), 1, H, Hkv, D, D, S),
             max(1, args.reps // 4), f"decode, {S} positions, {H}/{Hkv} heads x {D}")
+
+    if "attn_rows" in kernels:  # prefill attention, causal over R rows: one-row kernel against attn.comp ROWS
+        H, Hkv, D = 16, 4, 64  # the 0.9B file's heads
+        print()
+        print(f"attention over R causal rows ({H}/{Hkv} heads x {D}): ms, one-row kernel (attn_rows 0) against "
+              f"the many-row kernel, submissions alternating, medians of {args.runs}")
+        print()
+        print("| R | one-row ms | rows ms | speedup |")
+        print("|---:|---:|---:|---:|")
+        for r in R_list:
+            q = dev.upload(rng.standard_normal((r, H, D)).astype(np.float32))
+            kc = dev.upload(rng.standard_normal((r, Hkv, D)).astype(np.float32))
+            vc = dev.upload(rng.standard_normal((r, Hkv, D)).astype(np.float32))
+            pos, o = dev.upload(np.arange(r, dtype=np.int32)), dev.buffer(r * H * D * 4)
+            rows_min, seqs = k.attn_rows, []
+            for setting in (0, rows_min):
+                k.attn_rows = setting
+                seqs.append(_sequence(dev, lambda s: k.attention(s, q.slice(), kc.slice(), vc.slice(), pos.slice(),
+                                                                 o.slice(), r, H, Hkv, D, D, r), 1))
+            k.attn_rows = rows_min
+            ts = [[], []]
+            for _ in range(args.runs):
+                for i, sq in enumerate(seqs):
+                    ts[i].append(_seconds(sq))
+            a, b = (statistics.median(t) for t in ts)
+            print(f"| {r} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x |")
+            for sq in seqs:
+                sq.close()
+            for buf in (q, kc, vc, pos, o):
+                buf.destroy()
 
     if xr_rows:
         print()

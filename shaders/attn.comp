@@ -1,4 +1,9 @@
 #version 450
+#ifdef ROWS
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_KHR_shader_subgroup_ballot : require
+#endif
 // Causal GQA attention over the KV cache, for decode (one row) and prefill (rows at pos[r]).
 //   q: [R, H, D]   k: [S, Hkv, D]   v: [S, Hkv, Dv]   out: [R, H * Dv]
 // Position p of k and v is row p % S (S > every position, or a sliding-window layer's ring).
@@ -40,6 +45,9 @@ layout(push_constant) uniform Push {
     float scale;       // 1 / sqrt(D)
     uint window;       // > 0: a row at pos attends to positions pos - window + 1 .. pos only
     uint has_sinks;    // 1: sinks[h] joins the softmax's denominator
+#ifdef ROWS
+    uint rows;         // R
+#endif
 } pc;
 
 // The first position row r attends to (sliding-window layers start later than 0).
@@ -49,7 +57,106 @@ uint first_key(uint p) {
 
 #include "reduce.glsl"
 
-#ifdef REDUCE_NONE
+#ifdef ROWS
+// Many rows (prefill, verify rows; CPU devices): a workgroup of one subgroup takes GH heads of
+// one KV head and WG consecutive rows, lane i row r0 + i. The lanes walk the keys together, so
+// each key's K and V rows are read once for all of them: lane l reads vec4s l, l + WG, ... and
+// subgroupBroadcast hands each to every lane (on lavapipe a storage-buffer read is a loop over
+// the lanes: the K and V reads were most of the one-row kernel's time). Each row and head sums
+// its keys in order with an online softmax: its result does not depend on the rows or heads it
+// shares a workgroup with (but its sums run in another order than the one-row kernel's).
+layout(constant_id = 1) const uint HD = 128u;   // head_dim
+layout(constant_id = 2) const uint HDV = 128u;  // head_dim_v
+layout(constant_id = 3) const uint GH = 1u;     // heads per workgroup (dividing n_heads / n_kv_heads)
+// vec4s of a K (V) row each lane reads: n / 4 over the subgroup, rounded up
+#define KV_READS(n) (((n) / 4u + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x)
+// row[t * WG + c] = vec4 t * WG + c of the key's row (vec4s past the row's end repeat its last)
+#define BCAST(c) if ((c) < gl_WorkGroupSize.x) { row[t * gl_WorkGroupSize.x + (c)] = subgroupBroadcast(mine, (c)); }
+void main() {
+    const uint h0 = gl_WorkGroupID.x * GH;
+    const uint WG = gl_WorkGroupSize.x;
+    const uint tid = gl_LocalInvocationID.x;
+    const uint r = min(gl_WorkGroupID.y * WG + tid, pc.rows - 1u);  // lanes past the last row redo it
+    const uint kvh = h0 / (pc.n_heads / pc.n_kv_heads);
+    const uint p_r = uint(pos[r]);
+    const uint lo = first_key(p_r);
+    const uint j0 = subgroupMin(lo), j1 = subgroupMax(p_r + 1u);
+    vec4 qv[GH * (HD / 4u)];
+    float m[GH];
+    float l[GH];
+    vec4 acc[GH * (HDV / 4u)];
+    [[unroll]] for (uint g = 0u; g < GH; g++) {
+        [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
+            const uint qb = r * pc.q_stride + (h0 + g) * HD + 4u * d;
+            qv[g * (HD / 4u) + d] = vec4(q[qb], q[qb + 1u], q[qb + 2u], q[qb + 3u]) * pc.scale;
+        }
+        m[g] = -1.0 / 0.0;
+        l[g] = 0.0;
+        [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+            acc[g * (HDV / 4u) + d] = vec4(0.0);
+        }
+    }
+    for (uint j = j0; j < j1; j++) {
+        const bool live = j >= lo && j <= p_r;
+        const uint kb = ((j % pc.n_kv) * pc.k_stride + kvh * HD) / 4u;
+        vec4 row[KV_READS(HD) * gl_WorkGroupSize.x];
+        [[unroll]] for (uint t = 0u; t < KV_READS(HD); t++) {
+            const vec4 mine = k4[kb + min(t * WG + tid, HD / 4u - 1u)];
+            BCAST(0u) BCAST(1u) BCAST(2u) BCAST(3u) BCAST(4u) BCAST(5u) BCAST(6u) BCAST(7u)
+            BCAST(8u) BCAST(9u) BCAST(10u) BCAST(11u) BCAST(12u) BCAST(13u) BCAST(14u) BCAST(15u)
+        }
+        float p[GH];
+        [[unroll]] for (uint g = 0u; g < GH; g++) {
+            float s = 0.0;
+            [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
+                s += dot(qv[g * (HD / 4u) + d], row[d]);
+            }
+            if (live && s > m[g]) {  // a new running max: rescale what was summed so far
+                const float c = exp(m[g] - s);
+                l[g] *= c;
+                [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                    acc[g * (HDV / 4u) + d] *= c;
+                }
+                m[g] = s;
+            }
+            p[g] = live ? exp(s - m[g]) : 0.0;
+            l[g] += p[g];
+        }
+        const uint vb = ((j % pc.n_kv) * pc.v_stride + kvh * HDV) / 4u;
+        vec4 vrow[KV_READS(HDV) * gl_WorkGroupSize.x];
+        [[unroll]] for (uint t = 0u; t < KV_READS(HDV); t++) {
+            const vec4 mine = v4[vb + min(t * WG + tid, HDV / 4u - 1u)];
+#define row vrow
+            BCAST(0u) BCAST(1u) BCAST(2u) BCAST(3u) BCAST(4u) BCAST(5u) BCAST(6u) BCAST(7u)
+            BCAST(8u) BCAST(9u) BCAST(10u) BCAST(11u) BCAST(12u) BCAST(13u) BCAST(14u) BCAST(15u)
+#undef row
+        }
+        if (live) {
+            [[unroll]] for (uint g = 0u; g < GH; g++) {
+                [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                    acc[g * (HDV / 4u) + d] += p[g] * vrow[d];
+                }
+            }
+        }
+    }
+    if (gl_WorkGroupID.y * WG + tid < pc.rows) {
+        [[unroll]] for (uint g = 0u; g < GH; g++) {
+            const uint h = h0 + g;
+            const float mx = pc.has_sinks != 0u ? max(m[g], sinks[h]) : m[g];
+            const float f = exp(m[g] - mx);
+            const float total = l[g] * f + (pc.has_sinks != 0u ? exp(sinks[h] - mx) : 0.0);
+            [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
+                const vec4 a = acc[g * (HDV / 4u) + d] * f / total;
+                const uint ob = r * pc.out_stride + h * HDV + 4u * d;
+                o[ob] = a.x;
+                o[ob + 1u] = a.y;
+                o[ob + 2u] = a.z;
+                o[ob + 3u] = a.w;
+            }
+        }
+    }
+}
+#elif defined(REDUCE_NONE)
 // Head dims are specialization constants here, so the per-dim loops unroll and q and the
 // output row live in registers.
 layout(constant_id = 1) const uint HD = 128u;   // head_dim

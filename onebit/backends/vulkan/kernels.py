@@ -270,6 +270,13 @@ class Kernels:
         self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" or \
             dev.info.max_compute_shared_memory_size < DELTA_CHUNK_SHARED else DELTA_CHUNK_MIN_ROWS
         self.wg = 64
+        # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
+        # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
+        # broadcast); 0: the one-row kernel at any R.
+        info = dev.info
+        self.attn_rows = 2 if self.reduce == "none" and info.subgroup_arithmetic and info.subgroup_ballot \
+            and 4 <= info.subgroup_size <= 16 else 0
+        self.attn_rows_heads = 4  # ... query heads of one KV head per workgroup (K/V read once for them)
         self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
     # -- pipelines ------------------------------------------------------------------------
@@ -620,15 +627,25 @@ class Kernels:
         if bad_dims or n_heads % n_kv_heads:
             raise VulkanKernelError(f"kernel attn: head dims {head_dim}/{head_dim_v}, heads {n_heads}/{n_kv_heads} "
                                     "outside its limits")
-        if cpu:  # one subgroup per workgroup; head dims are specialization constants
-            p = self.pipeline("attn_none", 6, (self.dev.info.subgroup_size, head_dim, head_dim_v))
-        else:
-            p = self.pipeline("attn", 6, (self.wg,))
         push = _push("9If2I", n_heads, n_kv_heads, head_dim, head_dim_v, n_kv, n_heads * head_dim, n_kv_heads * head_dim,
                      n_kv_heads * head_dim_v, n_heads * head_dim_v, 1.0 / math.sqrt(head_dim) if scale is None else scale,
                      int(window), int(sinks is not None))
-        seq.dispatch(p, (q, k, v, pos, out, sinks if sinks is not None else q), push, (n_heads, n_rows, 1),
-                     writes=(4,))
+        sg = self.dev.info.subgroup_size
+        groups = (n_heads, n_rows, 1)
+        if cpu and self.attn_rows and n_rows >= self.attn_rows:  # a workgroup per gh heads and WG rows
+            group = n_heads // n_kv_heads
+            # (at most 256 dims of q and output per lane over its heads: LLVM's compile time on
+            # lavapipe grows with the unrolled body, 8.6 s at 4 heads of 64)
+            most = min(group, self.attn_rows_heads, max(1, 256 // max(head_dim, head_dim_v)))
+            gh = max(g for g in range(1, most + 1) if group % g == 0)
+            p = self.pipeline("attn_rows", 6, (sg, head_dim, head_dim_v, gh))
+            push += _push("I", n_rows)
+            groups = (n_heads // gh, math.ceil(n_rows / sg), 1)
+        elif cpu:  # one subgroup per workgroup; head dims are specialization constants
+            p = self.pipeline("attn_none", 6, (sg, head_dim, head_dim_v))
+        else:
+            p = self.pipeline("attn", 6, (self.wg,))
+        seq.dispatch(p, (q, k, v, pos, out, sinks if sinks is not None else q), push, groups, writes=(4,))
 
     def set_rows(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int,
                  src_stride: Optional[int] = None, dst_stride: Optional[int] = None, dst_rows: int = 0) -> None:
