@@ -200,11 +200,11 @@ class _Pending:
     distance: int = 1  # how many MoE layers ahead it was made
 
 
-class Gate:
+class Gate(SpeedGate):
     """Prediction on or off by measured decode time: whichever has made decode steps faster.
 
-    Decode forwards (one row) are timed start to start in windows of WINDOW; each window's
-    mean goes to a running mean for the state it ran in. The gate starts on, runs the faster
+    Decode forwards (one row) are timed start to start in windows of WINDOW; each window's median
+    step goes to a running mean for the state it ran in. The gate starts on, runs the faster
     state, and tries the other one window in EXPLORE (so a short generation is not spent
     measuring the off state). Off means
     no prediction at all (no prefetches, no prediction compute). Only timing decides, and
@@ -213,21 +213,9 @@ class Gate:
     WINDOW, EXPLORE, DECAY = 8, 6, 0.7
 
     def __init__(self):
-        self.speed = SpeedGate(self.EXPLORE, self.DECAY)
+        super().__init__(self.EXPLORE, self.DECAY)
         self._t: Optional[float] = None
         self._acc: list[float] = []
-
-    @property
-    def on(self) -> bool:
-        return self.speed.on
-
-    @property
-    def mean(self) -> dict:
-        return self.speed.mean
-
-    @property
-    def windows(self) -> int:
-        return self.speed.windows
 
     def step(self, rows: int) -> bool:
         now = time.perf_counter()
@@ -237,7 +225,7 @@ class Gate:
         if len(self._acc) >= self.WINDOW:
             m = sorted(self._acc)[len(self._acc) // 2]  # the window's median step
             self._acc = []
-            if self.speed.window(m):
+            if self.window(m):
                 self._t = None  # the first step after a switch carries the old state's work
         return self.on
 
@@ -348,25 +336,25 @@ class Ledger:
         costs, waste = self.costs[layer][level], self.waste[layer][level]
         if not costs:
             return None
-        cost = sorted(costs)[(len(costs) - 1) // 2]  # (of two: the lower)
         served = self.served[layer][level]
         # (no demand while it ran, so no cover measured: its recall so far stands in)
         cover = self.saved[layer][level] / served if served else self.recall.get(layer, 1.0)
-        t = self.t_miss or 0.0
-        sent = self.sent[layer][level] or 0.0
-        return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * t - cost \
-            - (0.0 if self.overlapped else self.read_cost * sent)
+        return ((cover or 0.0) * (self.demand[layer] or 0.0) - self.WASTE * (waste or 0.0)) * (self.t_miss or 0.0) \
+            - self._cost(layer, level)
+
+    def _cost(self, layer: int, level: int) -> float:
+        """Seconds per step the level costs: the median of its last steps' host time (of two:
+        the lower), and its reads' compute where the host is not overlapped with a device."""
+        costs = self.costs[layer][level]
+        cost = sorted(costs)[(len(costs) - 1) // 2] if costs else 0.0
+        return cost + (0.0 if self.overlapped else self.read_cost * (self.sent[layer][level] or 0.0))
 
     def bound(self, layer: int, level: int) -> float:
         """The most the level could be worth: every demand read covered, none wasted (+inf
         while the stall per miss or the layer's demand is not known yet)."""
         if self.t_miss is None or self.demand[layer] is None:
             return math.inf
-        costs = self.costs[layer][level]
-        cost = sorted(costs)[(len(costs) - 1) // 2] if costs else 0.0
-        sent = self.sent[layer][level] or 0.0
-        return (self.demand[layer] or 0.0) * (self.t_miss or 0.0) - cost \
-            - (0.0 if self.overlapped else self.read_cost * sent)
+        return (self.demand[layer] or 0.0) * (self.t_miss or 0.0) - self._cost(layer, level)
 
     def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None) -> None:
         """One decode step done: `used` layer -> the level it was predicted at, `cost` layer

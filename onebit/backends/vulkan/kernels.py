@@ -273,9 +273,9 @@ class Kernels:
         # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
         # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
         # broadcast); 0: the one-row kernel at any R.
-        # Off by default: with it on, a fresh-clone CI run found a ring cache no longer equal to the
-        # full cache bit for bit (test_swa), Vulkan block prediction != off on the hybrid fixture,
-        # and glm256's llama.cpp bar missed (0.99984 < 0.9999); to be found before it is turned on.
+        # Off by default: with it on, test_swa's ring cache is no longer equal to the full cache
+        # bit for bit on Vulkan (test_larger_window_ring_equals_full_cache[vulkan]; it passes off);
+        # the cause is to be found before it is turned on. Its tests turn it on.
         info = dev.info
         self.attn_rows_able = self.reduce == "none" and info.subgroup_arithmetic and info.subgroup_ballot \
             and 4 <= info.subgroup_size <= 16
