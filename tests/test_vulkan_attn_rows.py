@@ -24,7 +24,7 @@ def cpu_ops():
     o = VulkanOps(reduce="none")
     if not o.k.attn_rows_able:
         pytest.skip("device without subgroup arithmetic and broadcast (attn.comp ROWS)")
-    o.k.attn_rows = 2  # (off by default until the failures named in kernels.py are found)
+    assert o.k.attn_rows == 2  # the default where the device has what it needs
     return o
 
 

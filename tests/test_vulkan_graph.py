@@ -201,9 +201,14 @@ def test_row_chunks():
     assert row_chunks(300) == [256, 32, 12]
     assert row_chunks(600) == [256, 256, 64, 16, 8]
     assert row_chunks(40, limit=8) == [8, 8, 8, 8, 8]
+    # no one-row chunk in a forward of more rows (one row runs other kernels: another sum order)
+    assert row_chunks(33) == [31, 2] and row_chunks(257) == [255, 2] and row_chunks(10, limit=9) == [8, 2]
     for n in range(1, 700):
         chunks = row_chunks(n)
-        assert sum(chunks) == n and all(c <= 16 or c & (c - 1) == 0 for c in chunks)
+        assert sum(chunks) == n and all(c <= 16 or c & (c - 1) == 0 or c & (c + 1) == 0 for c in chunks)
+        for limit in (3, 9, 256):
+            chunks = row_chunks(n, limit)
+            assert sum(chunks) == n and max(chunks) <= limit and (n == 1 or 1 not in chunks)
 
 
 def test_an_observing_hook_keeps_one_submission_per_step():

@@ -51,13 +51,18 @@ MAX_ROWS = 256  # longer ones run as chunks of powers of two up to this
 
 
 def row_chunks(n: int, limit: int = MAX_ROWS) -> list[int]:
-    """Split n rows into recorded sizes: n itself when small, else powers of two, then the rest."""
+    """Split n rows into recorded sizes: n itself when small, else powers of two, then the rest.
+    A forward of more than one row gets no one-row chunk (limit >= 3): one row takes other
+    kernels (attention over keys split across lanes) whose sums run in another order, so a
+    row's logits would depend on where a split fell (a ring's smaller limit moves it)."""
     out = []
     while n > 0:
         if n <= min(EXACT_ROWS, limit):
             out.append(n)
             break
         step = min(limit, 1 << (n.bit_length() - 1))
+        if n - step == 1 and step > 2:  # [step - 1, 2]: the same passes over the weights
+            step -= 1
         out.append(step)
         n -= step
     return out

@@ -273,13 +273,12 @@ class Kernels:
         # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
         # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
         # broadcast); 0: the one-row kernel at any R.
-        # Off by default: with it on, test_swa's ring cache is no longer equal to the full cache
-        # bit for bit on Vulkan (test_larger_window_ring_equals_full_cache[vulkan]; it passes off);
-        # the cause is to be found before it is turned on. Its tests turn it on.
+        # (Bit for bit, a row's result depends on which of the two kernels ran it: `row_chunks`
+        # gives a forward of more than one row no one-row chunk.)
         info = dev.info
         self.attn_rows_able = self.reduce == "none" and info.subgroup_arithmetic and info.subgroup_ballot \
             and 4 <= info.subgroup_size <= 16
-        self.attn_rows = 0
+        self.attn_rows = 2 if self.attn_rows_able else 0
         self.attn_rows_heads = 4  # ... query heads of one KV head per workgroup (K/V read once for them)
         self._grids: dict[str, Buffer] = {}  # codebooks of the IQ types, uploaded on first use
 
