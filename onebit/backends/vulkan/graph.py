@@ -303,7 +303,7 @@ class Arena:
 class Val:
     """A value of the recorded schedule: `shape` (rows first) in the bytes of slice `s`."""
 
-    __slots__ = ("s", "shape", "dtype", "_arena", "_base", "redo")
+    __slots__ = ("s", "shape", "dtype", "_arena", "_base", "redo", "_host")
 
     def __init__(self, s: Slice, shape: tuple[int, ...], dtype=np.float32, arena: Optional[Arena] = None,
                  base: Optional["Val"] = None):
@@ -311,6 +311,7 @@ class Val:
         # (first op, after last op, record(out, accumulate)): how the last ops made this value,
         # so `residual` can have them add into the residual stream instead
         self.redo = None
+        self._host = None
 
     @property
     def rows(self) -> int:
@@ -325,7 +326,10 @@ class Val:
         return int(np.prod(self.shape, dtype=np.int64))
 
     def host(self) -> np.ndarray:
-        return self.s.buffer.view(self.dtype, self.shape, self.s.offset)
+        """The value in mapped memory (made once: pause points read theirs every step)."""
+        if self._host is None:
+            self._host = self.s.buffer.view(self.dtype, self.shape, self.s.offset)
+        return self._host
 
     def __del__(self):
         if self._arena is not None:
@@ -704,7 +708,8 @@ class Recording:
         if pp.table is None:
             return None, seg
         layer, table = pp.layer, pp.table.host()
-        experts = [int(e) for e in np.unique(ids)]
+        # (a decode step's few ids: a set is faster than np.unique)
+        experts = sorted(set(ids.ravel().tolist())) if ids.size <= 64 else np.unique(ids).tolist()
         cap = pool.capacity(layer)
         if len(experts) <= cap:
             slots = pool.acquire(layer, experts)
