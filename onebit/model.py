@@ -160,8 +160,17 @@ class Model:
             from .backends.numpy_backend import NumpyBackend
 
             on_host = isinstance(self.be, NumpyBackend)
-            host = self.be if on_host else _host_backend(self.gguf)
-            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host, overlapped=not on_host)
+            host = self.be if on_host else _host_backend(self.gguf, self.pool)
+            # a device backend's pool slots are device memory the host maps: read by the host's
+            # expert ops only where that memory is the host's own (unified: an APU, a CPU device;
+            # on a discrete GPU such reads are uncached, far slower than the prediction is worth)
+            info = getattr(getattr(self.be, "dev", None), "info", None)
+            own_ok = on_host or self.pool is None or bool(info and info.unified)
+            # the host's ranking overlaps the device's compute, except on a CPU device (lavapipe),
+            # whose compute runs on the same cores: there the ledger charges it, as on a host backend
+            overlapped = not on_host and not (info is not None and info.type == "cpu")
+            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host, overlapped=overlapped,
+                                       own_ok=own_ok)
         self.be.predictor = self.predictor
 
     def close(self) -> None:
@@ -243,15 +252,20 @@ class Model:
                                    lookup=lookup_budget(lookup), lookup_stats=lookup_stats)
 
 
-def _host_backend(gguf):
+def _host_backend(gguf, pool=None):
     """Host ops for a device backend's predictor: the cpu backend's kernels (no float32 copy of
-    a weight, unlike numpy's reference ops), or numpy's where numba is unusable."""
+    a weight, unlike numpy's reference ops), or numpy's where numba is unusable; with a pool,
+    routed experts from its slots (acquired, as the layer itself acquires them), not the file."""
     try:
-        from .backends.cpu import CpuBackend
+        from .backends.cpu import CpuBackend, StreamingCpuBackend
 
-        return CpuBackend(gguf)
+        return CpuBackend(gguf) if pool is None else StreamingCpuBackend(gguf, pool)
     except Exception:  # noqa: BLE001 (numba missing or failing: the reference ops still work)
-        return None
+        if pool is None:
+            return None
+        from .backends.streaming import StreamingNumpyBackend
+
+        return StreamingNumpyBackend(gguf, pool)
 
 
 def _predicted_layers(cfg, predict) -> str:

@@ -426,10 +426,13 @@ class PauseContext:
 class Predictor:
     """Ranks the next layers' experts at each pause point and feeds the pool's prefetch queue."""
 
-    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None, overlapped: bool = False):
+    def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None, overlapped: bool = False,
+                 own_ok: bool = True):
         """`host`: the backend whose ops the predictor runs on the host (the model's own when
-        it is a host backend: numpy or cpu); numpy's reference ops if None. `overlapped`: the
-        host predicts while a device computes (the ledger does not count the host's time)."""
+        it is a host backend: numpy or cpu; for a device backend's pool, one that reads the
+        pool's slots); numpy's reference ops if None. `overlapped`: the host predicts while a
+        device computes (the ledger does not count the host's time). `own_ok`: block mode may
+        run the current layer's top experts on the host (see `own` below)."""
         from ..backends.numpy_backend import NumpyBackend
         from ..memory.plan import parse_layers
 
@@ -458,9 +461,9 @@ class Predictor:
         self.active = True
         top = BLOCK if settings.mode == "block" and not settings.no_attn else ROUTER
         # layer l's own expert output is what block mode's residual lacks (bench_predict --why):
-        # its top `own` experts are added back, on a host backend (a device backend's host ops
-        # would read them from the file map, around the pool), for softmax-routed SwiGLU experts
-        self.own = min(settings.own, self.k) if (top == BLOCK and not overlapped and cfg.expert_gating != "sigmoid"
+        # its top `own` experts are added back, for softmax-routed SwiGLU experts, where the
+        # host can read them (`own_ok`: a device backend's slots in memory the host reads fast)
+        self.own = min(settings.own, self.k) if (top == BLOCK and own_ok and cfg.expert_gating != "sigmoid"
                                                  and cfg.arch != "gpt-oss") else 0
         self._own_stall = 0.0
         # (the first MoE layer is never predicted: nothing runs before it)
