@@ -270,6 +270,9 @@ class Kernels:
         self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" or \
             dev.info.max_compute_shared_memory_size < DELTA_CHUNK_SHARED else DELTA_CHUNK_MIN_ROWS
         self.wg = 64
+        # rms_norm's workgroup (a row each): on CPU devices one subgroup (lavapipe runs a
+        # workgroup of several subgroups as coroutines switching at every barrier)
+        self.norm_wg = dev.info.subgroup_size if dev.info.type == "cpu" and dev.info.subgroup_size >= 4 else 64
         # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
         # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
         # broadcast); 0: the one-row kernel at any R.
@@ -567,7 +570,7 @@ class Kernels:
 
     def rms_norm(self, seq: Sequence, x: Slice, w: Optional[Slice], out: Slice, n_rows: int, n: int, eps: float,
                  x_stride: Optional[int] = None, out_stride: Optional[int] = None) -> None:
-        p = self.pipeline("rms_norm", 3, (self.wg,))
+        p = self.pipeline("rms_norm", 3, (self.norm_wg,))
         gx, gy = self._grid(n_rows)
         push = _push("3IfI", n, x_stride or n, out_stride or n, eps, int(w is not None))
         seq.dispatch(p, (x, w if w is not None else x, out), push, (gx, gy, 1), writes=(2,))
