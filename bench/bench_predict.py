@@ -112,7 +112,7 @@ def recall_table(path: str, backend: str, n: int) -> None:
     print()
 
 
-def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> None:
+def streamed_table(path: str, backend: str, fractions, n: int, reps: int, modes=MODES) -> None:
     ref = onebit.load(path, backend=backend)
     cfg = ref.cfg
     ids = prompt_ids(ref)
@@ -132,11 +132,11 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
             print(f"| {f}% ({slots}) | - | all resident: no pool | | | | | | | | | |")
             m.close()
             continue
-        results = {name: [] for name, _ in MODES}
+        results = {name: [] for name, _ in modes}
         levels = {}  # mode -> layers at block / router / none when its last run ended
         cpu = {}  # mode -> CPU seconds of each run's decode
         for rep in range(reps):
-            order = MODES if rep % 2 == 0 else MODES[::-1]
+            order = modes if rep % 2 == 0 else modes[::-1]
             for name, kw in order:
                 m.set_predict(settings_from({}, **kw) if kw else "off")
                 before = dict(m.pool.stats.__dict__)
@@ -149,7 +149,7 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int) -> Non
                     lv = list(m.predictor.ledger.level.values())
                     levels[name] = "/".join(str(lv.count(x)) for x in (2, 1, 0)) + ("" if m.predictor.gate.on else " gate off")
         off_tps = (n - 1) / statistics.median(dt for dt, _ in results["off"])
-        for name, _ in MODES:
+        for name, _ in modes:
             runs = results[name]
             tps = (n - 1) / statistics.median(dt for dt, _ in runs)
 
@@ -250,6 +250,12 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help="only these rows of the streamed table, e.g. off,router,block")
     ap.add_argument("--why", action="store_true", help="only the table of why block mode misses")
     a = ap.parse_args()
+    want = a.modes.split(",") if a.modes else [name for name, _ in MODES]
+    unknown = sorted(set(want) - {name for name, _ in MODES})
+    if unknown or "off" not in want:
+        sys.exit(f"bench_predict: --modes takes off plus any of {', '.join(n for n, _ in MODES[1:])}, "
+                 f"got {a.modes}")
+    modes = [mk for mk in MODES if mk[0] in want]
     from onebit.cli.main import default_model_path
     from onebit.gguf_file import GGUFFile
 
@@ -264,14 +270,10 @@ def main() -> None:
         recall_why(path, a.tokens, (a.backend or ["numpy"])[0])
         return
     fractions = [int(x) for x in a.fractions.split(",")]
-    if a.modes:
-        global MODES
-        want = a.modes.split(",")
-        MODES = [mk for mk in MODES if mk[0] in want]
     for backend in a.backend or ["numpy"]:
         if not a.no_recall:
             recall_table(path, backend, a.tokens)
-        streamed_table(path, backend, fractions, a.tokens, a.reps)
+        streamed_table(path, backend, fractions, a.tokens, a.reps, modes)
 
 
 if __name__ == "__main__":
