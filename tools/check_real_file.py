@@ -33,16 +33,13 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 256  # tools/make_fixtures.py's open_llama: a context of 256
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3
         + "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
         + "In 1905, Albert Einstein published four papers that changed physics: on the photoelectric "
         + "effect, Brownian motion, special relativity and mass-energy equivalence. "
         + "Übersetzung: «le café» — 東京都 — 😀 1234567890 {\"key\": [1, 2.5, null]}\n") * 3
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 def f32_copy(src: Path, dst: Path) -> None:
@@ -61,6 +58,8 @@ def f32_copy(src: Path, dst: Path) -> None:
 
 
 def refs(args) -> None:
+    if not 1 <= args.tokens <= MAX_TOKENS:
+        sys.exit(f"check_real_file: --tokens must be 1..{MAX_TOKENS} (the oracle's context)")
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,20 +68,14 @@ def refs(args) -> None:
 
     path = Path(args.file).resolve()
     llama_cpp = mf.import_llama_cpp(mf.find_llama_cpp(Path(args.llama_cpp)))
-
-    def open_llama(p: Path):  # f32 KV cache, no flash attention (as tools/make_fixtures.py)
-        return llama_cpp.Llama(model_path=str(p), n_ctx=max(256, args.tokens), n_batch=args.tokens,
-                               n_ubatch=args.tokens, n_threads=2, n_gpu_layers=0, logits_all=True, flash_attn=False,
-                               type_k=mf.GGML_TYPE_F32, type_v=mf.GGML_TYPE_F32, verbose=False)
-
-    llm = open_llama(path)
+    llm = mf.open_llama(llama_cpp, path)  # (the fixtures' oracle settings: f32 KV cache, no flash attention)
     tokens = np.array(mf.llama_tokenize(llm, TEXT, special=True)[: args.tokens], dtype=np.int64)
     extra = dict(logits_llama=mf.llama_logits(llm, tokens))
     cases = mf.tokenizer_cases(llm)
     del llm
     if args.f32_copy:
         f32_copy(path, Path(args.f32_copy))
-        llm = open_llama(Path(args.f32_copy))
+        llm = mf.open_llama(llama_cpp, Path(args.f32_copy))
         extra["logits_llama_f32"] = mf.llama_logits(llm, tokens)
         del llm
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -98,19 +91,21 @@ def refs(args) -> None:
 
 
 def compare(args) -> None:
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
     import onebit
+    from oracle_figures import cosine
 
     ref = np.load(args.refs, allow_pickle=True)
     tokens, hf, ll = ref["tokens"], ref["logits_hf"], ref["logits_llama"]
     c = cosine(hf, ll)
     print(f"{len(tokens)} positions; transformers vs llama.cpp: cosine median {np.median(c):.6f}, "
           f"min {c.min():.6f}, >= 0.999 at {(c >= 0.999).mean():.0%}, argmax agree {(hf.argmax(-1) == ll.argmax(-1)).mean():.0%}")
-    for backend in args.backends.split(","):
+    backends = args.backends.split(",")
+    for backend in backends:
         m = onebit.load(args.file, backend=backend)
         try:
             got = m.logits(tokens)
-            if backend == args.backends.split(",")[0]:
+            if backend == backends[0]:  # (one tokenizer whatever the backend)
                 bad = 0
                 for mode, special in (("special", True), ("plain", False)):
                     for s, want in zip(ref["strings"], ref[f"ids_{mode}"]):

@@ -708,8 +708,7 @@ class Recording:
         if pp.table is None:
             return None, seg
         layer, table = pp.layer, pp.table.host()
-        # (a decode step's few ids: a set is faster than np.unique)
-        experts = sorted(set(ids.ravel().tolist())) if ids.size <= 64 else np.unique(ids).tolist()
+        experts = sorted(set(ids.ravel().tolist()))  # (a decode step's 8 ids: faster than np.unique)
         cap = pool.capacity(layer)
         if len(experts) <= cap:
             slots = pool.acquire(layer, experts)

@@ -272,7 +272,7 @@ class Kernels:
         self.wg = 64
         # rms_norm's workgroup (a row each): on CPU devices one subgroup (lavapipe runs a
         # workgroup of several subgroups as coroutines switching at every barrier)
-        self.norm_wg = dev.info.subgroup_size if dev.info.type == "cpu" and dev.info.subgroup_size >= 4 else 64
+        self.norm_wg = dev.info.subgroup_size if dev.info.type == "cpu" and dev.info.subgroup_size >= 4 else self.wg
         # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
         # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
         # broadcast); 0: the one-row kernel at any R.
