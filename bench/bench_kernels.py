@@ -6,6 +6,8 @@
     python bench/bench_kernels.py --kernels mul_mv,mul_mv_id --mib 8   # the decode kernels only
     python bench/bench_kernels.py --kernels mul_mv_xr --types Q4_K,Q8_0 --mib 2.25 --n-in 1024 \
         --prefill-rows 1,2,4,8,16      # R rows: mat-vec per row against XROWS, alternating
+    python bench/bench_kernels.py --kernels mul_mm_id --types Q4_K --n-in 2048 --moe-ff 768 \
+        --experts 128 --prefill-rows 16,64,512   # prefill experts: per slot against tiled
 
 For each kernel and weight type: bytes of weights (or KV cache) the kernel must read, divided
 by its time on the device, and that rate as a fraction of the device's copy bandwidth (a copy
@@ -73,9 +75,15 @@ def timed_with_copy(dev, record, copy_seq, reps: int, runs: int) -> tuple[float,
 def _xrows_medians(dev, k, record, xrows_list, slow, runs) -> list[float]:
     """Median seconds of `record` with per-row products (mv_xrows 0) and each XROWS width, one
     submission of each in turn per run (alternating)."""
+    return _alternating(dev, record, [0, *xrows_list], lambda v: setattr(k, "mv_xrows", v), slow, runs)
+
+
+def _alternating(dev, record, settings, apply, slow, runs) -> list[float]:
+    """Median seconds of `record` recorded under each setting (`apply(setting)` before recording),
+    one submission of each in turn per run."""
     seqs = []
-    for xv in [0, *xrows_list]:
-        k.mv_xrows = xv
+    for v in settings:
+        apply(v)
         seqs.append(_sequence(dev, record, slow))
     times = [[] for _ in seqs]
     for _ in range(runs):
@@ -98,7 +106,9 @@ def main() -> int:
     ap.add_argument("--kernels", default="mul_mv,mul_mv_id,mul_mv_rows,mul_mm,get_rows,attn",
                     help="which kernels (mul_mv_rows: mul_mv at --prefill-rows rows; mul_mv_xr: mat-vec per row "
                          "against many rows per weight decode, alternating, at each of --prefill-rows; attn_rows: prefill "
-                         "attention, the one-row kernel against attn.comp ROWS, at each of --prefill-rows)")
+                         "attention, the one-row kernel against attn.comp ROWS, at each of --prefill-rows; mul_mv_id_xr / "
+                         "mul_mm_id: routed experts at each of --prefill-rows tokens, per slot against grouped on a CPU "
+                         "device / the tiled expert mat-mat)")
     ap.add_argument("--xrows", default=None, help="mul_mv_xr: Kernels.mv_xrows values to compare, e.g. 4,8 "
                     "(default: the Kernels default)")
     ap.add_argument("--xr-nr", type=int, default=None, help="mul_mv_xr: weight rows per thread (Kernels.mv_xr_nr)")
@@ -153,7 +163,7 @@ def main() -> int:
     n_in = args.n_in
     R_list = [int(r) for r in args.prefill_rows.split(",")]
     R = max(R_list)
-    xr_rows = []
+    xr_rows, mm_rows = [], []
     if args.xr_nr:
         k.mv_xr_nr = args.xr_nr
     if args.xr_storage:
@@ -201,7 +211,9 @@ def main() -> int:
                 xr_rows.append((type_name, n_out, r, _xrows_medians(
                     dev, k, lambda s: k.mul_mv(s, w, x.slice(), y.slice(), r, n_in, n_out), xrows_list, slow, args.runs)))
             k.mv_xrows = xrows_list[0]
-        if "mul_mv_id_xr" in kernels:  # routed experts at R tokens: per slot (mv_xrows 0) against grouped
+        if "mul_mv_id_xr" in kernels or "mul_mm_id" in kernels:
+            # routed experts at R tokens: per slot (mv_xrows 0) against grouped on the thread-per-row
+            # kernel (CPU devices), or per slot against the tiled expert mat-mat (GPUs)
             E, kk, F = args.experts, args.top_k, args.moe_ff
             ge = WeightStore(dev)
             ge.add("g", ref.random_blocks(type_name, (E, F, n_in), rng), type_name, (E, F, n_in))
@@ -218,8 +230,20 @@ def main() -> int:
                     k.mul_mv_id(s, wg_, xe.slice(), ge_out.slice(), rid.slice(), rwt.slice(), r, kk, n_in, 0, F)
                     k.mul_mv_id(s, wd_, he.slice(), yd.slice(), rid.slice(), rwt.slice(), r, kk, kk * F, F, n_in,
                                 mode="sum")
-                xr_rows.append((type_name, f"{E}x{F} top {kk}", r,
-                                _xrows_medians(dev, k, rec, xrows_list, slow, args.runs)))
+                if "mul_mv_id_xr" in kernels:
+                    xr_rows.append((type_name, f"{E}x{F} top {kk}", r,
+                                    _xrows_medians(dev, k, rec, xrows_list, slow, args.runs)))
+                if "mul_mm_id" in kernels:
+                    def tiled(on, k=k, keep=(k.mv_xrows, k.mm_id_max_rows)):
+                        k.mv_xrows, k.mm_id_max_rows = (0, 4) if on else keep
+                    ts = _alternating(dev, rec, [False, True], tiled, slow, args.runs)
+                    tiled(False)
+                    # weight bytes each way: per slot, the expert's gate and down once per slot;
+                    # tiled, once per 32 slots of each expert
+                    counts = np.bincount(rid.read(np.int32, (r, kk)).reshape(-1), minlength=E)
+                    e_bytes = 2 * F * n_in * cls.type_size // cls.block_size
+                    mm_rows.append((type_name, f"{E}x{F} top {kk}", r, ts, r * kk * e_bytes,
+                                    int(np.ceil(counts / 32).sum()) * e_bytes))
                 for b in (rid, rwt, xe, he, ge_out, yd):
                     b.destroy()
             k.mv_xrows = xrows_list[0]
@@ -285,6 +309,19 @@ def main() -> int:
         for type_name, n_out, r, ts in xr_rows:
             print(f"| {type_name} | {n_out} | {r} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts) + " | " +
                   " | ".join(f"{ts[0] / t:.2f}x" for t in ts[1:]) + " |")
+    if mm_rows:
+        print()
+        print(f"routed experts (a gate [F x {n_in}] in slots mode + down [{n_in} x F] in sum mode) at R tokens: ms, "
+              f"the per-slot mat-vec against the tiled expert mat-mat (mul_mm_id), submissions alternating, medians "
+              f"of {args.runs}; MiB: weight bytes each must read (tiled: each expert once per 32 of its slots); "
+              "GB/s: those bytes / time")
+        print()
+        print("| type | experts | R | per-slot ms | tiled ms | speedup | per-slot MiB | tiled MiB | per-slot GB/s | "
+              "tiled GB/s |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for type_name, shape, r, (a, b), ba, bb in mm_rows:
+            print(f"| {type_name} | {shape} | {r} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x | {ba / 2**20:.1f} | "
+                  f"{bb / 2**20:.1f} | {ba / a / 1e9:.1f} | {bb / b / 1e9:.1f} |")
     if not rows:
         copy_seq[0].close()
         dev.close()

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The Vulkan checks for a lent GPU machine, in one call (tools/device_prepare.sh says how to
-# prepare it; carry .whl and .gl). Writes $OUT/devices.txt, kernels.txt, decode.txt.
+# prepare it; carry .whl and .gl). Writes $OUT/devices.txt, kernels.txt, experts.txt, decode.txt.
 #
 # kernels.txt: bench/bench_kernels.py per weight type at 256 MiB per matrix (large enough that
 #   a kernel's time is its reads, not its launch), GB/s per kernel and each one's ratio to the
@@ -30,6 +30,10 @@ cd /tmp
 cat "$OUT/devices.txt"
 timeout 300 python3 "$R/bench/bench_kernels.py" --mib 256 --kernels mul_mv,mul_mv_id,get_rows --runs 7 \
     2>&1 | tee "$OUT/kernels.txt"
+# experts.txt: prefill's routed experts (a Qwen3-30B-A3B layer's shapes: 128 experts, top 8,
+#   [768 x 2048]), the per-slot mat-vec against the tiled expert mat-mat, alternating
+timeout 150 python3 "$R/bench/bench_kernels.py" --kernels mul_mm_id --types Q4_K,Q6_K,Q8_0 --n-in 2048 \
+    --moe-ff 768 --experts 128 --top-k 8 --prefill-rows 8,64,512 --runs 5 2>&1 | tee "$OUT/experts.txt"
 for f in "$R/onebit/data/default.gguf" "$R/tests/fixtures/q3moe256-Q4_K_M.gguf"; do
     timeout 120 python3 -m onebit.cli.main bench --backend vulkan --prompt-tokens 64 --gen-tokens 64 --runs 5 "$f"
 done 2>&1 | tee "$OUT/decode.txt"

@@ -73,6 +73,8 @@ def variants() -> list[Variant]:
         out.append(Variant(f"mul_mv_id_{t}_none_xrs", "mul_mv.comp", (ty, ("REDUCE_NONE", ""), ("XROWS", ""),
                                                                      ("MUL_ID", ""))))
         out.append(Variant(f"mul_mm_{t}", "mul_mm.comp", (ty,)))
+        # routed experts over many tokens on GPUs: each expert's weight tiles read once for its slots
+        out.append(Variant(f"mul_mm_id_{t}", "mul_mm.comp", (ty, ("MUL_ID", ""))))
         out.append(Variant(f"get_rows_{t}", "get_rows.comp", (ty,)))
     for op in ELEMENTWISE_OPS:
         out.append(Variant(op, "elementwise.comp", ((f"OP_{op.upper()}", ""),)))
@@ -82,7 +84,7 @@ def variants() -> list[Variant]:
     out.append(Variant("attn_rows", "attn.comp", (("ROWS", ""),)))  # many rows on CPU devices: K/V read once per key
     for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy",
                  "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk",  # the last five: Gated DeltaNet models
-                 "moe_sum"):
+                 "moe_sum", "moe_group"):
         out.append(Variant(name, f"{name}.comp"))
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
     out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))

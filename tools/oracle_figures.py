@@ -28,6 +28,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per-row cosine of two [positions, vocab] arrays, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 

@@ -74,11 +74,6 @@ NEEDS_IMATRIX = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_X
 BAR = 0.999
 
 
-def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
 def f32_fixtures(fixtures: Path) -> list[str]:
     manifest = json.loads((fixtures / "manifest.json").read_text())
     return [f[: -len("-f32.gguf")] for f, e in manifest["files"].items()
@@ -188,9 +183,10 @@ def quantize(args, stem: str, preset: str, base: str, flags: list[str]) -> tuple
 # ----------------------------------------------------------------------------------------------
 
 def check_file(gguf: Path, tokens_path: Path, llama_path: Path, backends: list[str]) -> dict:
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
     import onebit
     from onebit.backends import BACKENDS
+    from oracle_figures import cosine
 
     tokens = np.load(tokens_path).astype(np.int64)
     ll = np.load(llama_path)

@@ -262,6 +262,11 @@ class Kernels:
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
         # memory and barriers are slow there), so it is always used.
         self.mv_max_rows = 1 << 30 if dev.info.type == "cpu" else 4
+        # Routed experts over more tokens than this take the tiled expert mat-mat (mul_mm_id: each
+        # expert's weights read once per 32 of its slots, not once per slot); the same rule as
+        # dense products, not measured on a GPU. CPU devices group on the thread-per-row kernel
+        # instead (mul_mv_id_xr), since shared memory and barriers are slow there.
+        self.mm_id_max_rows = self.mv_max_rows
         # Prompt chunks of at least this many rows take the chunked delta rule (delta_chunk.comp),
         # fewer the one-step-per-row kernel; 0: never. On lavapipe the chunked kernel measured no
         # faster end to end (bench/results/issue12-hybrid.md), so CPU devices keep the step
@@ -479,6 +484,9 @@ class Kernels:
             self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate,
                               n_experts)
             return
+        if n_tokens > self.mm_id_max_rows:
+            self.mul_mm_id(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate)
+            return
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
         extra = self._extra(w.type_name)
         name, uniform = self._mv_variant(f"mul_mv_id_{w.type_name}_{self.reduce}", w.type_name, 5 + len(extra), x)
@@ -525,11 +533,53 @@ class Kernels:
                          part.count, n_tokens, 0)
             seq.dispatch(p, (part.slice, x, out, ids_u, wts, *extra), push, (gx, gy, part.count), writes=(2,))
         if mode == "sum":
-            e_lo, e_hi = w.parts[0].start, w.parts[-1].start + w.parts[-1].count
-            ps = self.pipeline("moe_sum", 3, (256,))
-            gx, gy = self._grid(math.ceil(n_tokens * nrows / 256))
-            seq.dispatch(ps, (out, ids, y), _push("5I2i", nrows, n_tokens, k, y_stride, int(accumulate), e_lo, e_hi),
-                         (gx, gy, 1), writes=(2,))
+            self._moe_sum(seq, w, out, ids, y, n_tokens, k, y_stride, accumulate)
+
+    def _moe_sum(self, seq: Sequence, w: DeviceTensor, p: Slice, ids: Slice, y: Slice, n_tokens: int, k: int,
+                 y_stride: int, accumulate: bool) -> None:
+        """y[t, :] (+)= the sum of token t's weighted slot rows in p ([n_tokens * k, out]), for the
+        slots whose expert is in one of w's parts (the grouped kernels' "sum" mode)."""
+        nrows = w.shape[1]
+        e_lo, e_hi = w.parts[0].start, w.parts[-1].start + w.parts[-1].count
+        ps = self.pipeline("moe_sum", 3, (256,))
+        gx, gy = self._grid(math.ceil(n_tokens * nrows / 256))
+        seq.dispatch(ps, (p, ids, y), _push("5I2i", nrows, n_tokens, k, y_stride, int(accumulate), e_lo, e_hi),
+                     (gx, gy, 1), writes=(2,))
+
+    def mul_mm_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
+                  k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
+                  accumulate: bool = False) -> None:
+        """mul_mv_id over many tokens on GPUs, tiled: moe_group lists each expert's slots, then
+        mul_mm_id reads each 32-row weight tile of an expert once for up to 32 of its slots (the
+        per-slot mat-vec reads the expert's weights once per slot). "sum" writes the weighted
+        slots to scratch and moe_sum adds each token's. A router's k ids per token are distinct,
+        so an expert has at most n_tokens slots (the lists' stride)."""
+        self._check_rows("mul_mm_id", w.type_name, w.ncols, x_stride, x_slot_stride)
+        n_e, nrows = w.shape[0], w.shape[1]
+        align = self.dev.info.min_storage_buffer_offset_alignment
+        up = lambda n: -(-n // align) * align  # noqa: E731
+        lists_at = up(n_e * 4)
+        out_at = up(lists_at + n_e * n_tokens * 4)
+        total = out_at + (n_tokens * k * nrows * 4 if mode == "sum" else 0)
+        s = self._scratch_slice(total)
+        counts = s.buffer.slice(s.offset, n_e * 4)
+        lists = s.buffer.slice(s.offset + lists_at, n_e * n_tokens * 4)
+        pg = self.pipeline("moe_group", 3)
+        seq.dispatch(pg, (ids, counts, lists), _push("3I", n_tokens * k, n_tokens, n_e), self._grid(n_e),
+                     writes=(1, 2))
+        if mode == "sum":
+            out, out_stride, flags = s.buffer.slice(s.offset + out_at, n_tokens * k * nrows * 4), nrows, 4
+        else:
+            out, out_stride, flags = y, y_stride, 4 if mode == "weighted" else 0
+        extra = self._extra(w.type_name)
+        n_bind = 6 + len(extra)
+        p = self.pipeline(f"mul_mm_id_{w.type_name}", n_bind, (), self._grid_ubo(w.type_name, n_bind))
+        for part in w.parts:
+            push = _push("10I", w.ncols, nrows, 0, n_tokens, x_stride, out_stride, flags, k, x_slot_stride, part.start)
+            groups = (math.ceil(nrows / 32), math.ceil(n_tokens / 32), part.count)  # 32 x 32 tiles per expert
+            seq.dispatch(p, (part.slice, x, out, counts, lists, wts, *extra), push, groups, writes=(2,))
+        if mode == "sum":
+            self._moe_sum(seq, w, out, ids, y, n_tokens, k, y_stride, accumulate)
 
     # -- lookups and elementwise --------------------------------------------------------------
 
