@@ -24,6 +24,7 @@ machines are noisy: read the ratios, not the absolute numbers. Never run by the 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -234,10 +235,12 @@ def main() -> int:
                     xr_rows.append((type_name, f"{E}x{F} top {kk}", r,
                                     _xrows_medians(dev, k, rec, xrows_list, slow, args.runs)))
                 if "mul_mm_id" in kernels:
-                    def tiled(on, k=k, keep=(k.mv_xrows, k.mm_id_max_rows)):
-                        k.mv_xrows, k.mm_id_max_rows = (0, 4) if on else keep
+                    keep = k.mv_xrows, k.mm_id_min_slots
+
+                    def tiled(on, k=k):  # per slot: neither grouping; tiled: always
+                        k.mv_xrows, k.mm_id_min_slots = (0, 0) if on else (0, math.inf)
                     ts = _alternating(dev, rec, [False, True], tiled, slow, args.runs)
-                    tiled(False)
+                    k.mv_xrows, k.mm_id_min_slots = keep
                     # weight bytes each way: per slot, the expert's gate and down once per slot;
                     # tiled, once per 32 slots of each expert
                     counts = np.bincount(rid.read(np.int32, (r, kk)).reshape(-1), minlength=E)

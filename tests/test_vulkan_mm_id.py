@@ -1,9 +1,10 @@
 """The tiled expert mat-mat (shaders/mul_mm.comp MUL_ID + moe_group.comp), against numpy.
 
-GPUs take it for routed experts over more than `mm_id_max_rows` tokens (prefill chunks): each
-expert's weight tiles are read once for up to 32 of the slots routed to it. lavapipe is a CPU
-device and groups experts on the thread-per-row kernel instead, so these tests force the tiled
-path there (`mv_xrows = 0`: not the CPU grouping; `mm_id_max_rows`: the GPU threshold). Twin:
+GPUs take it for routed experts where each expert gets at least `mm_id_min_slots` slots on
+average (prefill chunks): each expert's weight tiles are read once for up to 32 of the slots
+routed to it. lavapipe is a CPU device and groups experts on the thread-per-row kernel instead,
+so these tests force the tiled path there (`mv_xrows = 0`: not the CPU grouping;
+`mm_id_min_slots`: the GPU threshold). Twin:
 reference.mul_mv_id (the same maths). Outputs and the scratch are poisoned with NaN.
 """
 
@@ -20,9 +21,9 @@ from test_vulkan_kernels import PART_BYTES, TOL, close, experts_in_parts, n_in, 
 from test_vulkan_xrows import Spy, poison_scratch
 
 
-def tiled(o: VulkanOps, max_rows: int = 4) -> VulkanOps:
+def tiled(o: VulkanOps, min_slots: float = 8) -> VulkanOps:
     o.k.mv_xrows = 0  # not the CPU devices' grouping
-    o.k.mm_id_max_rows = max_rows
+    o.k.mm_id_min_slots = min_slots  # (8: a GPU's threshold)
     return o
 
 
@@ -56,10 +57,10 @@ def test_mul_mm_id_every_type(gpu_ops, rng, type_name):
               f"mul_mm_id {mode} {type_name}")
 
 
-@pytest.mark.parametrize("R", [3, 5, 64, 200])
+@pytest.mark.parametrize("R", [3, 63, 64, 200])
 def test_mul_mm_id_from_the_threshold_up(gpu_ops, rng, R):
-    """The 0.9B file's routing (64 experts, top 8; smaller rows): per-slot mat-vec up to
-    mm_id_max_rows tokens, tiled above; experts with no slot, one slot, many."""
+    """The 0.9B file's routing (64 experts, top 8; smaller rows): per-slot mat-vec below 8 slots
+    per expert on average (64 tokens), tiled from there; experts with no slot, one, many."""
     E, k, n = 64, 8, 256
     we = ref.random_blocks("Q4_K", (E, 40, n), rng)
     ids, wts = routing(rng, R, E, k)
@@ -67,14 +68,14 @@ def test_mul_mm_id_from_the_threshold_up(gpu_ops, rng, R):
     poison_scratch(gpu_ops, R * k * 40 * 4 + 64 * 1024)
     with Spy(gpu_ops.k, "mul_mm_id") as spy:
         got = gpu_ops.mul_mv_id(we, "Q4_K", x, ids, wts, "sum")
-    assert spy.calls == (R > gpu_ops.k.mm_id_max_rows)
+    assert spy.calls == (R * k >= gpu_ops.k.mm_id_min_slots * E) == (R >= 64)
     close(got, ref.mul_mv_id(we, "Q4_K", x, ids, wts, "sum"), rng, TOL["Q4_K"], f"mul_mm_id sum R={R}")
 
 
 def test_mul_mm_id_in_parts(rng):
     """Experts bound in parts (two per binding): each part's dispatch takes its own experts'
     slot lists; moe_sum adds the slots of every part."""
-    o = tiled(VulkanOps(reduce="subgroup", max_part_bytes=PART_BYTES))
+    o = tiled(VulkanOps(reduce="subgroup", max_part_bytes=PART_BYTES), min_slots=1)
     k, R = 2, 12
     we, ids, wts, xe = experts_in_parts(rng, R, k=k)
     for mode in ("slots", "weighted", "sum"):
@@ -141,7 +142,7 @@ def test_moe_group_lists_each_experts_slots_in_order(gpu_ops, rng):
 @pytest.mark.parametrize("name", ["q3moe256-Q4_K_M", "qwen3moe-f32", "gptoss-f32"])
 def test_a_prefill_through_the_tiled_kernels_matches_numpy(name):
     """A whole prefill with the GPU's choices (tiled experts and tiled dense products over more
-    than 4 rows) against the numpy backend: logits within tests/test_vulkan_backend.py's
+    than 4 rows; here the experts are tiled from 1 slot each on average) against the numpy backend: logits within tests/test_vulkan_backend.py's
     tolerance, then greedy tokens (prompt of 20: a tiled prefill, then one-row steps)."""
     import onebit
     from conftest import fixture_path, greedy_tokens
@@ -150,7 +151,7 @@ def test_a_prefill_through_the_tiled_kernels_matches_numpy(name):
     ids = np.load(fixture_path(f"{name}.ref.npz"))["tokens"][:20].astype(np.int64)
     ref_m, vk = onebit.load(path, backend="numpy"), onebit.load(path, backend="vulkan")
     k = vk.be.k
-    k.mv_xrows, k.mm_id_max_rows, k.mv_max_rows = 0, 4, 4
+    k.mv_xrows, k.mm_id_min_slots, k.mv_max_rows = 0, 1, 4
     with Spy(k, "mul_mm_id") as spy, Spy(k, "mul_mm") as spy_mm:
         got = vk.logits(ids)
         assert greedy_tokens(vk, ids, 6) == greedy_tokens(ref_m, ids, 6)

@@ -262,11 +262,15 @@ class Kernels:
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
         # memory and barriers are slow there), so it is always used.
         self.mv_max_rows = 1 << 30 if dev.info.type == "cpu" else 4
-        # Routed experts over more tokens than this take the tiled expert mat-mat (mul_mm_id: each
-        # expert's weights read once per 32 of its slots, not once per slot); the same rule as
-        # dense products, not measured on a GPU. CPU devices group on the thread-per-row kernel
-        # instead (mul_mv_id_xr), since shared memory and barriers are slow there.
-        self.mm_id_max_rows = self.mv_max_rows
+        # Routed experts take the tiled expert mat-mat (mul_mm_id: each expert's weights read once
+        # per 32 of its slots, where the per-slot mat-vec reads them once per slot) where the
+        # experts get at least this many slots each on average. Not measured on a GPU; the rule
+        # is a model of one: a tile always computes 32 slots, so an expert with s slots costs the
+        # tiled kernel about 32 * 2 / (bytes per weight) flops per weight byte against the
+        # mat-vec's s weight reads, and on an APU (~256 GB/s, a few TFLOPS from this simple
+        # kernel) that evens out near s = 6. CPU devices never take it: they group experts on the
+        # thread-per-row kernel (mul_mv_id_xr), since shared memory and barriers are slow there.
+        self.mm_id_min_slots = math.inf if dev.info.type == "cpu" else 8
         # Prompt chunks of at least this many rows take the chunked delta rule (delta_chunk.comp),
         # fewer the one-step-per-row kernel; 0: never. On lavapipe the chunked kernel measured no
         # faster end to end (bench/results/issue12-hybrid.md), so CPU devices keep the step
@@ -484,7 +488,7 @@ class Kernels:
             self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate,
                               n_experts)
             return
-        if n_tokens > self.mm_id_max_rows:
+        if n_tokens > 1 and n_tokens * k >= self.mm_id_min_slots * (n_experts or w.shape[0]):
             self.mul_mm_id(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate)
             return
         flags = {"slots": 0, "weighted": 4, "sum": 2}[mode]
@@ -549,7 +553,7 @@ class Kernels:
     def mul_mm_id(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice, n_tokens: int,
                   k: int, x_stride: int, x_slot_stride: int, y_stride: int, mode: str = "slots",
                   accumulate: bool = False) -> None:
-        """mul_mv_id over many tokens on GPUs, tiled: moe_group lists each expert's slots, then
+        """mul_mv_id over many slots per expert on GPUs, tiled: moe_group lists each expert's slots, then
         mul_mm_id reads each 32-row weight tile of an expert once for up to 32 of its slots (the
         per-slot mat-vec reads the expert's weights once per slot). "sum" writes the weighted
         slots to scratch and moe_sum adds each token's. A router's k ids per token are distinct,
