@@ -18,7 +18,7 @@ from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, _push
 from onebit.backends.vulkan.ops import VulkanOps
 
 from test_vulkan_kernels import PART_BYTES, TOL, close, experts_in_parts, n_in, rng  # noqa: F401  (rng: the seeded fixture)
-from test_vulkan_xrows import Spy, poison_scratch
+from test_vulkan_xrows import Spy, check_shared_expert_sum, poison_scratch
 
 
 def tiled(o: VulkanOps, min_slots: float = 8) -> VulkanOps:
@@ -88,29 +88,7 @@ def test_mul_mm_id_in_parts(rng):
 
 
 def test_mul_mm_id_sum_skips_experts_in_no_part(gpu_ops, rng):
-    """The shared expert as the graph records it: a 2-expert tensor whose one part holds expert
-    0; slot 1 (expert 1, weight 0) has no part to compute it and must not be added (its scratch
-    row stays NaN)."""
-    from onebit.backends.vulkan.kernels import DeviceTensor, Part
-    o, R, n, m = gpu_ops, 40, 256, 24
-    raw = ref.random_blocks("Q8_0", (m, n), rng)
-    w = o._weights(raw, "Q8_0", (m, n))
-    (part,) = w.parts
-    as_expert = DeviceTensor(w.name, w.type_name, (2, m, n), (Part(part.slice, 0, 1),))
-    x = rng.standard_normal((R, n)).astype(np.float32)
-    ids = np.tile(np.array([[0, 1]], np.int32), (R, 1))
-    wts = np.stack([rng.random(R), np.zeros(R)], 1).astype(np.float32)
-    xs, ids_s, wts_s = o._in(x), o._in(ids, np.int32), o._in(wts)
-    y = o._out((R, m))
-    poison_scratch(o, 64 * 1024)
-    seq = o.dev.sequence()
-    with Spy(o.k, "mul_mm_id") as spy:
-        o.k.mul_mv_id(seq, as_expert, xs, y[0], ids_s, wts_s, R, 2, n, 0, m, mode="sum")
-    assert spy.calls == 1
-    seq.run()
-    seq.close()
-    got = y[0].buffer.read(np.float32, (R, m), y[0].offset)
-    close(got, wts[:, :1] * ref.mul_mv(raw, "Q8_0", x), rng, TOL["Q8_0"], "shared expert as tiled sum")
+    check_shared_expert_sum(gpu_ops, rng, 40, "mul_mm_id")
 
 
 def test_moe_group_lists_each_experts_slots_in_order(gpu_ops, rng):

@@ -158,31 +158,34 @@ def test_mul_mv_id_grouped_in_parts(rng):
         close(got, ref.mul_mv_id(we, "Q4_K", xe, ids, wts, mode), rng, TOL["Q4_K"], f"mul_mv_id_xr parts {mode}")
 
 
-def test_mul_mv_id_grouped_sum_skips_experts_in_no_part(cpu_ops, rng):
+def check_shared_expert_sum(o: VulkanOps, rng, R: int, kernel: str) -> None:
     """The shared expert as the graph records it: a 2-expert tensor whose one part holds expert
     0; slot 1 (expert 1, weight 0) is never computed and must not be added (its scratch row
-    stays NaN)."""
-    k, dev = cpu_ops.k, cpu_ops.dev
-    R, n, m = 8, 256, 24
-    raw = ref.random_blocks("Q8_0", (m, n), rng)
-    w = cpu_ops._weights(raw, "Q8_0", (m, n))
-    (part,) = w.parts
+    stays NaN). `kernel`: the Kernels method that must take the product."""
     from onebit.backends.vulkan.kernels import DeviceTensor, Part
+    n, m = 256, 24
+    raw = ref.random_blocks("Q8_0", (m, n), rng)
+    w = o._weights(raw, "Q8_0", (m, n))
+    (part,) = w.parts
     as_expert = DeviceTensor(w.name, w.type_name, (2, m, n), (Part(part.slice, 0, 1),))
     x = rng.standard_normal((R, n)).astype(np.float32)
     ids = np.tile(np.array([[0, 1]], np.int32), (R, 1))
     wts = np.stack([rng.random(R), np.zeros(R)], 1).astype(np.float32)
-    xs, ids_s, wts_s = cpu_ops._in(x), cpu_ops._in(ids, np.int32), cpu_ops._in(wts)
-    y = cpu_ops._out((R, m))
-    poison_scratch(cpu_ops, R * 2 * m * 4)
-    seq = dev.sequence()
-    with Spy(k, "mul_mv_id_xr") as spy:
-        k.mul_mv_id(seq, as_expert, xs, y[0], ids_s, wts_s, R, 2, n, 0, m, mode="sum")
+    xs, ids_s, wts_s = o._in(x), o._in(ids, np.int32), o._in(wts)
+    y = o._out((R, m))
+    poison_scratch(o, 64 * 1024)
+    seq = o.dev.sequence()
+    with Spy(o.k, kernel) as spy:
+        o.k.mul_mv_id(seq, as_expert, xs, y[0], ids_s, wts_s, R, 2, n, 0, m, mode="sum")
     assert spy.calls == 1
     seq.run()
     seq.close()
     got = y[0].buffer.read(np.float32, (R, m), y[0].offset)
-    close(got, wts[:, :1] * ref.mul_mv(raw, "Q8_0", x), rng, TOL["Q8_0"], "shared expert as grouped sum")
+    close(got, wts[:, :1] * ref.mul_mv(raw, "Q8_0", x), rng, TOL["Q8_0"], f"shared expert as {kernel} sum")
+
+
+def test_mul_mv_id_grouped_sum_skips_experts_in_no_part(cpu_ops, rng):
+    check_shared_expert_sum(cpu_ops, rng, 8, "mul_mv_id_xr")
 
 
 def test_mul_mv_rows_off_is_the_per_row_mat_vec(rng):
