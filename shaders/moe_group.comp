@@ -1,8 +1,8 @@
 #version 450
 // The slots routed to each expert, in ascending order (the tiled expert mat-mat's input,
 // shaders/mul_mm.comp MUL_ID). A workgroup per expert e:
-//   counts[e] = #{i < n_slots : ids[i] == e}   (at most stride: a router's k ids per token are
-//                                               distinct, so stride = n_tokens)
+//   counts[e] = #{i < n_slots : ids[i] == e}   (the host makes stride = n_slots: a streamed pass
+//                                               may point many slots of a row at one pool slot)
 //   lists[e * stride + r] = the r-th such i
 // Each thread counts a contiguous run of the ids, an exclusive scan of the counts gives each
 // run's first rank, and each thread writes its run's slots from there.

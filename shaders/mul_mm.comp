@@ -35,7 +35,7 @@ layout(push_constant) uniform Push {
     uint ncols;     // K: weights per row
     uint nrows;     // M: rows of W in this binding part (per expert with MUL_ID)
     uint row0;      // output column of the part's first row
-    uint n_x;       // N: rows of x (MUL_ID: the most slots one expert can have, the lists' stride)
+    uint n_x;       // N: rows of x (MUL_ID: the lists' stride, n_tokens * k)
     uint x_stride;  // floats between rows of x (multiple of 4)
     uint y_stride;  // floats between rows of y
     uint flags;     // 1: add to y; 4 (MUL_ID): scale by the routing weight

@@ -556,21 +556,23 @@ class Kernels:
         """mul_mv_id over many slots per expert on GPUs, tiled: moe_group lists each expert's slots, then
         mul_mm_id reads each 32-row weight tile of an expert once for up to 32 of its slots (the
         per-slot mat-vec reads the expert's weights once per slot). "sum" writes the weighted
-        slots to scratch and moe_sum adds each token's. A router's k ids per token are distinct,
-        so an expert has at most n_tokens slots (the lists' stride)."""
+        slots to scratch and moe_sum adds each token's. An expert may have any of the n_tokens * k
+        slots (a router's ids per token are distinct, but a streamed pass over a row group points
+        every other row's slots at one pool slot), so that is the lists' stride and the slot tiles'
+        count; the tiles past an expert's own count return at once."""
         self._check_rows("mul_mm_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         n_e, nrows = w.shape[0], w.shape[1]
         align = self.dev.info.min_storage_buffer_offset_alignment
         up = lambda n: -(-n // align) * align  # noqa: E731
+        n_slots = n_tokens * k
         lists_at = up(n_e * 4)
-        out_at = up(lists_at + n_e * n_tokens * 4)
-        total = out_at + (n_tokens * k * nrows * 4 if mode == "sum" else 0)
+        out_at = up(lists_at + n_e * n_slots * 4)
+        total = out_at + (n_slots * nrows * 4 if mode == "sum" else 0)
         s = self._scratch_slice(total)
         counts = s.buffer.slice(s.offset, n_e * 4)
-        lists = s.buffer.slice(s.offset + lists_at, n_e * n_tokens * 4)
+        lists = s.buffer.slice(s.offset + lists_at, n_e * n_slots * 4)
         pg = self.pipeline("moe_group", 3)
-        seq.dispatch(pg, (ids, counts, lists), _push("3I", n_tokens * k, n_tokens, n_e), self._grid(n_e),
-                     writes=(1, 2))
+        seq.dispatch(pg, (ids, counts, lists), _push("3I", n_slots, n_slots, n_e), self._grid(n_e), writes=(1, 2))
         if mode == "sum":
             out, out_stride, flags = s.buffer.slice(s.offset + out_at, n_tokens * k * nrows * 4), nrows, 4
         else:
@@ -579,8 +581,8 @@ class Kernels:
         n_bind = 6 + len(extra)
         p = self.pipeline(f"mul_mm_id_{w.type_name}", n_bind, (), self._grid_ubo(w.type_name, n_bind))
         for part in w.parts:
-            push = _push("10I", w.ncols, nrows, 0, n_tokens, x_stride, out_stride, flags, k, x_slot_stride, part.start)
-            groups = (math.ceil(nrows / 32), math.ceil(n_tokens / 32), part.count)  # 32 x 32 tiles per expert
+            push = _push("10I", w.ncols, nrows, 0, n_slots, x_stride, out_stride, flags, k, x_slot_stride, part.start)
+            groups = (math.ceil(nrows / 32), math.ceil(n_slots / 32), part.count)  # 32 x 32 tiles per expert
             seq.dispatch(p, (part.slice, x, out, counts, lists, wts, *extra), push, groups, writes=(2,))
         if mode == "sum":
             self._moe_sum(seq, w, out, ids, y, n_tokens, k, y_stride, accumulate)
