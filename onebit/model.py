@@ -157,6 +157,7 @@ class Model:
         if settings.on:
             if not any(self.cfg.layer_is_moe(i) for i in range(self.cfg.n_layers)):
                 raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
+            from .backends import device_info
             from .backends.numpy_backend import NumpyBackend
 
             on_host = isinstance(self.be, NumpyBackend)
@@ -164,7 +165,7 @@ class Model:
             # a device backend's pool slots are device memory the host maps: read by the host's
             # expert ops only where that memory is the host's own (unified: an APU, a CPU device;
             # on a discrete GPU such reads are uncached, far slower than the prediction is worth)
-            info = getattr(getattr(self.be, "dev", None), "info", None)
+            info = device_info(self.be)
             own_ok = on_host or self.pool is None or bool(info and info.unified)
             # the host's ranking overlaps the device's compute, except on a CPU device (lavapipe),
             # whose compute runs on the same cores: there the ledger charges it, as on a host backend

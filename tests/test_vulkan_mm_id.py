@@ -13,9 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import onebit
+from conftest import fixture_path, greedy_tokens
 from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.kernels import SUPPORTED_TYPES, _push
 from onebit.backends.vulkan.ops import VulkanOps
+from onebit.backends.vulkan.streaming import StreamingVulkanBackend
+from test_pool import decode_logits
+from test_vulkan_backend import LOGIT_TOL
 
 from test_vulkan_kernels import PART_BYTES, TOL, close, experts_in_parts, n_in, rng  # noqa: F401  (rng: the seeded fixture)
 from test_vulkan_xrows import Spy, check_shared_expert_sum, poison_scratch
@@ -122,9 +127,6 @@ def test_a_prefill_through_the_tiled_kernels_matches_numpy(name):
     """A whole prefill with the GPU's choices (tiled experts and tiled dense products over more
     than 4 rows; here the experts are tiled from 1 slot each on average) against the numpy backend: logits within tests/test_vulkan_backend.py's
     tolerance, then greedy tokens (prompt of 20: a tiled prefill, then one-row steps)."""
-    import onebit
-    from conftest import fixture_path, greedy_tokens
-    from test_vulkan_backend import LOGIT_TOL
     path = fixture_path(f"{name}.gguf")
     ids = np.load(fixture_path(f"{name}.ref.npz"))["tokens"][:20].astype(np.int64)
     ref_m, vk = onebit.load(path, backend="numpy"), onebit.load(path, backend="vulkan")
@@ -143,11 +145,6 @@ def test_streamed_experts_through_the_tiled_kernel_match_numpy(name, slots):
     """Streamed on the GPU's path: the expert kernels index the pool's slots through the slot
     table, with passes over row groups where the routed experts outnumber the slots (the
     smallest pools). A 36-token prefill and greedy decode against the numpy backend."""
-    import onebit
-    from conftest import fixture_path
-    from onebit.backends.vulkan.streaming import StreamingVulkanBackend
-    from test_pool import decode_logits
-    from test_vulkan_backend import LOGIT_TOL
     path = fixture_path(f"{name}.gguf")
     prompt = np.load(fixture_path(f"{name}.ref.npz"))["tokens"][:36].astype(np.int64)
     want = decode_logits(onebit.load(path, backend="numpy"), prompt, 6)

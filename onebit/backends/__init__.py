@@ -81,11 +81,17 @@ def make_backend(name: str, gguf, fallback: bool = True, auto: bool = False):
     return BACKENDS[name](gguf)
 
 
+def device_info(be):
+    """The device a backend computes on (a Vulkan device's `DeviceInfo`), or None for the host."""
+    dev = getattr(be, "dev", None)
+    return getattr(dev, "info", None)
+
+
 def describe(be) -> str:
     """A backend in a few words, for `onebit bench` and logs: its name and threads or device."""
     if hasattr(be, "describe"):
         return be.describe()
-    dev = getattr(be, "dev", None)
-    if dev is not None and hasattr(dev, "info"):
-        return f"{dev.info.name}, {dev.info.type}"
+    info = device_info(be)
+    if info is not None:
+        return f"{info.name}, {info.type}"
     return "reference" if be.name == "numpy" else be.name

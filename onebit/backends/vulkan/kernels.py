@@ -563,10 +563,9 @@ class Kernels:
         self._check_rows("mul_mm_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         n_e, nrows = w.shape[0], w.shape[1]
         align = self.dev.info.min_storage_buffer_offset_alignment
-        up = lambda n: -(-n // align) * align  # noqa: E731
         n_slots = n_tokens * k
-        lists_at = up(n_e * 4)
-        out_at = up(lists_at + n_e * n_slots * 4)
+        lists_at = -(-n_e * 4 // align) * align  # (binding offsets: aligned)
+        out_at = -(-(lists_at + n_e * n_slots * 4) // align) * align
         total = out_at + (n_slots * nrows * 4 if mode == "sum" else 0)
         s = self._scratch_slice(total)
         counts = s.buffer.slice(s.offset, n_e * 4)
@@ -574,7 +573,7 @@ class Kernels:
         pg = self.pipeline("moe_group", 3)
         seq.dispatch(pg, (ids, counts, lists), _push("3I", n_slots, n_slots, n_e), self._grid(n_e), writes=(1, 2))
         if mode == "sum":
-            out, out_stride, flags = s.buffer.slice(s.offset + out_at, n_tokens * k * nrows * 4), nrows, 4
+            out, out_stride, flags = s.buffer.slice(s.offset + out_at, n_slots * nrows * 4), nrows, 4
         else:
             out, out_stride, flags = y, y_stride, 4 if mode == "weighted" else 0
         extra = self._extra(w.type_name)
