@@ -161,7 +161,8 @@ def _template_kwargs(text: Optional[str]) -> dict:
 
 LOOKUP = typer.Option(None, "--lookup", help="Lookup decoding: draft up to N tokens (0-8) from n-grams of the "
                                               "context and verify them in one forward; same output. "
-                                              "Default: $ONEBIT_LOOKUP or 0 (off).")
+                                              "Default: $ONEBIT_LOOKUP, else 8 (0 with --trace; "
+                                              "0 for bench: plain decoding).")
 
 
 @app.command()
@@ -214,7 +215,7 @@ def generate(
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
     from onebit import batch
-    from onebit.lookup import LookupStats, lookup_budget
+    from onebit.lookup import DEFAULT_DRAFTS, LookupStats, lookup_budget
 
     if (prompt is None) == (input is None):
         raise UsageError("give exactly one of --prompt or --input")
@@ -230,7 +231,7 @@ def generate(
                 raise UsageError(f"{name} is not valid UTF-8 text") from None
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     template_kw = _template_kwargs(template_kwargs)
-    lookup = lookup_budget(lookup)
+    lookup = lookup_budget(lookup, default=0 if trace else DEFAULT_DRAFTS)
     lookup_stats = LookupStats() if lookup else None
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
@@ -472,13 +473,13 @@ def chat(
     show_reasoning: bool = SHOW_REASONING,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
-    from onebit.lookup import lookup_budget
+    from onebit.lookup import DEFAULT_DRAFTS, lookup_budget
 
     from .chat_repl import run_chat
 
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     template_kw = _template_kwargs(template_kwargs)
-    lookup = lookup_budget(lookup)
+    lookup = lookup_budget(lookup, default=0 if trace else DEFAULT_DRAFTS)
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        moe_predict_out, moe_predict_stats, moe_predict_own)
@@ -529,7 +530,7 @@ def bench(
 
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
-    lookup = lookup_budget(lookup)
+    lookup = lookup_budget(lookup, default=0)  # a benchmark of plain decoding unless asked
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        moe_predict_out, moe_predict_stats, moe_predict_own)

@@ -18,7 +18,7 @@ from .errors import UsageError
 from .harmony import HarmonyStream, is_harmony
 from .think import think_stream
 from .generate import GenerationResponse, stream_generate
-from .lookup import LookupStats, lookup_budget
+from .lookup import DEFAULT_DRAFTS, LookupStats, lookup_budget
 from .sample import make_logits_processors, make_sampler
 
 
@@ -49,7 +49,7 @@ MAX_CHECKPOINTS = 4  # recurrent-state checkpoints a chat keeps (each: every rec
 class ChatSession:
     def __init__(self, model, system: Optional[str] = None, max_tokens: int = 512, temperature: float = 0.7,
                  top_k: int = 0, top_p: float = 0.95, min_p: float = 0.05, repetition_penalty: float = 1.0,
-                 seed: Optional[int] = None, lookup: int = 0):
+                 seed: Optional[int] = None, lookup: Optional[int] = None):
         self.model = model
         self.system = system
         self.max_tokens = max_tokens
@@ -60,7 +60,7 @@ class ChatSession:
         self.cached: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.last = TurnStats()
         self.total_generated = 0
-        self.lookup = lookup_budget(lookup)
+        self.lookup = lookup_budget(lookup, default=0 if model.hook is not None else DEFAULT_DRAFTS)
         self.lookup_stats = LookupStats()  # over the whole conversation
         self.harmony = is_harmony(model)  # gpt-oss: replies in channels (harmony.py)
         # A cache with recurrent state cannot trim: it can only go back to positions where a

@@ -12,7 +12,7 @@ from .backends import make_backend, resolve
 from .errors import UsageError
 from .generate import GenerationResponse, stream_generate
 from .gguf_file import GGUFFile
-from .lookup import lookup_budget
+from .lookup import DEFAULT_DRAFTS, lookup_budget
 from .models import model_class
 from .models.base import check_ids
 from .sample import make_logits_processors, make_sampler
@@ -228,13 +228,14 @@ class Model:
     def generate(
         self, prompt: str | Sequence[int] | list[dict], max_tokens: int = 256, temperature: float = 0.0,
         top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-        seed: Optional[int] = None, stop: Sequence[str] = (), cache=None, hook=None, lookup: int = 0,
-        lookup_stats=None,
+        seed: Optional[int] = None, stop: Sequence[str] = (), cache=None, hook=None,
+        lookup: Optional[int] = None, lookup_stats=None,
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces. `prompt` is text, token ids, or chat messages (rendered
         with the model's chat template). `lookup`: drafts (n-gram lookup in the context, 0..8)
         verified per decode forward; the output is the same as without (greedy) or has the same
-        distribution (sampling). `lookup_stats`: a `LookupStats` to count them in."""
+        distribution (sampling); None: $ONEBIT_LOOKUP, else 8 (0 where a hook is set).
+        `lookup_stats`: a `LookupStats` to count them in."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         elif prompt and isinstance(prompt[0], dict):
@@ -248,9 +249,11 @@ class Model:
             raise UsageError(f"max tokens must be >= 0, got {max_tokens}")
         sampler = make_sampler(temperature, top_p, min_p, top_k, seed)
         procs = make_logits_processors(repetition_penalty)
+        hook = hook if hook is not None else self.hook
         yield from stream_generate(self, ids, max_tokens=max_tokens, sampler=sampler, processors=procs,
-                                   stop=stop, cache=cache, hook=hook if hook is not None else self.hook,
-                                   lookup=lookup_budget(lookup), lookup_stats=lookup_stats)
+                                   stop=stop, cache=cache, hook=hook,
+                                   lookup=lookup_budget(lookup, default=0 if hook is not None else DEFAULT_DRAFTS),
+                                   lookup_stats=lookup_stats)
 
 
 def _host_backend(gguf, pool=None):

@@ -112,3 +112,22 @@ def test_bad_chat_template_kwargs(kw, why):
     for cmd in (["generate", "--model", MODEL, "--prompt", "x"], ["chat", MODEL]):
         line = assert_one_line_error(onebit(*cmd, "--chat-template-kwargs", kw))
         assert why in line, line
+
+
+def test_generate_drafts_by_default_but_not_while_tracing(tmp_path):
+    from onebit.moe.trace import read_trace
+
+    base = ["generate", "--model", MODEL, "--prompt", "one two one two one two one two", "--max-tokens", "24",
+            "--temperature", "0", "--stats"]
+    plain = onebit(*base, "--lookup", "0")
+    default = onebit(*base)
+    trace = tmp_path / "t.jsonl"
+    traced = onebit(*base, "--trace", str(trace))
+    for r in (plain, default, traced):
+        assert r.returncode == 0, r.stderr
+    assert default.stdout == plain.stdout == traced.stdout
+    line = [ln for ln in default.stderr.splitlines() if ln.startswith("lookup: drafts proposed")]
+    assert line and int(line[0].split()[3].rstrip(",")) > 0, default.stderr
+    assert "lookup:" not in plain.stderr and "lookup:" not in traced.stderr
+    decode = [a for a in read_trace(str(trace)).accesses if a.decode]
+    assert len(decode) == 23 * len({a.layer for a in decode})  # one row per decode token: no verify rows

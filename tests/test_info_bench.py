@@ -44,6 +44,7 @@ def test_bench_json():
     res = json.loads(r.stdout)
     assert res["prompt_tokens"] == 16 and res["gen_tokens"] == 4 and len(res["decode_tps_runs"]) == 2
     assert res["prompt_tps"] > 0 and res["decode_tps"] > 0
+    assert res["lookup"]["max_drafts"] == 0  # bench times plain decoding unless --lookup asks
 
 
 def test_info_missing_file():

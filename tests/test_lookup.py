@@ -23,7 +23,7 @@ from onebit.chat import ChatSession
 from onebit.errors import UsageError
 from onebit.generate import generate_step, stream_generate
 from onebit import generate as generate_mod
-from onebit.lookup import DraftPolicy, LookupStats, NgramDrafter, lookup_budget
+from onebit.lookup import DEFAULT_DRAFTS, DraftPolicy, LookupStats, NgramDrafter, lookup_budget
 from onebit.sample import Sampler, make_sampler
 
 MOE = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "mixtral-f32"]
@@ -168,6 +168,32 @@ def test_lookup_budget_parsing(monkeypatch):
     for bad in (-1, "x", "1.5"):
         with pytest.raises(UsageError):
             lookup_budget(bad)
+
+
+def test_lookup_is_on_by_default_and_off_where_asked(monkeypatch):
+    monkeypatch.delenv("ONEBIT_LOOKUP", raising=False)
+    assert lookup_budget(None) == DEFAULT_DRAFTS == 8 and lookup_budget(None, default=0) == 0
+    monkeypatch.setenv("ONEBIT_LOOKUP", "0")
+    assert lookup_budget(None) == 0 and lookup_budget(2) == 2  # a flag beats the environment
+    monkeypatch.setenv("ONEBIT_LOOKUP", " ")
+    assert lookup_budget(None) == 8
+
+
+def test_model_generate_drafts_by_default_but_not_under_a_hook(monkeypatch):
+    monkeypatch.delenv("ONEBIT_LOOKUP", raising=False)
+    m = load("qwen3moe-f32")
+    ids = prompt("qwen3moe-f32")
+    want = [r.token for r in m.generate(ids, max_tokens=30, lookup=0)]
+    st = LookupStats()
+    assert [r.token for r in m.generate(ids, max_tokens=30, lookup_stats=st)] == want
+    assert st.proposed > 0 and st.forwards < 30
+    rows = []
+    st = LookupStats()
+    got = [r.token for r in m.generate(ids, max_tokens=30, lookup_stats=st,
+                                       hook=lambda layer, e, logits: rows.append(len(e)))]
+    assert got == want and st.proposed == 0
+    n_moe = sum(1 for l in range(m.cfg.n_layers) if m.cfg.layer_is_moe(l))
+    assert rows.count(1) == 29 * n_moe  # a hook sees one row per decode token: no verify rows
 
 
 # -- rows and rollback --------------------------------------------------------------------
@@ -332,7 +358,7 @@ def test_model_generate_takes_lookup():
     m = load("mixtral-f32")
     ids = prompt("mixtral-f32")
     st = LookupStats()
-    want = [r.token for r in m.generate(ids, max_tokens=30)]
+    want = [r.token for r in m.generate(ids, max_tokens=30, lookup=0)]
     got = [r.token for r in m.generate(ids, max_tokens=30, lookup=6, lookup_stats=st)]
     assert got == want and st.forwards > 0
     assert 1 in m.net.draft_times and len(m.net.draft_times) > 1  # row-count timings kept for the next one

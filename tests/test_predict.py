@@ -23,7 +23,10 @@ from conftest import fixture_path
 from onebit.backends import BACKENDS
 from onebit.backends.numpy_backend import EagerStep
 from onebit.backends.vulkan.backend import VulkanBackend
+from onebit import generate as generate_mod
 from onebit.errors import UsageError
+from onebit.generate import generate_step
+from onebit.lookup import DraftPolicy, LookupStats
 from onebit.memory.budget import Budget
 from onebit.memory.plan import make_plan
 from onebit.models import blocks
@@ -113,6 +116,46 @@ def test_streamed_with_prediction_equals_resident_bit_for_bit(backend, mode):
             assert m.predictor.own == 1 and m.predictor.be.pool is m.pool
     finally:
         m.close()
+
+
+class VerifyAll(DraftPolicy):
+    """Verifies every proposed draft whatever the timings say: rows in every forward it can."""
+
+    def choose(self, tokens, drafts, lengths):
+        super().choose(tokens, drafts, lengths)
+        return len(drafts)
+
+
+def lookup_decode(m, ids, n=24, temp=0.0):
+    st = LookupStats()
+    steps = generate_step(m.net, ids, m.new_cache(), make_sampler(temp, top_k=20, seed=5), lookup=8,
+                          max_tokens=n, stats=st)
+    toks = [next(steps) for _ in range(n)]
+    steps.close()
+    return toks, st
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
+def test_prediction_with_lookup_rows_is_identical_to_off(backend, monkeypatch):
+    """Lookup decoding (on by default) verifies drafts in forwards of several rows, each row
+    paused at every MoE layer: prediction over them changes nothing, resident or streamed."""
+    monkeypatch.setattr(generate_mod, "DraftPolicy", VerifyAll)
+    path = shipped()
+    ids = prompt(40)  # the docstring twice and more: drafts from the prompt's own repeats
+    ref = onebit.load(path, backend=backend)
+    want_g, st = lookup_decode(ref, ids)
+    want_s, st_s = lookup_decode(ref, ids, temp=0.9)
+    ref.close()
+    st.add(st_s)
+    assert st.proposed > st.accepted > 0  # rows were verified, some rejected
+    for kw in (dict(), dict(slots=10, budget="1GiB")):
+        m = onebit.load(path, backend=backend, predict=settings_from({}, mode="block", ahead=2, depth=6), **kw)
+        try:
+            assert lookup_decode(m, ids)[0] == want_g, kw
+            assert lookup_decode(m, ids, temp=0.9)[0] == want_s, kw
+            assert sum(s.predictions for s in m.predictor.stats.values()) > 0, kw
+        finally:
+            m.close()
 
 
 class Capture(Predictor):
