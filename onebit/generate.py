@@ -106,7 +106,7 @@ def generate_step(
             stats.forwards += 1
             stats.proposed += len(drafts)
             for i, d in enumerate(drafts):
-                ok, tok = sampler.verify(process(logits[i]), d)
+                ok, tok = verify(sampler, process(logits[i]), d)
                 stats.tokens += 1
                 if not ok:
                     t0 = time.perf_counter()
@@ -132,6 +132,17 @@ def generate_step(
         keep = base + max(yielded - 1, 0)
         if cache.offset > keep and (cache.can_trim or point is not None):
             _drop_rows(net, cache, cache.offset - keep, point, hook)
+
+
+def verify(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
+    """(accepted, token) for a draft: the sampler's own rule (`Sampler.verify`), or, for any
+    other callable (a caller's own sampler), the same rule: draw as a plain step would and keep
+    the draft exactly when the draw equals it."""
+    rule = getattr(sampler, "verify", None)
+    if rule is not None:
+        return rule(logits, draft)
+    tok = int(sampler(logits))
+    return tok == draft, tok
 
 
 def _drop_rows(net, cache, n: int, point, hook=None) -> None:

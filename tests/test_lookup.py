@@ -627,3 +627,17 @@ def test_streamed_lookup_equals_resident_plain(backend):
         assert m.pool.stats.demand_misses > 0  # it did stream
     finally:
         m.close()
+
+
+def test_a_plain_callable_sampler_works_with_lookup():
+    """A caller's own sampler (any callable of the logits, no `verify`): lookup keeps a draft
+    exactly when the sampler's draw equals it, so the tokens are the sampler's plain ones."""
+    m = load("qwen3moe-f32")
+    ids = prompt("qwen3moe-f32")
+    want, _, _ = step_tokens(m, ids, 0)
+    cache, st = m.new_cache(), LookupStats()
+    steps = generate_step(m.net, ids, cache, lambda logits: int(np.argmax(logits)), lookup=8, max_tokens=N_GEN,
+                          stats=st)
+    got = [next(steps) for _ in range(N_GEN)]
+    steps.close()
+    assert got == want and st.accepted > 0
