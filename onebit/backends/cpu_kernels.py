@@ -1,7 +1,7 @@
 """numba kernels of the cpu backend: they read quantized blocks straight from the file map.
 
-Products (`matmul`, `matmul3`, `expert_ffn`) dot each weight row with up to four float32
-activation rows at once through `dot1` / `dot4` / `dot8`: LLVM vector IR (numba intrinsics, below)
+Products (`matmul`, `matmul3`, `expert_ffn`) dot each weight row with up to eight float32
+activation rows at once through `dot1` / `dot2` / `dot4` / `dot8`: LLVM vector IR (numba intrinsics, below)
 that decodes a block 32 weights at a time in registers and multiplies them into one 32-wide
 accumulator per activation row. No float32 copy of a weight matrix is ever made and a row's
 bytes are read once per eight activation rows. Activations stay float32 (no 8-bit activation
@@ -676,6 +676,9 @@ def _make_dot(name: str, rows: int):
     if rows == 1:
         def dot(typingctx, w, x):
             return typer(typingctx, w, x)
+    elif rows == 2:
+        def dot(typingctx, w, x0, x1):
+            return typer(typingctx, w, x0, x1)
     elif rows == 4:
         def dot(typingctx, w, x0, x1, x2, x3):
             return typer(typingctx, w, x0, x1, x2, x3)
@@ -687,6 +690,7 @@ def _make_dot(name: str, rows: int):
 
 
 DOT1 = {n: _make_dot(n, 1) for n in IR_TYPES}
+DOT2 = {n: _make_dot(n, 2) for n in IR_TYPES}
 DOT4 = {n: _make_dot(n, 4) for n in IR_TYPES}
 DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 
@@ -753,8 +757,10 @@ def _outlined(table, args: str):
 
 # The order of the tests: the common types first.
 _ORDER = ("Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "MXFP4", "F16", "BF16") + MORE_TYPES + ("F32",)
-_A1, _A4, _A8 = "x", "x0, x1, x2, x3", "x0, x1, x2, x3, x4, x5, x6, x7"
+_A1, _A2, _A4, _A8 = "x", "x0, x1", "x0, x1, x2, x3", "x0, x1, x2, x3, x4, x5, x6, x7"
 dot1 = _dispatch(_outlined(DOT1, _A1), _A1, "Weight row w (raw bytes of type qt) . float32 row x.", _ORDER)
+dot2 = _dispatch(_outlined(DOT2, _A2), _A2, "Weight row w . two float32 rows (verify rows), decoding w once; each "
+                 "result == dot1's bits.", _ORDER)
 dot4 = _dispatch(_outlined(DOT4, _A4), _A4, "Weight row w . four float32 rows, decoding w once; each result == "
                  "dot1's bits.", _ORDER)
 dot8 = _dispatch(_outlined(DOT8, _A8), _A8, "Weight row w . eight float32 rows (prompts), decoding w once; each "
@@ -778,6 +784,10 @@ def matmul_rows(out, x, w, qt, n0, n1, col):
             s0, s1, s2, s3 = dot4(qt, row, x[r], x[r + 1], x[r + 2], x[r + 3])
             out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
             r += 4
+        if r + 2 <= R:
+            s0, s1 = dot2(qt, row, x[r], x[r + 1])
+            out[r, col + n], out[r + 1, col + n] = s0, s1
+            r += 2
         while r < R:
             out[r, col + n] = dot1(qt, row, x[r])
             r += 1
