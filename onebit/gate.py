@@ -10,17 +10,25 @@ class SpeedGate:
     """Runs whichever state has measured faster. The caller times its work in windows and
     hands each window's figure (seconds per unit of output: lower is better) to `window`; the
     figure goes to a running mean (weight 1 - DECAY for the newest) for the state it ran in.
-    The gate starts on; every EXPLORE-th window it switches to the other state for one window
-    (so off is first tried after EXPLORE windows, and a state measured slower costs at most
-    about 1 / EXPLORE of the difference); otherwise it takes the faster state once both have
-    a mean. `state` (a dict) holds what it learned, so a caller can keep it across runs."""
+    The gate starts on. After `first` windows (default EXPLORE) it switches to the other state
+    for one window, an exploration; after an exploration, and otherwise every window once both
+    states have a mean, it takes the faster one. The next exploration comes EXPLORE windows
+    after the last; each one that leaves the gate where it was doubles that gap, up to `cap`
+    windows (default EXPLORE: a fixed gap), and a switch sets it back to EXPLORE. So a state
+    measured slower costs at most about 1 / EXPLORE of the difference, and less the longer it
+    keeps losing. `state` (a dict) holds what it learned, so a caller can keep it across runs."""
 
-    def __init__(self, explore: int, decay: float, state: Optional[dict] = None):
+    def __init__(self, explore: int, decay: float, state: Optional[dict] = None,
+                 first: Optional[int] = None, cap: Optional[int] = None):
         self.explore, self.decay = explore, decay
+        self.cap = max(explore, cap or explore)
         self.state = {} if state is None else state
         self.state.setdefault("on", True)
         self.state.setdefault("mean", {True: None, False: None})
         self.state.setdefault("windows", 0)
+        self.state.setdefault("next", first or explore)  # the window count at which to explore
+        self.state.setdefault("gap", explore)
+        self.state.setdefault("trial", None)  # the state an exploration left, while it runs
 
     @property
     def on(self) -> bool:
@@ -40,12 +48,18 @@ class SpeedGate:
         old = s["mean"][cur]
         s["mean"][cur] = figure if old is None else self.decay * old + (1 - self.decay) * figure
         s["windows"] += 1
-        other = not cur
-        if s["windows"] % self.explore == 0:
-            nxt = other
-        elif s["mean"][other] is None:
-            nxt = cur
+        faster = cur if s["mean"][not cur] is None else min((True, False), key=lambda k: s["mean"][k])
+        if s["trial"] is not None:  # an exploration ends: it won (gap back to EXPLORE) or not (doubled)
+            s["gap"] = self.explore if faster != s["trial"] else min(2 * s["gap"], self.cap)
+            s["next"] = s["windows"] + s["gap"] - 1  # (the trial was one window of the gap)
+            s["trial"] = None
+            nxt = faster
+        elif s["windows"] >= s["next"]:
+            s["trial"] = cur
+            nxt = not cur
         else:
-            nxt = min((True, False), key=lambda k: s["mean"][k])
+            nxt = faster
+            if nxt != cur:  # the means crossed (a loaded machine, a state that got cheaper)
+                s["gap"], s["next"] = self.explore, s["windows"] + self.explore
         s["on"] = nxt
         return nxt != cur

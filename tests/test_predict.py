@@ -357,6 +357,57 @@ def test_gate_runs_whichever_state_makes_decode_faster(monkeypatch, faster):
     assert g.mean[faster] < g.mean[not faster]
 
 
+def gate_states(gate, cost, windows):
+    """Feed `windows` windows to a SpeedGate, each state's figure from cost(window, on); the
+    state each window ran in."""
+    states = []
+    for w in range(windows):
+        states.append(gate.on)
+        gate.window(cost(w, gate.on))
+    return states
+
+
+def test_gate_backs_off_exploring_a_state_that_keeps_losing():
+    """Prediction costing 2 s a window and off 1 s: off is tried after FIRST windows, and the
+    trials of on come EXPLORE, 2 EXPLORE, 4 EXPLORE ... windows apart, never more than CAP."""
+    from onebit.gate import SpeedGate
+
+    g = SpeedGate(6, 0.7, first=2, cap=32)
+    states = gate_states(g, lambda w, on: 2.0 if on else 1.0, 300)
+    ons = [w for w, on in enumerate(states) if on]
+    assert ons[:2] == [0, 1] and not states[2]  # two windows on, then the trial of off, which wins
+    gaps = [b - a for a, b in zip(ons[2:], ons[3:])]
+    assert gaps[:3] == [12, 24, 32] and set(gaps[3:]) == {32}
+    assert ons[2] == 2 + 6  # the first trial of on: EXPLORE windows after the switch
+    assert len(ons) == 2 + 1 + len(gaps)
+
+
+def test_gate_backoff_starts_over_when_the_other_state_wins():
+    """After a long run of losing trials the gap is CAP; once the off state gets slower than on
+    (the means cross), the gate runs on, and the gap starts over: off is tried again EXPLORE
+    windows later, then 2 EXPLORE windows after that."""
+    from onebit.gate import SpeedGate
+
+    g = SpeedGate(6, 0.7, first=2, cap=32)
+    states = gate_states(g, lambda w, on: (2.0 if on else 1.0) if w < 150 else (2.0 if on else 3.0), 300)
+    later = states[150:]
+    first_on = later.index(True)
+    assert first_on <= 32  # found within one capped gap
+    offs = [w for w, on in enumerate(later) if not on and w > first_on]
+    assert offs[:2] == [first_on + 6, first_on + 6 + 12]
+    assert sum(later[first_on:]) / len(later[first_on:]) > 0.8
+
+
+def test_gate_without_backoff_explores_every_explore_windows():
+    """No `first` or `cap` (lookup's gate): the other state is tried once every EXPLORE windows."""
+    from onebit.gate import SpeedGate
+
+    g = SpeedGate(8, 0.7)
+    states = gate_states(g, lambda w, on: 1.0 if on else 2.0, 200)
+    offs = [w for w, on in enumerate(states) if not on]
+    assert offs[0] == 8 and {b - a for a, b in zip(offs, offs[1:])} == {8}
+
+
 def test_prompt_rows_do_not_feed_the_gate(monkeypatch):
     import time as time_mod
 
@@ -471,19 +522,28 @@ class _FakePool:
         return len(experts)
 
 
+def fake_pool_predictor(monkeypatch):
+    """A router-mode predictor on the shipped model over a fake pool, with a fake clock and
+    the whole-step gate held on (it is tested on its own): (predictor, pool, clock)."""
+    import onebit.moe.predict as P
+
+    m = onebit.load(shipped(), backend="numpy")
+    pool = _FakePool(range(m.cfg.n_layers))
+    pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="router"), pool, m.be)
+    pred.gate.step = lambda rows: True
+    clock = [0.0]
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    return pred, pool, clock
+
+
 def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
     """End to end through the predictor, with a fake clock and pool: layer 2's ranking costs
     5 ms and saves nothing; layer 1's costs 0.1 ms and turns its misses into hits. Within a
     few steps layer 2 is no longer ranked at all (no router call, no prefetch), layer 1 is."""
     import onebit.moe.predict as P
 
-    m = onebit.load(shipped(), backend="numpy")
-    cfg = m.cfg
-    pool = _FakePool(range(cfg.n_layers))
-    pred = Predictor(m.gguf, cfg, settings_from({}, mode="router"), pool, m.be)
-    pred.gate.step = lambda rows: True  # (the whole-step gate is tested on its own)
-    clock = [0.0]
-    monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
+    pred, pool, clock = fake_pool_predictor(monkeypatch)
+    cfg = pred.cfg
     real_router = pred._router
     ranked = []
 
@@ -512,6 +572,60 @@ def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
     assert all(2 not in s and 1 in s for s in per_step[P.Ledger.WARM + 1 :])
     assert pred.ledger.level[2] == P.NONE and pred.ledger.level[1] == P.ROUTER
     assert pred.stats[2].paused and not pred.stats[1].paused
+
+
+def test_predictor_does_nothing_at_pause_points_once_every_layer_is_at_none(monkeypatch):
+    """Every layer's ranking costs 5 ms and saves nothing: once the ledger has stopped them
+    all, a pause point neither ranks nor scores (the predictor costs what off costs)."""
+    import onebit.moe.predict as P
+
+    pred, pool, clock = fake_pool_predictor(monkeypatch)
+    real_router, real_score = pred._router, pred._score
+    calls = []
+
+    def router(layer, r):
+        calls.append(("rank", layer))
+        clock[0] += 5e-3
+        return real_router(layer, r)
+
+    def score(layer, ids):
+        calls.append(("score", layer))
+        return real_score(layer, ids)
+
+    pred._router, pred._score = router, score
+    h = np.ones((1, pred.cfg.dim), np.float32)
+    ids = np.array([[0, 1]])
+    ctx = P.PauseContext(0, 1, None, None)
+    per_step = []
+    for step in range(8):
+        pred.begin(1)
+        calls.clear()
+        for layer in pred.moe_layers:
+            pred.at_pause(ctx, layer, ids, None, h)
+        per_step.append(list(calls))
+        for layer in pred.moe_layers:  # each layer misses both of its reads
+            pool.by_layer[layer][1] += 2
+            pool.by_layer[layer][3] += 1e-4
+            pool.by_layer[layer][4] += 1e-4
+    assert per_step[0] and pred.ledger.level == {l: P.NONE for l in pred.ledger.level}
+    assert pred._idle and per_step[-1] == []
+
+
+def test_ledger_clocks_stop_while_prediction_is_off():
+    """Steps that ran with prediction off (the gate's) measure demand but move no layer: a
+    layer at none does not reach its retry of the level above until PROBE steps ran with
+    prediction on."""
+    from onebit.moe.predict import BLOCK, NONE, ROUTER, Ledger
+
+    led = Ledger([1], BLOCK)
+    ledger_run(led, 12, lambda lv: {BLOCK: 3e-3, ROUTER: 2e-3}[lv], priced({NONE: 0, ROUTER: 1, BLOCK: 1}))
+    assert led.level[1] == NONE
+    since = led.since[1]
+    for _ in range(3 * Ledger.PROBE):
+        led.step({}, {}, {1: [0, 4, 0, 4e-3, 4e-3]}, ran=False)
+    assert led.level[1] == NONE and led.since[1] == since and led.demand[1] > 3
+    levels = ledger_run(led, Ledger.PROBE, lambda lv: 2e-3, priced({NONE: 0, ROUTER: 1, BLOCK: 1}))
+    assert levels.index(ROUTER) == Ledger.PROBE - since  # the retry: PROBE steps at none, counted with prediction on
 
 
 def test_read_cost_is_the_slope_of_compute_on_prefetch_reads():

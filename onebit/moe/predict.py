@@ -204,16 +204,18 @@ class Gate(SpeedGate):
     """Prediction on or off by measured decode time: whichever has made decode steps faster.
 
     Decode forwards (one row) are timed start to start in windows of WINDOW; each window's median
-    step goes to a running mean for the state it ran in. The gate starts on, runs the faster
-    state, and tries the other one window in EXPLORE (so a short generation is not spent
-    measuring the off state). Off means
-    no prediction at all (no prefetches, no prediction compute). Only timing decides, and
-    only which experts are read ahead depends on it, never the output."""
+    step goes to a running mean for the state it ran in. The gate starts on, tries off after
+    FIRST windows, then runs the faster state and tries the other one window EXPLORE windows
+    later, the gap doubling (up to CAP windows) each time the trial loses (SpeedGate): where
+    prediction does not pay, a generation spends about FIRST + log2(CAP / EXPLORE) + (its
+    windows / CAP) windows on it. Off means no prediction at all (no prefetches, no prediction
+    compute). Only timing decides, and only which experts are read ahead depends on it, never
+    the output."""
 
-    WINDOW, EXPLORE, DECAY = 8, 6, 0.7
+    WINDOW, EXPLORE, DECAY, FIRST, CAP = 8, 6, 0.7, 2, 32
 
     def __init__(self):
-        super().__init__(self.EXPLORE, self.DECAY)
+        super().__init__(self.EXPLORE, self.DECAY, first=self.FIRST, cap=self.CAP)
         self._t: Optional[float] = None
         self._acc: list[float] = []
 
@@ -356,11 +358,14 @@ class Ledger:
             return math.inf
         return (self.demand[layer] or 0.0) * (self.t_miss or 0.0) - self._cost(layer, level)
 
-    def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None) -> None:
+    def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None,
+             ran: bool = True) -> None:
         """One decode step done: `used` layer -> the level it was predicted at, `cost` layer
         -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits, demand misses,
         wasted, stall, stall of acquires that missed] during the step, `sent` layer -> the
-        prefetch reads its prediction queued."""
+        prefetch reads its prediction queued. `ran` False: prediction was off for the step
+        (the gate's): demand and t_miss are measured, no level is, and no layer's clock runs
+        (a layer at none would otherwise climb to its retry while nothing can measure it)."""
         sent = sent or {}
         missed = sum(d[1] for d in pool_delta.values())
         if missed:
@@ -372,7 +377,7 @@ class Ledger:
             demand = hits + misses
             self.demand[layer] = self._ema(self.demand[layer], demand)
             lv = used.get(layer, NONE)
-            if lv != self.level[layer]:
+            if not ran or lv != self.level[layer]:
                 continue  # (the step ran before a switch: not this level's)
             if lv != NONE:
                 costs = self.costs[layer][lv]
@@ -470,6 +475,7 @@ class Predictor:
         self.ledger = Ledger(self.targets[1:] if self.targets[:1] == self.moe_layers[:1] else self.targets,
                              top, overlapped) if pool is not None else None
         self.level = {l: top for l in self.targets}  # what each layer is predicted at now
+        self._idle = False  # the ledger has every layer at none (at_pause returns at once)
         self._used: dict[int, int] = {}  # this forward: layer -> the level it was predicted at
         self._cost: dict[int, float] = {}  # this forward: layer -> host seconds predicting it
         self._pool_mark = None  # the pool's per-layer counters at this forward's start
@@ -514,11 +520,13 @@ class Predictor:
                 self.read_cost.add(queued - self._queued_mark, compute)
                 self.read_cost.floor = pool.read_cpu_seconds / pool.reads if pool.reads else 0.0
                 self.ledger.read_cost = self.read_cost.value
-                self.ledger.step(self._used, self._cost, delta, self._sent)
+                self.ledger.step(self._used, self._cost, delta, self._sent, ran=self.active)
             self._pool_mark, self._stall_mark, self._queued_mark = mark, stall, queued
             if self.ledger.t_miss is None and pool.reads:
                 self.ledger.t_miss = pool.read_seconds / pool.reads  # until a demand miss is timed
             self.level.update(self.ledger.level)
+            # every predicted layer at none: nothing to rank, score or send this forward
+            self._idle = all(lv == NONE for lv in self.ledger.level.values())
             for l, st in self.stats.items():
                 st.paused = self.level[l] == NONE
                 if st.routed:
@@ -535,7 +543,7 @@ class Predictor:
         self.active = self.gate.step(rows) if self.pool is not None else True
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
-        if not self.active:
+        if not self.active or self._idle:
             return
         t = time.perf_counter()
         self._own_stall = 0.0
