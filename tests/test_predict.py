@@ -536,6 +536,25 @@ def fake_pool_predictor(monkeypatch):
     return pred, pool, clock
 
 
+def pause_steps(pred, steps, seen, in_pool):
+    """Run `steps` one-row decode steps through the predictor's pause points (every MoE layer,
+    one residual and routing), `in_pool()` after each; what `seen` held at each step's end."""
+    import onebit.moe.predict as P
+
+    h = np.ones((1, pred.cfg.dim), np.float32)
+    ids = np.array([[0, 1]])
+    ctx = P.PauseContext(0, 1, None, None)
+    per_step = []
+    for _ in range(steps):
+        pred.begin(1)
+        seen.clear()
+        for layer in pred.moe_layers:
+            pred.at_pause(ctx, layer, ids, None, h)
+        per_step.append(list(seen))
+        in_pool()
+    return per_step
+
+
 def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
     """End to end through the predictor, with a fake clock and pool: layer 2's ranking costs
     5 ms and saves nothing; layer 1's costs 0.1 ms and turns its misses into hits. Within a
@@ -543,7 +562,6 @@ def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
     import onebit.moe.predict as P
 
     pred, pool, clock = fake_pool_predictor(monkeypatch)
-    cfg = pred.cfg
     real_router = pred._router
     ranked = []
 
@@ -552,22 +570,14 @@ def test_predictor_stops_predicting_a_layer_the_ledger_turned_off(monkeypatch):
         clock[0] += 5e-3 if layer == 2 else 1e-4
         return real_router(layer, r)
 
-    pred._router = router
-    h = np.ones((1, cfg.dim), np.float32)
-    ids = np.array([[0, 1]])
-    ctx = P.PauseContext(0, 1, None, None)
-    per_step = []
-    for step in range(10):
-        pred.begin(1)
-        ranked.clear()
-        for layer in pred.moe_layers:
-            pred.at_pause(ctx, layer, ids, None, h)
-        per_step.append(sorted(set(ranked)))
-        # this step in the pool: layer 1 prefetched both of its demand reads, layer 2 missed both
+    def in_pool():  # this step in the pool: layer 1 prefetched both of its demand reads, layer 2 missed both
         pool.by_layer[1][0] += 2
         pool.by_layer[2][1] += 2
         pool.by_layer[2][3] += 2e-3
         pool.by_layer[2][4] += 2e-3
+
+    pred._router = router
+    per_step = [sorted(set(r)) for r in pause_steps(pred, 10, ranked, in_pool)]
     assert per_step[0] == [1, 2, 3, 4, 5]
     assert all(2 not in s and 1 in s for s in per_step[P.Ledger.WARM + 1 :])
     assert pred.ledger.level[2] == P.NONE and pred.ledger.level[1] == P.ROUTER
@@ -592,21 +602,14 @@ def test_predictor_does_nothing_at_pause_points_once_every_layer_is_at_none(monk
         calls.append(("score", layer))
         return real_score(layer, ids)
 
-    pred._router, pred._score = router, score
-    h = np.ones((1, pred.cfg.dim), np.float32)
-    ids = np.array([[0, 1]])
-    ctx = P.PauseContext(0, 1, None, None)
-    per_step = []
-    for step in range(8):
-        pred.begin(1)
-        calls.clear()
+    def in_pool():  # each layer misses both of its reads
         for layer in pred.moe_layers:
-            pred.at_pause(ctx, layer, ids, None, h)
-        per_step.append(list(calls))
-        for layer in pred.moe_layers:  # each layer misses both of its reads
             pool.by_layer[layer][1] += 2
             pool.by_layer[layer][3] += 1e-4
             pool.by_layer[layer][4] += 1e-4
+
+    pred._router, pred._score = router, score
+    per_step = pause_steps(pred, 8, calls, in_pool)
     assert per_step[0] and pred.ledger.level == {l: P.NONE for l in pred.ledger.level}
     assert pred._idle and per_step[-1] == []
 
