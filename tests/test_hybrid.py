@@ -523,7 +523,6 @@ def test_vulkan_prediction_is_bit_identical_to_off_and_streams(mode):
 def test_vulkan_interrupt_during_a_forward_lands_after_it():
     """On Vulkan the recurrent state moves in place on the device, so Ctrl-C is held until the
     chunk's forward completes: the interrupt arrives after it, with state and position agreeing."""
-    import os
     import signal
 
     m = load("qwen3next-f32", "vulkan")
@@ -535,14 +534,23 @@ def test_vulkan_interrupt_during_a_forward_lands_after_it():
 
     def interrupt(layer, ids_, logits):
         if layer == 1:
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # (to this thread, at once: os.kill may pick another)
 
-    with pytest.raises(KeyboardInterrupt):
-        m.net.forward(ids[6:], cache, hook=interrupt)
+    # Ctrl-C as a terminal gives it: Python's default handler, the signal not blocked here (an
+    # earlier test in the same worker may have left either otherwise)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            m.net.forward(ids[6:], cache, hook=interrupt)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if signal.SIGINT in blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     assert cache.offset == plain.offset  # the step completed before the interrupt
     nxt = np.array([int(np.argmax(want[-1]))])
     np.testing.assert_array_equal(m.net.forward(nxt, cache), m.net.forward(nxt, plain))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
 
 
 # -- bad files ---------------------------------------------------------------------------------
