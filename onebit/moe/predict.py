@@ -378,7 +378,7 @@ class Ledger:
             self.demand[layer] = self._ema(self.demand[layer], demand)
             lv = used.get(layer, NONE)
             if not ran or lv != self.level[layer]:
-                continue  # (the step ran before a switch: not this level's)
+                continue  # (prediction off, or the step ran before a switch: not this level's)
             if lv != NONE:
                 costs = self.costs[layer][lv]
                 costs.append(0.0 if self.overlapped else cost.get(layer, 0.0))
