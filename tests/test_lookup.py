@@ -354,6 +354,24 @@ def test_chat_prefix_reuse_is_unchanged_by_lookup():
     assert turns[0] == turns[1]
 
 
+def test_chat_stats_show_the_conversations_drafts():
+    """/stats: the drafts proposed and accepted over the whole conversation, as counted; no
+    lookup line with lookup off."""
+    from onebit.cli.chat_repl import format_stats
+
+    m = load("olmoe-f32")
+    s = ChatSession(m, max_tokens=20, temperature=0.0, lookup=4)
+    for msg in ("one two one two one two one two", "again: one two one two"):
+        list(s.send(msg))
+    st = s.lookup_stats
+    assert st.proposed > 0
+    want = f"lookup: drafts proposed {st.proposed}, accepted {st.accepted} "
+    assert want in format_stats(s) and "(up to 4 drafts per forward)" in format_stats(s)
+    off = ChatSession(m, max_tokens=4, temperature=0.0, lookup=0)
+    list(off.send("hi"))
+    assert "lookup:" not in format_stats(off)
+
+
 def test_model_generate_takes_lookup():
     m = load("mixtral-f32")
     ids = prompt("mixtral-f32")
