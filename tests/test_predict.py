@@ -99,6 +99,31 @@ def test_prediction_is_bit_identical_to_off(backend):
 
 
 @pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
+def test_prediction_switched_off_and_on_by_its_gate_is_bit_identical_to_off(backend, monkeypatch):
+    """The whole-step gate (it runs where experts stream) turning prediction off and on again
+    mid-generation, held to a fixed pattern here (on for three forwards, off for two), changes
+    nothing; the forwards it has off rank nothing."""
+    import onebit.moe.predict as P
+
+    pattern = iter(([True] * 3 + [False] * 2) * 100)
+    monkeypatch.setattr(P.Gate, "step", lambda self, rows: next(pattern))
+    path = shipped()
+    ids = prompt(12)
+    want = decode(onebit.load(path, backend=backend), ids)
+    m = onebit.load(path, backend=backend, slots=10, budget="1GiB", predict=settings_from({}, mode="block", ahead=2))
+    try:
+        ranked = []
+        real = m.predictor._router
+        m.predictor._router = lambda layer, r: ranked.append(m.predictor.forwards) or real(layer, r)
+        got = decode(m, ids)
+        assert np.array_equal(got[0], want[0]) and got[1] == want[1]
+        on = {f for f in range(1, N_DECODE + 2) if (f - 1) % 5 < 3}  # the forwards (1: the prompt) it ran on
+        assert set(ranked) <= on and len(set(ranked)) > len(on) // 2
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu", "vulkan"])
 @pytest.mark.parametrize("mode", ["router", "block"])
 def test_streamed_with_prediction_equals_resident_bit_for_bit(backend, mode):
     path = shipped()
@@ -613,21 +638,57 @@ def test_predictor_does_nothing_at_pause_points_once_every_layer_is_at_none(monk
     assert pred._idle and per_step[-1] == []
 
 
-def test_ledger_clocks_stop_while_prediction_is_off():
-    """Steps that ran with prediction off (the gate's) measure demand but move no layer: a
-    layer at none does not reach its retry of the level above until PROBE steps ran with
-    prediction on."""
-    from onebit.moe.predict import BLOCK, NONE, ROUTER, Ledger
+def test_steps_the_gate_runs_off_reach_no_ledger(monkeypatch):
+    """While the whole-step gate has prediction off, a decode step neither ranks, reads the
+    pool's counters nor moves the ledger: a layer at none does not reach its retry of router
+    during the off steps, only PROBE steps after prediction is back on; and the first step
+    back on is not measured (its start was not marked)."""
+    import onebit.moe.predict as P
 
-    led = Ledger([1], BLOCK)
-    ledger_run(led, 12, lambda lv: {BLOCK: 3e-3, ROUTER: 2e-3}[lv], priced({NONE: 0, ROUTER: 1, BLOCK: 1}))
-    assert led.level[1] == NONE
-    since = led.since[1]
-    for _ in range(3 * Ledger.PROBE):
-        led.step({}, {}, {1: [0, 4, 0, 4e-3, 4e-3]}, ran=False)
-    assert led.level[1] == NONE and led.since[1] == since and led.demand[1] > 3
-    levels = ledger_run(led, Ledger.PROBE, lambda lv: 2e-3, priced({NONE: 0, ROUTER: 1, BLOCK: 1}))
-    assert levels.index(ROUTER) == Ledger.PROBE - since  # the retry: PROBE steps at none, counted with prediction on
+    pred, pool, clock = fake_pool_predictor(monkeypatch)
+    real_router = pred._router
+    ranked = []
+
+    def router(layer, r):
+        ranked.append(layer)
+        clock[0] += 5e-3
+        return real_router(layer, r)
+
+    def in_pool():  # every layer misses both of its reads, each step
+        for layer in pred.moe_layers:
+            pool.by_layer[layer][1] += 2
+            pool.by_layer[layer][3] += 1e-4
+            pool.by_layer[layer][4] += 1e-4
+
+    pred._router = router
+    pause_steps(pred, 8, ranked, in_pool)
+    led = pred.ledger
+    assert set(led.level.values()) == {P.NONE}
+    since, demand = dict(led.since), dict(led.demand)
+    calls = []
+    real_step = led.step
+    led.step = lambda *a, **k: calls.append(a) or real_step(*a, **k)
+    read = []
+    by_layer = pool.by_layer
+    pool.by_layer = type("Watched", (dict,), {"items": lambda d: read.append(1) or dict.items(d)})(by_layer)
+    pred.gate.step = lambda rows: False
+    off = pause_steps(pred, 3 * P.Ledger.PROBE, ranked, in_pool)
+    # one ledger step and one read of the counters: for the step that ended as the gate
+    # switched (it ran with prediction on); none for the steps that ran off
+    assert off == [[]] * len(off) and len(calls) == 1 and read == [1]
+    since, demand = dict(led.since), dict(led.demand)
+    calls.clear()
+    pause_steps(pred, 2, ranked, in_pool)
+    assert led.since == since and led.demand == demand and set(led.level.values()) == {P.NONE}
+    pred.gate.step = lambda rows: True
+    pause_steps(pred, 1, ranked, in_pool)
+    assert calls == []  # the first step back on: marked, not measured
+    layer = min(led.level)
+    levels = []
+    for _ in range(P.Ledger.PROBE - min(since.values())):
+        pause_steps(pred, 1, ranked, in_pool)
+        levels.append(led.level[layer])
+    assert calls and levels[-1] == P.ROUTER and P.ROUTER not in levels[:-1]  # the retry, on time
 
 
 def test_read_cost_is_the_slope_of_compute_on_prefetch_reads():

@@ -358,14 +358,13 @@ class Ledger:
             return math.inf
         return (self.demand[layer] or 0.0) * (self.t_miss or 0.0) - self._cost(layer, level)
 
-    def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None,
-             ran: bool = True) -> None:
-        """One decode step done: `used` layer -> the level it was predicted at, `cost` layer
-        -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits, demand misses,
-        wasted, stall, stall of acquires that missed] during the step, `sent` layer -> the
-        prefetch reads its prediction queued. `ran` False: prediction was off for the step
-        (the gate's): demand and t_miss are measured, no level is, and no layer's clock runs
-        (a layer at none would otherwise climb to its retry while nothing can measure it)."""
+    def step(self, used: dict, cost: dict, pool_delta: dict, sent: Optional[dict] = None) -> None:
+        """One decode step done with prediction on: `used` layer -> the level it was predicted
+        at, `cost` layer -> seconds spent predicting it, `pool_delta` layer -> [prefetch hits,
+        demand misses, wasted, stall, stall of acquires that missed] during the step, `sent`
+        layer -> the prefetch reads its prediction queued. (Steps the gate runs with prediction
+        off never reach the ledger: nothing is measured then, and no layer's clock runs, or a
+        layer at none would climb to its retry while nothing could measure it.)"""
         sent = sent or {}
         missed = sum(d[1] for d in pool_delta.values())
         if missed:
@@ -377,8 +376,8 @@ class Ledger:
             demand = hits + misses
             self.demand[layer] = self._ema(self.demand[layer], demand)
             lv = used.get(layer, NONE)
-            if not ran or lv != self.level[layer]:
-                continue  # (prediction off, or the step ran before a switch: not this level's)
+            if lv != self.level[layer]:
+                continue  # (the step ran before a switch: not this level's)
             if lv != NONE:
                 costs = self.costs[layer][lv]
                 costs.append(0.0 if self.overlapped else cost.get(layer, 0.0))
@@ -510,6 +509,15 @@ class Predictor:
         self.older.clear()
         self.forwards += 1
         now = time.perf_counter()
+        ran, self.active = self.active, self.gate.step(rows) if self.pool is not None else True
+        if not ran and not self.active:
+            # prediction off (the gate's) for the step that ended and this one: nothing of the
+            # ledger's to measure or decide, so no bookkeeping either (the pool's counters are
+            # marked again when the gate next turns prediction on)
+            self._pool_mark = None
+            self._one_row = rows == 1
+            self._settle = SETTLE + 1 if rows > 1 else max(0, self._settle - 1)
+            return
         if self.ledger is not None:
             pool = self.pool
             mark = {l: list(v) for l, v in pool.by_layer.items()}
@@ -520,7 +528,7 @@ class Predictor:
                 self.read_cost.add(queued - self._queued_mark, compute)
                 self.read_cost.floor = pool.read_cpu_seconds / pool.reads if pool.reads else 0.0
                 self.ledger.read_cost = self.read_cost.value
-                self.ledger.step(self._used, self._cost, delta, self._sent, ran=self.active)
+                self.ledger.step(self._used, self._cost, delta, self._sent)
             self._pool_mark, self._stall_mark, self._queued_mark = mark, stall, queued
             if self.ledger.t_miss is None and pool.reads:
                 self.ledger.t_miss = pool.read_seconds / pool.reads  # until a demand miss is timed
@@ -540,10 +548,15 @@ class Predictor:
         self._used.clear()
         self._cost.clear()
         self._sent.clear()
-        self.active = self.gate.step(rows) if self.pool is not None else True
+
+    @property
+    def pausing(self) -> bool:
+        """Whether this forward's pause points have work for the predictor (a device backend
+        records its MoE layers as pause points only then, where nothing else pauses)."""
+        return self.active and not self._idle
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
-        if not self.active or self._idle:
+        if not self.pausing:
             return
         t = time.perf_counter()
         self._own_stall = 0.0

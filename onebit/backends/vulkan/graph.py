@@ -662,9 +662,12 @@ class Recording:
         held = None
         predictor = self.be.predictor
         if predictor is not None:
+            predictor.begin(self.R)
+            if not predictor.pausing:  # (its gate has it off: no copies of h, ids and logits to make)
+                predictor = None
+        if predictor is not None:
             from ...moe.predict import PauseContext
 
-            predictor.begin(self.R)
             kv = self.kv
             frozen: dict = {}  # recurrent layers ahead: their state before this step, read before the device moves it
             ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l],
