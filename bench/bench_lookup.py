@@ -3,7 +3,10 @@
 Part 1, rho(R) = T(one forward over R rows) / T(one row), R = 1..9, at a fixed context, on
 each backend asked for: the R values are run in alternating order (1..9 then 9..1, repeated)
 and each is the median of its runs; every forward is rolled back so all run at the same
-position.
+position. Beside it, "bytes": the weight bytes a forward over R rows must read as a multiple
+of one row's (every weight once, token_embd excepted where it is only a row lookup, and each
+routed expert once for all the rows that chose it, by the routing these forwards took): the
+floor under rho(R) where a step is bound by reading its weights.
 
 Part 2, lookup vs plain greedy decoding on two prompt sets (copy-heavy: rewrite, quote, fix
 this code; open: questions with no text to copy), at 2 and 8 drafts: the modes alternate
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import onebit  # noqa: E402
 from onebit.generate import generate_step  # noqa: E402
+from onebit.gguf_file import is_expert_tensor  # noqa: E402
 from onebit.lookup import LookupStats  # noqa: E402
 from onebit.sample import make_sampler  # noqa: E402
 
@@ -67,6 +71,28 @@ def rho_table(m, reps: int, ctx: int = 64) -> list[float]:
             cache.trim(R)
     t1 = statistics.median(times[1])
     return [statistics.median(times[R]) / t1 for R in range(1, 10)], t1
+
+
+def byte_floor(m, ctx: int = 64) -> list[float]:
+    """bytes(R) / bytes(1), R = 1..9, at rho_table's context and tokens (see the docstring)."""
+    tensors = m.gguf.tensors
+    dense, per_expert = 0, {}  # layer -> the bytes of one of its routed experts
+    for name, t in tensors.items():
+        if is_expert_tensor(name):
+            layer = int(name.split(".")[1])
+            per_expert[layer] = per_expert.get(layer, 0) + t.n_bytes // t.shape[0]
+        elif not name.startswith("token_embd.") or "output.weight" not in tensors:  # (tied: the head)
+            dense += t.n_bytes
+    ids = np.arange(1, ctx + 10, dtype=np.int64) % m.cfg.vocab_size
+    cache = m.new_cache()
+    m.net.forward(ids[:ctx], cache, last_only=True)
+    need = []
+    for R in range(1, 10):
+        routed = {}
+        m.net.forward(ids[ctx : ctx + R], cache, hook=lambda layer, e, logits: routed.__setitem__(layer, e))
+        cache.trim(R)
+        need.append(dense + sum(per_expert[l] * len(set(e.ravel().tolist())) for l, e in routed.items()))
+    return [b / need[0] for b in need]
 
 
 def decode(m, prompt_ids, lookup: int, n: int):
@@ -130,7 +156,8 @@ def main() -> None:
               f" (T(1) = {1000 * t1:.1f} ms)\n")
         print("| R | " + " | ".join(str(R) for R in range(1, 10)) + " |")
         print("|---|" + "---|" * 9)
-        print("| rho | " + " | ".join(f"{r:.2f}" for r in rho) + " |\n")
+        print("| rho | " + " | ".join(f"{r:.2f}" for r in rho) + " |")
+        print("| bytes | " + " | ".join(f"{b:.2f}" for b in byte_floor(m)) + " |\n")
         if a.no_prompts:
             continue
         for name, prompts in (("copy-heavy", COPY_HEAVY), ("open", OPEN)):
