@@ -510,19 +510,22 @@ class Predictor:
         self.forwards += 1
         now = time.perf_counter()
         ran, self.active = self.active, self.gate.step(rows) if self.pool is not None else True
+        measured = self._one_row and not self._settle  # the step that ended: a decode step the ledger counts
+        self._one_row = rows == 1
+        # the steps right after a prompt (or verify rows) pay for, and evict, what its many
+        # rows prefetched: not the level's own figures
+        self._settle = SETTLE + 1 if rows > 1 else max(0, self._settle - 1)  # (+1: the prompt's own step)
         if not ran and not self.active:
             # prediction off (the gate's) for the step that ended and this one: nothing of the
             # ledger's to measure or decide, so no bookkeeping either (the pool's counters are
             # marked again when the gate next turns prediction on)
             self._pool_mark = None
-            self._one_row = rows == 1
-            self._settle = SETTLE + 1 if rows > 1 else max(0, self._settle - 1)
             return
         if self.ledger is not None:
             pool = self.pool
             mark = {l: list(v) for l, v in pool.by_layer.items()}
             stall, queued = pool.stats.stall_seconds, pool.stats.prefetches
-            if self._one_row and self._pool_mark is not None and not self._settle:
+            if measured and self._pool_mark is not None:
                 delta = {l: [a - b for a, b in zip(v, self._pool_mark[l])] for l, v in mark.items()}
                 compute = (now - self._t_step) - (stall - self._stall_mark) - self._spent
                 self.read_cost.add(queued - self._queued_mark, compute)
@@ -539,10 +542,6 @@ class Predictor:
                 st.paused = self.level[l] == NONE
                 if st.routed:
                     self.ledger.recall[l] = st.hits / st.routed
-        self._one_row = rows == 1
-        # the steps right after a prompt (or verify rows) pay for, and evict, what its many
-        # rows prefetched: not the level's own figures
-        self._settle = SETTLE + 1 if rows > 1 else max(0, self._settle - 1)  # (+1: the prompt's own step)
         self._t_step = now
         self._spent = 0.0
         self._used.clear()
@@ -551,8 +550,8 @@ class Predictor:
 
     @property
     def pausing(self) -> bool:
-        """Whether this forward's pause points have work for the predictor (a device backend
-        records its MoE layers as pause points only then, where nothing else pauses)."""
+        """Whether this forward's pause points have work for the predictor (when not, the
+        Vulkan backend makes no host copies of h, ids and logits for it)."""
         return self.active and not self._idle
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
