@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import onebit  # noqa: E402
 from onebit.generate import generate_step  # noqa: E402
-from onebit.gguf_file import is_expert_tensor  # noqa: E402
+from onebit.memory.plan import size_classes  # noqa: E402
 from onebit.lookup import LookupStats  # noqa: E402
 from onebit.sample import make_sampler  # noqa: E402
 
@@ -54,10 +54,17 @@ OPEN = [
 ]
 
 
-def rho_table(m, reps: int, ctx: int = 64) -> list[float]:
+def at_context(m, ctx: int):
+    """(token ids, a cache holding the first ctx of them): the forwards over R rows then take
+    ids[ctx : ctx + R] and are rolled back."""
     ids = np.arange(1, ctx + 10, dtype=np.int64) % m.cfg.vocab_size
     cache = m.new_cache()
     m.net.forward(ids[:ctx], cache, last_only=True)
+    return ids, cache
+
+
+def rho_table(m, reps: int, ctx: int = 64) -> list[float]:
+    ids, cache = at_context(m, ctx)
     times: dict[int, list[float]] = {R: [] for R in range(1, 10)}
     for R in range(1, 10):  # warm: recordings and kernels made before timing
         m.net.forward(ids[ctx : ctx + R], cache)
@@ -76,16 +83,13 @@ def rho_table(m, reps: int, ctx: int = 64) -> list[float]:
 def byte_floor(m, ctx: int = 64) -> list[float]:
     """bytes(R) / bytes(1), R = 1..9, at rho_table's context and tokens (see the docstring)."""
     tensors = m.gguf.tensors
-    dense, per_expert = 0, {}  # layer -> the bytes of one of its routed experts
-    for name, t in tensors.items():
-        if is_expert_tensor(name):
-            layer = int(name.split(".")[1])
-            per_expert[layer] = per_expert.get(layer, 0) + t.n_bytes // t.shape[0]
-        elif not name.startswith("token_embd.") or "output.weight" not in tensors:  # (tied: the head)
-            dense += t.n_bytes
-    ids = np.arange(1, ctx + 10, dtype=np.int64) % m.cfg.vocab_size
-    cache = m.new_cache()
-    m.net.forward(ids[:ctx], cache, last_only=True)
+    # layer -> the bytes of one of its routed experts (the expert pool's size classes)
+    per_expert = {l: c.expert_bytes for c in size_classes(m.gguf) for l in c.layers}
+    every = sum(t.n_bytes for t in tensors.values())
+    dense = every - sum(b * m.cfg.n_experts for b in per_expert.values())
+    if "output.weight" in tensors:  # (else token_embd is the head too: read whole)
+        dense -= tensors["token_embd.weight"].n_bytes
+    ids, cache = at_context(m, ctx)
     need = []
     for R in range(1, 10):
         routed = {}
