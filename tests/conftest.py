@@ -8,6 +8,19 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_configure(config):
+    """Fill the cpu backend's on-disk kernel cache before any test runs, the parts side by side
+    (a cold compile is about 3 minutes of one core). Without it every xdist worker, and every
+    `onebit` subprocess a test starts meanwhile, compiled the same kernels side by side, and a
+    subprocess test ran past its timeout on a fresh machine. Workers skip this: the controller
+    (or a plain pytest run) did it."""
+    if hasattr(config, "workerinput"):
+        return
+    from onebit.backends import cpu_kernels
+
+    cpu_kernels.fill_cache()  # (a part that fails here is compiled again, and reported, by its tests)
+
+
 def fixture_path(name: str) -> Path:
     p = FIXTURES / name
     if not p.exists():

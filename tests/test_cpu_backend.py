@@ -166,6 +166,20 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+def test_cache_is_cold_only_without_a_disk_cache(tmp_path):
+    """The first-run compile (and its notice) happens exactly when numba's disk cache lacks a
+    kernel: an empty cache dir is cold; this machine's cache, filled by conftest, is not."""
+    import subprocess
+    import sys
+
+    code = "from onebit.backends import cpu_kernels as K; print(K.cache_is_cold())"
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    cold = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert (cold.stdout.strip(), warm.stdout.strip()) == ("True", "False"), (cold.stderr, warm.stderr)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_get_rows(rng, name):
     w = random_blocks(name, (20, n_in(name)), rng)

@@ -60,9 +60,15 @@ class CpuBackend(NumpyBackend):
 
         self.K = K
         self.threads = threads()
+        filled = 0.0
+        if K.cache_is_cold():  # the first run on this machine: minutes, so say so before it starts
+            sys.stderr.write("onebit: compiling the cpu kernels (once per machine: about 3 minutes of one core, "
+                             "split over the cores)...\n")
+            filled = K.fill_cache()
         seconds, compiled = K.warm_up()
-        if compiled:  # the first run on this machine; later runs load the kernels from numba's disk cache
-            sys.stderr.write(f"onebit: compiled the cpu kernels in {seconds:.1f} s (once: they are cached on disk)\n")
+        if filled or compiled:  # later runs load the kernels from numba's disk cache
+            sys.stderr.write(f"onebit: compiled the cpu kernels in {filled + seconds:.1f} s (once: they are cached "
+                             "on disk)\n")
         slow = sorted({t.type_name for t in gguf.tensors.values() if t.qtype not in K.SUPPORTED and len(t.shape) > 1})
         if slow:
             msg = f"{', '.join(slow)} tensors have no cpu kernel yet: they run on the numpy reference path"

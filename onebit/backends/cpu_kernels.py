@@ -1093,9 +1093,112 @@ KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, on
 _warm = False
 
 
-def warm_up() -> tuple[float, int]:
+# The signatures a forward uses (tests/test_cpu_backend.py::test_no_compile_in_a_forward_pass).
+def _warm_dense():
+    w = _ro(np.zeros((2, 34), np.uint8))
+    x = np.zeros((1, 32), np.float32)
+    matmul(np.empty((1, 2), np.float32), x, w, Q8_0)
+    matmul_serial(np.empty((1, 2), np.float32), x, w, Q8_0)
+
+
+def _warm_fused():
+    w = _ro(np.zeros((2, 34), np.uint8))
+    x = np.zeros((1, 32), np.float32)
+    matmul3(np.empty((1, 6), np.float32), x, w, w, w, Q8_0, Q8_0, Q8_0)
+    get_rows(np.empty((1, 32), np.float32), w, np.zeros(1, np.int64), Q8_0, LUT, M)
+
+
+def _warm_experts():
+    x = np.zeros((1, 32), np.float32)
+    ids, offs = np.zeros(1, np.int64), np.array([0, 1], np.int64)
+    h = _ro(np.zeros((1, 32, 34), np.uint8))  # one expert: hidden 32, dim 32
+    expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
+
+
+def _warm_experts_oai():
+    x = np.zeros((1, 32), np.float32)
+    ids, offs = np.zeros(1, np.int64), np.array([0, 1], np.int64)
+    h = _ro(np.zeros((1, 32, 34), np.uint8))
+    b = _ro(np.zeros((1, 32), np.float32))
+    expert_ffn_oai(np.zeros((1, 32), np.float32), x, h, h, h, ids, ids, offs, ids, np.ones(1, np.float32),
+                   Q8_0, Q8_0, Q8_0, b, b, b, 1.702, 7.0)
+
+
+def _warm_small():
+    xr = _ro(np.zeros((1, 32), np.float32))  # the small ops take read-only inputs (cpu._ro32)
+    rms_norm(np.empty_like(xr), xr, xr[0], 1e-6)
+    q = _ro(np.zeros((1, 2, 4), np.float32))
+    pos, inv = _ro(np.zeros(1, np.int64)), _ro(np.ones(2))
+    rope(np.empty_like(q), q, pos, inv, 1.0, True)
+    attention(np.empty_like(q), q, q, q, pos, 0)
+    attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
+    ids2, w2 = route(xr, 2, True)
+    routed_rows(ids2, w2, 32)
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+# Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
+# CPU seconds of a cold compile on the 2-core VM: matmul + matmul_serial 45, matmul3 + get_rows
+# + the small ops 44, expert_ffn 45, expert_ffn_oai 32 (matmul_rows, which all but get_rows
+# call, is compiled by whichever part gets there first and loaded by the others).
+WARM_PARTS = {"dense": (_warm_dense,), "fused": (_warm_fused, _warm_small), "experts": (_warm_experts,),
+              "experts_oai": (_warm_experts_oai,)}
+# ... and in twos where there are fewer cores than parts.
+WARM_PAIRS = (("dense", "fused"), ("experts", "experts_oai"))
+
+
+def _cached(kernel) -> bool:
+    """Whether numba's disk cache has an index for `kernel` (it was compiled on this machine)."""
+    try:
+        return os.path.exists(kernel._cache._cache_file._index_path)
+    except AttributeError:  # a numba without this layout: say yes, and compile in process if need be
+        return True
+
+
+def cache_is_cold() -> bool:
+    """Whether some kernel has never been compiled on this machine (no disk cache yet)."""
+    return not all(_cached(k) for k in KERNELS + SMALL_OPS)
+
+
+def fill_cache(jobs: int | None = None) -> float:
+    """Compile every kernel into numba's disk cache, the parts in worker processes side by side
+    (a cold compile is about 170 s of one core; on two cores this takes about 100 s, on four
+    about 50 s). Does nothing when every kernel already has its cache. Returns the seconds spent."""
+    import subprocess
+    import sys
+    import time
+
+    if not cache_is_cold():
+        return 0.0
+    t0 = time.perf_counter()
+    jobs = jobs or os.cpu_count() or 1
+    groups = [(p,) for p in WARM_PARTS] if jobs >= len(WARM_PARTS) else list(WARM_PAIRS)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    code = "import sys; from onebit.backends import cpu_kernels as K; K.warm_up(tuple(sys.argv[1:]))"
+    procs = []
+    try:
+        for g in groups:
+            procs.append(subprocess.Popen([sys.executable, "-c", code, *g], env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for p in procs:
+            p.wait()  # a part that failed is compiled again in the caller's process, which reports it
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return time.perf_counter() - t0
+
+
+def warm_up(parts: tuple[str, ...] = tuple(WARM_PARTS)) -> tuple[float, int]:
     """Load every kernel now (compiling it the first time on this machine), so that no
-    compile lands in a forward pass. Returns (seconds, kernels compiled rather than loaded)."""
+    compile lands in a forward pass. Returns (seconds, kernels compiled rather than loaded).
+    `parts` (names of WARM_PARTS) loads only those groups."""
     global _warm
     import time
 
@@ -1104,33 +1207,8 @@ def warm_up() -> tuple[float, int]:
     t0 = time.perf_counter()
     kernels = KERNELS + SMALL_OPS
     before = sum(len(k.stats.cache_misses) for k in kernels)
-    w = np.zeros((2, 2, 34), np.uint8)
-    w.flags.writeable = False
-    x = np.zeros((1, 32), np.float32)
-    ids = np.zeros(1, np.int64)
-    matmul(np.empty((1, 2), np.float32), x, w[0], Q8_0)
-    matmul_serial(np.empty((1, 2), np.float32), x, w[0], Q8_0)
-    matmul3(np.empty((1, 6), np.float32), x, w[0], w[0], w[0], Q8_0, Q8_0, Q8_0)
-    get_rows(np.empty((1, 32), np.float32), w[0], ids, Q8_0, LUT, M)
-    h = np.zeros((1, 32, 34), np.uint8)  # one expert: hidden 32, dim 32
-    h.flags.writeable = False
-    offs = np.array([0, 1], np.int64)
-    expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
-    b = np.zeros((1, 32), np.float32)
-    b.flags.writeable = False
-    expert_ffn_oai(np.zeros((1, 32), np.float32), x, h, h, h, ids, ids, offs, ids, np.ones(1, np.float32),
-                   Q8_0, Q8_0, Q8_0, b, b, b, 1.702, 7.0)
-    xr = x.view()
-    xr.flags.writeable = False  # the small ops take read-only inputs (cpu._ro32)
-    rms_norm(np.empty_like(x), xr, xr[0], 1e-6)
-    q = np.zeros((1, 2, 4), np.float32)
-    q.flags.writeable = False
-    pos, inv = ids.view(), np.ones(2)
-    pos.flags.writeable = inv.flags.writeable = False
-    rope(np.empty_like(q), q, pos, inv, 1.0, True)
-    attention(np.empty_like(q), q, q, q, pos, 0)
-    attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
-    ids2, w2 = route(xr, 2, True)
-    routed_rows(ids2, w2, 32)
-    _warm = True
+    for part in parts:
+        for fn in WARM_PARTS[part]:
+            fn()
+    _warm = set(parts) == set(WARM_PARTS)
     return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in kernels) - before
