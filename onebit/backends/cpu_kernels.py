@@ -1143,8 +1143,8 @@ def _ro(a: np.ndarray) -> np.ndarray:
 
 # Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
 # CPU seconds of a cold compile on the 2-core VM: matmul + matmul_serial 45, matmul3 + get_rows
-# + the small ops 44, expert_ffn 45, expert_ffn_oai 32 (matmul_rows, which all but get_rows
-# call, is compiled by whichever part gets there first and loaded by the others).
+# + the small ops 44, expert_ffn 45, expert_ffn_oai 32, each counting matmul_rows, which all
+# but get_rows call (each process compiles it for itself while the cache does not have it).
 WARM_PARTS = {"dense": (_warm_dense,), "fused": (_warm_fused, _warm_small), "experts": (_warm_experts,),
               "experts_oai": (_warm_experts_oai,)}
 # ... and in twos where there are fewer cores than parts.
@@ -1152,10 +1152,11 @@ WARM_PAIRS = (("dense", "fused"), ("experts", "experts_oai"))
 
 
 def _cached(kernel) -> bool:
-    """Whether numba's disk cache has an index for `kernel` (it was compiled on this machine)."""
+    """Whether numba's disk cache holds compiled code of `kernel` for this source (an index made
+    before this file last changed, e.g. by an upgrade, counts as empty: numba compiles again)."""
     try:
-        return os.path.exists(kernel._cache._cache_file._index_path)
-    except AttributeError:  # a numba without this layout: say yes, and compile in process if need be
+        return bool(kernel._cache._cache_file._load_index())
+    except Exception:  # a numba without this layout: say yes, and compile in process if need be
         return True
 
 
@@ -1183,8 +1184,11 @@ def fill_cache(jobs: int | None = None) -> float:
     procs = []
     try:
         for g in groups:
-            procs.append(subprocess.Popen([sys.executable, "-c", code, *g], env=env, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            try:
+                procs.append(subprocess.Popen([sys.executable, "-c", code, *g], env=env, stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            except OSError:  # no interpreter to start: warm_up compiles in this process instead
+                break
         for p in procs:
             p.wait()  # a part that failed is compiled again in the caller's process, which reports it
     finally:
