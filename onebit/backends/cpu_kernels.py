@@ -1094,31 +1094,37 @@ _warm = False
 
 
 # The signatures a forward uses (tests/test_cpu_backend.py::test_no_compile_in_a_forward_pass).
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _inputs():
+    """Tiny arguments of the kernels' forward signatures: x [1, 32] f32, one Q8_0 matrix w [2
+    rows], one expert h (hidden 32, dim 32), routing ids and offsets (read-only where a forward's are)."""
+    return (np.zeros((1, 32), np.float32), _ro(np.zeros((2, 34), np.uint8)), _ro(np.zeros((1, 32, 34), np.uint8)),
+            np.zeros(1, np.int64), np.array([0, 1], np.int64))
+
+
 def _warm_dense():
-    w = _ro(np.zeros((2, 34), np.uint8))
-    x = np.zeros((1, 32), np.float32)
+    x, w, _, _, _ = _inputs()
     matmul(np.empty((1, 2), np.float32), x, w, Q8_0)
     matmul_serial(np.empty((1, 2), np.float32), x, w, Q8_0)
 
 
 def _warm_fused():
-    w = _ro(np.zeros((2, 34), np.uint8))
-    x = np.zeros((1, 32), np.float32)
+    x, w, _, ids, _ = _inputs()
     matmul3(np.empty((1, 6), np.float32), x, w, w, w, Q8_0, Q8_0, Q8_0)
-    get_rows(np.empty((1, 32), np.float32), w, np.zeros(1, np.int64), Q8_0, LUT, M)
+    get_rows(np.empty((1, 32), np.float32), w, ids, Q8_0, LUT, M)
 
 
 def _warm_experts():
-    x = np.zeros((1, 32), np.float32)
-    ids, offs = np.zeros(1, np.int64), np.array([0, 1], np.int64)
-    h = _ro(np.zeros((1, 32, 34), np.uint8))  # one expert: hidden 32, dim 32
+    x, _, h, ids, offs = _inputs()
     expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
 
 
 def _warm_experts_oai():
-    x = np.zeros((1, 32), np.float32)
-    ids, offs = np.zeros(1, np.int64), np.array([0, 1], np.int64)
-    h = _ro(np.zeros((1, 32, 34), np.uint8))
+    x, _, h, ids, offs = _inputs()
     b = _ro(np.zeros((1, 32), np.float32))
     expert_ffn_oai(np.zeros((1, 32), np.float32), x, h, h, h, ids, ids, offs, ids, np.ones(1, np.float32),
                    Q8_0, Q8_0, Q8_0, b, b, b, 1.702, 7.0)
@@ -1134,11 +1140,6 @@ def _warm_small():
     attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
     ids2, w2 = route(xr, 2, True)
     routed_rows(ids2, w2, 32)
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
 
 
 # Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
@@ -1161,11 +1162,12 @@ def _cached(kernel) -> bool:
 
 
 def cache_is_cold() -> bool:
-    """Whether some kernel has never been compiled on this machine (no disk cache yet)."""
-    return not all(_cached(k) for k in KERNELS + SMALL_OPS)
+    """Whether some kernel has never been compiled on this machine (no disk cache yet); never
+    once this process has loaded them all."""
+    return not _warm and not all(_cached(k) for k in KERNELS + SMALL_OPS)
 
 
-def fill_cache(jobs: int | None = None) -> float:
+def fill_cache() -> float:
     """Compile every kernel into numba's disk cache, the parts in worker processes side by side
     (measured on the 2-core VM: 84 s in two processes against 167 s in one; with four cores or
     more the four parts run at once, not measured). Does nothing when every kernel already has
@@ -1177,8 +1179,7 @@ def fill_cache(jobs: int | None = None) -> float:
     if not cache_is_cold():
         return 0.0
     t0 = time.perf_counter()
-    jobs = jobs or os.cpu_count() or 1
-    groups = [(p,) for p in WARM_PARTS] if jobs >= len(WARM_PARTS) else list(WARM_PAIRS)
+    groups = [(p,) for p in WARM_PARTS] if (os.cpu_count() or 1) >= len(WARM_PARTS) else list(WARM_PAIRS)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     code = "import sys; from onebit.backends import cpu_kernels as K; K.warm_up(tuple(sys.argv[1:]))"
