@@ -121,8 +121,6 @@ def main() -> int:
     ap.add_argument("--xr-storage", action="store_true", help="mul_mv_xr: x from a storage buffer")
     ap.add_argument("--id-nr", type=int, default=None, help="mul_mv_id_xr: weight rows per thread "
                     "(Kernels.mv_id_xr_nr; twice that for kernels.MV_ID_XR_WIDE)")
-    ap.add_argument("--sorted-nr", type=int, default=None, help="mul_mv_id_sorted: weight rows per thread "
-                    "(Kernels.mv_id_sorted_nr)")
     ap.add_argument("--id-xrows", type=int, default=None, help="mul_mv_id_xr: rows of x per decode at most "
                     "(Kernels.mv_id_xrows)")
     ap.add_argument("--unrolled", type=int, default=None,
@@ -166,15 +164,13 @@ def main() -> int:
     n_in = args.n_in
     R_list = [int(r) for r in args.prefill_rows.split(",")]
     R = max(R_list)
-    xr_rows, mm_rows, sorted_rows = [], [], []
+    xr_rows, mm_rows = [], []
     if args.xr_nr:
         k.mv_xr_nr = args.xr_nr
     if args.xr_storage:
         k.mv_xr_uniform = False
     if args.id_nr:
         k.mv_id_xr_nr = args.id_nr
-    if args.sorted_nr:
-        k.mv_id_sorted_nr = args.sorted_nr
     if args.id_xrows:
         k.mv_id_xrows = args.id_xrows
     if args.id_min_slots is not None:
@@ -216,7 +212,7 @@ def main() -> int:
                 xr_rows.append((type_name, n_out, r, _xrows_medians(
                     dev, k, lambda s: k.mul_mv(s, w, x.slice(), y.slice(), r, n_in, n_out), xrows_list, slow, args.runs)))
             k.mv_xrows = xrows_list[0]
-        if "mul_mv_id_xr" in kernels or "mul_mm_id" in kernels or "mul_mv_id_sorted" in kernels:
+        if "mul_mv_id_xr" in kernels or "mul_mm_id" in kernels:
             # routed experts at R tokens: per slot (mv_xrows 0) against grouped on the thread-per-row
             # kernel (CPU devices), or per slot against the tiled expert mat-mat (GPUs)
             E, kk, F = args.experts, args.top_k, args.moe_ff
@@ -238,14 +234,6 @@ def main() -> int:
                 if "mul_mv_id_xr" in kernels:
                     xr_rows.append((type_name, f"{E}x{F} top {kk}", r,
                                     _xrows_medians(dev, k, rec, xrows_list, slow, args.runs)))
-                if "mul_mv_id_sorted" in kernels:  # grouped in place (storage x) against gathered (uniform x)
-                    keep = k.mv_id_sorted_min_slots
-
-                    def gathered(on, k=k):
-                        k.mv_id_sorted_min_slots = 0 if on else math.inf
-                    sorted_rows.append((type_name, f"{E}x{F} top {kk}", r,
-                                        _alternating(dev, rec, [False, True], gathered, slow, args.runs)))
-                    k.mv_id_sorted_min_slots = keep
                 if "mul_mm_id" in kernels:
                     keep = k.mv_xrows, k.mm_id_min_slots
 
@@ -324,17 +312,6 @@ def main() -> int:
         for type_name, n_out, r, ts in xr_rows:
             print(f"| {type_name} | {n_out} | {r} | " + " | ".join(f"{t * 1e3:.2f}" for t in ts) + " | " +
                   " | ".join(f"{ts[0] / t:.2f}x" for t in ts[1:]) + " |")
-    if sorted_rows:
-        print()
-        print(f"routed experts (a gate [F x {n_in}] in slots mode + down [{n_in} x F] in sum mode) at R tokens on a "
-              f"CPU device: ms, the slots grouped in place (mul_mv_id_xr: x from a storage buffer) against gathered "
-              f"per expert into chunks (mul_mv_id_sorted: x from a uniform buffer, {k.mv_id_sorted_nr} weight rows "
-              f"per thread), submissions alternating, medians of {args.runs}")
-        print()
-        print("| type | experts | R | in place ms | gathered ms | speedup |")
-        print("|---|---|---:|---:|---:|---:|")
-        for type_name, shape, r, (a, b) in sorted_rows:
-            print(f"| {type_name} | {shape} | {r} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.2f}x |")
     if mm_rows:
         print()
         print(f"routed experts (a gate [F x {n_in}] in slots mode + down [{n_in} x F] in sum mode) at R tokens: ms, "

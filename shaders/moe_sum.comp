@@ -3,8 +3,6 @@
 // XROWS + MUL_ID, which writes each slot's weighted product to its own row):
 //   y[t, c] (+)= sum over s < k with e_lo <= ids[t, s] < e_hi of p[(t * k + s) * n + c]
 // Slots whose expert is outside [e_lo, e_hi) were not written (an expert in no part).
-// With -DPOS the slots' rows are in the gathered order of the sorted expert product
-// (shaders/moe_sort.comp): slot i's row is pos[i] (~0: not written).
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -12,9 +10,6 @@ layout(local_size_x_id = 0) in;
 layout(binding = 0, std430) readonly buffer P { float p[]; };
 layout(binding = 1, std430) readonly buffer Ids { int ids[]; };
 layout(binding = 2, std430) buffer Y { float y[]; };
-#ifdef POS
-layout(binding = 3, std430) readonly buffer Pos { uint pos[]; };
-#endif
 
 layout(push_constant) uniform Push {
     uint n;         // floats per row
@@ -35,16 +30,9 @@ void main() {
     float v = 0.0;
     for (uint s = 0u; s < pc.k; s++) {
         const int e = ids[t * pc.k + s];
-#ifdef POS
-        const uint r = pos[t * pc.k + s];
-        if (e >= pc.e_lo && e < pc.e_hi && r != 0xffffffffu) {
-            v += p[r * pc.n + c];
-        }
-#else
         if (e >= pc.e_lo && e < pc.e_hi) {
             v += p[(t * pc.k + s) * pc.n + c];
         }
-#endif
     }
     const uint o = t * pc.y_stride + c;
     y[o] = ((pc.flags & 1u) != 0u ? y[o] : 0.0) + v;

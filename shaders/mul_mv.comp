@@ -18,10 +18,6 @@
 // dispatch covers x rows [0, pc.xrows) of its x binding and writes y rows pc.yrow0 + j; XR is a
 // specialization constant (the host compiles a few widths), rows past pc.xrows re-read the last
 // one and are not written.
-// With -DSORTED too (MUL_ID, XROWS, X_UNIFORM): the routed experts' rows of x were gathered per
-// expert into chunks of XR rows (shaders/moe_sort.comp), so one dispatch takes one chunk: every
-// row of its uniform x binding belongs to the one expert the chunk names. x then comes from a
-// uniform buffer like the dense kernel's, where the in-place grouping must read it from storage.
 #include "common.glsl"
 // IQ weight types also read their codebook, bound after this kernel's own buffers.
 #ifdef MUL_ID
@@ -49,11 +45,7 @@ layout(binding = 1, std140) uniform X { vec4 x4[4096]; };
 layout(binding = 1, std430) readonly buffer X { vec4 x4[]; };
 #endif
 layout(binding = 2, std430) buffer Y { float y[]; };
-#if defined(MUL_ID) && defined(SORTED)
-// the chunk plan (moe_sort.comp PLAN): per chunk (expert, rows), then per chunk row its slot
-layout(binding = 3, std430) readonly buffer Plan { int plan[]; };
-layout(binding = 4, std430) readonly buffer Wts { float wts[]; };
-#elif defined(MUL_ID) && defined(XROWS)
+#if defined(MUL_ID) && defined(XROWS)
 // the routing ids as a uniform buffer (at most 4096: the host checks), so the scan and the
 // slots it finds are uniform
 layout(binding = 3, std140) uniform Ids { ivec4 ids4[1024]; };
@@ -191,40 +183,7 @@ void xr_dot(uint ab, uint first) {
     }
 }
 
-#if defined(MUL_ID) && defined(SORTED)
-// One chunk of gathered rows (pc.yrow0: the chunk c; pc.xrows: the plan's chunk count): its
-// expert's rows times each of its x rows, written to rows j of y (the host binds the chunk's own
-// rows of the gathered output; moe_sum POS adds them per token). Chunks of no rows, or of an expert outside this binding's
-// part, return.
-void main() {
-    const uint first = (flat_group() * WG + gl_LocalInvocationID.x) * NR;
-    const uint c = pc.yrow0;
-    const int e = plan[2u * c] - int(pc.e0);
-    const uint cnt = uint(plan[2u * c + 1u]);
-    if (first >= pc.nrows || cnt == 0u || e < 0 || e >= int(pc.n_experts_part)) {
-        return;
-    }
-    const uint rows_at = 2u * pc.xrows + c * XR;  // the chunk's slots in plan[]
-    [[unroll]] for (uint j = 0u; j < XR; j++) {
-        const uint jj = min(j, cnt - 1u);
-        xo[j] = jj * (pc.x_stride / 4u);
-        xsc[j] = (pc.flags & 4u) != 0u ? wts[plan[rows_at + jj]] : 1.0;
-        [[unroll]] for (uint n = 0u; n < NR; n++) {
-            acc[n * XR + j] = 0.0;
-        }
-    }
-    xr_dot(uint(e) * pc.nrows * (pc.ncols / QK), first);
-    [[unroll]] for (uint j = 0u; j < XR; j++) {
-        if (j < cnt) {
-            [[unroll]] for (uint n = 0u; n < NR; n++) {
-                if (first + n < pc.nrows) {
-                    y[j * pc.y_stride + pc.row0 + first + n] = acc[n * XR + j];
-                }
-            }
-        }
-    }
-}
-#elif defined(MUL_ID)
+#ifdef MUL_ID
 // Experts grouped: grid z = the part's experts; each workgroup scans the n_tokens * k routing
 // ids for its expert and takes the slots that chose it XR at a time, so each unit of the
 // expert's rows is decoded once for up to XR slots. Writes y[t*k + s, :] = (flags & 4 ?

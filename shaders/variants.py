@@ -72,10 +72,6 @@ def variants() -> list[Variant]:
         # routed experts grouped per expert (the slots that chose it share each weight decode)
         out.append(Variant(f"mul_mv_id_{t}_none_xrs", "mul_mv.comp", (ty, ("REDUCE_NONE", ""), ("XROWS", ""),
                                                                      ("MUL_ID", ""))))
-        # ... or gathered per expert into chunks, x from a uniform buffer (moe_sort.comp)
-        out.append(Variant(f"mul_mv_id_{t}_none_xru", "mul_mv.comp", (ty, ("REDUCE_NONE", ""), ("XROWS", ""),
-                                                                     ("MUL_ID", ""), ("X_UNIFORM", ""),
-                                                                     ("SORTED", ""))))
         out.append(Variant(f"mul_mm_{t}", "mul_mm.comp", (ty,)))
         # routed experts over many tokens on GPUs: each expert's weight tiles read once for its slots
         out.append(Variant(f"mul_mm_id_{t}", "mul_mm.comp", (ty, ("MUL_ID", ""))))
@@ -90,10 +86,6 @@ def variants() -> list[Variant]:
                  "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk",  # the last five: Gated DeltaNet models
                  "moe_sum", "moe_group"):
         out.append(Variant(name, f"{name}.comp"))
-    out.append(Variant("moe_sum_pos", "moe_sum.comp", (("POS", ""),)))
-    out.append(Variant("moe_plan", "moe_sort.comp", (("PLAN", ""),)))
-    out.append(Variant("moe_gather", "moe_sort.comp", (("GATHER", ""),)))
-    out.append(Variant("moe_unsort", "moe_sort.comp", (("UNSORT", ""),)))
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs
     out.append(Variant("expert_glu_oai", "expert_bias.comp", (("GLU_OAI", ""),)))
     out.append(Variant("expert_down_bias", "expert_bias.comp", (("DOWN_BIAS", ""),)))

@@ -1,18 +1,13 @@
 """Many rows of x per weight decode on CPU devices (shaders/mul_mv.comp XROWS), against numpy.
 
 Kernels.mul_mv over R > 1 rows takes mul_mv_xr (each weight unit decoded once for up to 16
-rows), and mul_mv_id over enough tokens groups the slots per expert on the device: in place
-(mul_mv_id_xr, plus moe_sum for "sum"), or, from mv_id_sorted_min_slots slots per expert,
-gathered per expert into chunks (mul_mv_id_sorted: moe_group, moe_plan, moe_gather, a product
-per chunk with x from a uniform buffer, then moe_unsort or moe_sum POS). Each test of a grouped
-product runs both paths (`GROUPED`). Twins: reference.mul_mv / mul_mv_id (the same maths).
+rows), and mul_mv_id over enough tokens groups the slots per expert on the device
+(mul_mv_id_xr, plus moe_sum for "sum"). Twins: reference.mul_mv / mul_mv_id (the same maths).
 Outputs are poisoned with NaN (tests/test_vulkan_kernels.py's `close` and VulkanOps), and so
 is the scratch buffer the grouped "sum" writes its slots to.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -47,27 +42,6 @@ class Spy:
 
     def __exit__(self, *exc):
         delattr(self.k, self.name)  # back to the class's method
-
-
-# the two ways of grouping routed experts on a CPU device: (Kernels method, mv_id_sorted_min_slots)
-GROUPED = {"in_place": ("mul_mv_id_xr", math.inf), "gathered": ("mul_mv_id_sorted", 0)}
-
-
-class Grouped:
-    """The grouped expert product through one path: forces it and counts its calls."""
-
-    def __init__(self, o: VulkanOps, path: str):
-        self.o, (self.method, self.min_slots) = o, GROUPED[path]
-
-    def __enter__(self):
-        self.keep = self.o.k.mv_id_sorted_min_slots
-        self.o.k.mv_id_sorted_min_slots = self.min_slots
-        self.spy = Spy(self.o.k, self.method).__enter__()
-        return self.spy
-
-    def __exit__(self, *exc):
-        self.spy.__exit__(*exc)
-        self.o.k.mv_id_sorted_min_slots = self.keep
 
 
 def poison_scratch(o: VulkanOps, nbytes: int) -> None:
@@ -133,11 +107,10 @@ def test_mul_mv_rows_accumulate_into_a_strided_y(cpu_ops, rng):
     close(got, want, rng, TOL["Q4_K"], "mul_mv_xr accumulate")
 
 
-@pytest.mark.parametrize("path", GROUPED)
 @pytest.mark.parametrize("type_name", SUPPORTED_TYPES)
-def test_mul_mv_id_grouped_every_type(cpu_ops, rng, type_name, path):
+def test_mul_mv_id_grouped_every_type(cpu_ops, rng, type_name):
     """Routed experts grouped per expert: 13 tokens x 2 of 4 experts (6.5 slots per expert: the
-    grouped path, width 8, experts with more slots than that take two passes or chunks)."""
+    grouped path, width 8, experts with more slots than that take two passes)."""
     n = n_in(type_name)
     E, k, R = 4, 2, 13
     we = ref.random_blocks(type_name, (E, 19, n), rng)
@@ -147,12 +120,12 @@ def test_mul_mv_id_grouped_every_type(cpu_ops, rng, type_name, path):
     wts = rng.random((R, k)).astype(np.float32)
     for mode, shape in (("slots", (R, n)), ("weighted", (R, k, n)), ("sum", (R, k, n))):
         x = rng.standard_normal(shape).astype(np.float32)
-        poison_scratch(cpu_ops, 256 * 1024)
-        with Grouped(cpu_ops, path) as spy:
+        poison_scratch(cpu_ops, R * k * 19 * 4)
+        with Spy(cpu_ops.k, "mul_mv_id_xr") as spy:
             got = cpu_ops.mul_mv_id(we, type_name, x, ids, wts, mode)
         assert spy.calls == (type_name not in MV_WHOLE_UNIT)
         close(got, ref.mul_mv_id(we, type_name, x, ids, wts, mode), rng, TOL[type_name],
-              f"mul_mv_id {path} {mode} {type_name}")
+              f"mul_mv_id_xr {mode} {type_name}")
 
 
 @pytest.mark.parametrize("R", [2, 9, 64])
@@ -165,57 +138,24 @@ def test_mul_mv_id_grouped_or_per_slot(cpu_ops, rng, R):
     wts = rng.random((R, k)).astype(np.float32)
     x = rng.standard_normal((R, k, n)).astype(np.float32)
     poison_scratch(cpu_ops, R * k * 16 * 4)
-    with Spy(cpu_ops.k, "mul_mv_id_xr") as in_place, Spy(cpu_ops.k, "mul_mv_id_sorted") as gathered:
+    with Spy(cpu_ops.k, "mul_mv_id_xr") as spy:
         got = cpu_ops.mul_mv_id(we, "Q4_K", x, ids, wts, "sum")
-    assert in_place.calls + gathered.calls == (R * k >= cpu_ops.k.mv_id_xr_min_slots * E) == (R == 64)
-    assert gathered.calls == (R * k >= cpu_ops.k.mv_id_sorted_min_slots * E) == (R == 64)  # 8 slots per expert
+    assert spy.calls == (R * k >= cpu_ops.k.mv_id_xr_min_slots * E) == (R == 64)
     close(got, ref.mul_mv_id(we, "Q4_K", x, ids, wts, "sum"), rng, TOL["Q4_K"], f"mul_mv_id sum R={R}")
 
 
-@pytest.mark.parametrize("path", GROUPED)
-def test_mul_mv_id_grouped_in_parts(rng, path):
+def test_mul_mv_id_grouped_in_parts(rng):
     """Experts bound in parts (two per binding): each part's dispatch takes its own experts'
     slots; moe_sum adds the slots of every part."""
     o = VulkanOps(reduce="none", max_part_bytes=PART_BYTES)
     k, R = 2, 12
     we, ids, wts, xe = experts_in_parts(rng, R, k=k)
     for mode in ("slots", "sum"):
-        poison_scratch(o, 256 * 1024)
-        with Grouped(o, path) as spy:
+        poison_scratch(o, R * k * 8 * 4)
+        with Spy(o.k, "mul_mv_id_xr") as spy:
             got = o.mul_mv_id(we, "Q4_K", xe, ids, wts, mode)
         assert spy.calls == 1
         close(got, ref.mul_mv_id(we, "Q4_K", xe, ids, wts, mode), rng, TOL["Q4_K"], f"mul_mv_id_xr parts {mode}")
-
-
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "F32"])
-def test_mul_mv_id_gathered_chunk_edges(cpu_ops, rng, type_name):
-    """The gathered path's plan at its edges: 40 tokens x 2 slots over 6 experts (width 16): an
-    expert with 33 slots (chunks of 16, 16, 1), one with exactly 16, one with none, and, as a
-    streamed pass over a row group makes, tokens with both slots on one expert (their weights
-    zero). Against numpy and, bit for bit, against the in-place grouping."""
-    n, E, k, R = n_in(type_name), 6, 2, 40
-    we = ref.random_blocks(type_name, (E, 24, n), rng)
-    ids = np.zeros((R, k), np.int32)
-    ids[:, 1] = 0
-    ids[:33, 0] = 0
-    ids[:16, 1] = 1
-    ids[16:33, 1] = rng.choice([3, 4, 5], 17)
-    ids[33:, :] = 3  # both slots on expert 3 (a pool slot a row group's other rows point at)
-    wts = rng.random((R, k)).astype(np.float32)
-    wts[33:, :] = 0.0
-    assert np.bincount(ids.reshape(-1), minlength=E)[2] == 0
-    assert cpu_ops.k.sorted_width((cpu_ops._weights(we, type_name, (E, 24, n)),), R, k) == 16
-    for mode, shape in (("slots", (R, n)), ("weighted", (R, k, n)), ("sum", (R, k, n))):
-        x = rng.standard_normal(shape).astype(np.float32)
-        got = {}
-        for path in GROUPED:
-            poison_scratch(cpu_ops, 1 << 20)
-            with Grouped(cpu_ops, path) as spy:
-                got[path] = cpu_ops.mul_mv_id(we, type_name, x, ids, wts, mode)
-            assert spy.calls == 1
-        close(got["gathered"], ref.mul_mv_id(we, type_name, x, ids, wts, mode), rng, TOL[type_name],
-              f"mul_mv_id gathered {mode} {type_name}")
-        np.testing.assert_array_equal(got["gathered"], got["in_place"], err_msg=f"{mode} {type_name}")
 
 
 def check_shared_expert_sum(o: VulkanOps, rng, R: int, kernel: str) -> None:
@@ -244,14 +184,8 @@ def check_shared_expert_sum(o: VulkanOps, rng, R: int, kernel: str) -> None:
     close(got, wts[:, :1] * ref.mul_mv(raw, "Q8_0", x), rng, TOL["Q8_0"], f"shared expert as {kernel} sum")
 
 
-@pytest.mark.parametrize("path", GROUPED)
-def test_mul_mv_id_grouped_sum_skips_experts_in_no_part(cpu_ops, rng, path):
-    keep = cpu_ops.k.mv_id_sorted_min_slots
-    cpu_ops.k.mv_id_sorted_min_slots = GROUPED[path][1]
-    try:
-        check_shared_expert_sum(cpu_ops, rng, 8, GROUPED[path][0])
-    finally:
-        cpu_ops.k.mv_id_sorted_min_slots = keep
+def test_mul_mv_id_grouped_sum_skips_experts_in_no_part(cpu_ops, rng):
+    check_shared_expert_sum(cpu_ops, rng, 8, "mul_mv_id_xr")
 
 
 def test_mul_mv_rows_off_is_the_per_row_mat_vec(rng):
@@ -290,11 +224,10 @@ def test_rows_have_the_one_row_kernels_bits(rng, type_name):
     wts = rng.random((R, k)).astype(np.float32)
     for mode, shape in (("slots", (R, n)), ("weighted", (R, k, n)), ("sum", (R, k, n))):
         xe = rng.standard_normal(shape).astype(np.float32)
+        with Spy(o.k, "mul_mv_id_xr") as spy:
+            grouped = o.mul_mv_id(we, type_name, xe, ids, wts, mode)
+        assert spy.calls == 1
         per_token = np.concatenate([o.mul_mv_id(we, type_name, xe[t : t + 1], ids[t : t + 1], wts[t : t + 1], mode)
                                     for t in range(R)])
-        for path in GROUPED:
-            with Grouped(o, path) as spy:
-                grouped = o.mul_mv_id(we, type_name, xe, ids, wts, mode)
-            assert spy.calls == 1
-            np.testing.assert_array_equal(grouped, per_token, err_msg=f"mul_mv_id {mode} {type_name}: grouped "
-                                          f"{path} against one token at a time")
+        np.testing.assert_array_equal(grouped, per_token, err_msg=f"mul_mv_id {mode} {type_name}: grouped "
+                                      "against one token at a time")

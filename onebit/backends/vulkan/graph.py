@@ -512,10 +512,6 @@ class Recorder:
         def record(seq, ts, idx: Val, accumulate: bool, out: Optional[Slice] = None) -> None:
             gt, ut, dt = ts
             E = self.cfg.n_experts  # not the pool's slots: streamed runs the kernels resident does
-            xr = K.sorted_width(ts, R, k, E) if biases is None else 0
-            if xr:  # CPU devices, many slots per expert: gathered per expert once for the three products
-                K.experts_swiglu_sorted(seq, gt, ut, dt, x.s, idx.s, w.s, R, k, xr, out or y.s, dim, accumulate)
-                return
             K.mul_mv_id(seq, gt, x.s, g.s, idx.s, w.s, R, k, dim, 0, F, n_experts=E)  # [R, k, F]
             K.mul_mv_id(seq, ut, x.s, u.s, idx.s, w.s, R, k, dim, 0, F, n_experts=E)
             if biases is None:

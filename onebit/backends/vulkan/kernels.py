@@ -257,11 +257,6 @@ class Kernels:
         # 3.0x with 16 x 8, 3.9x with 32 x 8 (bench/results/issue8-execution-modes.md).
         self.mv_id_xrows = 8
         self.mv_id_xr_nr = 16
-        # ... and where they get at least this many slots each, gathered per expert into chunks of
-        # rows instead (mul_mv_id_sorted: moe_sort.comp, then one dispatch per chunk with x from a
-        # uniform buffer, as the dense kernel reads it); math.inf: never.
-        self.mv_id_sorted_min_slots = 4 if self.reduce == "none" else math.inf
-        self.mv_id_sorted_nr = 8  # weight rows per thread there (the dense kernel's)
         self._scratch: list[Buffer] = []
         # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
@@ -488,11 +483,6 @@ class Kernels:
         self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
         info = self.dev.info
         grouped = n_tokens * k >= self.mv_id_xr_min_slots * (n_experts or w.shape[0])
-        xr = self.sorted_width((w,), n_tokens, k, n_experts)
-        if xr:
-            self.mul_mv_id_sorted(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, xr, mode,
-                                  accumulate)
-            return
         if (self.reduce == "none" and self.mv_xrows > 1 and grouped and n_tokens * k <= self.XR_MAX_IDS
                 and w.type_name not in MV_WHOLE_UNIT and ids.offset % info.min_uniform_buffer_offset_alignment == 0):
             self.mul_mv_id_xr(seq, w, x, y, ids, wts, n_tokens, k, x_stride, x_slot_stride, y_stride, mode, accumulate,
@@ -515,132 +505,6 @@ class Kernels:
             seq.dispatch(p, (part.slice, x, y, ids, wts, *extra), push, (gx, gy, gz), writes=(2,))
 
     XR_MAX_IDS = 4096  # shaders/mul_mv.comp XROWS + MUL_ID: ids4[1024]
-    SORT_MAX_EXPERTS = 1023  # shaders/moe_sort.comp PLAN: start[MAX_EXPERTS], its last entry the total
-
-    def sorted_width(self, ws: Seq[DeviceTensor], n_tokens: int, k: int, n_experts: Optional[int] = None) -> int:
-        """Rows per chunk for the gathered expert products (mul_mv_id_sorted, experts_swiglu_sorted)
-        over every tensor in ws, or 0 where they do not apply: too few slots per expert (the
-        model's n_experts decides, as for the in-place grouping), a weight type whose one-row dot
-        sums in another order, a chunk of x rows past the uniform buffer limits, or bindings it
-        cannot align."""
-        info = self.dev.info
-        n_slots, n_e = n_tokens * k, ws[0].shape[0]
-        if n_slots < self.mv_id_sorted_min_slots * (n_experts or n_e) or n_e > self.SORT_MAX_EXPERTS \
-                or self.reduce != "none" or self.mv_xrows <= 1 or n_slots > info.max_workgroup_count[1] \
-                or any(w.type_name in MV_WHOLE_UNIT or w.shape[0] != n_e for w in ws):
-            return 0
-        ubo = min(info.max_uniform_buffer_range, self.X_UNIFORM_MAX)
-        al_u, al_s = info.min_uniform_buffer_offset_alignment, info.min_storage_buffer_offset_alignment
-        widths = [v for v in self.XR_WIDTHS if v <= self.mv_xrows
-                  and v * self._sorted_chunks(n_slots, n_e, v) <= info.max_workgroup_count[1]
-                  and all(v * w.ncols * 4 <= ubo and v * w.ncols * 4 % al_u == 0 and v * w.ncols * 4 % al_s == 0
-                          and v * w.shape[1] * 4 % al_s == 0 for w in ws)]
-        if not widths:
-            return 0
-        avg = n_slots / (n_experts or n_e)  # chunks about as wide as the slots an expert gets
-        return next((v for v in widths if v >= avg), widths[-1])
-
-    @staticmethod
-    def _sorted_chunks(n_slots: int, n_e: int, xr: int) -> int:
-        """Chunks the experts' slots can need: sum over experts of ceil(slots / xr), at most this."""
-        return (n_slots + min(n_e, n_slots) * (xr - 1)) // xr
-
-    def _expert_chunks(self, seq: Sequence, ids: Slice, n_tokens: int, k: int, n_e: int, xr: int,
-                       rows_bytes: Seq[int]) -> tuple[Slice, Slice, int, list[Slice]]:
-        """moe_group + moe_plan into the scratch buffer: (plan, pos, chunks C, one slice of C * xr *
-        b bytes per b in rows_bytes, for the gathered rows and products)."""
-        align = self.dev.info.min_storage_buffer_offset_alignment
-        n_slots = n_tokens * k
-        C = self._sorted_chunks(n_slots, n_e, xr)
-        sizes = [n_e * 4, n_e * n_slots * 4, (2 * C + C * xr) * 4, n_slots * 4, *(C * xr * b for b in rows_bytes)]
-        at, total = [], 0
-        for n in sizes:
-            at.append(total)
-            total = -(-(total + n) // align) * align
-        s = self._scratch_slice(total)
-        counts, lists, plan, pos, *rows = (s.buffer.slice(s.offset + a, n) for a, n in zip(at, sizes))
-        seq.dispatch(self.pipeline("moe_group", 3), (ids, counts, lists), _push("3I", n_slots, n_slots, n_e),
-                     self._grid(n_e), writes=(1, 2))
-        seq.dispatch(self.pipeline("moe_plan", 4, (xr,)), (counts, lists, plan, pos),
-                     _push("4I", n_e, n_slots, C, n_slots), (1, 1, 1), writes=(2, 3))
-        return plan, pos, C, rows
-
-    def _gather_rows(self, seq: Sequence, plan: Slice, C: int, xr: int, x: Slice, k: int, x_stride: int,
-                     x_slot_stride: int, ncols: int, xs: Slice) -> None:
-        """xs[c * xr + j, :] = the row of x of chunk c's j-th slot (moe_sort.comp GATHER)."""
-        seq.dispatch(self.pipeline("moe_gather", 3, (xr,)), (plan, x, xs),
-                     _push("6I", C, k, x_stride, x_slot_stride, ncols, ncols),
-                     (math.ceil(ncols / 4 / 64), C * xr, 1), writes=(2,))
-
-    def _chunk_products(self, seq: Sequence, w: DeviceTensor, plan: Slice, C: int, xr: int, k: int, xs: Slice,
-                        ys: Slice, wts: Slice, weighted: bool) -> None:
-        """ys[c * xr + j, :] = (weighted ? wts[slot] : 1) * W[chunk c's expert] @ xs[c * xr + j, :]:
-        one dispatch per chunk and part, x from a uniform buffer (mul_mv.comp SORTED)."""
-        nrows, ncols = w.shape[1], w.ncols
-        extra = self._extra(w.type_name)
-        n_bind = 5 + len(extra)
-        nr = self.mv_id_sorted_nr
-        p = self.pipeline(f"mul_mv_id_{w.type_name}_none_xru", n_bind, (self.mv_wg, nr, xr),
-                          (1, *self._grid_ubo(w.type_name, n_bind)))
-        gx, gy = self._grid(math.ceil(nrows / (nr * self.mv_wg)))
-        xb, yb = xr * ncols * 4, xr * nrows * 4
-        for c in range(C):
-            x_c = xs.buffer.slice(xs.offset + c * xb, xb)
-            y_c = ys.buffer.slice(ys.offset + c * yb, yb)
-            for part in w.parts:
-                push = _push("12I", ncols, nrows, 0, ncols, nrows, 4 if weighted else 0, k, 0, part.start,
-                             part.count, C, c)
-                seq.dispatch(p, (part.slice, x_c, y_c, plan, wts, *extra), push, (gx, gy, 1), writes=(2,))
-
-    def _sum_gathered(self, seq: Sequence, w: DeviceTensor, ys: Slice, pos: Slice, ids: Slice, y: Slice,
-                      n_tokens: int, k: int, y_stride: int, accumulate: bool) -> None:
-        """y[t, :] (+)= the sum of token t's slot rows of ys (gathered order; moe_sum POS)."""
-        nrows = w.shape[1]
-        e_lo, e_hi = w.parts[0].start, w.parts[-1].start + w.parts[-1].count
-        gx, gy = self._grid(math.ceil(n_tokens * nrows / 256))
-        seq.dispatch(self.pipeline("moe_sum_pos", 4, (256,)), (ys, ids, y, pos),
-                     _push("5I2i", nrows, n_tokens, k, y_stride, int(accumulate), e_lo, e_hi), (gx, gy, 1),
-                     writes=(2,))
-
-    def mul_mv_id_sorted(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, ids: Slice, wts: Slice,
-                         n_tokens: int, k: int, x_stride: int, x_slot_stride: int, y_stride: int, xr: int,
-                         mode: str = "slots", accumulate: bool = False) -> None:
-        """mul_mv_id on CPU devices with the slots gathered per expert: moe_group lists each
-        expert's slots, moe_plan cuts the lists into chunks of xr slots of one expert, moe_gather
-        copies their rows of x into chunk order, and one dispatch per chunk multiplies the chunk's
-        expert by its rows with x from a uniform buffer (lavapipe reads a uniform buffer at a
-        uniform address in one load, a storage buffer per lane). The results go back to slot
-        order (moe_unsort), or are added per token (moe_sum POS) for "sum". Each slot's sums are
-        the one-row kernel's, term for term."""
-        self._check_rows("mul_mv_id", w.type_name, w.ncols, x_stride, x_slot_stride)
-        nrows, ncols = w.shape[1], w.ncols
-        plan, pos, C, (xs, ys) = self._expert_chunks(seq, ids, n_tokens, k, w.shape[0], xr, (ncols * 4, nrows * 4))
-        self._gather_rows(seq, plan, C, xr, x, k, x_stride, x_slot_stride, ncols, xs)
-        self._chunk_products(seq, w, plan, C, xr, k, xs, ys, wts, mode in ("weighted", "sum"))
-        if mode == "sum":
-            self._sum_gathered(seq, w, ys, pos, ids, y, n_tokens, k, y_stride, accumulate)
-        else:
-            seq.dispatch(self.pipeline("moe_unsort", 3), (pos, ys, y), _push("2I", nrows, y_stride),
-                         (math.ceil(nrows / 64), n_tokens * k, 1), writes=(2,))
-
-    def experts_swiglu_sorted(self, seq: Sequence, gate: DeviceTensor, up: DeviceTensor, down: DeviceTensor,
-                              x: Slice, ids: Slice, wts: Slice, n_tokens: int, k: int, xr: int, y: Slice,
-                              y_stride: int, accumulate: bool = False) -> None:
-        """A routed-expert FFN, y[t] (+)= sum_s wts[t, s] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t])
-        with e = ids[t, s], gathered per expert once for all three products (the rows stay in
-        chunk order from the gather of x to the sum: no slot-order copies in between). Each slot's
-        sums are mul_mv_id's, term for term. xr: `sorted_width((gate, up, down), ...)`."""
-        dim, F = gate.ncols, gate.shape[1]
-        self._check_rows("mul_mv_id", gate.type_name, dim, dim)
-        self._check_rows("mul_mv_id", down.type_name, F, F)
-        plan, pos, C, (xs, gs, us, hs, ys) = self._expert_chunks(seq, ids, n_tokens, k, gate.shape[0], xr,
-                                                                 (dim * 4, F * 4, F * 4, F * 4, dim * 4))
-        self._gather_rows(seq, plan, C, xr, x, k, dim, 0, dim, xs)
-        self._chunk_products(seq, gate, plan, C, xr, k, xs, gs, wts, False)
-        self._chunk_products(seq, up, plan, C, xr, k, xs, us, wts, False)
-        self.elementwise(seq, "swiglu", gs, us, hs, C * xr * F)
-        self._chunk_products(seq, down, plan, C, xr, k, hs, ys, wts, True)
-        self._sum_gathered(seq, down, ys, pos, ids, y, n_tokens, k, y_stride, accumulate)
 
     def _scratch_slice(self, nbytes: int) -> Slice:
         """A device buffer of at least nbytes for kernels' intermediates (grown, never freed while
