@@ -280,10 +280,16 @@ const uint sizeof_block = 176u;
 #define QK 256u
 #define QU 32u
 #define A_HAS_MIN
+// Both block sizes are whole 16-byte words, so the header and a unit's quants are read as uvec4s:
+// on lavapipe each storage read is a loop over the lanes with a bounds-checked load per
+// component, so one uvec4 read costs far less than four word reads (the decoded values are the
+// same; bench/results/issue8-execution-modes.md).
+layout(binding = A_BINDING, std430) readonly buffer WeightU128 { uvec4 data_a128[]; };
+const uint vpb = sizeof_block / 16u;
 vec2 get_dm(uint ib, uint iu) {
-    // the 12 scale bytes are words 1..3 of the block (both types are 4-byte multiples)
-    const uint wpb = sizeof_block / 4u;
-    const uint s0 = data_a32[ib * wpb + 1u], s1 = data_a32[ib * wpb + 2u], s2 = data_a32[ib * wpb + 3u];
+    // word 0: d and dmin (f16); the 12 scale bytes are words 1..3
+    const uvec4 h = data_a128[ib * vpb];
+    const uint s0 = h.y, s1 = h.z, s2 = h.w;
     const uint j = (iu & 3u) * 8u;
     uint sc, m;
     if (iu < 4u) {
@@ -293,14 +299,23 @@ vec2 get_dm(uint ib, uint iu) {
         sc = ((s2 >> j) & 0xFu) | (((s0 >> j) >> 6) & 3u) << 4;
         m = ((s2 >> (j + 4u)) & 0xFu) | (((s1 >> j) >> 6) & 3u) << 4;
     }
-    vec2 dm = vec2(data_a[ib].dm);
+    const vec2 dm = unpackHalf2x16(h.x);
     return vec2(dm.x * float(sc), -dm.y * float(m));
 }
+#define HAS_UNIT_LOAD  // get_unit(ib, iu, q): get_q4(ib, iu, g) for every g, from whole uvec4 reads
 #if defined(TYPE_Q4_K)
 // 144 bytes = 36 words; quants at word 4: sub-block iu is nibble (iu & 1) of bytes 32 * (iu >> 1) + l.
 vec4 get_q4(uint ib, uint iu, uint g) {
     uint w = data_a32[ib * 36u + 4u + (iu >> 1) * 8u + g];
     return unpack_bytes(((iu & 1u) != 0u ? (w >> 4) : w) & 0x0F0F0F0Fu);
+}
+void get_unit(uint ib, uint iu, out vec4 q[QU / 4u]) {
+    const uint v = ib * 9u + 1u + (iu >> 1) * 2u, sh = (iu & 1u) * 4u;
+    const uvec4 a = data_a128[v], b = data_a128[v + 1u];
+    [[unroll]] for (uint g = 0u; g < 4u; g++) {
+        q[g] = unpack_bytes((a[g] >> sh) & 0x0F0F0F0Fu);
+        q[g + 4u] = unpack_bytes((b[g] >> sh) & 0x0F0F0F0Fu);
+    }
 }
 #else
 // 176 bytes = 44 words; high bits at word 4 (bit iu of byte l), low nibbles at word 12.
@@ -309,6 +324,15 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     ql = ((iu & 1u) != 0u ? (ql >> 4) : ql) & 0x0F0F0F0Fu;
     uint qh = (data_a32[ib * 44u + 4u + g] >> iu) & 0x01010101u;
     return unpack_bytes(ql | (qh << 4));
+}
+void get_unit(uint ib, uint iu, out vec4 q[QU / 4u]) {
+    const uint v = ib * 11u + 3u + (iu >> 1) * 2u, sh = (iu & 1u) * 4u;
+    const uvec4 la = data_a128[v], lb = data_a128[v + 1u];
+    const uvec4 ha = data_a128[ib * 11u + 1u], hb = data_a128[ib * 11u + 2u];
+    [[unroll]] for (uint g = 0u; g < 4u; g++) {
+        q[g] = unpack_bytes(((la[g] >> sh) & 0x0F0F0F0Fu) | (((ha[g] >> iu) & 0x01010101u) << 4));
+        q[g + 4u] = unpack_bytes(((lb[g] >> sh) & 0x0F0F0F0Fu) | (((hb[g] >> iu) & 0x01010101u) << 4));
+    }
 }
 #endif
 
