@@ -125,12 +125,27 @@ uint grid_word(uint i) { return grid4[i >> 2u][i & 3u]; }
 // Word j of a field starting at byte b (any alignment), from the one or two aligned words that
 // hold it, little endian. On lavapipe every storage-buffer read (byte, u16 or word) is a branch
 // per lane, so blocks whose size is not a multiple of 4 read fewer, wider words this way; both
-// words are always read (no branch), and a decoder's calls with the same b share their loads.
+// words are always read (no branch).
 // kernels.bound_bytes binds every weight part with a word to spare, so word j + 1 is in range.
 uint field_word(uint b, uint j) {
     const uint w = (b >> 2) + j, sh = 8u * (b & 3u);
     const uint lo = data_a32[w], hi = data_a32[w + 1u];
     return sh == 0u ? lo : (lo >> sh) | (hi << (32u - sh));
+}
+// Words j0 .. j0 + n - 1 of that field (n <= 8, a constant where it is called), from n + 1 word
+// reads where n field_word calls make 2n. Q6_K's units read this way measured 1.25-1.31x faster
+// on lavapipe (grouped experts and dense rows; one-row decode unchanged); Q8_0, Q4_0, Q5_0 and
+// MXFP4 measured slower or no faster, so they keep field_word
+// (bench/results/issue8-execution-modes.md).
+void field_words(uint b, uint j0, uint n, out uint w[8]) {
+    const uint a = (b >> 2) + j0, sh = 8u * (b & 3u);
+    uint raw[9];
+    [[unroll]] for (uint i = 0u; i <= n; i++) {
+        raw[i] = data_a32[a + i];
+    }
+    [[unroll]] for (uint i = 0u; i < n; i++) {
+        w[i] = sh == 0u ? raw[i] : (raw[i] >> sh) | (raw[i + 1u] << (32u - sh));
+    }
 }
 
 #if defined(TYPE_IQ1_S) || defined(TYPE_IQ1_M) || defined(TYPE_IQ2_XXS) || defined(TYPE_IQ2_XS) || defined(TYPE_IQ2_S)
@@ -357,6 +372,16 @@ vec4 get_q4(uint ib, uint iu, uint g) {
     ql = (ql >> (4u * (quarter >> 1))) & 0x0F0F0F0Fu;
     qh = ((qh >> (2u * quarter)) & 0x03030303u) << 4;
     return unpack_bytes(ql | qh);
+}
+#define HAS_UNIT_LOAD  // get_unit(ib, iu, q): get_q4(ib, iu, g) for every g, each word read once
+void get_unit(uint ib, uint iu, out vec4 q[QU / 4u]) {
+    const uint n = iu >> 3, quarter = (iu & 7u) >> 1, l0 = (iu & 1u) * 16u;
+    uint lw[8], hw[8];
+    field_words(ib * 210u, (64u * n + l0 + 32u * (quarter & 1u)) / 4u, 4u, lw);
+    field_words(ib * 210u, (128u + 32u * n + l0) / 4u, 4u, hw);
+    [[unroll]] for (uint g = 0u; g < 4u; g++) {
+        q[g] = unpack_bytes(((lw[g] >> (4u * (quarter >> 1))) & 0x0F0F0F0Fu) | (((hw[g] >> (2u * quarter)) & 0x03030303u) << 4));
+    }
 }
 
 #elif defined(TYPE_TQ1_0)
