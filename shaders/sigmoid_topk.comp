@@ -118,11 +118,11 @@ void main() {
         }
         barrier();
     }
-    if (tid < pc.k) {
-        float w = kept[tid];
+    for (uint j = tid; j < pc.k; j += WG) {  // (a workgroup may be narrower than k)
+        float w = kept[j];
         if ((pc.flags & 1u) != 0u) {
             w /= max(total, 6.103515625e-5);
         }
-        wts[r * pc.k + tid] = w * pc.scale;
+        wts[r * pc.k + j] = w * pc.scale;
     }
 }

@@ -76,7 +76,7 @@ void main() {
         }
         barrier();
     }
-    if (tid < pc.k) {
-        wts[r * pc.k + tid] = (pc.flags & 1u) != 0u ? kept[tid] / total : kept[tid];
+    for (uint j = tid; j < pc.k; j += WG) {  // (a workgroup may be narrower than k)
+        wts[r * pc.k + j] = (pc.flags & 1u) != 0u ? kept[j] / total : kept[j];
     }
 }

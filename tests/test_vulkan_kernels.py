@@ -241,10 +241,11 @@ def test_row_length_must_be_whole_blocks(ops, rng):
 # -- the rest of the step --------------------------------------------------------------------
 
 
-def test_rms_norm(ops, rng):
-    x = rng.standard_normal((5, 96)).astype(np.float32) * 3
-    w = rng.standard_normal(96).astype(np.float32)
-    close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rng, 1e-5, "rms_norm")
+@pytest.mark.parametrize("n", [96, 90])  # rows read as vec4s (rms_norm4) / as floats
+def test_rms_norm(ops, rng, n):
+    x = rng.standard_normal((5, n)).astype(np.float32) * 3
+    w = rng.standard_normal(n).astype(np.float32)
+    close(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), rng, 1e-5, f"rms_norm {n}")
 
 
 @pytest.mark.parametrize("neox", [False, True])
@@ -276,11 +277,12 @@ def test_rope_frequency_factors(ops, rng, neox):
     assert np.abs(want - ref.rope(x, pos, 64, 500000.0, neox)).max() > 0.1  # the factors matter here
 
 
+@pytest.mark.parametrize("k", [4, 12])  # 12: more than a CPU device's one-subgroup workgroup
 @pytest.mark.parametrize("norm", [False, True])
-def test_router_softmax_topk(ops, rng, norm):
+def test_router_softmax_topk(ops, rng, norm, k):
     logits = rng.standard_normal((6, 60)).astype(np.float32)
-    ids, w = ops.router(logits, 4, norm)
-    want_ids, want_w = ref.router(logits, 4, norm)
+    ids, w = ops.router(logits, k, norm)
+    want_ids, want_w = ref.router(logits, k, norm)
     np.testing.assert_array_equal(ids, want_ids, err_msg=f"seed {rng.seed}")
     close(w, want_w, rng, 1e-5, "router weights")
 
@@ -292,15 +294,16 @@ def test_router_ties_pick_the_lower_expert(ops, rng):
     np.testing.assert_array_equal(ids, ref.router(logits, 2, True)[0])
 
 
-@pytest.mark.parametrize("groups,used", [(1, 1), (4, 2), (8, 3)])
+@pytest.mark.parametrize("groups,used,k", [(1, 1, 4), (4, 2, 4), (8, 3, 4), (1, 1, 12)])
 @pytest.mark.parametrize("norm", [False, True])
-def test_router_sigmoid_topk(ops, rng, norm, groups, used):
+def test_router_sigmoid_topk(ops, rng, norm, groups, used, k):
     """GLM-4.5's router (sigmoid scores, correction bias for the choice only, expert groups)
-    against its numpy twin; the bias must change the choice, and the weights stay unbiased."""
+    against its numpy twin; the bias must change the choice, and the weights stay unbiased.
+    k = 12: more than a CPU device's one-subgroup workgroup."""
     logits = rng.standard_normal((6, 64)).astype(np.float32) * 2
     bias = rng.standard_normal(64).astype(np.float32) * 0.3
-    ids, w = ops.sigmoid_router(logits, bias, 4, norm, 2.5, groups, used)
-    want_ids, want_w = ref.sigmoid_router(logits, bias, 4, norm, 2.5, groups, used)
+    ids, w = ops.sigmoid_router(logits, bias, k, norm, 2.5, groups, used)
+    want_ids, want_w = ref.sigmoid_router(logits, bias, k, norm, 2.5, groups, used)
     np.testing.assert_array_equal(ids, want_ids, err_msg=f"seed {rng.seed}")
     close(w, want_w, rng, 1e-5, "sigmoid router weights")
     s = 1 / (1 + np.exp(-logits.astype(np.float64)))
@@ -308,10 +311,10 @@ def test_router_sigmoid_topk(ops, rng, norm, groups, used):
     if norm:
         direct = 2.5 * direct / direct.sum(-1, keepdims=True)
     np.testing.assert_allclose(want_w, direct, rtol=1e-5)  # weights: the unbiased scores
-    assert not np.array_equal(want_ids, ref.sigmoid_router(logits, None, 4, norm, 2.5, groups, used)[0])
+    assert not np.array_equal(want_ids, ref.sigmoid_router(logits, None, k, norm, 2.5, groups, used)[0])
     if groups > 1:  # every chosen expert lies in one of the `used` groups picked
         assert all(len(set(row // (64 // groups))) <= used for row in want_ids)
-        assert not np.array_equal(want_ids, ref.sigmoid_router(logits, bias, 4, norm, 2.5)[0])
+        assert not np.array_equal(want_ids, ref.sigmoid_router(logits, bias, k, norm, 2.5)[0])
 
 
 @pytest.mark.parametrize("op", ["add", "mul", "swiglu"])
