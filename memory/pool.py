@@ -203,6 +203,10 @@ class ExpertPool:
         self.reads, self.read_seconds = 0, 0.0  # reads done and their summed durations (one expert each)
         self.read_cpu_seconds = 0.0  # the reader threads' CPU time for them (what a read takes from compute)
         self.lock = threading.Condition()
+        # Acquires waiting in _victim for a slot to be unpinned. A release wakes the lock's
+        # waiters only when there are some: the reader threads wait on the same lock, and waking
+        # them at each of a decode step's releases (one per MoE layer) cost the step its GIL.
+        self._slot_waiters = 0
         self.readers = {}
         for (layer, part), src in self.sources.items():
             if src.file not in self.readers:
@@ -302,7 +306,8 @@ class ExpertPool:
                     s.pins -= 1
                     if s.pins == 0:
                         self.lru[s.cls][id(s)] = s
-            self.lock.notify_all()
+            if self._slot_waiters:
+                self.lock.notify_all()
 
     def prefetch(self, layer: int, experts: Iterable[int], keep: Iterable[tuple[int, int]] = ()) -> int:
         """Queue reads for experts not resident; never blocks, never evicts a pinned slot or one
@@ -383,7 +388,11 @@ class ExpertPool:
                     return s
             if time.monotonic() > deadline:
                 raise StreamReadError("every expert slot stayed pinned for a minute: use more slots (--slots)")
-            self.lock.wait(timeout=1)
+            self._slot_waiters += 1
+            try:
+                self.lock.wait(timeout=1)
+            finally:
+                self._slot_waiters -= 1
             self._check_open()
 
     def _free_slot(self, layer: int, ci: int, avoid: set) -> Optional[_Slot]:

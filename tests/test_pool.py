@@ -134,3 +134,38 @@ def test_acquire_pins_hits_before_claiming_misses():
         assert set(pool.where) == {(0, 0), (0, 1), (0, 3), (0, 4)}  # LRU evicted 2, not 1
     finally:
         pool.close()
+
+
+def test_acquire_waits_for_a_release_from_another_thread():
+    """With every slot pinned, an acquire waits (in _victim) until another thread releases one;
+    a release wakes the lock's waiters only while such an acquire waits (the reader threads wait
+    on the same lock), so the waiter must be counted and woken."""
+    import threading
+
+    _, pool = make_pool(2)
+    try:
+        pool.acquire(0, [0, 1])  # both slots pinned
+        got, err = [], []
+
+        def other():
+            try:
+                got.append(pool.acquire(0, [2]))
+                pool.release(0, [2])
+            except Exception as e:  # noqa: BLE001 (reported below)
+                err.append(e)
+
+        t = threading.Thread(target=other)
+        t.start()
+        for _ in range(1000):  # until the other acquire waits for a slot
+            with pool.lock:
+                if pool._slot_waiters:
+                    break
+            t.join(0.01)
+        with pool.lock:
+            assert pool._slot_waiters == 1 and not got, "the second acquire did not wait for a slot"
+        pool.release(0, [0, 1])
+        t.join(30)
+        assert not t.is_alive() and not err, err
+        assert len(got) == 1 and (0, 2) in pool.where and pool._slot_waiters == 0
+    finally:
+        pool.close()
