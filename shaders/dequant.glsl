@@ -4,7 +4,9 @@
 //   QK   weights per block (float types: 16-value "blocks" so one row is whole blocks),
 //   QU   weights per unit (a run that shares one scale/offset; QU divides QK, 4 divides QU),
 //   get_dm(ib, iu) -> (scale, offset) of unit iu of block ib: w = scale * q + offset,
-//   get_q4(ib, iu, g) -> the raw quants q of weights 4g..4g+3 of that unit.
+//   get_q4(ib, iu, g) -> the raw quants q of weights 4g..4g+3 of that unit,
+//   get_unit(ib, iu, q) -> get_q4 for every g of the unit (a type may define a cheaper one:
+//                          HAS_UNIT_LOAD; the others get the loop at the end of this file).
 // A_HAS_MIN is defined when the offset can be non-zero, so kernels can skip sum(x).
 // Quants are read as 32-bit words where blocks are 4-byte aligned and as pairs of 16-bit
 // words where they are only 2-byte aligned (MXFP4, 17 bytes, is read byte by byte).
@@ -795,6 +797,15 @@ vec4 get_q4(uint ib, uint iu, uint g) {
 #endif
 
 #endif  // block-quantized types
+
+#ifndef HAS_UNIT_LOAD
+// A unit's get_q4 values, for the types without a cheaper read of a whole unit.
+void get_unit(uint ib, uint iu, out vec4 q[QU / 4u]) {
+    [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
+        q[g] = get_q4(ib, iu, g);
+    }
+}
+#endif
 
 // The four dequantized weights 4g..4g+3 of unit iu of block ib.
 vec4 dequant4(uint ib, uint iu, uint g) {

@@ -104,7 +104,8 @@ void unit_dot(uint ab, uint xb, uint first, float scale, uint ib, uint iu, uint 
         [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
             q += dot(uq[g], xv[g]);
         }
-#else
+#else  // (get_q4 inside the dots, as before: through get_unit these types' one-row decode measured
+      // 1.03-1.05x slower in one A/B, about that A/B's noise; not taken)
         [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
             q += dot(get_q4(b, iu, g), xv[g]);
         }
@@ -161,17 +162,11 @@ void xr_dot(uint ab, uint first) {
         [[unroll]] for (uint n = 0u; n < NR; n++) {
             const uint b = ab + min(first + n, last) * row_blocks + ib;
             dm[n] = get_dm(b, iu);
-#ifdef HAS_UNIT_LOAD
             vec4 uq[QU / 4u];
             get_unit(b, iu, uq);
             [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
                 qv[n * (QU / 4u) + g] = uq[g];
             }
-#else
-            [[unroll]] for (uint g = 0u; g < QU / 4u; g++) {
-                qv[n * (QU / 4u) + g] = get_q4(b, iu, g);
-            }
-#endif
         }
         [[unroll]] for (uint j = 0u; j < XR; j++) {
             float q[NR];

@@ -281,7 +281,7 @@ class Kernels:
         self.wg = 64
         # rms_norm's and the routers' workgroup (a row each): on CPU devices one subgroup (lavapipe
         # runs a workgroup of several subgroups as coroutines switching at every barrier)
-        self.norm_wg = dev.info.subgroup_size if dev.info.type == "cpu" and dev.info.subgroup_size >= 4 else self.wg
+        self.row_wg = dev.info.subgroup_size if dev.info.type == "cpu" and dev.info.subgroup_size >= 4 else self.wg
         # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
         # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
         # broadcast); 0: the one-row kernel at any R.
@@ -628,7 +628,7 @@ class Kernels:
                  x_stride: Optional[int] = None, out_stride: Optional[int] = None) -> None:
         vec = n % 4 == 0 and (x_stride or n) % 4 == 0 and (out_stride or n) % 4 == 0 \
             and all(s.offset % 16 == 0 for s in (x, out, *((w,) if w is not None else ())))
-        p = self.pipeline("rms_norm4" if vec else "rms_norm", 3, (self.norm_wg,))
+        p = self.pipeline("rms_norm4" if vec else "rms_norm", 3, (self.row_wg,))
         gx, gy = self._grid(n_rows)
         push = _push("3IfI", n, x_stride or n, out_stride or n, eps, int(w is not None))
         seq.dispatch(p, (x, w if w is not None else x, out), push, (gx, gy, 1), writes=(2,))
@@ -651,7 +651,7 @@ class Kernels:
         if n_experts > MAX_EXPERTS or not 0 < k <= min(MAX_TOPK, n_experts):
             raise VulkanKernelError(f"kernel softmax_topk: {n_experts} experts / top {k} outside its limits "
                                     f"({MAX_EXPERTS} experts, top {MAX_TOPK})")
-        p = self.pipeline("softmax_topk", 3, (self.norm_wg,))
+        p = self.pipeline("softmax_topk", 3, (self.row_wg,))
         gx, gy = self._grid(n_rows)
         seq.dispatch(p, (logits, ids, wts), _push("4I", n_experts, k, stride or n_experts, int(norm)), (gx, gy, 1),
                      writes=(1, 2))
@@ -666,7 +666,7 @@ class Kernels:
             raise VulkanKernelError(f"kernel sigmoid_topk: {n_experts} experts in {groups} groups ({groups_used} "
                                     f"used) / top {k} outside its limits ({MAX_EXPERTS} experts, {MAX_GROUPS} "
                                     f"groups, top {MAX_TOPK})")
-        p = self.pipeline("sigmoid_topk", 4, (self.norm_wg,))
+        p = self.pipeline("sigmoid_topk", 4, (self.row_wg,))
         gx, gy = self._grid(n_rows)
         flags = int(norm) | (2 if bias is not None else 0)
         push = _push("6If", n_experts, k, stride or n_experts, flags, groups, groups_used, scale)
