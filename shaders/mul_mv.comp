@@ -15,9 +15,9 @@
 // rows is decoded once and dotted with each of them (prefill and verify rows on a CPU device,
 // where the decode, not the weight bytes, is the cost); with MUL_ID too, the slots grouped per
 // expert (see that main). Each row's sums are the one-row kernel's, term for term. Dense: the
-// dispatch covers x rows [0, pc.xrows) of its x binding and writes y rows pc.yrow0 + j; XR is a
-// specialization constant (the host compiles a few widths), rows past pc.xrows re-read the last
-// one and are not written.
+// dispatch covers x rows [0, pc.xrows) of its x binding, pc.zrows of them per workgroup layer
+// z, and writes y rows pc.yrow0 + i; XR is a specialization constant (the host compiles a few widths),
+// rows past pc.xrows re-read the last one and are not written.
 #include "common.glsl"
 // IQ weight types also read their codebook, bound after this kernel's own buffers.
 #ifdef MUL_ID
@@ -69,6 +69,7 @@ layout(push_constant) uniform Push {
 #ifdef XROWS
     uint xrows;          // rows of x in this dispatch (<= XR)
     uint yrow0;          // y row of x row 0
+    uint zrows;          // dense: rows of x per workgroup layer z
 #endif
 } pc;
 
@@ -254,9 +255,12 @@ void main() {
     if (first >= pc.nrows) {
         return;
     }
-    // xo: first vec4 of each x row (the last row for j >= pc.xrows)
+    // grid z: pc.zrows (<= XR) rows of x each, from x row zr of the binding; xo: first vec4 of
+    // each x row (rows past the layer's or the binding's last re-read the last one)
+    const uint zr = gl_WorkGroupID.z * pc.zrows;
+    const uint zn = min(pc.zrows, pc.xrows - zr);  // rows of this layer
     [[unroll]] for (uint j = 0u; j < XR; j++) {
-        xo[j] = min(j, pc.xrows - 1u) * (pc.x_stride / 4u);
+        xo[j] = (zr + min(j, zn - 1u)) * (pc.x_stride / 4u);
         xsc[j] = 1.0;
         [[unroll]] for (uint n = 0u; n < NR; n++) {
             acc[n * XR + j] = 0.0;
@@ -264,10 +268,10 @@ void main() {
     }
     xr_dot(0u, first);
     [[unroll]] for (uint j = 0u; j < XR; j++) {
-        if (j < pc.xrows) {
+        if (j < zn) {
             [[unroll]] for (uint n = 0u; n < NR; n++) {
                 if (first + n < pc.nrows) {
-                    const uint i = (pc.yrow0 + j) * pc.y_stride + pc.row0 + first + n;
+                    const uint i = (pc.yrow0 + zr + j) * pc.y_stride + pc.row0 + first + n;
                     y[i] = ((pc.flags & 1u) != 0u ? y[i] : 0.0) + acc[n * XR + j];
                 }
             }

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from onebit.backends.vulkan import reference as ref
+from onebit.backends.vulkan.device import Sequence
 from onebit.backends.vulkan.kernels import MV_WHOLE_UNIT, SUPPORTED_TYPES
 from onebit.backends.vulkan.ops import VulkanOps
 
@@ -87,6 +88,39 @@ def test_mul_mv_rows_x_storage_and_chunks(rng, type_name):
         x = rng.standard_normal((5, n)).astype(np.float32)
         close(o.mul_mv(w, type_name, x), ref.mul_mv(w, type_name, x), rng, TOL[type_name],
               f"mul_mv_xr {type_name} n={n} uniform={uniform}")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "F32"])
+def test_mul_mv_rows_in_workgroup_layers(rng, monkeypatch, type_name):
+    """Many rows: even chunks of at most 16, one per workgroup layer (grid z), as many layers per
+    dispatch as the x binding holds; an uneven last chunk, a uniform window holding a whole
+    number of chunks or not, x from a storage buffer. Every row has the one-row kernel's bits."""
+    o = VulkanOps(reduce="none")
+    layers = []
+    dispatch = Sequence.dispatch
+
+    def spy(seq, pipeline, bindings, push=b"", groups=(1, 1, 1), **kw):
+        if pipeline.name.startswith("mul_mv_"):
+            layers.append(groups[2])
+        return dispatch(seq, pipeline, bindings, push, groups, **kw)
+
+    monkeypatch.setattr(Sequence, "dispatch", spy)
+    big_window = o.k.dev.info.max_uniform_buffer_range >= 65536
+    # (n_in, rows, x uniform, chunks, dispatches where the window holds 64 KiB)
+    for n, R, uniform, chunks, dispatches in ((256, 37, True, 3, 1), (512, 70, True, 5, 3), (2048, 37, True, 5, 5),
+                                              (256, 37, False, 3, 1)):
+        o.k.mv_xr_uniform = uniform
+        w = ref.random_blocks(type_name, (21, n), rng)
+        x = rng.standard_normal((R, n)).astype(np.float32)
+        layers.clear()
+        many = o.mul_mv(w, type_name, x)
+        what = f"mul_mv_xr {type_name} n={n} R={R} uniform={uniform}"
+        assert sum(layers) == chunks and (not big_window or len(layers) == dispatches), (what, layers)
+        layers.clear()
+        one = np.concatenate([o.mul_mv(w, type_name, x[r : r + 1]) for r in range(R)])
+        assert layers == [1] * R
+        np.testing.assert_array_equal(many, one, err_msg=what)
+        close(many, ref.mul_mv(w, type_name, x), rng, TOL[type_name], what)
 
 
 def test_mul_mv_rows_accumulate_into_a_strided_y(cpu_ops, rng):

@@ -433,7 +433,9 @@ class Kernels:
     def mul_mv_xr(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int,
                   y_stride: int, accumulate: bool = False) -> None:
         """mul_mv with each weight unit decoded once for up to mv_xrows rows of x (thread per row,
-        CPU devices): one dispatch per chunk of rows, x from a uniform buffer where a chunk fits."""
+        CPU devices). Rows go in even chunks of at most mv_xrows, one per workgroup layer z; a
+        dispatch takes as many chunks as its x binding holds (x from a uniform buffer where a
+        chunk fits: 64 KiB), so a small model's prompt is a few dispatches, not one per chunk."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
         info = self.dev.info
         row_bytes = x_stride * 4
@@ -447,15 +449,19 @@ class Kernels:
         name = f"mul_mv_{w.type_name}_none_{'xr' if uniform else 'xrs'}"
         ubos = ((1,) if uniform else ()) + self._grid_ubo(w.type_name, n_bind)
         nr, chunks = self.mv_xr_nr, self._xr_chunks(n_rows, per)
-        p = self.pipeline(name, n_bind, (self.mv_wg, nr, self._xr_width(chunks[0][1])), ubos)
-        for r0, count in chunks:  # x bound from row r0 on (row strides are whole 16-byte words)
-            off = r0 * row_bytes
+        size = chunks[0][1]  # rows per layer (the last chunk may have fewer)
+        p = self.pipeline(name, n_bind, (self.mv_wg, nr, self._xr_width(size)), ubos)
+        layers = max(1, per_ubo // size) if uniform else len(chunks)  # chunks per dispatch
+        for i in range(0, len(chunks), layers):
+            group = chunks[i : i + layers]
+            r0, count = group[0][0], sum(c for _, c in group)
+            off = r0 * row_bytes  # x bound from row r0 on (row strides are whole 16-byte words)
             xs = x.buffer.slice(x.offset + off, min(count * row_bytes, x.size - off) if uniform else x.size - off)
             for part in w.parts:
                 gx, gy = self._grid(math.ceil(part.count / (nr * self.mv_wg)))
-                push = _push("12I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0,
-                             count, r0)
-                seq.dispatch(p, (part.slice, xs, y, *extra), push, (gx, gy, 1), writes=(2,))
+                push = _push("13I", w.ncols, part.count, part.start, x_stride, y_stride, int(accumulate), 0, 0, 0, 0,
+                             count, r0, size)
+                seq.dispatch(p, (part.slice, xs, y, *extra), push, (gx, gy, len(group)), writes=(2,))
 
     def mul_mm(self, seq: Sequence, w: DeviceTensor, x: Slice, y: Slice, n_rows: int, x_stride: int, y_stride: int,
                accumulate: bool = False) -> None:
