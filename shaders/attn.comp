@@ -2,7 +2,7 @@
 #ifdef ROWS
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
-#extension GL_KHR_shader_subgroup_ballot : require
+#extension GL_KHR_shader_subgroup_shuffle : require
 #endif
 // Causal GQA attention over the KV cache, for decode (one row) and prefill (rows at pos[r]).
 //   q: [R, H, D]   k: [S, Hkv, D]   v: [S, Hkv, Dv]   out: [R, H * Dv]
@@ -61,8 +61,11 @@ uint first_key(uint p) {
 // Many rows (prefill, verify rows; CPU devices): a workgroup of one subgroup takes GH heads of
 // one KV head and WG consecutive rows, lane i row r0 + i. The lanes walk the keys together, so
 // each key's K and V rows are read once for all of them: lane l reads vec4s l, l + WG, ... and
-// subgroupBroadcast hands each to every lane (on lavapipe a storage-buffer read is a loop over
-// the lanes: the K and V reads were most of the one-row kernel's time). Each row and head sums
+// a subgroupShuffle hands each to every lane, used at once (on lavapipe a storage-buffer read
+// is a loop over the lanes: the K and V reads were most of the one-row kernel's time; a
+// subgroupShuffle from a constant lane measured 3-4x faster there than subgroupBroadcast, and
+// keeping the row in an array rather than using each vec4 as it arrives, slower again). Lanes
+// whose row does not take a key add 0 x its V (every key a row group walks was written: finite). Each row and head sums
 // its keys in order with an online softmax: its result does not depend on the rows or heads it
 // shares a workgroup with (but its sums run in another order than the one-row kernel's).
 layout(constant_id = 1) const uint HD = 128u;   // head_dim
@@ -70,8 +73,6 @@ layout(constant_id = 2) const uint HDV = 128u;  // head_dim_v
 layout(constant_id = 3) const uint GH = 1u;     // heads per workgroup (dividing n_heads / n_kv_heads)
 // vec4s of a K (V) row each lane reads: n / 4 over the subgroup, rounded up
 #define KV_READS(n) (((n) / 4u + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x)
-// row[t * WG + c] = vec4 t * WG + c of the key's row (vec4s past the row's end repeat its last)
-#define BCAST(c) if ((c) < gl_WorkGroupSize.x) { row[t * gl_WorkGroupSize.x + (c)] = subgroupBroadcast(mine, (c)); }
 void main() {
     const uint h0 = gl_WorkGroupID.x * GH;
     const uint WG = gl_WorkGroupSize.x;
@@ -99,18 +100,25 @@ void main() {
     for (uint j = j0; j < j1; j++) {
         const bool live = j >= lo && j <= p_r;
         const uint kb = ((j % pc.n_kv) * pc.k_stride + kvh * HD) / 4u;
-        vec4 row[KV_READS(HD) * gl_WorkGroupSize.x];
+        float sc[GH];
+        [[unroll]] for (uint g = 0u; g < GH; g++) {
+            sc[g] = 0.0;
+        }
         [[unroll]] for (uint t = 0u; t < KV_READS(HD); t++) {
             const vec4 mine = k4[kb + min(t * WG + tid, HD / 4u - 1u)];
-            BCAST(0u) BCAST(1u) BCAST(2u) BCAST(3u) BCAST(4u) BCAST(5u) BCAST(6u) BCAST(7u)
-            BCAST(8u) BCAST(9u) BCAST(10u) BCAST(11u) BCAST(12u) BCAST(13u) BCAST(14u) BCAST(15u)
+            [[unroll]] for (uint c = 0u; c < gl_WorkGroupSize.x; c++) {
+                const uint d = t * gl_WorkGroupSize.x + c;
+                if (d < HD / 4u) {
+                    const vec4 kv = subgroupShuffle(mine, c);
+                    [[unroll]] for (uint g = 0u; g < GH; g++) {
+                        sc[g] += dot(qv[g * (HD / 4u) + d], kv);
+                    }
+                }
+            }
         }
         float p[GH];
         [[unroll]] for (uint g = 0u; g < GH; g++) {
-            float s = 0.0;
-            [[unroll]] for (uint d = 0u; d < HD / 4u; d++) {
-                s += dot(qv[g * (HD / 4u) + d], row[d]);
-            }
+            const float s = sc[g];
             if (live && s > m[g]) {  // a new running max: rescale what was summed so far
                 const float c = exp(m[g] - s);
                 l[g] *= c;
@@ -123,18 +131,15 @@ void main() {
             l[g] += p[g];
         }
         const uint vb = ((j % pc.n_kv) * pc.v_stride + kvh * HDV) / 4u;
-        vec4 vrow[KV_READS(HDV) * gl_WorkGroupSize.x];
         [[unroll]] for (uint t = 0u; t < KV_READS(HDV); t++) {
             const vec4 mine = v4[vb + min(t * WG + tid, HDV / 4u - 1u)];
-#define row vrow
-            BCAST(0u) BCAST(1u) BCAST(2u) BCAST(3u) BCAST(4u) BCAST(5u) BCAST(6u) BCAST(7u)
-            BCAST(8u) BCAST(9u) BCAST(10u) BCAST(11u) BCAST(12u) BCAST(13u) BCAST(14u) BCAST(15u)
-#undef row
-        }
-        if (live) {
-            [[unroll]] for (uint g = 0u; g < GH; g++) {
-                [[unroll]] for (uint d = 0u; d < HDV / 4u; d++) {
-                    acc[g * (HDV / 4u) + d] += p[g] * vrow[d];
+            [[unroll]] for (uint c = 0u; c < gl_WorkGroupSize.x; c++) {
+                const uint d = t * gl_WorkGroupSize.x + c;
+                if (d < HDV / 4u) {
+                    const vec4 vv = subgroupShuffle(mine, c);
+                    [[unroll]] for (uint g = 0u; g < GH; g++) {
+                        acc[g * (HDV / 4u) + d] += p[g] * vv;
+                    }
                 }
             }
         }

@@ -23,7 +23,7 @@ from test_vulkan_kernels import _attention_by_loops, close, rng  # noqa: F401  (
 def cpu_ops():
     o = VulkanOps(reduce="none")
     if not o.k.attn_rows_able:
-        pytest.skip("device without subgroup arithmetic and broadcast (attn.comp ROWS)")
+        pytest.skip("device without subgroup arithmetic and shuffle (attn.comp ROWS)")
     assert o.k.attn_rows == 2  # the default where the device has what it needs
     return o
 
@@ -54,7 +54,7 @@ def _qkv(rng, R, S, H, Hkv, D, Dv):
 
 @pytest.mark.parametrize("H,Hkv,D,Dv,S,R,window", [
     (8, 2, 64, 64, 50, 37, 0),    # the last subgroup of rows part-full
-    (6, 2, 80, 48, 45, 9, 0),     # 20 vec4s per key row: three broadcast rounds, the last part-used; 3 heads
+    (6, 2, 80, 48, 45, 9, 0),     # 20 vec4s per key row: three shuffle rounds, the last part-used; 3 heads
     (2, 1, 256, 256, 30, 2, 0),   # the widest heads, two rows
     (4, 4, 16, 32, 70, 16, 5),    # a window: the rows' first keys differ within a subgroup
 ])
@@ -75,7 +75,7 @@ def test_a_rows_result_does_not_depend_on_its_block(rng):
     heads one per workgroup instead of four."""
     o = VulkanOps(reduce="none")
     if not o.k.attn_rows_able:
-        pytest.skip("device without subgroup arithmetic and broadcast (attn.comp ROWS)")
+        pytest.skip("device without subgroup arithmetic and shuffle (attn.comp ROWS)")
     o.k.attn_rows = 2
     H, Hkv, D, S, R = 8, 2, 32, 64, 21
     q, k, v = _qkv(rng, R, S, H, Hkv, D, D)

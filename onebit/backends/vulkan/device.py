@@ -112,7 +112,7 @@ class DeviceInfo:
     missing: tuple[str, ...] = field(default=())  # features onebit needs that this device lacks
     max_uniform_buffer_range: int = 16384  # Vulkan's minimum; the device's own below
     min_uniform_buffer_offset_alignment: int = 256  # Vulkan's maximum
-    subgroup_ballot: bool = False  # subgroupBroadcast in compute shaders
+    subgroup_shuffle: bool = False  # subgroupShuffle in compute shaders
 
     @property
     def unified(self) -> bool:
@@ -215,7 +215,7 @@ def _query(vk, pd, index: int) -> DeviceInfo:
     arith = bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT) and bool(
         subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT
     )
-    ballot = bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_BALLOT_BIT) and bool(
+    shuffle = bool(subgroup.supportedOperations & vk.VK_SUBGROUP_FEATURE_SHUFFLE_BIT) and bool(
         subgroup.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT
     )
     missing = []
@@ -243,7 +243,7 @@ def _query(vk, pd, index: int) -> DeviceInfo:
         subgroup_size=int(subgroup.subgroupSize), subgroup_arithmetic=arith,
         storage_8bit=bool(f12.storageBuffer8BitAccess), storage_16bit=bool(f11.storageBuffer16BitAccess),
         missing=tuple(missing), max_uniform_buffer_range=int(lim.maxUniformBufferRange),
-        min_uniform_buffer_offset_alignment=int(lim.minUniformBufferOffsetAlignment), subgroup_ballot=ballot,
+        min_uniform_buffer_offset_alignment=int(lim.minUniformBufferOffsetAlignment), subgroup_shuffle=shuffle,
     )
 
 

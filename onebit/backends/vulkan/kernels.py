@@ -284,11 +284,11 @@ class Kernels:
         self.row_wg = dev.info.subgroup_size if dev.info.type == "cpu" and dev.info.subgroup_size >= 4 else self.wg
         # CPU devices: attention over at least this many rows takes attn.comp ROWS (the lanes walk
         # the keys together, one row each; needs a subgroup of at most 16 lanes with arithmetic and
-        # broadcast); 0: the one-row kernel at any R.
+        # shuffle); 0: the one-row kernel at any R.
         # (Bit for bit, a row's result depends on which of the two kernels ran it: `row_chunks`
         # gives a forward of more than one row no one-row chunk.)
         info = dev.info
-        self.attn_rows_able = self.reduce == "none" and info.subgroup_arithmetic and info.subgroup_ballot \
+        self.attn_rows_able = self.reduce == "none" and info.subgroup_arithmetic and info.subgroup_shuffle \
             and 4 <= info.subgroup_size <= 16
         self.attn_rows = 2 if self.attn_rows_able else 0
         self.attn_rows_heads = 4  # ... query heads of one KV head per workgroup (K/V read once for them)
