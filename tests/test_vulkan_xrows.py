@@ -123,6 +123,34 @@ def test_mul_mv_rows_in_workgroup_layers(rng, monkeypatch, type_name):
         close(many, ref.mul_mv(w, type_name, x), rng, TOL[type_name], what)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "IQ4_XS", "IQ3_S"])
+def test_x_shuffle_keeps_the_bits(rng, type_name):
+    """x from a storage buffer read once per subgroup and shuffled to the lanes (mul_mv.comp
+    X_SHUFFLE, where the device allows it): the same bits as each lane reading it, for the grouped
+    experts (units of 32 and of 16 weights) and the dense kernel with x in a storage buffer."""
+    o = VulkanOps(reduce="none")
+    if not o.k.x_shuffle:
+        pytest.skip("device without a one-subgroup workgroup of >= 8 lanes with shuffle")
+    n = n_in(type_name, 2)
+    E, k, R = 4, 2, 21
+    we = ref.random_blocks(type_name, (E, 75, n), rng)
+    w = ref.random_blocks(type_name, (75, n), rng)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)]).astype(np.int32)
+    wts = rng.random((R, k)).astype(np.float32)
+    x, xe = rng.standard_normal((R, n)).astype(np.float32), rng.standard_normal((R, k, n)).astype(np.float32)
+    o.k.mv_xr_uniform = False
+    got = {}
+    for on in (True, False):
+        o.k.x_shuffle = on
+        with Spy(o.k, "mul_mv_id_xr") as spy:
+            got[on] = [o.mul_mv_id(we, type_name, xe, ids, wts, "sum"), o.mul_mv_id(we, type_name, x, ids, wts, "slots"),
+                       o.mul_mv(w, type_name, x)]
+        assert spy.calls == 2
+    for a, b, what in zip(got[True], got[False], ("grouped sum", "grouped slots", "dense, x storage")):
+        np.testing.assert_array_equal(a, b, err_msg=f"{type_name} {what}: shuffled x against read x")
+    close(got[True][2], ref.mul_mv(w, type_name, x), rng, TOL[type_name], f"mul_mv_xr {type_name} x shuffled")
+
+
 def test_mul_mv_rows_accumulate_into_a_strided_y(cpu_ops, rng):
     """y (+)= W @ x with y rows wider than W's output (the graph's fused linears)."""
     k, dev = cpu_ops.k, cpu_ops.dev
