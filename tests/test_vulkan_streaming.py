@@ -88,3 +88,28 @@ def test_row_groups_and_slot_table():
     assert _row_groups(ids[:0], 2) == []
     t = _slot_table(ids[:2], [0, 1, 2], [7, 3, 5])
     assert t.dtype == np.int32 and t.tolist() == [[7, 3], [3, 5]]
+
+
+@pytest.mark.parametrize("slots,deferred", [(8, True), (2, False)])
+def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, slots, deferred):
+    """A decode step's layer 0 experts stay pinned until the segment after layer 1's pause is
+    submitted (the host's work between segments is then only what the next one needs), unless
+    layer 1's experts might need their slots (2 slots, top 2: released before its acquire)."""
+    from onebit.backends.vulkan.device import Sequence
+
+    path = fixture_path("qwen3moe-f32.gguf")
+    m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB")
+    try:
+        cache = m.new_cache()
+        m.net.forward(_prompt(path)[:4], cache, last_only=True)
+        events = []
+        submit, release, acquire = Sequence.submit, m.pool.release, m.pool.acquire
+        monkeypatch.setattr(Sequence, "submit", lambda seq: (events.append("submit"), submit(seq))[1])
+        monkeypatch.setattr(m.pool, "release", lambda layer, e: (events.append(f"release {layer}"), release(layer, e))[1])
+        monkeypatch.setattr(m.pool, "acquire", lambda layer, e: (events.append(f"acquire {layer}"), acquire(layer, e))[1])
+        m.net.forward(np.array([3]), cache)
+    finally:
+        m.be.close()
+    want = ["submit", "acquire 0", "submit", "acquire 1", "submit", "release 0", "release 1"] if deferred else \
+        ["submit", "acquire 0", "submit", "release 0", "acquire 1", "submit", "release 1"]
+    assert events == want

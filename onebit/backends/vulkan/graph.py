@@ -672,6 +672,10 @@ class Recording:
             frozen: dict = {}  # recurrent layers ahead: their state before this step, read before the device moves it
             ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l],
                                frozen.__getitem__ if self.cfg.recurrent_layers else None)
+        # Experts still pinned for a segment that has finished: released after the next
+        # submission, so that the host's work between two segments (the device idle) is only
+        # what the next one needs (unless this layer's experts need those slots: _at_pause).
+        done = [None]
         try:
             self.segments[0].run()
             for pp, seg in zip(self.pauses, self.segments[1:]):
@@ -685,34 +689,41 @@ class Recording:
                         for l in predictor.moe_layers[i + 1 : i + 1 + predictor.s.ahead]:
                             if self.cfg.layer_is_recurrent(l):
                                 frozen[l] = _StateCopy(kv.conv[l].copy(), kv.state[l].copy())
-                held, seg = self._at_pause(pp, hook, pool, seg)
+                done[0], held = held, None
+                held, seg = self._at_pause(pp, hook, pool, seg, done)
                 seg.submit()
+                if done[0] is not None:
+                    pool.release(*done[0])
+                    done[0] = None
                 if predictor is not None:  # the host ranks the next layers while the device runs
                     predictor.at_pause(ctx, pp.layer, ids, logits, h)
                 seg.wait()
-                if held is not None:
-                    pool.release(*held)
-                    held = None
         finally:
-            if held is not None:
-                pool.release(*held)
+            for pinned in (held, done[0]):
+                if pinned is not None:
+                    pool.release(*pinned)
         self.n_replays += 1
         if hook is not None:
             for layer, ids, logits in self.observed:
                 hook(layer, ids.host().astype(np.int64), logits.host().copy())
         return self._logits.copy()
 
-    def _at_pause(self, pp: PausePoint, hook, pool, seg):
+    def _at_pause(self, pp: PausePoint, hook, pool, seg, done: list):
         """The host's turn at a pause point: the hook, then the pool. Returns (what to release
-        after the next segment, the segment to run next)."""
-        ids = pp.ids.host().astype(np.int64)  # [R, k]
+        after the next segment, the segment to run next). done[0]: (layer, experts) the last
+        segment read, which the caller releases after the next submission; released here first
+        (and set to None) where this layer's experts might need their slots."""
+        ids = pp.ids.host()  # [R, k] int32, in mapped memory
         if hook is not None and not self.observe:
-            hook(pp.layer, ids, pp.logits.host().copy())
+            hook(pp.layer, ids.astype(np.int64), pp.logits.host().copy())
         if pp.table is None:
             return None, seg
         layer, table = pp.layer, pp.table.host()
         experts = sorted(set(ids.ravel().tolist()))  # (a decode step's 8 ids: faster than np.unique)
         cap = pool.capacity(layer)
+        if done[0] is not None and len(done[0][1]) + len(experts) > cap:
+            pool.release(*done[0])
+            done[0] = None
         if len(experts) <= cap:
             slots = pool.acquire(layer, experts)
             table[:] = _slot_table(ids, experts, slots)
