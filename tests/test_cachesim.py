@@ -103,3 +103,15 @@ def test_trace_file_roundtrip_and_cli(tmp_path):
     r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "cache-sim", str(bad), "--slots", "2"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "not an onebit routing trace" in r.stderr
+
+
+def test_trace_logits_are_written_to_five_decimals(tmp_path):
+    """The router logits in a trace line are rounded to 5 decimals as written (float32's nearest
+    to 1.304 would print as 1.3040000200271606)."""
+    path = tmp_path / "t.jsonl"
+    w = TraceWriter(str(path), "m", 1, 4, 1)
+    w(0, np.array([[0]]), np.array([[1.304, -0.25, 0.123456, 2.0]], np.float32))
+    w.close()
+    line = path.read_text().splitlines()[1]
+    rec = json.loads(line)
+    assert rec["ranked"] == [[3, 0]] and rec["logits"] == [[2.0, 1.304]] and '"logits": [[2.0, 1.304]]' in line

@@ -40,12 +40,14 @@ class TraceWriter:
     def __call__(self, layer: int, ids: np.ndarray, logits: np.ndarray) -> None:
         depth = min(2 * self.k, logits.shape[1])
         ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :depth]
+        # rounded as float64: float32's nearest to 1.304 prints as 1.3040000200271606
+        top = np.take_along_axis(logits, ranked, axis=-1).astype(np.float64)
         rec = {
             "phase": self.phase,
             "layer": int(layer),
             "experts": ids.tolist(),
             "ranked": ranked.tolist(),
-            "logits": np.round(np.take_along_axis(logits, ranked, axis=-1), 5).tolist(),
+            "logits": np.round(top, 5).tolist(),
         }
         self.f.write(json.dumps(rec) + "\n")
 
