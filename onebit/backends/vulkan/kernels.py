@@ -260,7 +260,7 @@ class Kernels:
         # The many-row kernels reading x from a storage buffer (the grouped experts, and dense where
         # x fits no uniform buffer) read each vec4 of a unit once per subgroup and shuffle it to the
         # lanes (mul_mv.comp X_SHUFFLE): a workgroup of one subgroup of at least 8 lanes (the widest
-        # unit, 32 weights, is 8 vec4s). Lavapipe: grouped Q4_K experts 1.13x, Q6_K 1.07x.
+        # unit, 32 weights, is 8 vec4s). Lavapipe: grouped Q4_K experts 1.13-1.17x, Q6_K 1.00-1.07x.
         self.x_shuffle = self.reduce == "none" and dev.info.subgroup_shuffle and dev.info.subgroup_size >= 8 \
             and self.mv_wg == dev.info.subgroup_size
         self._scratch: list[Buffer] = []
