@@ -244,7 +244,6 @@ class Kernels:
         # per thread beat 4-8 x 1-4 at 16 rows of x; pipelines compile in 2-6 s.
         self.mv_xrows = 16 if self.reduce == "none" else 0
         self.mv_xr_nr = 8
-        self.mv_xr_uniform = True  # x from a uniform buffer where a chunk of rows fits one
         # Routed experts are grouped per expert (mul_mv_id_xr) where each expert gets at least this
         # many slots on average (n_tokens * k / n_experts). Measured on lavapipe, Q4_K gate + down
         # (bench/results/issue8-execution-modes.md): 64 experts top 8, 0.5 / 1.1 / 2 / 3 / 8 slots
@@ -263,6 +262,11 @@ class Kernels:
         # unit, 32 weights, is 8 vec4s). Lavapipe: grouped Q4_K experts 1.13-1.17x, Q6_K 1.00-1.07x.
         self.x_shuffle = self.reduce == "none" and dev.info.subgroup_shuffle and dev.info.subgroup_size >= 8 \
             and self.mv_wg == dev.info.subgroup_size
+        # The dense many-row kernel: x from a uniform buffer where a chunk of rows fits one (a
+        # uniform read is one load on lavapipe, a storage read a loop over the lanes), unless x
+        # is shuffled: then from storage, all rows in one dispatch (lavapipe, [out x 1024] at
+        # 2-256 rows, 12 types: 1.03-1.80x; bench/results/issue8-execution-modes.md).
+        self.mv_xr_uniform = not self.x_shuffle
         self._scratch: list[Buffer] = []
         # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
         # On a CPU device mat-vec per row is faster at any size (the tiled kernel's shared
