@@ -191,7 +191,6 @@ class ExpertPool:
                 bufs[part].fill(0)  # touch every page now: the plan counts the slots as used
             self.buffers.append(bufs)
             self.slots.append([_Slot(ci, i) for i in range(n)])
-        self._capacity = {layer: len(self._partition(layer, ci)) for layer, ci in self.class_of_layer.items()}
         self.where: dict[tuple[int, int], _Slot] = {}
         self.lru: list[OrderedDict] = [OrderedDict() for _ in classes]  # unpinned slots, oldest first
         for ci, ss in enumerate(self.slots):
@@ -230,7 +229,7 @@ class ExpertPool:
 
     def capacity(self, layer: int) -> int:
         """How many experts of `layer` can be pinned at once."""
-        return self._capacity[layer]
+        return len(self._partition(layer, self.class_of_layer[layer]))
 
     def acquire(self, layer: int, experts: Iterable[int]) -> list[int]:
         """Block until every expert is resident; pin them; return their slot indices."""

@@ -65,9 +65,10 @@ uint first_key(uint p) {
 // is a loop over the lanes: the K and V reads were most of the one-row kernel's time; a
 // subgroupShuffle from a constant lane measured 3-4x faster there than subgroupBroadcast, and
 // keeping the row in an array rather than using each vec4 as it arrives, slower again). Lanes
-// whose row does not take a key add 0 x its V (every key a row group walks was written: finite). Each row and head sums
-// its keys in order with an online softmax: its result does not depend on the rows or heads it
-// shares a workgroup with (but its sums run in another order than the one-row kernel's).
+// whose row does not take a key add 0 x its V (every key a row group walks was written:
+// finite). Each row and head sums its keys in order with an online softmax: its result does
+// not depend on the rows or heads it shares a workgroup with (but its sums run in another order
+// than the one-row kernel's).
 layout(constant_id = 1) const uint HD = 128u;   // head_dim
 layout(constant_id = 2) const uint HDV = 128u;  // head_dim_v
 layout(constant_id = 3) const uint GH = 1u;     // heads per workgroup (dividing n_heads / n_kv_heads)

@@ -444,8 +444,8 @@ class Kernels:
                   y_stride: int, accumulate: bool = False) -> None:
         """mul_mv with each weight unit decoded once for up to mv_xrows rows of x (thread per row,
         CPU devices). Rows go in even chunks of at most mv_xrows, one per workgroup layer z; a
-        dispatch takes as many chunks as its x binding holds (x from a uniform buffer where a
-        chunk fits: 64 KiB), so a small model's prompt is a few dispatches, not one per chunk."""
+        dispatch takes as many chunks as its x binding holds: all of them from a storage buffer
+        (shuffled where x_shuffle), or a 64 KiB uniform window's worth (mv_xr_uniform)."""
         self._check_rows("mul_mv", w.type_name, w.ncols, x_stride)
         info = self.dev.info
         row_bytes = x_stride * 4
