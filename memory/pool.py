@@ -197,6 +197,7 @@ class ExpertPool:
             for s in ss:
                 self.lru[ci][id(s)] = s
         self.stats = PoolStats()
+        self.table: Optional[np.ndarray] = None  # see track()
         # per layer, for the predictor's ledger (moe/predict.py): prefetch hits, demand misses,
         # wasted prefetches, stall seconds, stall seconds of acquires that had a demand miss
         self.by_layer: dict[int, list] = {layer: [0, 0, 0, 0.0, 0.0] for layer in self.class_of_layer}
@@ -277,6 +278,9 @@ class ExpertPool:
                             self.lru[w.cls][id(w)] = w
                     self.lock.notify_all()
                 raise s.error
+        if self.table is not None:  # (pinned: no claim can clear these meanwhile)
+            for e, s in zip(experts, waits):
+                self.table[layer, e] = s.index
         dt = time.perf_counter() - t0
         self.stats.stall_seconds += dt
         per[1] += misses
@@ -297,6 +301,34 @@ class ExpertPool:
                 yield start, group, slots
             finally:
                 self.release(layer, group)
+
+    def track(self, table: np.ndarray) -> None:
+        """Keep table[layer, expert] (an int32 array, e.g. mapped device memory) = the slot that
+        holds that expert, complete, or -1. An entry is set when an acquire has the expert
+        resident and cleared when its slot is claimed for another, so a kernel may read the
+        table's slots without acquiring, as long as nothing calls acquire or prefetch meanwhile
+        (the Vulkan backend's steps with no pause, vulkan/graph.py); `touch` then counts the use."""
+        with self.lock:
+            table.fill(-1)
+            for (layer, e), s in self.where.items():
+                if s.ready.is_set() and s.error is None and not s.prefetched:
+                    table[layer, e] = s.index
+            self.table = table
+
+    def touch(self, used: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """Experts a step used through the tracked table, [(layer, experts)]: counted as hits and
+        made most recently used, as an acquire and release of each layer's experts would."""
+        with self.lock:
+            for layer, experts in used:
+                self.stats.acquires += 1
+                for e in experts:
+                    s = self.where.get((layer, int(e)))
+                    if s is None or self.table is None or self.table[layer, int(e)] != s.index:
+                        raise RuntimeError(f"expert pool: layer {layer} expert {e} was used through the slot "
+                                           "table but is not resident")
+                    self.stats.hits += 1
+                    if s.pins == 0:
+                        self.lru[s.cls].move_to_end(id(s))
 
     def release(self, layer: int, experts: Iterable[int]) -> None:
         with self.lock:
@@ -409,6 +441,8 @@ class ExpertPool:
         s = victim if victim is not None else self._victim(layer, ci)
         self.lru[ci].pop(id(s), None)
         if s.key is not None:
+            if self.table is not None:
+                self.table[s.key] = -1
             if s.prefetched:
                 self.stats.wasted_prefetches += 1
                 self.by_layer[s.key[0]][2] += 1

@@ -4,6 +4,7 @@
 // n_groups equal groups whose two best biased scores sum highest (ties: the lower group, the
 // lower expert); their weights are the unbiased s, renormalised to sum 1 (flag 1; the sum
 // clamped below at 2^-14 as llama.cpp does), times scale. One workgroup per token row.
+// SLOT_LUT: also the slot table, as softmax_topk.comp.
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -14,6 +15,8 @@ layout(binding = 0, std430) readonly buffer Logits { float logits[]; };
 layout(binding = 1, std430) readonly buffer Bias { float bias[]; };
 layout(binding = 2, std430) writeonly buffer Ids { int ids[]; };
 layout(binding = 3, std430) writeonly buffer Wts { float wts[]; };
+#define LUT_BINDING 4
+#include "slot_lut.glsl"
 
 layout(push_constant) uniform Push {
     uint n_experts;
@@ -23,6 +26,9 @@ layout(push_constant) uniform Push {
     uint n_groups;    // 1: no groups
     uint groups_used;
     float scale;
+#ifdef SLOT_LUT
+    uint lut_base;
+#endif
 } pc;
 
 shared float vals[MAX_EXPERTS];
@@ -113,6 +119,7 @@ void main() {
         barrier();  // every thread has read best_i[0] before the next round writes it
         if (tid == 0u) {
             ids[r * pc.k + j] = int(sel);
+            SLOT_OF(r * pc.k + j, sel);
             kept[j] = p;
             vals[sel] = NEG_INF;
         }

@@ -2,6 +2,8 @@
 // MoE router: softmax over a row's expert logits, keep the k largest (ties: lower expert id),
 // optionally renormalise the kept weights to sum to 1. One workgroup per token row.
 // Ranking uses the logits themselves (softmax is monotonic), so no rounding can reorder them.
+// SLOT_LUT (streamed experts, no pause): also table[r, j] = lut[lut_base + id], the pool slot
+// holding that expert (see slot_lut.glsl).
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;
@@ -10,12 +12,17 @@ layout(local_size_x_id = 0) in;
 layout(binding = 0, std430) readonly buffer Logits { float logits[]; };
 layout(binding = 1, std430) writeonly buffer Ids { int ids[]; };
 layout(binding = 2, std430) writeonly buffer Wts { float wts[]; };
+#define LUT_BINDING 3
+#include "slot_lut.glsl"
 
 layout(push_constant) uniform Push {
     uint n_experts;
     uint k;
     uint stride;   // floats between rows of logits
     uint flags;    // 1: renormalise the top k
+#ifdef SLOT_LUT
+    uint lut_base; // the layer's first entry in lut
+#endif
 } pc;
 
 #include "reduce.glsl"
@@ -71,6 +78,7 @@ void main() {
         total += p;
         if (tid == 0u) {
             ids[r * pc.k + j] = int(sel);
+            SLOT_OF(r * pc.k + j, sel);
             kept[j] = p;
             vals[sel] = -1.0 / 0.0;
         }

@@ -86,6 +86,8 @@ def variants() -> list[Variant]:
                  "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk",  # the last five: Gated DeltaNet models
                  "moe_sum", "moe_group"):
         out.append(Variant(name, f"{name}.comp"))
+    for name in ("softmax_topk", "sigmoid_topk"):  # routers that also write streamed experts' slots
+        out.append(Variant(f"{name}_lut", f"{name}.comp", (("SLOT_LUT", ""),)))
     out.append(Variant("moe_sum4", "moe_sum.comp", (("VEC4", ""),)))  # four columns a thread
     out.append(Variant("rms_norm4", "rms_norm.comp", (("VEC4", ""),)))  # rows read as vec4s
     # gpt-oss experts: biases and the clamped SwiGLU around the expert mat-vecs

@@ -74,6 +74,48 @@ def test_lru_hits_misses_and_bytes():
         pool.close()
 
 
+def test_tracked_table_follows_acquires_and_evictions():
+    """track(): table[layer, e] is e's slot once an acquire had it resident, -1 once its slot
+    goes to another expert; a prefetch alone does not enter it (not known complete). touch()
+    counts hits and orders the LRU as acquire + release would: the same evictions follow."""
+    _, pool = make_pool(3)
+    _, twin = make_pool(3)
+    try:
+        table = np.zeros((2, 8), np.int32)
+        pool.track(table)
+        assert (table == -1).all()
+        slots = pool.acquire(0, [1, 2])
+        pool.release(0, [1, 2])
+        assert table[0, 1] == slots[0] and table[0, 2] == slots[1]
+        assert (table == -1).sum() == 14
+        pool.prefetch(1, [4])
+        pool.drain()
+        assert table[1, 4] == -1
+        pool.acquire(1, [4])
+        pool.release(1, [4])
+        assert table[1, 4] >= 0
+        # the twin does by acquire + release what `pool` does by touch
+        for layer, e in ((0, [1, 2]), (1, [4])):
+            twin.acquire(layer, e)
+            twin.release(layer, e)
+        before = pool.stats.hits
+        pool.touch([(0, [1])])
+        twin.acquire(0, [1])
+        twin.release(0, [1])
+        assert pool.stats.hits == before + 1 == twin.stats.hits
+        for q in (pool, twin):  # evicts the least recently used: (0, 2), not (0, 1)
+            q.acquire(1, [6])
+            q.release(1, [6])
+        assert set(pool.where) == set(twin.where) == {(0, 1), (1, 4), (1, 6)}
+        assert table[0, 2] == -1 and table[1, 6] == pool.where[(1, 6)].index
+        assert table[0, 1] == pool.where[(0, 1)].index
+        with pytest.raises(RuntimeError, match="not resident"):
+            pool.touch([(0, [2])])
+    finally:
+        pool.close()
+        twin.close()
+
+
 def test_prefetch_hit_and_waste():
     _, pool = make_pool(2)
     try:

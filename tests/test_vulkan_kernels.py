@@ -317,6 +317,37 @@ def test_router_sigmoid_topk(ops, rng, norm, groups, used, k):
         assert not np.array_equal(want_ids, ref.sigmoid_router(logits, bias, k, norm, 2.5)[0])
 
 
+@pytest.mark.parametrize("sigmoid", [False, True])
+def test_router_writes_pool_slots_and_flags_a_miss(ops, rng, sigmoid):
+    """SLOT_LUT (shaders/slot_lut.glsl): with the pool's table [layers, E] of slots (-1: not
+    pooled), the router also writes table[layer, id] per chosen expert and sets the miss flag
+    exactly when one of them is -1; ids and weights are those of the plain router."""
+    logits = rng.standard_normal((5, 64)).astype(np.float32)
+    lut = rng.permutation(3 * 64).reshape(3, 64).astype(np.int32)
+    plain = ops.sigmoid_router(logits, None, 4, True) if sigmoid else ops.router(logits, 4, True)
+
+    def run(table):
+        if sigmoid:
+            return ops.sigmoid_router(logits, None, 4, True, lut=table, layer=2)
+        return ops.router(logits, 4, True, lut=table, layer=2)
+
+    ids, w, slots, miss = run(lut)
+    np.testing.assert_array_equal(ids, plain[0])
+    np.testing.assert_array_equal(w, plain[1])
+    np.testing.assert_array_equal(slots, lut[2][ids], err_msg=f"seed {rng.seed}")
+    assert miss[0] == 0
+    holes = lut.copy()
+    holes[2, ids[3, 1]] = -1  # one chosen expert not pooled; other layers' holes do not count
+    holes[1, :] = -1
+    ids, w, slots, miss = run(holes)
+    assert miss[0] == 1
+    want = lut[2][ids]
+    want[ids == ids[3, 1]] = 0  # (a missing expert reads slot 0: in bounds)
+    np.testing.assert_array_equal(slots, want)
+    holes[2, ids[3, 1]] = lut[2, ids[3, 1]]
+    assert run(holes)[3][0] == 0
+
+
 @pytest.mark.parametrize("op", ["add", "mul", "swiglu"])
 def test_binary(ops, rng, op):
     a = rng.standard_normal((3, 100)).astype(np.float32)

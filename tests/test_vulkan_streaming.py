@@ -113,3 +113,47 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
     want = ["submit", "acquire 0", "submit", "acquire 1", "submit", "release 0", "release 1"] if deferred else \
         ["submit", "acquire 0", "submit", "release 0", "acquire 1", "submit", "release 1"]
     assert events == want
+
+
+@pytest.mark.parametrize("name,slots", [("qwen3moe-f32.gguf", 14), ("glm4moe-f32.gguf", 8), ("q3moe256-Q4_K_M.gguf", 6)])
+def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, slots):
+    """Once a step's experts were all hits, the next runs as one submission, its routers writing
+    the slot table from the pool's (graph.py Recording.lookup); one that routes to an expert
+    not pooled is refused and run again with pauses. Against the same decode with every
+    streamed layer pausing: the same logits bit for bit, the same pool counts (hits, misses,
+    bytes) and the same routing trace."""
+    from onebit.moe.trace import TraceWriter
+
+    path = fixture_path(name)
+    prompt = _prompt(path)[:8]
+    runs = {}
+    for lookup in (True, False):
+        m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB")
+        try:
+            m.be.runner.pool_lookup = lookup
+            streamed = len(m.be.streamed_layers)
+            trace = str(tmp_path / f"{lookup}.jsonl")
+            hook = TraceWriter(trace, "t", m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
+            dev, submits = m.be.dev, []
+            cache = m.new_cache()
+            out = [m.net.forward(prompt, cache, hook=hook)]
+            for _ in range(2 * N_DECODE):
+                n0 = dev.n_submits
+                out.append(m.net.forward(np.array([int(out[-1][-1].argmax())]), cache, hook=hook))
+                submits.append(dev.n_submits - n0)
+            hook.close()
+            st = m.pool.stats
+            r = m.be.runner
+            runs[lookup] = (np.concatenate(out), (st.hits, st.demand_misses, st.bytes_read, st.acquires), submits,
+                            open(trace).read(), (r.lookup_steps, r.lookup_refused))
+        finally:
+            m.be.close()
+    (got, counts, submits, text, (tried, refused)), (want, want_counts, paused, want_text, none) = runs[True], runs[False]
+    assert np.array_equal(got, want)
+    assert counts == want_counts and text == want_text and none == (0, 0)
+    assert counts[1] > 0  # (the pool missed, so pauses ran too)
+    assert all(n == streamed + 1 for n in paused)  # every streamed layer pauses
+    accepted = tried - refused
+    assert accepted > 0 and submits.count(1) == accepted
+    if name.startswith("q3moe256"):  # its decode routes to all 8 experts of a layer: 6 slots miss
+        assert refused > 0

@@ -51,7 +51,8 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelFileError
 
-# Called at the pause point of MoE layer `layer`: hook(layer, ids [R, k], logits [R, E]).
+# Called at the pause point of MoE layer `layer`: hook(layer, ids [R, k], logits [R, E]). A hook
+# may have `drain()`, work it put off, which the Vulkan backend calls while the device runs a step.
 ExpertHook = Callable[[int, np.ndarray, np.ndarray], None]
 
 

@@ -22,9 +22,14 @@ class TraceError(OnebitError):
 
 
 class TraceWriter:
-    """A model hook that records routing. Set `.phase` before each forward."""
+    """A model hook that records routing. Set `.phase` before each forward.
+
+    A call keeps copies of the arrays; `drain()` writes what was kept (the Vulkan backend calls
+    it while the device runs the next step, so the formatting costs the step nothing), as does
+    every BATCH-th call and `close()`."""
 
     needs_pause = False  # it only observes: a recorded step may call it after the experts ran
+    BATCH = 64
 
     def __init__(self, path: str, model_name: str, n_layers: int, n_experts: int, k: int):
         try:
@@ -34,25 +39,36 @@ class TraceWriter:
         self.path = path
         self.phase = "prompt"
         self.k = k
+        self._kept: list[tuple[str, int, np.ndarray, np.ndarray]] = []
         header = {"onebit_trace": 1, "model": model_name, "n_layers": n_layers, "n_experts": n_experts, "k": k}
         self.f.write(json.dumps(header) + "\n")
 
     def __call__(self, layer: int, ids: np.ndarray, logits: np.ndarray) -> None:
-        depth = min(2 * self.k, logits.shape[1])
-        ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :depth]
-        # rounded as float64: float32's nearest to 1.304 prints as 1.3040000200271606
-        top = np.take_along_axis(logits, ranked, axis=-1).astype(np.float64)
-        rec = {
-            "phase": self.phase,
-            "layer": int(layer),
-            "experts": ids.tolist(),
-            "ranked": ranked.tolist(),
-            "logits": np.round(top, 5).tolist(),
-        }
-        self.f.write(json.dumps(rec) + "\n")
+        self._kept.append((self.phase, int(layer), np.array(ids), np.array(logits)))
+        if len(self._kept) >= self.BATCH:
+            self.drain()
+
+    def drain(self) -> None:
+        """Write the records of the calls so far."""
+        kept, self._kept = self._kept, []
+        for phase, layer, ids, logits in kept:
+            depth = min(2 * self.k, logits.shape[1])
+            ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :depth]
+            # rounded as float64: float32's nearest to 1.304 prints as 1.3040000200271606
+            top = np.take_along_axis(logits, ranked, axis=-1).astype(np.float64)
+            rec = {
+                "phase": phase,
+                "layer": layer,
+                "experts": ids.tolist(),
+                "ranked": ranked.tolist(),
+                "logits": np.round(top, 5).tolist(),
+            }
+            self.f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
-        self.f.close()
+        if not self.f.closed:
+            self.drain()
+            self.f.close()
 
 
 @dataclass

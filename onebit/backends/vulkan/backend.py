@@ -89,6 +89,8 @@ class VulkanBackend:
         cache = self.make_cache(cfg, model.kv_capacity)
         try:
             self.runner._recording(model, cache.storage, 1, True, self.streamed_layers)
+            if self.pool is not None and self.streamed_layers and not cfg.recurrent_layers:
+                self.runner._recording(model, cache.storage, 1, True, frozenset(), lookup=True)  # (graph.py)
         except VulkanKernelError as e:
             raise VulkanUnavailableError(f"{self.gguf.path}: the Vulkan kernels cannot run this model ({e})") from e
         finally:

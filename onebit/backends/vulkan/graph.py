@@ -41,7 +41,7 @@ import numpy as np
 
 from ...cache import SWA_ROWS, Cache, KVCache, RecurrentCache, RingKVCache, layer_positions
 from .device import Buffer, Slice, VulkanKernelError
-from .kernels import DeviceTensor, Part
+from .kernels import DeviceTensor, Part, SlotLookup
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,8 @@ class Val:
                  base: Optional["Val"] = None):
         self.s, self.shape, self.dtype, self._arena, self._base = s, tuple(shape), dtype, arena, base
         # (first op, after last op, record(out, accumulate)): how the last ops made this value,
-        # so `residual` can have them add into the residual stream instead
+        # so `residual` can have them add into the residual stream instead (a router's ids:
+        # record(lut), so `pause` can have it write the slot table too)
         self.redo = None
         self._host = None
 
@@ -471,10 +472,16 @@ class Recorder:
     def softcap(self, x: Val, cap: float) -> Val:
         return self._elementwise("softcap", x, self.be.consts.scalar(cap), 1)
 
+    def _router(self, ids: Val, record) -> None:
+        """Record a router; ids.redo keeps how to record it again writing slots (pause())."""
+        start = len(self.seq.ops)
+        record(None)
+        ids.redo = (start, len(self.seq.ops), record)
+
     def route(self, logits: Val, k: int, norm: bool):
         R, E = logits.shape
         ids, w = self._new((R, k), np.int32), self._new((R, k))
-        self.k.softmax_topk(self.seq, logits.s, ids.s, w.s, R, E, k, norm)
+        self._router(ids, lambda lut: self.k.softmax_topk(self.seq, logits.s, ids.s, w.s, R, E, k, norm, lut=lut))
         return ids, w
 
     def route_sigmoid(self, logits: Val, k: int, bias: Optional[str], norm: bool, scale: float,
@@ -482,7 +489,8 @@ class Recorder:
         R, E = logits.shape
         ids, w = self._new((R, k), np.int32), self._new((R, k))
         b = self.be.consts.vec(bias) if bias is not None else None
-        self.k.sigmoid_topk(self.seq, logits.s, b, ids.s, w.s, R, E, k, norm, scale, groups, groups_used)
+        self._router(ids, lambda lut: self.k.sigmoid_topk(self.seq, logits.s, b, ids.s, w.s, R, E, k, norm, scale,
+                                                          groups, groups_used, lut=lut))
         return ids, w
 
     def pause(self, layer: int, ids: Val, logits: Val, h: Val) -> None:
@@ -490,6 +498,17 @@ class Recorder:
             self.rec.observed.append((layer, ids, logits))
         if layer in self.rec.pause_layers:
             self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, h))
+        elif self.rec.lookup and self.be.streamed(layer):  # the router writes the slot table too
+            ops = self.seq.ops
+            if ids.redo is None or ids.redo[1] != len(ops):
+                raise VulkanKernelError(f"layer {layer}: the pause point does not follow the router")
+            start, _, record = ids.redo
+            del ops[start:]
+            R, k = ids.shape
+            table = self.rec.fixed((R, k), np.int32)
+            record(SlotLookup(self.be.slot_lut.s, table.s, self.rec.miss.s, layer * self.be.slot_lut.width))
+            self.rec.looked[layer] = (ids, table)
+        ids.redo = None
 
     def experts(self, layer: int, x: Val, ids: Val, w: Val, glu=None) -> Val:
         R, k = ids.shape
@@ -499,9 +518,12 @@ class Recorder:
         pp = self.rec.pauses[-1] if self.rec.pauses and self.rec.pauses[-1].layer == layer else None
         index = ids
         if self.be.streamed(layer):
-            if pp is None:
+            if pp is not None:
+                index = pp.table = self.rec.fixed((R, k), np.int32)
+            elif layer in self.rec.looked:
+                index = self.rec.looked[layer][1]
+            else:
                 raise VulkanKernelError(f"layer {layer}: streamed experts without a pause point")
-            index = pp.table = self.rec.fixed((R, k), np.int32)
         g, u, h, y = self._new((R, k, F)), self._new((R, k, F)), self._new((R, k, F)), self._new((R, dim))
         K = self.k
         biases = None  # gpt-oss: the parts' biases (by expert id, resident), with the clamped SwiGLU
@@ -608,11 +630,16 @@ class Recording:
     """One model forward over R rows against one KV storage, recorded once and replayed."""
 
     def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset,
-                 observe: bool = False):
+                 observe: bool = False, lookup: bool = False):
         self.be, self.model, self.cfg, self.kv = be, model, model.cfg, kv
         self.dev, self.R, self.last_only, self.pause_layers = be.dev, R, last_only, pause_layers
         self.observe = observe  # keep every MoE layer's ids and logits for an observing hook
         self.observed: list[tuple[int, Val, Val]] = []
+        # lookup: streamed layers with no pause point read the pool's slots through its table
+        # (the router writes the slot table); a step that routed to an expert not there is
+        # refused (run() returns None) and run again with pauses.
+        self.lookup = lookup
+        self.looked: dict[int, tuple[Val, Val]] = {}  # layer -> (ids, slot table), kept for touch()
         self.arena = be.arena
         self._bufs: list[Buffer] = []
         self.collector = self.dev.sequence()
@@ -624,6 +651,8 @@ class Recording:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
+            self.miss = self.fixed((1,), np.int32)  # set by a router that found an expert outside the pool
+            self._miss = self.miss.host()
             self._rows = np.arange(R, dtype=np.int32)
             self.logits = model.schedule(Recorder(self), last_only)  # [R or 1, vocab]
             self.arena.clock = lambda: 1 << 62  # between recordings every free buffer may be taken
@@ -655,10 +684,25 @@ class Recording:
 
     # -- replay ------------------------------------------------------------------------
 
-    def run(self, tokens: np.ndarray, start: int, hook=None, pool=None) -> np.ndarray:
-        """Forward tokens [R] at positions start..start+R-1; returns logits (a copy)."""
+    def run(self, tokens: np.ndarray, start: int, hook=None, pool=None) -> Optional[np.ndarray]:
+        """Forward tokens [R] at positions start..start+R-1; returns logits (a copy), or None
+        where a lookup step routed to an expert the pool did not hold (nothing was called or
+        counted: the caller runs the rows again with pauses, over what this step wrote)."""
         self._tok[:] = tokens
         np.add(self._rows, start, out=self._pos)
+        # Work a hook put off, done while the device runs; not on a CPU device, whose threads
+        # it would slow (lavapipe: a routing trace's 30 us cost a 1.8 ms step 300-480 us; it
+        # writes every TraceWriter.BATCH calls instead).
+        drain = getattr(hook, "drain", None) if self.dev.info.type != "cpu" else None
+        if self.lookup:
+            self._miss[0] = 0
+            self._first(drain)
+            if self._miss[0]:
+                return None
+            pool.touch([(layer, np.unique(ids.host())) for layer, (ids, _) in self.looked.items()])
+            self.n_replays += 1
+            self._observed(hook)
+            return self._logits.copy()
         held = None
         predictor = self.be.predictor
         if predictor is not None:
@@ -677,7 +721,7 @@ class Recording:
         # what the next one needs (unless this layer's experts need those slots: _at_pause).
         done = [None]
         try:
-            self.segments[0].run()
+            self._first(drain)
             for pp, seg in zip(self.pauses, self.segments[1:]):
                 if predictor is not None:  # read now: the next segment adds into h in place
                     hs, hshape, hdtype = pp.h
@@ -703,10 +747,22 @@ class Recording:
                 if pinned is not None:
                     pool.release(*pinned)
         self.n_replays += 1
+        self._observed(hook)
+        return self._logits.copy()
+
+    def _first(self, drain) -> None:
+        """Run the first segment; meanwhile the hook's put-off work, if any."""
+        self.segments[0].submit()
+        try:
+            if drain is not None:
+                drain()
+        finally:
+            self.segments[0].wait()
+
+    def _observed(self, hook) -> None:
         if hook is not None:
             for layer, ids, logits in self.observed:
                 hook(layer, ids.host().astype(np.int64), logits.host().copy())
-        return self._logits.copy()
 
     def _at_pause(self, pp: PausePoint, hook, pool, seg, done: list):
         """The host's turn at a pause point: the hook, then the pool. Returns (what to release
@@ -789,6 +845,7 @@ class Recording:
                 pp.post.close()
         self.segments, self.pauses = [], []
         self.logits = None
+        self.looked = {}
         self.collector.close()
         for b in self._bufs:
             b.destroy()
@@ -859,6 +916,12 @@ class GraphRunner:
     def __init__(self, be):
         self.be = be
         self.storages: list[DeviceKV] = []
+        # Steps with no pause over streamed experts (Recording.lookup; off: every streamed layer
+        # pauses): tried after `_calm_needed` steps in a row whose every expert was a hit; a
+        # refused try doubles how many it waits for.
+        self.pool_lookup = True
+        self._calm, self._calm_needed = 0, 1
+        self.lookup_steps, self.lookup_refused = 0, 0  # (counts: the tests and benches read them)
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> DeviceCache:
         want = max(int(capacity), 1)
@@ -894,26 +957,48 @@ class GraphRunner:
                                                        // (4 * cfg.vocab_size)))
         limit = min(limit, kv.forward_rows)  # a ring's rows must still hold what they read
         rings = [cache[i] for i in kv.rings]
+        # Lookup steps: only where the pauses are the pool's alone, for decode and verify rows
+        # (a prompt chunk's many experts would often miss, and a refused chunk costs a chunk),
+        # and not over recurrent state (a refused step would have moved it).
+        pool = self.be.pool
+        lookup = self.pool_lookup and pool is not None and bool(pauses) and pauses == self.be.streamed_layers \
+            and not cfg.recurrent_layers
         out, s = [], 0
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
             for c in rings:
                 c.advance(cache.offset, R)
-            rec = self._recording(model, kv, R, last_only, pauses, observe)
-            with _held_interrupts(bool(cfg.recurrent_layers)):
-                logits = rec.run(ids[s : s + R], cache.offset, hook, self.be.pool)
+            logits = None
+            if lookup and R <= EXACT_ROWS and self._calm >= self._calm_needed:
+                rec = self._recording(model, kv, R, last_only, frozenset(), observe, lookup=True)
+                logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
+                self.lookup_steps += 1
+                if logits is None:  # an expert outside the pool: with pauses, below
+                    self.lookup_refused += 1
+                    self._calm, self._calm_needed = 0, min(2 * self._calm_needed, 64)
+                else:
+                    self._calm_needed = 1
+            if logits is None:
+                rec = self._recording(model, kv, R, last_only, pauses, observe)
+                misses = pool.stats.demand_misses if lookup else 0
+                with _held_interrupts(bool(cfg.recurrent_layers)):
+                    logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
+                    cache.offset += R
+                if lookup:
+                    self._calm = self._calm + 1 if pool.stats.demand_misses == misses else 0
+            else:
                 cache.offset += R
             s += R
             out.append(logits)
         return out[-1] if last_only or len(out) == 1 else np.concatenate(out)
 
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
-                   observe: bool = False) -> Recording:
+                   observe: bool = False, lookup: bool = False) -> Recording:
         last_only = last_only and R > 1  # one row: the same forward either way
         chunked = 0 < self.be.k.delta_chunk_min_rows <= R  # the delta rule's kernel is recorded in
-        key = (id(model), R, last_only, pauses, observe, chunked)
+        key = (id(model), R, last_only, pauses, observe, chunked, lookup)
         rec = kv.recordings.get(key)
         if rec is None:
-            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe)
+            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe, lookup)
         return rec
 
     def close(self) -> None:

@@ -135,6 +135,21 @@ class DeviceTensor:
         return self.shape[-1]
 
 
+@dataclass(frozen=True)
+class SlotLookup:
+    """A router's slot-table outputs (shaders/slot_lut.glsl): the pool's expert -> slot table
+    (all layers), the [R, k] slot table it writes, the miss flag, and the layer's first entry."""
+
+    lut: Slice
+    table: Slice
+    miss: Slice
+    base: int
+
+    @property
+    def bindings(self) -> tuple[Slice, Slice, Slice]:
+        return self.lut, self.table, self.miss
+
+
 def split_rows(n_outer: int, outer_bytes: int, limit: int, name: str = "tensor") -> list[tuple[int, int]]:
     """[start, count) runs of whole outer rows/experts, each at most `limit` bytes."""
     if outer_bytes > limit:
@@ -664,18 +679,23 @@ class Kernels:
                      (math.ceil(n_heads * head_dim // 2 / self.wg), n_rows, 1), writes=(2,))
 
     def softmax_topk(self, seq: Sequence, logits: Slice, ids: Slice, wts: Slice, n_rows: int, n_experts: int, k: int,
-                     norm: bool, stride: Optional[int] = None) -> None:
+                     norm: bool, stride: Optional[int] = None, lut: Optional[SlotLookup] = None) -> None:
+        """lut: also write each chosen expert's pool slot (shaders/slot_lut.glsl)."""
         if n_experts > MAX_EXPERTS or not 0 < k <= min(MAX_TOPK, n_experts):
             raise VulkanKernelError(f"kernel softmax_topk: {n_experts} experts / top {k} outside its limits "
                                     f"({MAX_EXPERTS} experts, top {MAX_TOPK})")
-        p = self.pipeline("softmax_topk", 3, (self.row_wg,))
         gx, gy = self._grid(n_rows)
-        seq.dispatch(p, (logits, ids, wts), _push("4I", n_experts, k, stride or n_experts, int(norm)), (gx, gy, 1),
-                     writes=(1, 2))
+        push = _push("4I", n_experts, k, stride or n_experts, int(norm))
+        if lut is None:
+            seq.dispatch(self.pipeline("softmax_topk", 3, (self.row_wg,)), (logits, ids, wts), push, (gx, gy, 1),
+                         writes=(1, 2))
+            return
+        seq.dispatch(self.pipeline("softmax_topk_lut", 6, (self.row_wg,)), (logits, ids, wts, *lut.bindings),
+                     push + _push("I", lut.base), (gx, gy, 1), writes=(1, 2, 4, 5))
 
     def sigmoid_topk(self, seq: Sequence, logits: Slice, bias: Optional[Slice], ids: Slice, wts: Slice, n_rows: int,
                      n_experts: int, k: int, norm: bool, scale: float = 1.0, groups: int = 1, groups_used: int = 1,
-                     stride: Optional[int] = None) -> None:
+                     stride: Optional[int] = None, lut: Optional[SlotLookup] = None) -> None:
         """GLM-4.5's router (numpy twin: NumpyBackend.route_sigmoid): the top k by sigmoid(logit)
         + bias within the best `groups_used` of `groups` groups, weighted by sigmoid(logit)."""
         bad_groups = groups < 1 or n_experts % groups or groups > MAX_GROUPS or not 1 <= groups_used <= groups
@@ -683,11 +703,15 @@ class Kernels:
             raise VulkanKernelError(f"kernel sigmoid_topk: {n_experts} experts in {groups} groups ({groups_used} "
                                     f"used) / top {k} outside its limits ({MAX_EXPERTS} experts, {MAX_GROUPS} "
                                     f"groups, top {MAX_TOPK})")
-        p = self.pipeline("sigmoid_topk", 4, (self.row_wg,))
         gx, gy = self._grid(n_rows)
         flags = int(norm) | (2 if bias is not None else 0)
         push = _push("6If", n_experts, k, stride or n_experts, flags, groups, groups_used, scale)
-        seq.dispatch(p, (logits, bias if bias is not None else logits, ids, wts), push, (gx, gy, 1), writes=(2, 3))
+        bufs = (logits, bias if bias is not None else logits, ids, wts)
+        if lut is None:
+            seq.dispatch(self.pipeline("sigmoid_topk", 4, (self.row_wg,)), bufs, push, (gx, gy, 1), writes=(2, 3))
+            return
+        seq.dispatch(self.pipeline("sigmoid_topk_lut", 7, (self.row_wg,)), (*bufs, *lut.bindings),
+                     push + _push("I", lut.base), (gx, gy, 1), writes=(2, 3, 5, 6))
 
     def argmax(self, seq: Sequence, x: Slice, out: Slice, n_rows: int, n: int, stride: Optional[int] = None) -> None:
         p = self.pipeline("argmax", 2, (self.wg,))

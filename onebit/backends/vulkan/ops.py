@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from .device import Buffer, Device, Slice, default_device
-from .kernels import DeviceTensor, Kernels, WeightStore
+from .kernels import DeviceTensor, Kernels, SlotLookup, WeightStore
 
 
 class VulkanOps:
@@ -122,20 +122,32 @@ class VulkanOps:
         return self._run(lambda s: self.k.rope(s, xs, ps, out[0], R, H, D, n_rot, theta, neox, scale,
                                                factors=fs), out)
 
-    def router(self, logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    def router(self, logits: np.ndarray, k: int, norm: bool, lut: Optional[np.ndarray] = None, layer: int = 0):
+        """ids, weights; with lut ([layers, E] pool slots or -1) also the slot table and the miss flag."""
         R, E = logits.shape
         ls = self._in(logits)
         ids, wts = self._out((R, k), np.int32), self._out((R, k))
-        return self._run(lambda s: self.k.softmax_topk(s, ls, ids[0], wts[0], R, E, k, norm), ids, wts)
+        look, extra = self._lookup(lut, layer, R, k)
+        return self._run(lambda s: self.k.softmax_topk(s, ls, ids[0], wts[0], R, E, k, norm, lut=look), ids, wts,
+                         *extra)
 
     def sigmoid_router(self, logits: np.ndarray, bias: Optional[np.ndarray], k: int, norm: bool, scale: float = 1.0,
-                       groups: int = 1, groups_used: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                       groups: int = 1, groups_used: int = 1, lut: Optional[np.ndarray] = None, layer: int = 0):
         R, E = logits.shape
         ls = self._in(logits)
         bs = self._in(bias) if bias is not None else None
         ids, wts = self._out((R, k), np.int32), self._out((R, k))
+        look, extra = self._lookup(lut, layer, R, k)
         return self._run(lambda s: self.k.sigmoid_topk(s, ls, bs, ids[0], wts[0], R, E, k, norm, scale, groups,
-                                                       groups_used), ids, wts)
+                                                       groups_used, lut=look), ids, wts, *extra)
+
+    def _lookup(self, lut: Optional[np.ndarray], layer: int, R: int, k: int):
+        """The routers' SlotLookup over a host table, and the outputs it adds (table, miss flag)."""
+        if lut is None:
+            return None, ()
+        table, miss = self._out((R, k), np.int32), self._in(np.zeros(1, np.int32), np.int32)
+        look = SlotLookup(self._in(lut, np.int32), table[0], miss, layer * lut.shape[1])
+        return look, (table, (miss, (1,), np.dtype(np.int32)))
 
     def _binary(self, op: str, a: np.ndarray, b: Optional[np.ndarray]) -> np.ndarray:
         a_s = self._in(a)

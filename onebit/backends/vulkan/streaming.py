@@ -64,6 +64,25 @@ class SlotArrays:
         self._bufs = []
 
 
+class SlotTable:
+    """The pool's expert -> slot table ([layers, experts] int32, ExpertPool.track) in a mapped
+    device buffer: routers read it in steps that run with no pause (graph.py)."""
+
+    def __init__(self, dev: Device, pool):
+        layers = max(layer for layer, _ in pool.sources) + 1
+        self.width = max(src.n_experts for src in pool.sources.values())  # experts per layer
+        n = layers * self.width * 4
+        self.buffer = dev.buffer(n, host_visible=True)
+        if not self.buffer.host_visible:
+            self.buffer.destroy()
+            raise VulkanUnavailableError(f"{dev.info.name}: no host-visible memory for the expert slot table")
+        self.s = self.buffer.slice(0, n)
+        pool.track(self.buffer.view(np.int32, (layers, self.width)))
+
+    def destroy(self) -> None:
+        self.buffer.destroy()
+
+
 class StreamingVulkanBackend(VulkanBackend):
     """VulkanBackend whose routed experts live in an ExpertPool allocated with `SlotArrays`."""
 
@@ -77,6 +96,7 @@ class StreamingVulkanBackend(VulkanBackend):
         super().__init__(gguf, device or slot_arrays.dev)
         for layer in self.streamed_layers:
             self.expert_tensors(layer)  # a type without a shader: refused here, at load
+        self.slot_lut = SlotTable(self.dev, pool)
 
     @classmethod
     def create(cls, gguf: GGUFFile, classes, slots, policy: str = "global", device: Optional[Device] = None,
@@ -148,7 +168,11 @@ class StreamingVulkanBackend(VulkanBackend):
 
     def close(self) -> None:
         self.pool.close()  # reader threads stop before the memory they write goes away
+        self.pool.table = None
         super().close()
         self.slot_arrays.destroy()
+        if getattr(self, "slot_lut", None) is not None:
+            self.slot_lut.destroy()
+            self.slot_lut = None
         self._stage = {}
         self._layer_tensors = {}
