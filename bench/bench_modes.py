@@ -21,8 +21,8 @@ fence waits). The other tree needs `onebit/memory` and `onebit/cli` (symlinks to
     python bench/bench_modes.py --other /tmp/before [--tokens 16] [--rounds 4] FILE.gguf ...
 
 `--within` instead compares this tree's modes with its own resident decode, in one process:
-rounds alternate resident / hook / pausehook / streamhit decodes (A B C D D C B A ...), so the
-ratios to resident are measured under the same load:
+one sequence per mode (resident / hook / pausehook / streamhit), stepped a token each in turn,
+so the ratios to resident are measured under the same load:
 
     python bench/bench_modes.py --within [--tokens 16] [--rounds 6] FILE.gguf ...
 """
@@ -115,7 +115,10 @@ def worker(tree: str, path: str, mode: str, n_tokens: int) -> dict:
 
 
 def within(path: Path, n_tokens: int, rounds: int) -> dict:
-    """Per-token step medians of each mode and resident, alternating in one process."""
+    """Per-token step medians of each mode and resident, interleaved token by token in one
+    process: one sequence per mode, stepped in turn (the order rotating), so that every mode's
+    steps see the same machine (on the VM a round's median moved by up to 2x between rounds).
+    A sequence restarts from the prompt every n_tokens steps; rounds x n_tokens steps a mode."""
     import numpy as np
 
     import onebit
@@ -131,27 +134,50 @@ def within(path: Path, n_tokens: int, rounds: int) -> dict:
     prompt = np.random.default_rng(0).integers(1, cfg.vocab_size, 8).astype(np.int64)
     modes = {"resident": (m, None), "hook": (m, trace), "pausehook": (m, lambda *a: None), "streamhit": (ms, None)}
 
-    def decode(model, hook, n):
-        cache = model.new_cache()
-        tok = int(model.net.forward(prompt, cache, hook=hook, last_only=True)[-1].argmax())
-        steps = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            tok = int(model.net.forward(np.array([tok], np.int64), cache, hook=hook)[-1].argmax())
-            steps.append(time.perf_counter() - t0)
-        return steps
+    class Seq:
+        def __init__(self, model, hook):
+            self.model, self.hook, self.left = model, hook, 0
 
-    for model, hook in modes.values():  # warm up; the pool gets every expert the decode routes to
-        decode(model, hook, n_tokens)
+        def step(self) -> tuple[float, float]:
+            """One decode step: (seconds, seconds waiting for the device)."""
+            model, hook = self.model, self.hook
+            if self.left == 0:
+                self.cache, self.left = model.new_cache(), n_tokens
+                self.tok = int(model.net.forward(prompt, self.cache, hook=hook, last_only=True)[-1].argmax())
+            dev = model.be.dev
+            w0, t0 = dev.wait_s, time.perf_counter()
+            self.tok = int(model.net.forward(np.array([self.tok], np.int64), self.cache, hook=hook)[-1].argmax())
+            self.left -= 1
+            return time.perf_counter() - t0, dev.wait_s - w0
+
+        def forwards(self) -> int:  # (the streamed model: its steps with no pause so far)
+            r = self.model.be.runner
+            return r.lookup_steps - r.lookup_refused
+
+    seqs = {k: Seq(*v) for k, v in modes.items()}
+    for _ in range(2 * n_tokens):  # warm up; the pool gets every expert the decode routes to
+        for q in seqs.values():
+            q.step()
     s0 = vars(ms.pool.stats).copy()
     steps = {k: [] for k in modes}
-    for r in range(rounds):
-        for k in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-            steps[k] += decode(*modes[k], n_tokens)
+    names = list(modes)
+    streamed, lookups, counted = seqs["streamhit"], 0, 0
+    for i in range(rounds * n_tokens):
+        for k in names[i % len(names):] + names[: i % len(names)]:
+            if k == "streamhit":
+                before = streamed.left, streamed.forwards()
+                steps[k].append(streamed.step())
+                if before[0] > 0:  # (not counting a step that restarts from the prompt)
+                    lookups += streamed.forwards() - before[1]
+                    counted += 1
+            else:
+                steps[k].append(seqs[k].step())
     st = vars(ms.pool.stats)
-    misses = st["demand_misses"] - s0["demand_misses"]
-    med = {k: statistics.median(v) for k, v in steps.items()}
-    return {"tok_s": {k: 1 / v for k, v in med.items()}, "misses": misses}
+    med = {k: statistics.median(t for t, _ in v) for k, v in steps.items()}
+    host = {k: statistics.median((t - w) / t for t, w in v) for k, v in steps.items()}
+    return {"tok_s": {k: 1 / v for k, v in med.items()}, "host_share": host,
+            "misses": st["demand_misses"] - s0["demand_misses"],
+            "lookups": (lookups, counted)}
 
 
 def measure(tree: Path, path: Path, mode: str, n_tokens: int) -> dict:
@@ -177,15 +203,17 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     a = ap.parse_args()
     if a.within:
-        print(f"Vulkan backend, this tree; {a.tokens} decode tokens x {a.rounds} rounds, modes alternating in one "
-              "process (medians of per-token steps)")
-        print(f"{'file':<28} {'mode':<10} {'tok/s':>8} {'x resident':>10}")
+        print(f"Vulkan backend, this tree; {a.rounds} x {a.tokens} decode steps a mode, the modes interleaved step "
+              "by step in one process (medians of per-token steps)")
+        print(f"{'file':<28} {'mode':<10} {'tok/s':>8} {'x resident':>10} {'host':>6}")
         for f in a.files:
             res = within(f, a.tokens, a.rounds)
             base = res["tok_s"]["resident"]
             for k, v in res["tok_s"].items():
-                extra = f"  (pool demand misses while measured: {res['misses']})" if k == "streamhit" else ""
-                print(f"{f.name:<28} {k:<10} {v:>8.1f} {v / base:>10.2f}{extra}", flush=True)
+                extra = (f"  (pool demand misses while measured: {res['misses']}; decode steps with no pause: "
+                         "{} of {})".format(*res["lookups"])) if k == "streamhit" else ""
+                print(f"{f.name:<28} {k:<10} {v:>8.1f} {v / base:>10.2f} {100 * res['host_share'][k]:>5.1f}%{extra}",
+                      flush=True)
         return
     if a.other is None:
         ap.error("give --other TREE (or --within)")

@@ -316,19 +316,20 @@ class ExpertPool:
             self.table = table
 
     def touch(self, used: Iterable[tuple[int, Iterable[int]]]) -> None:
-        """Experts a step used through the tracked table, [(layer, experts)]: counted as hits and
-        made most recently used, as an acquire and release of each layer's experts would."""
+        """Experts a step used through the tracked table, [(layer, [int expert ids])]: counted as
+        hits and made most recently used, as an acquire and release of each layer's experts would."""
         with self.lock:
+            table, where, lru = self.table, self.where, self.lru
             for layer, experts in used:
                 self.stats.acquires += 1
                 for e in experts:
-                    s = self.where.get((layer, int(e)))
-                    if s is None or self.table is None or self.table[layer, int(e)] != s.index:
+                    s = where.get((layer, e))
+                    if s is None or table is None or table[layer, e] != s.index:
                         raise RuntimeError(f"expert pool: layer {layer} expert {e} was used through the slot "
                                            "table but is not resident")
                     self.stats.hits += 1
                     if s.pins == 0:
-                        self.lru[s.cls].move_to_end(id(s))
+                        lru[s.cls].move_to_end(id(s))
 
     def release(self, layer: int, experts: Iterable[int]) -> None:
         with self.lock:
