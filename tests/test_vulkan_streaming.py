@@ -157,3 +157,21 @@ def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, 
     assert accepted > 0 and submits.count(1) == accepted
     if name.startswith("q3moe256"):  # its decode routes to all 8 experts of a layer: 6 slots miss
         assert refused > 0
+
+
+def test_a_hook_that_acts_is_called_at_every_streamed_layer():
+    """A hook that may act before the experts (no needs_pause = False) pauses every step, even
+    where every expert is pooled and every MoE layer streamed (steps with no pause are not for it)."""
+    path = fixture_path("qwen3moe-f32.gguf")
+    m = onebit.load(path, backend="vulkan", slots=14, budget="1GiB")
+    try:
+        assert m.be.streamed_layers == {0, 1}
+        calls = []
+        cache = m.new_cache()
+        logits = m.net.forward(_prompt(path)[:8], cache)
+        for _ in range(2 * N_DECODE):  # (without the hook these steps would run with no pause)
+            logits = m.net.forward(np.array([int(logits[-1].argmax())]), cache, hook=lambda l, i, g: calls.append(l))
+        assert m.be.runner.lookup_steps == 0
+    finally:
+        m.be.close()
+    assert calls == [0, 1] * 2 * N_DECODE

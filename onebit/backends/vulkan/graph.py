@@ -951,7 +951,8 @@ class GraphRunner:
         # after the step with every layer's ids; any other hook pauses at every MoE layer.
         pauses = self.be.streamed_layers
         observe = hook is not None and not getattr(hook, "needs_pause", True)
-        if (hook is not None and not observe) or self.be.predictor is not None:
+        acting = (hook is not None and not observe) or self.be.predictor is not None
+        if acting:
             pauses |= {i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)}
         # All-row logits are one binding: keep it under the device's limit.
         limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range
@@ -962,8 +963,7 @@ class GraphRunner:
         # (a prompt chunk's many experts would often miss, and a refused chunk costs a chunk),
         # and not over recurrent state (a refused step would have moved it).
         pool = self.be.pool
-        lookup = self.pool_lookup and pool is not None and bool(pauses) and pauses == self.be.streamed_layers \
-            and not cfg.recurrent_layers
+        lookup = self.pool_lookup and pool is not None and bool(pauses) and not acting and not cfg.recurrent_layers
         out, s = [], 0
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
             for c in rings:
