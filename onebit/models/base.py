@@ -77,7 +77,7 @@ class TransformerLM:
         check_ids(ids, self.cfg.vocab_size)
         self.rows_run += len(ids)  # rows (tokens) through the model so far: per-token stats divide by it
         unchanged = getattr(self.gguf, "check_unchanged", None)  # the file is read while running
-        if unchanged is not None:
+        if unchanged is not None and getattr(self.be, "reads_file", True):  # (else the check after will do)
             unchanged()
         with np.errstate(all="ignore"):  # NaN / inf are reported below as one error, not as warnings
             try:

@@ -33,6 +33,9 @@ class VulkanBackend:
     pool = None
     predictor = None  # a moe.predict.Predictor, called at every MoE pause point
     streamed_layers: frozenset = frozenset()
+    # A forward reads the model file only to record a new shape (small host copies: norms,
+    # biases), so the model checks the file after each forward only (models/base.py).
+    reads_file = False
 
     def __init__(self, gguf: GGUFFile, device: Optional[Device] = None):
         from .graph import Arena, GraphRunner
