@@ -3,6 +3,8 @@ runs the architecture's per-layer schedule on whichever backend holds the model.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..cache import SWA_ROWS, Cache, make_cache
@@ -88,7 +90,9 @@ class TransformerLM:
                 raise
         if unchanged is not None:
             unchanged()  # before these logits are used: they may come from a changed file
-        if not np.isfinite(logits).all():
+        # (a sum is non-finite if any logit is, and one reduction costs less than isfinite's
+        # array and its all(); a finite sum that overflows is told apart by the full check)
+        if not math.isfinite(float(logits.sum())) and not np.isfinite(logits).all():
             raise self._nonfinite(ids, cache, last_only)
         return logits
 
@@ -107,5 +111,10 @@ class TransformerLM:
 
 def check_ids(ids: np.ndarray, vocab_size: int) -> None:
     """Token ids outside the vocabulary are the caller's error (on a device: out-of-bounds reads)."""
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise UsageError(f"token ids must be in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    if ids.size <= 16:  # (a decode step's: Python's min and max cost less than two reductions)
+        vals = ids.ravel().tolist()
+        lo, hi = (min(vals), max(vals)) if vals else (0, 0)
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise UsageError(f"token ids must be in [0, {vocab_size}), got {lo}..{hi}")

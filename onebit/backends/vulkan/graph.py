@@ -32,6 +32,7 @@ outside the part, so the expert kernel adds sigmoid(g) * down(h) and skips the o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections import defaultdict, deque
@@ -688,8 +689,11 @@ class Recording:
         """Forward tokens [R] at positions start..start+R-1; returns logits (a copy), or None
         where a lookup step routed to an expert the pool did not hold (nothing was called or
         counted: the caller runs the rows again with pauses, over what this step wrote)."""
-        self._tok[:] = tokens
-        np.add(self._rows, start, out=self._pos)
+        if self.R == 1:  # (a decode step: item writes cost less than the array ops)
+            self._tok[0], self._pos[0] = tokens[0], start
+        else:
+            self._tok[:] = tokens
+            np.add(self._rows, start, out=self._pos)
         # Work a hook put off, done while the device runs; not on a CPU device, whose threads
         # it would slow (lavapipe: a routing trace's 30 us cost a 1.8 ms step 300-480 us; it
         # writes every TraceWriter.BATCH calls instead).
@@ -908,6 +912,9 @@ class _held_interrupts:
         return False
 
 
+_NOTHING_HELD = contextlib.nullcontext()
+
+
 # -- the runner: which recording a forward replays -----------------------------------------------
 
 
@@ -981,7 +988,7 @@ class GraphRunner:
             if logits is None:
                 rec = self._recording(model, kv, R, last_only, pauses, observe)
                 misses = pool.stats.demand_misses if lookup else 0
-                with _held_interrupts(bool(cfg.recurrent_layers)):
+                with _held_interrupts(True) if cfg.recurrent_layers else _NOTHING_HELD:
                     logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
                     cache.offset += R
                 if lookup:
