@@ -652,8 +652,9 @@ class Recording:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
-            self.miss = self.fixed((1,), np.int32)  # set by a router that found an expert outside the pool
-            self._miss = self.miss.host()
+            if lookup:  # set by a router that found an expert outside the pool
+                self.miss = self.fixed((1,), np.int32)
+                self._miss = self.miss.host()
             self._rows = np.arange(R, dtype=np.int32)
             self.logits = model.schedule(Recorder(self), last_only)  # [R or 1, vocab]
             self.arena.clock = lambda: 1 << 62  # between recordings every free buffer may be taken
@@ -695,9 +696,9 @@ class Recording:
             self._tok[:] = tokens
             np.add(self._rows, start, out=self._pos)
         # Work a hook put off, done while the device runs; not on a CPU device, whose threads
-        # it would slow (lavapipe: a routing trace's 30 us cost a 1.8 ms step 300-480 us; it
-        # writes every TraceWriter.BATCH calls instead).
-        drain = getattr(hook, "drain", None) if self.dev.info.type != "cpu" else None
+        # it slows (lavapipe, qwen3moe-f32: a routing trace's formatting there made a 1.8 ms
+        # step 230-270 us longer than leaving it to TraceWriter.BATCH).
+        drain = None if hook is None or self.dev.info.type == "cpu" else getattr(hook, "drain", None)
         if self.lookup:
             self._miss[0] = 0
             self._first(drain)
@@ -706,7 +707,8 @@ class Recording:
             # (a few ids a layer: a set is faster than np.unique)
             pool.touch([(layer, sorted(set(ids.host().ravel().tolist()))) for layer, (ids, _) in self.looked.items()])
             self.n_replays += 1
-            self._observed(hook)
+            if hook is not None:
+                self._observed(hook)
             return self._logits.copy()
         held = None
         predictor = self.be.predictor
@@ -752,7 +754,8 @@ class Recording:
                 if pinned is not None:
                     pool.release(*pinned)
         self.n_replays += 1
-        self._observed(hook)
+        if hook is not None:
+            self._observed(hook)
         return self._logits.copy()
 
     def _first(self, drain) -> None:
@@ -765,9 +768,8 @@ class Recording:
             self.segments[0].wait()
 
     def _observed(self, hook) -> None:
-        if hook is not None:
-            for layer, ids, logits in self.observed:
-                hook(layer, ids.host().astype(np.int64), logits.host().copy())
+        for layer, ids, logits in self.observed:
+            hook(layer, ids.host().astype(np.int64), logits.host().copy())
 
     def _at_pause(self, pp: PausePoint, hook, pool, seg, done: list):
         """The host's turn at a pause point: the hook, then the pool. Returns (what to release
@@ -966,9 +968,10 @@ class GraphRunner:
                                                        // (4 * cfg.vocab_size)))
         limit = min(limit, kv.forward_rows)  # a ring's rows must still hold what they read
         rings = [cache[i] for i in kv.rings]
-        # Lookup steps: only where the pauses are the pool's alone, for decode and verify rows
-        # (a prompt chunk's many experts would often miss, and a refused chunk costs a chunk),
-        # and not over recurrent state (a refused step would have moved it).
+        # Lookup steps: only where the pauses are the pool's alone (no acting hook, no
+        # predictor), for decode and verify rows (a prompt chunk's many experts would often
+        # miss, and a refused chunk costs a chunk), and not over recurrent state (a refused
+        # step would have moved it).
         pool = self.be.pool
         lookup = self.pool_lookup and pool is not None and bool(pauses) and not acting and not cfg.recurrent_layers
         out, s = [], 0
