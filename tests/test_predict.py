@@ -196,16 +196,31 @@ class Capture(Predictor):
 
 
 def test_poisoned_scratch_changes_nothing():
+    """The predictor's scratch (a speculative block's K/V) is written before it is read: with it
+    poisoned (NaN) before every pause the decode is the same, and at every pause the next
+    layer's speculative block gives the same bits over a NaN-filled and a zeroed scratch.
+    (Compared at each pause rather than as a second run's hit counts: a full-suite run under
+    xdist once gave a second run other counts at one layer, with or without poison; see the
+    session 15 note.)"""
     path = shipped()
     ids = prompt()
     m = onebit.load(path, predict=settings_from({}, mode="block", ahead=2))
     want = decode(m, ids)
-    want_rows = [r for s in m.predictor.stats.values() for r in [s.hits]]
     m.set_predict(settings_from({}, mode="block", ahead=2))
     pred = m.predictor
     orig = pred.at_pause
+    blocks = []
 
     def poisoned(ctx, layer, ids_, logits, h):
+        nxt = pred.moe_layers[pred.moe_layers.index(layer) + 1 :][:1]
+        for target in nxt:
+            outs = []
+            for fill in (np.nan, 0.0):
+                for k, v in pred.scratch.values():
+                    k.fill(fill)
+                    v.fill(fill)
+                outs.append(pred._block(ctx, target, h))
+            blocks.append(np.array_equal(outs[0], outs[1]) and np.isfinite(outs[0]).all())
         for k, v in pred.scratch.values():
             k.fill(np.nan)
             v.fill(np.nan)
@@ -214,7 +229,8 @@ def test_poisoned_scratch_changes_nothing():
     pred.at_pause = poisoned
     got = decode(m, ids)
     assert np.array_equal(got[0], want[0]) and got[1] == want[1]
-    assert [s.hits for s in pred.stats.values()] == want_rows  # predictions unchanged too
+    assert len(blocks) > N_DECODE and all(blocks)
+    assert sum(s.hits for s in pred.stats.values()) > 0  # (predictions were made, over the poison)
 
 
 def test_speculative_block_equals_the_real_block_on_a_cache_copy():
