@@ -150,7 +150,7 @@ def within(path: Path, n_tokens: int, rounds: int) -> dict:
             self.left -= 1
             return time.perf_counter() - t0, dev.wait_s - w0
 
-        def forwards(self) -> int:  # (the streamed model: its steps with no pause so far)
+        def no_pause_steps(self) -> int:  # (the streamed model's, so far)
             r = self.model.be.runner
             return r.lookup_steps - r.lookup_refused
 
@@ -165,10 +165,10 @@ def within(path: Path, n_tokens: int, rounds: int) -> dict:
     for i in range(rounds * n_tokens):
         for k in names[i % len(names):] + names[: i % len(names)]:
             if k == "streamhit":
-                before = streamed.left, streamed.forwards()
+                before = streamed.left, streamed.no_pause_steps()
                 steps[k].append(streamed.step())
                 if before[0] > 0:  # (not counting a step that restarts from the prompt)
-                    lookups += streamed.forwards() - before[1]
+                    lookups += streamed.no_pause_steps() - before[1]
                     counted += 1
             else:
                 steps[k].append(seqs[k].step())

@@ -32,7 +32,6 @@ outside the part, so the expert kernel adds sigmoid(g) * down(h) and skips the o
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections import defaultdict, deque
@@ -914,9 +913,6 @@ class _held_interrupts:
         return False
 
 
-_NOTHING_HELD = contextlib.nullcontext()
-
-
 # -- the runner: which recording a forward replays -----------------------------------------------
 
 
@@ -991,7 +987,7 @@ class GraphRunner:
             if logits is None:
                 rec = self._recording(model, kv, R, last_only, pauses, observe)
                 misses = pool.stats.demand_misses if lookup else 0
-                with _held_interrupts(True) if cfg.recurrent_layers else _NOTHING_HELD:
+                with _held_interrupts(bool(cfg.recurrent_layers)):
                     logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
                     cache.offset += R
                 if lookup:
