@@ -46,7 +46,11 @@ def generate_step(
     lookup in the context) in one forward over 1 + drafts rows; the tokens yielded are exactly
     those plain decoding yields (greedy), or distributed exactly as its draws (sampling). When
     the caller stops, the cache holds what plain decoding's would: every yielded token but the
-    last. `max_tokens` / `max_positions` bound the drafts (no row past what can be used)."""
+    last. `max_tokens` / `max_positions` bound the drafts (no row past what can be used).
+
+    Plain greedy decoding (no drafts, hook or logits processors) runs a step ahead on the
+    device where the backend offers it (`net.greedy_steps`): the same tokens, the host's work
+    per token overlapping the device's next step."""
     tokens = list(history) + list(prompt)
     ids = np.asarray(prompt, dtype=np.int64)
     base = cache.offset + len(ids)  # positions held once the prompt is in
@@ -63,6 +67,7 @@ def generate_step(
     made = 0  # tokens the last decode forward produced
     yielded = 0
     logits = None
+    chain = None  # greedy steps queued ahead on the device
     if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens
         hook.phase = "prompt"
     for start in range(0, len(ids), prefill_chunk):
@@ -76,6 +81,9 @@ def generate_step(
 
     try:
         tok = sampler(process(logits[-1]))
+        if drafter is None and hook is None and not processors and getattr(sampler, "greedy", False) \
+                and hasattr(net, "greedy_steps"):
+            chain = net.greedy_steps(cache, max_positions)
         while True:
             tokens.append(tok)
             if drafter is not None:
@@ -84,6 +92,14 @@ def generate_step(
             yield tok
             if hasattr(hook, "phase"):
                 hook.phase = "decode"
+            if chain is not None:
+                nxt = chain.step(tok)
+                if nxt is not None:
+                    stats.forwards += 1
+                    stats.tokens += 1
+                    tok = nxt
+                    continue
+                chain = None  # (the context's end: nothing queued; the forward below says so)
             room = lookup
             if max_tokens is not None:
                 room = min(room, max_tokens - yielded)
@@ -127,6 +143,8 @@ def generate_step(
                 if point is not None:  # every draft accepted: no rollback
                     policy.timed(len(rows), spent)
     finally:
+        if chain is not None:
+            chain.close()  # the step queued past the last token yielded: trimmed below
         # Stopped inside accepted drafts (a stop string, max tokens, an interrupt): drop the
         # rows past the last token yielded, as if they had never been proposed.
         keep = base + max(yielded - 1, 0)

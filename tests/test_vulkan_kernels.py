@@ -384,6 +384,28 @@ def test_argmax(ops, rng):
     np.testing.assert_array_equal(ops.argmax(x), ref.argmax(x), err_msg=f"seed {rng.seed}")
 
 
+@pytest.mark.parametrize("n", [1, 7, 512, 151_936])
+def test_greedy_next(ops, rng, n):
+    """A greedy step's device tail: argmax (ties: the lower index) as the next token, the
+    position moved on, and NaN / inf anywhere in the row flagged."""
+    x = rng.standard_normal(n).astype(np.float32)
+    cases = [x]
+    if n > 1:
+        tie = x.copy()
+        tie[[n // 3, n - 1]] = 50.0  # a tie: the lower index wins
+        cases.append(tie)
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[rng.integers(0, n)] = bad
+            cases.append(y)
+    cases.append(np.full(n, np.nan, np.float32))
+    for c in cases:
+        got, want = ops.greedy_next(c, 41), ref.greedy_next(c, 41)
+        assert got == want, f"seed {rng.seed}"
+        if not want[3]:
+            assert got[0] == int(np.argmax(c))
+
+
 @pytest.mark.parametrize("reduce", ["none", "subgroup"])  # thread per key (CPU) / threads per chunk (GPU)
 @pytest.mark.parametrize("S,R,Dv", [(1, 1, 64), (37, 1, 64), (600, 1, 64), (40, 6, 64), (50, 3, 32)])
 def test_attention_gqa(ops_by_reduce, rng, S, R, Dv, reduce):

@@ -96,6 +96,13 @@ class TransformerLM:
             raise self._nonfinite(ids, cache, last_only)
         return logits
 
+    def greedy_steps(self, cache: Cache, limit: int | None = None) -> "GreedySteps | None":
+        """Greedy decoding with the device a step ahead of the host, where the backend offers it
+        (Vulkan, every layer resident); else None. `limit`: no position at or past it."""
+        make = getattr(self.be, "greedy_chain", None)
+        chain = make(self, cache, limit) if make is not None else None
+        return None if chain is None else GreedySteps(self, cache, chain)
+
     def _nonfinite(self, ids, cache, last_only: bool) -> NonFiniteError:
         from ..nonfinite import first_nonfinite
 
@@ -107,6 +114,32 @@ class TransformerLM:
                 "but a re-run of the step found no op that made them"
         return NonFiniteError(f"{self.gguf.path}: the forward pass produced non-finite logits (NaN/inf) on the "
                               f"{backend} backend, {where}")
+
+
+class GreedySteps:
+    """`step(tok)`: the greedy token after `tok`, as `forward([tok])`'s logits' argmax, with the
+    same checks (the file, non-finite logits); the device is already running the step after
+    it. None: no step can start here (the caller runs `forward`). `close()` waits for the step
+    queued ahead, which stays in the cache: the caller trims what it does not keep."""
+
+    def __init__(self, model: TransformerLM, cache: Cache, chain):
+        self.model, self.cache, self.chain = model, cache, chain
+        self._unchanged = getattr(model.gguf, "check_unchanged", None)
+
+    def step(self, tok: int) -> int | None:
+        got = self.chain.step(tok)
+        if got is None:
+            return None
+        nxt, finite = got
+        self.model.rows_run += 1
+        if self._unchanged is not None:
+            self._unchanged()
+        if not finite:
+            raise self.model._nonfinite(np.array([tok], np.int64), self.cache, False)
+        return nxt
+
+    def close(self) -> None:
+        self.chain.close()
 
 
 def check_ids(ids: np.ndarray, vocab_size: int) -> None:

@@ -107,6 +107,9 @@ class VulkanBackend:
     def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
         return self.runner.forward(model, ids, cache, hook=hook, last_only=last_only)
 
+    def greedy_chain(self, model, cache, limit=None):
+        return self.runner.greedy_chain(model, cache, limit)
+
     # -- weights ------------------------------------------------------------------------
 
     def has(self, name: str) -> bool:

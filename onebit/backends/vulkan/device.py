@@ -464,6 +464,22 @@ def _overlap(a: Slice, b: Slice) -> bool:
     return a.buffer is b.buffer and a.offset < b.offset + b.size and b.offset < a.offset + a.size
 
 
+class Fence:
+    """A fence besides the device's own, for a sequence queued behind another (Sequence.submit)."""
+
+    def __init__(self, dev: "Device"):
+        vk = dev.vk
+        self.dev = dev
+        self.handle = vk.vkCreateFence(dev.handle, vk.VkFenceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO),
+                                       None)
+        self.ptr = vk.ffi.new("VkFence*", self.handle)
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            self.dev.vk.vkDestroyFence(self.dev.handle, self.handle, None)
+            self.handle = None
+
+
 class Sequence:
     """Dispatches and copies recorded into one command buffer. `run()` submits it and waits.
 
@@ -627,15 +643,17 @@ class Sequence:
         self.submit()
         self.wait()
 
-    def submit(self) -> None:
+    def submit(self, fence: Optional["Fence"] = None) -> None:
         """Start it on the device and return at once; `wait()` before touching what it writes
-        (or submitting anything else: the device has one fence)."""
+        (or submitting anything else on the device's fence). With a `fence` of its own it may
+        be queued behind other work: `wait(fence)` then waits for it; a command buffer is
+        never submitted again before that wait."""
         if self._cmd is None:
             self._record()
-        self.dev._submit(self._submit, what=self._what)
+        self.dev._submit(self._submit, what=self._what, fence=fence)
 
-    def wait(self) -> None:
-        self.dev._wait(what=self._what)
+    def wait(self, fence: Optional["Fence"] = None) -> None:
+        self.dev._wait(what=self._what, fence=fence)
 
     def _what(self) -> str:
         names = sorted({op.pipeline.name for op in self.ops if isinstance(op, _Dispatch)})
@@ -782,19 +800,21 @@ class Device:
         self._submit(submit, what)
         self._wait(what)
 
-    def _submit(self, submit, what=str) -> None:
+    def _submit(self, submit, what=str, fence: Optional["Fence"] = None) -> None:
         vk = self.vk
         lib = vk.lib
-        _check(vk, lib.vkResetFences(self.handle, 1, self._fence_ptr), "vkResetFences")
-        res = lib.vkQueueSubmit(self.queue, 1, submit, self.fence)
+        handle, ptr = (self.fence, self._fence_ptr) if fence is None else (fence.handle, fence.ptr)
+        _check(vk, lib.vkResetFences(self.handle, 1, ptr), "vkResetFences")
+        res = lib.vkQueueSubmit(self.queue, 1, submit, handle)
         if res != vk.VK_SUCCESS:
             raise VulkanKernelError(f"submitting {what()} failed (VkResult {res})")
 
-    def _wait(self, what=str) -> None:
+    def _wait(self, what=str, fence: Optional["Fence"] = None) -> None:
         vk = self.vk
         lib = vk.lib
         t0 = time.perf_counter()
-        res = lib.vkWaitForFences(self.handle, 1, self._fence_ptr, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
+        ptr = self._fence_ptr if fence is None else fence.ptr
+        res = lib.vkWaitForFences(self.handle, 1, ptr, vk.VK_TRUE, 0xFFFFFFFFFFFFFFFF)
         self.wait_s += time.perf_counter() - t0
         self.n_submits += 1
         if res != vk.VK_SUCCESS:

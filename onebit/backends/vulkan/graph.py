@@ -40,7 +40,7 @@ from typing import Optional
 import numpy as np
 
 from ...cache import SWA_ROWS, Cache, KVCache, RecurrentCache, RingKVCache, layer_positions
-from .device import Buffer, Slice, VulkanKernelError
+from .device import Buffer, Fence, Slice, VulkanKernelError
 from .kernels import DeviceTensor, Part, SlotLookup
 
 log = logging.getLogger(__name__)
@@ -646,6 +646,7 @@ class Recording:
         self.arena.clock = lambda: len(self.collector.ops)
         self.pauses: list[PausePoint] = []
         self.segments = []
+        self._chain: Optional[list] = None  # GreedyChain's parts (chain())
         self.n_replays = 0
         try:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
@@ -841,7 +842,26 @@ class Recording:
             pp.solo[key] = seq
         return seq
 
+    def chain(self) -> list:
+        """[(sequence, fence, host view of its (token, non-finite) output)] x 2: this one-row,
+        one-segment step twice, each ending in the greedy tail (the next token and position
+        written for the next replay), each with an output and a fence of its own (built once)."""
+        if self._chain is None:
+            if self.R != 1 or len(self.segments) != 1 or self.lookup:
+                raise ValueError("a greedy chain replays a one-row step with no pause points")
+            parts = self._chain = []
+            for _ in range(2):
+                out = self.fixed((2,), np.int32)
+                tail = self.dev.sequence()
+                self.be.k.greedy_next(tail, self.logits.s, self.tok, self.pos, out.s, self.cfg.vocab_size)
+                parts.append((self._sequence(self.collector.ops + tail.ops), Fence(self.dev), out.host()))
+        return self._chain
+
     def close(self) -> None:
+        for seq, fence, _ in self._chain or ():
+            seq.close()
+            fence.destroy()
+        self._chain = None
         for s in self.segments:
             s.close()
         for pp in self.pauses:
@@ -856,6 +876,73 @@ class Recording:
         for b in self._bufs:
             b.destroy()
         self._bufs = []
+
+
+class GreedyChain:
+    """Greedy decoding with the device a step ahead of the host. Each step ends in the greedy
+    tail (argmax -> the next step's token, position + 1, on the device), so the step after it
+    is queued before the host reads this one's token: the host's work per token (the read, the
+    checks, the caller's detokenizing) overlaps the device's next step. Two copies of the one-row
+    recording alternate (a command buffer is resubmitted only once its fence is waited on).
+    `cache.offset` counts the queued steps; `close()` waits for them (the caller then trims what
+    it does not keep)."""
+
+    def __init__(self, runner: "GraphRunner", model, cache: DeviceCache, limit: Optional[int] = None):
+        self.runner, self.model, self.cache = runner, model, cache
+        self.limit = limit  # no step at this position or later (the context's end)
+        self.rings = [cache[i] for i in cache.storage.rings]
+        self.rec: Optional[Recording] = None
+        self.parts: list = []
+        self.queued: list[int] = []  # indices into parts, oldest first
+        self._next = 0
+
+    def _room(self) -> bool:
+        kv, at = self.cache.storage, self.cache.offset
+        return at < kv.capacity and (self.limit is None or at < self.limit)
+
+    def _queue(self) -> None:
+        for c in self.rings:
+            c.advance(self.cache.offset, 1)
+        seq, fence, _ = self.parts[self._next]
+        seq.submit(fence)
+        self.cache.offset += 1
+        self.queued.append(self._next)
+        self._next ^= 1
+
+    def step(self, tok: int) -> Optional[tuple[int, bool]]:
+        """(the token after `tok`, whether that step's logits were all finite), or None where
+        no step can start here (the context's end). `tok`: the first token, then always the
+        token the last call returned. A step whose logits were not finite is the last: the
+        steps queued behind it are undone."""
+        kv = self.cache.storage
+        if not self.queued:
+            if self.limit is not None and self.cache.offset >= self.limit:
+                return None
+            if self.cache.offset >= kv.capacity:
+                kv.grow(self.cache.offset + 1)  # (drops the recordings: ours too)
+            if self.rec is None or self.rec.logits is None:
+                self.rec = self.runner._recording(self.model, kv, 1, False, frozenset())
+                self.parts, self._next = self.rec.chain(), 0
+            self.rec._tok[0], self.rec._pos[0] = tok, self.cache.offset
+            self._queue()
+        if len(self.queued) < 2 and self._room():
+            self._queue()  # (behind the step read below: its token is the tail's to write)
+        i = self.queued.pop(0)
+        seq, fence, out = self.parts[i]
+        seq.wait(fence)
+        self.rec.n_replays += 1
+        nxt, finite = int(out[0]), not out[1]
+        if not finite:
+            behind = len(self.queued)
+            self.close()
+            self.cache.trim(behind)
+        return nxt, finite
+
+    def close(self) -> None:
+        """Wait for every queued step (they stay in the cache)."""
+        while self.queued:
+            seq, fence, _ = self.parts[self.queued.pop(0)]
+            seq.wait(fence)
 
 
 class _StateCopy:
@@ -997,6 +1084,16 @@ class GraphRunner:
             s += R
             out.append(logits)
         return out[-1] if last_only or len(out) == 1 else np.concatenate(out)
+
+    def greedy_chain(self, model, cache, limit: Optional[int] = None) -> Optional[GreedyChain]:
+        """Greedy decoding a step ahead on the device (GreedyChain), where a step needs nothing
+        of the host but its token: every layer resident, no predictor, and no recurrent state
+        (the step queued past the last token kept is undone by a trim). Else None."""
+        if not isinstance(cache, DeviceCache) or cache.storage.cfg is not model.cfg:
+            return None
+        if self.be.streamed_layers or self.be.predictor is not None or model.cfg.recurrent_layers:
+            return None
+        return GreedyChain(self, model, cache, limit)
 
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
                    observe: bool = False, lookup: bool = False) -> Recording:

@@ -718,6 +718,12 @@ class Kernels:
         gx, gy = self._grid(n_rows)
         seq.dispatch(p, (x, out), _push("2I", n, stride or n), (gx, gy, 1), writes=(1,))
 
+    def greedy_next(self, seq: Sequence, logits: Slice, tok: Slice, pos: Slice, out: Slice, n: int) -> None:
+        """A greedy step's tail: tok[0] = argmax of logits[:n] (the lowest index of ties), pos[0]
+        += 1, out[0:2] = (that token, 1 if any logit is NaN or inf else 0)."""
+        p = self.pipeline("greedy_next", 4, (self.wg,))
+        seq.dispatch(p, (logits, tok, pos, out), _push("I", n), (1, 1, 1), writes=(1, 2, 3))
+
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
                   n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0,
                   scale: Optional[float] = None, sinks: Optional[Slice] = None) -> None:

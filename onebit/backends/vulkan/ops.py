@@ -180,6 +180,14 @@ class VulkanOps:
         xs, out = self._in(x), self._out(x.shape[:-1], np.int32)
         return self._run(lambda s: self.k.argmax(s, xs, out[0], rows, n), out)
 
+    def greedy_next(self, logits: np.ndarray, pos: int) -> tuple[int, int, int, bool]:
+        n = logits.shape[-1]
+        xs = self._in(logits)
+        tok, p, out = self._out((1,), np.int32), self._in(np.array([pos], np.int32), np.int32), self._out((2,), np.int32)
+        pos_out = (p, (1,), np.dtype(np.int32))
+        got_tok, got_pos, got = self._run(lambda s: self.k.greedy_next(s, xs, tok[0], p, out[0], n), tok, pos_out, out)
+        return int(got_tok[0]), int(got_pos[0]), int(got[0]), bool(got[1])
+
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
                   scale: Optional[float] = None, sinks: Optional[np.ndarray] = None) -> np.ndarray:
         R, H, D = q.shape

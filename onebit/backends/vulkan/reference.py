@@ -95,6 +95,14 @@ def argmax(x: np.ndarray) -> np.ndarray:
     return np.argmax(x, axis=-1)
 
 
+def greedy_next(logits: np.ndarray, pos: int) -> tuple[int, int, int, bool]:
+    """(next token, next position, the token the host reads, whether any logit is NaN / inf);
+    the token is the argmax of the finite logits (0 if there are none)."""
+    bad = ~np.isfinite(logits)
+    tok = int(np.argmax(np.where(bad, -np.inf, logits))) if not bad.all() else 0
+    return tok, pos + 1, tok, bool(bad.any())
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
               scale: Optional[float] = None, sinks: Optional[np.ndarray] = None) -> np.ndarray:
     return _NP.attention(q, k, v, q_pos, window, scale, sinks)
