@@ -95,8 +95,9 @@ CASES = [
     ("zero", "between", ()),
     ("truncate", "during", ("--slots", "2", "--budget", "1GiB")),  # streamed experts: the pool's reads
     ("zero", "between", ("--slots", "2", "--budget", "1GiB")),
-    ("truncate", "during", ("--backend", "vulkan")),  # weights on the device: the check after the step
-    ("zero", "during", ("--backend", "vulkan")),
+    # weights on the device; the predictor's host ops read the memory map: the check after the step
+    ("truncate", "during", ("--backend", "vulkan", "--moe-predict", "router")),
+    ("zero", "during", ("--backend", "vulkan", "--moe-predict", "router")),
 ]
 
 
@@ -112,6 +113,21 @@ def test_file_changed_while_generating(tmp_path, change, when, args):
     assert re.search(EXPECT[change], lines[0]) or (change == "truncate" and "ended early" in lines[0]), lines[0]
     results = [json.loads(ln) for ln in out.read_text().splitlines()]  # the first result is kept, whole
     assert [x["id"] for x in results] == ["1"] and results[0]["tokens"]
+
+
+@pytest.mark.parametrize("change", ["truncate", "zero"])
+def test_resident_vulkan_runs_on_when_it_reads_nothing_from_the_file(tmp_path, change):
+    """Every weight on the device and nothing read from the file after load (the model counts
+    the backend's reads: backend.file_reads): a change under the run changes nothing, so it runs
+    to the end with the results of an untouched file."""
+    _, want, r = _run(tmp_path, "none", "during", "--backend", "vulkan", "--seed", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = [json.loads(ln) for ln in want.read_text().splitlines()]
+    _, out, r = _run(tmp_path, change, "during", "--backend", "vulkan", "--seed", "1")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    got = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [x["id"] for x in got] == ["1", "2", "3"]
+    assert [x["tokens"] for x in got] == [x["tokens"] for x in want]
 
 
 def test_api_zeroed_in_place_stops_generation(tmp_path):

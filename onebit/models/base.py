@@ -79,7 +79,8 @@ class TransformerLM:
         check_ids(ids, self.cfg.vocab_size)
         self.rows_run += len(ids)  # rows (tokens) through the model so far: per-token stats divide by it
         unchanged = getattr(self.gguf, "check_unchanged", None)  # the file is read while running
-        if unchanged is not None and getattr(self.be, "reads_file", True):  # (else the check after will do)
+        reads = file_reads(self.be)
+        if unchanged is not None and reads is None:  # (else the check after will do, if it read)
             unchanged()
         with np.errstate(all="ignore"):  # NaN / inf are reported below as one error, not as warnings
             try:
@@ -88,7 +89,7 @@ class TransformerLM:
                 if unchanged is not None:
                     unchanged()  # a read that failed because the file changed says how it changed
                 raise
-        if unchanged is not None:
+        if unchanged is not None and (reads is None or file_reads(self.be) != reads):
             unchanged()  # before these logits are used: they may come from a changed file
         # (a sum is non-finite if any logit is, and one reduction costs less than isfinite's
         # array and its all(); a finite sum that overflows is told apart by the full check)
@@ -106,6 +107,9 @@ class TransformerLM:
     def _nonfinite(self, ids, cache, last_only: bool) -> NonFiniteError:
         from ..nonfinite import first_nonfinite
 
+        unchanged = getattr(self.gguf, "check_unchanged", None)
+        if unchanged is not None:
+            unchanged()  # (the re-run reads the weights from the file)
         where = first_nonfinite(self, ids, cache, last_only)
         backend = getattr(self.be, "name", "this")
         if where is None:
@@ -127,12 +131,13 @@ class GreedySteps:
         self._unchanged = getattr(model.gguf, "check_unchanged", None)
 
     def step(self, tok: int) -> int | None:
+        reads = file_reads(self.model.be)
         got = self.chain.step(tok)
         if got is None:
             return None
         nxt, finite = got
         self.model.rows_run += 1
-        if self._unchanged is not None:
+        if self._unchanged is not None and (reads is None or file_reads(self.model.be) != reads):
             self._unchanged()
         if not finite:
             raise self.model._nonfinite(np.array([tok], np.int64), self.cache, False)
@@ -140,6 +145,13 @@ class GreedySteps:
 
     def close(self) -> None:
         self.chain.close()
+
+
+def file_reads(be) -> int | None:
+    """How many times the backend has read the model file, where it reads it only now and then
+    (a resident Vulkan backend: to record a new shape); None where a forward may read it any
+    time (a memory map, streamed experts): the file is then checked before and after each."""
+    return None if getattr(be, "reads_file", True) else be.file_reads
 
 
 def check_ids(ids: np.ndarray, vocab_size: int) -> None:

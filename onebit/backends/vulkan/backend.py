@@ -33,9 +33,14 @@ class VulkanBackend:
     pool = None
     predictor = None  # a moe.predict.Predictor, called at every MoE pause point
     streamed_layers: frozenset = frozenset()
-    # A forward reads the model file only to record a new shape (small host copies: norms,
-    # biases), so the model checks the file after each forward only (models/base.py).
-    reads_file = False
+    file_reads = 0  # reads of the model file (small host copies: norms, biases), counted
+
+    @property
+    def reads_file(self) -> bool:
+        """Whether a forward may read the model file at any time: only with a predictor (its
+        host ops read the memory map). Else a forward reads it only to record a new shape,
+        counted in file_reads, and the model checks the file after one that did (models/base.py)."""
+        return self.predictor is not None
 
     def __init__(self, gguf: GGUFFile, device: Optional[Device] = None):
         from .graph import Arena, GraphRunner
@@ -119,6 +124,7 @@ class VulkanBackend:
         w = self._weights.get(name)
         if w is None:
             w = self._weights[name] = dequantize(self.gguf.tensor(name))
+            self.file_reads += 1
         return w
 
     def close(self) -> None:
