@@ -140,3 +140,18 @@ def test_a_nonfinite_step_inside_the_chain_stops_as_a_plain_step_does(tmp_path):
         results.append((got, str(e.value), cache.offset))
     assert results[0] == results[1]
     assert results[0][0] == toks[:n_ok] and "first in the token embedding" in results[0][1]
+
+
+def test_closing_the_model_under_a_suspended_chain_waits_for_its_step():
+    """A generator left suspended with a step queued, then the backend closed: the recording's
+    close waits for the device before freeing what the step writes (no crash, nothing written
+    into freed memory); a fresh model then decodes as before."""
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="vulkan")
+    prompt = _prompt(m)
+    cache = m.new_cache()
+    gen = generate_step(m.net, prompt, cache, _greedy(True))
+    first = [next(gen) for _ in range(4)]
+    m.be.close()  # (the generator still holds a queued step)
+    m2 = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="vulkan")
+    again, _, _ = _run(m2, prompt, 4, True)
+    assert again == first

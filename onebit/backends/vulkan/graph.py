@@ -858,9 +858,13 @@ class Recording:
         return self._chain
 
     def close(self) -> None:
-        for seq, fence, _ in self._chain or ():
-            seq.close()
-            fence.destroy()
+        if self._chain is not None:
+            # a chain's queued step may still be running (a generator left suspended, then the
+            # storage grown or the model closed): nothing it writes is freed under it
+            self.dev.vk.vkDeviceWaitIdle(self.dev.handle)
+            for seq, fence, _ in self._chain:
+                seq.close()
+                fence.destroy()
         self._chain = None
         for s in self.segments:
             s.close()
@@ -940,6 +944,8 @@ class GreedyChain:
 
     def close(self) -> None:
         """Wait for every queued step (they stay in the cache)."""
+        if self.rec is not None and self.rec._chain is not self.parts:
+            self.queued = []  # the recording was closed under us, after waiting for the device
         while self.queued:
             seq, fence, _ = self.parts[self.queued.pop(0)]
             seq.wait(fence)
