@@ -11,7 +11,9 @@ the ratio this tree / the other. Modes:
 - stream50: experts streamed through a pool of 50% of them (misses read from the drive);
 - streamhit: a pool of all experts but one per size class, warmed by the same decode first,
             so (nearly) every acquire is a hit;
-- prefill:  a 256-token prompt in one forward (prompt tok/s).
+- prefill:  a 256-token prompt in one forward (prompt tok/s);
+- greedy:   greedy decode as `generate_step` runs it (no drafts; in trees with GreedyChain, a
+            step queued ahead on the device): per token, the time between two tokens.
 
 Per decode token: tok/s (1 / median step) and host time as a share of the step (step minus the
 fence waits). The other tree needs `onebit/memory` and `onebit/cli` (symlinks to its top-level
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("resident", "hook", "pausehook", "stream50", "streamhit", "prefill")
+MODES = ("resident", "hook", "pausehook", "stream50", "streamhit", "prefill", "greedy")
 
 
 def worker(tree: str, path: str, mode: str, n_tokens: int) -> dict:
@@ -95,6 +97,23 @@ def worker(tree: str, path: str, mode: str, n_tokens: int) -> dict:
             hosts.append(dt - (dev.wait_s - w0))
             tok = int(logits[-1].argmax())
         return steps, hosts
+
+    if mode == "greedy":
+        from onebit.generate import generate_step
+        from onebit.sample import make_sampler
+
+        def decode(n):  # noqa: F811 (this mode's decode)
+            gen = generate_step(m.net, prompt.tolist(), m.new_cache(), make_sampler(0.0))
+            next(gen)
+            steps, hosts = [], []
+            for _ in range(n):
+                w0, t0 = dev.wait_s, time.perf_counter()
+                next(gen)
+                dt = time.perf_counter() - t0
+                steps.append(dt)
+                hosts.append(dt - (dev.wait_s - w0))
+            gen.close()
+            return steps, hosts
 
     decode(min(4, n_tokens))  # warm up: pipelines, recordings
     if mode == "streamhit":
