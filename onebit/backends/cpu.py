@@ -39,9 +39,6 @@ def _ro32(x: np.ndarray) -> np.ndarray:
     return _readonly(np.asarray(x, dtype=np.float32))
 
 
-# Projections of one input that a schedule reads one after another: the first call computes
-# them all in one parallel region (each bit-identical to its own call), and the others are
-# handed out when asked for with the same input array in the same forward.
 FEW_ROWS = 4  # attention of at most this many query rows runs in the serial kernel
 
 
