@@ -722,7 +722,7 @@ class Kernels:
         """A greedy step's tail: tok[0] = argmax of logits[:n] (the lowest index of ties), pos[0]
         += 1, out[0:2] = (that token, 1 if any logit is NaN or inf else 0)."""
         p = self.pipeline("greedy_next", 4, (self.wg,))
-        seq.dispatch(p, (logits, tok, pos, out), _push("I", n), (1, 1, 1), writes=(1, 2, 3))
+        seq.dispatch(p, (logits, out, tok, pos), _push("2I", n, n), (1, 1, 1), writes=(1, 2, 3))
 
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
                   n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0,
