@@ -84,7 +84,7 @@ def variants() -> list[Variant]:
     out.append(Variant("attn_rows", "attn.comp", (("ROWS", ""),)))  # many rows on CPU devices: K/V read once per key
     for name in ("rms_norm", "rope", "softmax_topk", "sigmoid_topk", "argmax", "set_rows", "copy",
                  "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk",  # the last five: Gated DeltaNet models
-                 "moe_sum", "moe_group"):
+                 "moe_sum", "moe_group", "nonfinite"):
         out.append(Variant(name, f"{name}.comp"))
     out.append(Variant("greedy_next", "argmax.comp", (("GREEDY_NEXT", ""),)))  # a greedy step's tail (GreedyChain)
     for name in ("softmax_topk", "sigmoid_topk"):  # routers that also write streamed experts' slots

@@ -87,6 +87,41 @@ def test_vulkan_nonfinite_names_the_layer_via_a_numpy_rerun(tmp_path, monkeypatc
         _generate(m)
 
 
+def _routed_first_not_last(m, rows: int) -> tuple[np.ndarray, int]:
+    """A prompt of `rows` tokens and an expert of the last layer that its first row routes to
+    and its 2nd, 3rd and last 4 rows do not (found with a routing hook on numpy)."""
+    last = m.cfg.n_layers - 1
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        ids = rng.integers(1, m.cfg.vocab_size, rows)
+        seen = {}
+        m.net.forward(ids, m.new_cache(), hook=lambda layer, e, _: seen.setdefault(layer, e))
+        for e in seen[last][0]:
+            if not any(e in seen[last][r] for r in (1, 2, *range(rows - 4, rows))):
+                return ids, int(e)
+    raise AssertionError("no such prompt in 200 tries")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
+def test_nonfinite_in_an_earlier_row_alone(tmp_path, monkeypatch, backend):
+    """The first row's logits are NaN and the last rows' are not (an expert of the last layer
+    that they do not route to is poisoned): forwards returning every row stop, also when that
+    row is in an earlier chunk than the last (20 rows on Vulkan: 16 + 4); a forward returning
+    the last row alone does not."""
+    from onebit.backends import BACKENDS
+    from onebit.backends.vulkan.backend import VulkanBackend
+
+    ids, e = _routed_first_not_last(onebit.load(QWEN3MOE), 20)
+    p = _poison(tmp_path, f"blk.{onebit.load(QWEN3MOE).cfg.n_layers - 1}.ffn_down_exps.weight", np.nan, where=e)
+    monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)  # no silent fall back to numpy
+    m = onebit.load(p, backend=backend)
+    assert m.be.name == backend
+    for rows in (3, 20):
+        assert np.isfinite(m.net.forward(ids[:rows], m.new_cache(), last_only=True)).all()
+        with pytest.raises(NonFiniteError, match="experts"):
+            m.net.forward(ids[:rows], m.new_cache())
+
+
 def test_valid_models_are_not_flagged():
     for name in ("qwen3moe-f32.gguf", "q3moe256-Q4_K_M.gguf"):
         m = onebit.load(fixture_path(name))

@@ -406,6 +406,25 @@ def test_greedy_next(ops, rng, n):
             assert got[0] == int(np.argmax(c))
 
 
+@pytest.mark.parametrize("n", [1, 5, 1023, 1024, 1025, 151_936, 3 * 262_144 + 7])
+def test_nonfinite(ops, rng, n):
+    """The forward's check of its logits: NaN, +inf or -inf anywhere (first, last, inside, at a
+    workgroup's edge) is flagged, as numpy's isfinite says; finite values, the largest and the
+    subnormal ones, are not."""
+    x = rng.standard_normal(n).astype(np.float32)
+    cases = [x]
+    big = x.copy()
+    big[0], big[-1] = np.finfo(np.float32).max, -np.finfo(np.float32).tiny / 4
+    cases.append(big)
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in {0, n - 1, int(rng.integers(0, n)), min(1024, n - 1)}:
+            y = x.copy()
+            y[at] = bad
+            cases.append(y)
+    for c in cases:
+        assert ops.nonfinite(c) == (not np.isfinite(c).all()), f"seed {rng.seed}"
+
+
 @pytest.mark.parametrize("reduce", ["none", "subgroup"])  # thread per key (CPU) / threads per chunk (GPU)
 @pytest.mark.parametrize("S,R,Dv", [(1, 1, 64), (37, 1, 64), (600, 1, 64), (40, 6, 64), (50, 3, 32)])
 def test_attention_gqa(ops_by_reduce, rng, S, R, Dv, reduce):

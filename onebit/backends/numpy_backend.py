@@ -31,15 +31,20 @@ class NumpyBackend:
     def close(self) -> None:
         """Nothing to free: weights stay in the file's memory map."""
 
-    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
-        """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions."""
-        if self.predictor is not None:
-            self.predictor.begin(len(ids))
-        step = EagerStep(self, ids, cache, hook)
-        logits = model.schedule(step, last_only)
-        step.commit()
-        cache.offset += len(ids)
-        return logits
+    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> tuple[np.ndarray, bool]:
+        """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions:
+        (logits, whether every logit is finite); the cache holds the rows either way. NaN and
+        inf give no numpy warnings: the model reports them as one error."""
+        with np.errstate(all="ignore"):
+            if self.predictor is not None:
+                self.predictor.begin(len(ids))
+            step = EagerStep(self, ids, cache, hook)
+            logits = model.schedule(step, last_only)
+            step.commit()
+            cache.offset += len(ids)
+            # (a sum is non-finite if any logit is, and one reduction costs less than isfinite's
+            # array and its all(); a finite sum that overflows is told apart by the full check)
+            return logits, math.isfinite(float(logits.sum())) or bool(np.isfinite(logits).all())
 
     # -- memory -------------------------------------------------------------------------
 

@@ -3,8 +3,6 @@ runs the architecture's per-layer schedule on whichever backend holds the model.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..cache import SWA_ROWS, Cache, make_cache
@@ -82,18 +80,15 @@ class TransformerLM:
         reads = file_reads(self.be)
         if unchanged is not None and reads is None:  # (else the check after will do, if it read)
             unchanged()
-        with np.errstate(all="ignore"):  # NaN / inf are reported below as one error, not as warnings
-            try:
-                logits = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
-            except OnebitError:
-                if unchanged is not None:
-                    unchanged()  # a read that failed because the file changed says how it changed
-                raise
+        try:  # (backends run their host math under np.errstate: NaN / inf are reported below, once)
+            logits, finite = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+        except OnebitError:
+            if unchanged is not None:
+                unchanged()  # a read that failed because the file changed says how it changed
+            raise
         if unchanged is not None and (reads is None or file_reads(self.be) != reads):
             unchanged()  # before these logits are used: they may come from a changed file
-        # (a sum is non-finite if any logit is, and one reduction costs less than isfinite's
-        # array and its all(); a finite sum that overflows is told apart by the full check)
-        if not math.isfinite(float(logits.sum())) and not np.isfinite(logits).all():
+        if not finite:  # (each backend checks its logits: Vulkan on the device)
             raise self._nonfinite(ids, cache, last_only)
         return logits
 

@@ -109,7 +109,7 @@ class VulkanBackend:
         forwards of `swa_rows` rows, 0: none)."""
         return self.runner.make_cache(cfg, capacity, swa_rows)
 
-    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> np.ndarray:
+    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> tuple[np.ndarray, bool]:
         return self.runner.forward(model, ids, cache, hook=hook, last_only=last_only)
 
     def greedy_chain(self, model, cache, limit=None):

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 MIN_CAPACITY = 256
 EXACT_ROWS = 16  # forwards of up to this many rows are recorded for their exact R
 MAX_ROWS = 256  # longer ones run as chunks of powers of two up to this
+NO_PAUSES: frozenset = frozenset()
 
 
 def row_chunks(n: int, limit: int = MAX_ROWS) -> list[int]:
@@ -657,6 +658,11 @@ class Recording:
                 self._miss = self.miss.host()
             self._rows = np.arange(R, dtype=np.int32)
             self.logits = model.schedule(Recorder(self), last_only)  # [R or 1, vocab]
+            # then the forward's check of its logits: the host reads one word, not the rows
+            self.body = len(self.collector.ops)
+            bad = self.fixed((1,), np.int32)
+            self._bad = bad.host()
+            be.k.nonfinite(self.collector, self.logits.s, bad.s, self.logits.size)
             self.arena.clock = lambda: 1 << 62  # between recordings every free buffer may be taken
             self._logits = self.logits.host()
             ops = self.collector.ops
@@ -689,7 +695,9 @@ class Recording:
     def run(self, tokens: np.ndarray, start: int, hook=None, pool=None) -> Optional[np.ndarray]:
         """Forward tokens [R] at positions start..start+R-1; returns logits (a copy), or None
         where a lookup step routed to an expert the pool did not hold (nothing was called or
-        counted: the caller runs the rows again with pauses, over what this step wrote)."""
+        counted: the caller runs the rows again with pauses, over what this step wrote).
+        `finite()` then says whether every logit is finite."""
+        self._bad[0] = 0
         if self.R == 1:  # (a decode step: item writes cost less than the array ops)
             self._tok[0], self._pos[0] = tokens[0], start
         else:
@@ -757,6 +765,20 @@ class Recording:
         if hook is not None:
             self._observed(hook)
         return self._logits.copy()
+
+    def step(self, token: int, start: int) -> np.ndarray:
+        """run() of a one-row recording with no pause points, hook or predictor: logits (a copy)."""
+        self._bad[0] = 0
+        self._tok[0], self._pos[0] = token, start
+        seg = self.segments[0]
+        seg.submit()
+        seg.wait()
+        self.n_replays += 1
+        return self._logits.copy()
+
+    def finite(self) -> bool:
+        """Whether the logits of the last run are free of NaN and inf (the device checked)."""
+        return not self._bad[0]
 
     def _first(self, drain) -> None:
         """Run the first segment; meanwhile the hook's put-off work, if any."""
@@ -854,7 +876,7 @@ class Recording:
                 out = self.fixed((2,), np.int32)
                 tail = self.dev.sequence()
                 self.be.k.greedy_next(tail, self.logits.s, self.tok, self.pos, out.s, self.cfg.vocab_size)
-                parts.append((self._sequence(self.collector.ops + tail.ops), Fence(self.dev), out.host()))
+                parts.append((self._sequence(self.collector.ops[: self.body] + tail.ops), Fence(self.dev), out.host()))
         return self._chain
 
     def close(self) -> None:
@@ -925,7 +947,7 @@ class GreedyChain:
             if self.cache.offset >= kv.capacity:
                 kv.grow(self.cache.offset + 1)  # (drops the recordings: ours too)
             if self.rec is None or self.rec.logits is None:
-                self.rec = self.runner._recording(self.model, kv, 1, False, frozenset())
+                self.rec = self.runner._recording(self.model, kv, 1, False, NO_PAUSES)
                 self.parts, self._next = self.rec.chain(), 0
             self.rec._tok[0], self.rec._pos[0] = tok, self.cache.offset
             self._queue()
@@ -1035,16 +1057,26 @@ class GraphRunner:
             self.storages.append(pick)
         return DeviceCache(pick)
 
-    def forward(self, model, ids: np.ndarray, cache: DeviceCache, hook=None, last_only: bool = False) -> np.ndarray:
+    def forward(self, model, ids: np.ndarray, cache: DeviceCache, hook=None,
+                last_only: bool = False) -> tuple[np.ndarray, bool]:
+        """(logits, whether all are finite): see NumpyBackend.forward."""
         cfg = model.cfg
         if not isinstance(cache, DeviceCache) or cache.storage.cfg is not cfg:
             raise ValueError("this cache was not made by this model on the Vulkan backend (use model.new_cache())")
         n = len(ids)
         if n == 0:
-            return np.zeros((0, cfg.vocab_size), np.float32)
+            return np.zeros((0, cfg.vocab_size), np.float32), True
         kv = cache.storage
         if cache.offset + n > kv.capacity:
             kv.grow(cache.offset + n)
+        if n == 1 and hook is None and not self.be.streamed_layers and self.be.predictor is None \
+                and not cfg.recurrent_layers:  # a resident decode step: the short way
+            return self._step(model, kv, cache, int(ids[0]))
+        with np.errstate(all="ignore"):  # (a predictor's and a hook's host math: see NumpyBackend.forward)
+            return self._forward(model, ids, cache, hook, last_only)
+
+    def _forward(self, model, ids: np.ndarray, cache: DeviceCache, hook, last_only: bool) -> tuple[np.ndarray, bool]:
+        cfg, kv, n = model.cfg, cache.storage, len(ids)
         # A hook that only observes (hook.needs_pause = False, e.g. a routing trace) is called
         # after the step with every layer's ids; any other hook pauses at every MoE layer.
         pauses = self.be.streamed_layers
@@ -1063,13 +1095,13 @@ class GraphRunner:
         # step would have moved it).
         pool = self.be.pool
         lookup = self.pool_lookup and pool is not None and bool(pauses) and not acting and not cfg.recurrent_layers
-        out, s = [], 0
+        out, s, finite = [], 0, True
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
             for c in rings:
                 c.advance(cache.offset, R)
             logits = None
             if lookup and R <= EXACT_ROWS and self._calm >= self._calm_needed:
-                rec = self._recording(model, kv, R, last_only, frozenset(), observe, lookup=True)
+                rec = self._recording(model, kv, R, last_only, NO_PAUSES, observe, lookup=True)
                 logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
                 self.lookup_steps += 1
                 if logits is None:  # an expert outside the pool: with pauses, below
@@ -1089,7 +1121,20 @@ class GraphRunner:
                 cache.offset += R
             s += R
             out.append(logits)
-        return out[-1] if last_only or len(out) == 1 else np.concatenate(out)
+            finite = finite and rec.finite()
+        return out[-1] if last_only or len(out) == 1 else np.concatenate(out), finite
+
+    def _step(self, model, kv: DeviceKV, cache: DeviceCache, token: int) -> tuple[np.ndarray, bool]:
+        """forward() of one row with nothing to pause for, observe or hold (every layer
+        resident, no hook, predictor or recurrent state): the same recording, replayed with
+        none of the bookkeeping those need (a decode step's host time is a share of its own)."""
+        rec = self._recording(model, kv, 1, False, NO_PAUSES)
+        at = cache.offset
+        for i in kv.rings:
+            cache[i].advance(at, 1)
+        logits = rec.step(token, at)
+        cache.offset = at + 1
+        return logits, rec.finite()
 
     def greedy_chain(self, model, cache, limit: Optional[int] = None) -> Optional[GreedyChain]:
         """Greedy decoding a step ahead on the device (GreedyChain), where a step needs nothing

@@ -724,6 +724,12 @@ class Kernels:
         p = self.pipeline("greedy_next", 4, (self.wg,))
         seq.dispatch(p, (logits, out, tok, pos), _push("2I", n, n), (1, 1, 1), writes=(1, 2, 3))
 
+    def nonfinite(self, seq: Sequence, x: Slice, flag: Slice, n: int) -> None:
+        """flag[0] |= 1 if any of the n floats in x is NaN or inf (the caller zeroes it first)."""
+        p = self.pipeline("nonfinite", 2, (self.wg,))
+        gx, gy = self._grid(math.ceil(n / (16 * self.wg)))
+        seq.dispatch(p, (x, flag), _push("I", n), (gx, gy, 1), writes=(1,))
+
     def attention(self, seq: Sequence, q: Slice, k: Slice, v: Slice, pos: Slice, out: Slice, n_rows: int,
                   n_heads: int, n_kv_heads: int, head_dim: int, head_dim_v: int, n_kv: int, window: int = 0,
                   scale: Optional[float] = None, sinks: Optional[Slice] = None) -> None:

@@ -188,6 +188,10 @@ class VulkanOps:
         got_tok, got_pos, got = self._run(lambda s: self.k.greedy_next(s, xs, tok[0], p, out[0], n), tok, pos_out, out)
         return int(got_tok[0]), int(got_pos[0]), int(got[0]), bool(got[1])
 
+    def nonfinite(self, x: np.ndarray) -> bool:
+        xs, flag = self._in(x), self._in(np.zeros(1, np.int32), np.int32)  # (zeroed, as a forward does)
+        return bool(self._run(lambda s: self.k.nonfinite(s, xs, flag, x.size), (flag, (1,), np.dtype(np.int32)))[0])
+
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
                   scale: Optional[float] = None, sinks: Optional[np.ndarray] = None) -> np.ndarray:
         R, H, D = q.shape
