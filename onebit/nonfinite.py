@@ -1,9 +1,10 @@
 """Where NaN / inf first appear, when a forward pass's logits are not finite.
 
 The check itself is each backend's, once per forward (numpy: a sum of the logits; Vulkan: a
-flag the recording's last dispatch sets), reported by models/base.py. Only when it fails is the same step run again here, on the numpy backend, eagerly, with every op's
-output checked, from a numpy copy of the cache as it was before the step (on Vulkan the K/V
-of earlier positions are read from the mapped device buffers). The first op whose output is
+flag the recording's last dispatch sets), reported by models/base.py. Only when it fails is
+the same step run again here, on the numpy backend, eagerly, with every op's output checked,
+from a numpy copy of the cache as it was before the step (on Vulkan the K/V of earlier
+positions are read from the mapped device buffers). The first op whose output is
 not finite names the layer and the tensor; whether that tensor itself holds NaN / inf tells
 a corrupt file from values that overflow float32.
 """
