@@ -7,6 +7,7 @@ host / step for each process, trees alternating (A B A B ...: the VM's speed dri
 minutes, so compare rows measured next to each other).
 
     python bench/bench_host.py --other /tmp/onebit-before [--runs 3] tests/fixtures/qwen3moe-f32.gguf
+    python bench/bench_host.py tests/fixtures/gemma3-f32.gguf   # this tree alone (an architecture the other lacks)
 
 The other tree needs `onebit/memory` and `onebit/cli` symlinks (see bench_modes.py).
 """
@@ -57,13 +58,13 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", type=Path)
-    ap.add_argument("--other", type=Path, required=True, help="the tree to compare with")
+    ap.add_argument("--other", type=Path, help="the tree to compare with (none: this tree alone)")
     ap.add_argument("--runs", type=int, default=3, help="processes per tree")
     ap.add_argument("--rounds", type=int, default=10, help="rounds of 16 tokens per process")
     a = ap.parse_args()
-    trees = {"this": ROOT, "other": a.other.resolve()}
-    print(f"resident Vulkan decode of {a.file.name}, {a.rounds} x 16 tokens a process; this = {ROOT}, "
-          f"other = {trees['other']}")
+    trees = {"this": ROOT} if a.other is None else {"this": ROOT, "other": a.other.resolve()}
+    print(f"resident Vulkan decode of {a.file.name}, {a.rounds} x 16 tokens a process; this = {ROOT}"
+          + (f", other = {trees['other']}" if a.other is not None else ""))
     print(f"{'tree':<6} {'step us':>8} {'wait us':>8} {'host us':>8} {'host share':>10}")
     for _ in range(a.runs):
         for name, tree in trees.items():
