@@ -111,8 +111,9 @@ def test_nonfinite_in_an_earlier_row_alone(tmp_path, monkeypatch, backend):
     from onebit.backends import BACKENDS
     from onebit.backends.vulkan.backend import VulkanBackend
 
-    ids, e = _routed_first_not_last(onebit.load(QWEN3MOE), 20)
-    p = _poison(tmp_path, f"blk.{onebit.load(QWEN3MOE).cfg.n_layers - 1}.ffn_down_exps.weight", np.nan, where=e)
+    ref = onebit.load(QWEN3MOE)
+    ids, e = _routed_first_not_last(ref, 20)
+    p = _poison(tmp_path, f"blk.{ref.cfg.n_layers - 1}.ffn_down_exps.weight", np.nan, where=e)
     monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)  # no silent fall back to numpy
     m = onebit.load(p, backend=backend)
     assert m.be.name == backend
