@@ -95,6 +95,10 @@ CASES = [
     ("zero", "between", ()),
     ("truncate", "during", ("--slots", "2", "--budget", "1GiB")),  # streamed experts: the pool's reads
     ("zero", "between", ("--slots", "2", "--budget", "1GiB")),
+    # streamed experts on Vulkan: 2 slots a layer miss every step, and the check after a
+    # forward whose pool reads completed finds the change
+    ("zero", "between", ("--backend", "vulkan", "--slots", "2", "--budget", "1GiB")),
+    ("truncate", "during", ("--backend", "vulkan", "--slots", "2", "--budget", "1GiB")),
     # weights on the device; the predictor's host ops read the memory map: the check after the step
     ("truncate", "during", ("--backend", "vulkan", "--moe-predict", "router")),
     ("zero", "during", ("--backend", "vulkan", "--moe-predict", "router")),

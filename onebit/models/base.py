@@ -77,8 +77,7 @@ class TransformerLM:
         check_ids(ids, self.cfg.vocab_size)
         self.rows_run += len(ids)  # rows (tokens) through the model so far: per-token stats divide by it
         unchanged = getattr(self.gguf, "check_unchanged", None)  # the file is read while running
-        reads = file_reads(self.be)
-        if unchanged is not None and reads is None:  # (else the check after will do, if it read)
+        if unchanged is not None and file_reads(self.be) is None:  # (else the check after will do)
             unchanged()
         try:  # (backends run their host math under np.errstate: NaN / inf are reported below, once)
             logits, finite = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
@@ -86,11 +85,22 @@ class TransformerLM:
             if unchanged is not None:
                 unchanged()  # a read that failed because the file changed says how it changed
             raise
-        if unchanged is not None and (reads is None or file_reads(self.be) != reads):
-            unchanged()  # before these logits are used: they may come from a changed file
+        if unchanged is not None:
+            self._check_file(unchanged)  # before these logits are used: they may come from a changed file
         if not finite:  # (each backend checks its logits: Vulkan on the device)
             raise self._nonfinite(ids, cache, last_only)
         return logits
+
+    _reads_checked: int | None = None  # file_reads(self.be) when the file was last checked
+
+    def _check_file(self, unchanged) -> None:
+        """After a forward: the file checked where it may have been read since the last check
+        (the forward's reads, or a pool's that completed since: an expert read after one check
+        and used in a later forward is covered by that forward's check)."""
+        reads = file_reads(self.be)
+        if reads is None or reads != self._reads_checked:
+            unchanged()
+            self._reads_checked = reads
 
     def greedy_steps(self, cache: Cache, limit: int | None = None) -> "GreedySteps | None":
         """Greedy decoding with the device a step ahead of the host, where the backend offers it
@@ -126,14 +136,13 @@ class GreedySteps:
         self._unchanged = getattr(model.gguf, "check_unchanged", None)
 
     def step(self, tok: int) -> int | None:
-        reads = file_reads(self.model.be)
         got = self.chain.step(tok)
         if got is None:
             return None
         nxt, finite = got
         self.model.rows_run += 1
-        if self._unchanged is not None and (reads is None or file_reads(self.model.be) != reads):
-            self._unchanged()
+        if self._unchanged is not None:
+            self.model._check_file(self._unchanged)
         if not finite:
             raise self.model._nonfinite(np.array([tok], np.int64), self.cache, False)
         return nxt
@@ -143,9 +152,10 @@ class GreedySteps:
 
 
 def file_reads(be) -> int | None:
-    """How many times the backend has read the model file, where it reads it only now and then
-    (a resident Vulkan backend: to record a new shape); None where a forward may read it any
-    time (a memory map, streamed experts): the file is then checked before and after each."""
+    """How many times the backend has read the model file, where it counts its reads (Vulkan:
+    host copies to record a new shape, a pool's expert reads); None where a forward may read it
+    at any time (a memory map: the numpy backends, a predictor's host ops): the file is then
+    checked before and after each forward."""
     return None if getattr(be, "reads_file", True) else be.file_reads
 
 

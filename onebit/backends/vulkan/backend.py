@@ -33,14 +33,20 @@ class VulkanBackend:
     pool = None
     predictor = None  # a moe.predict.Predictor, called at every MoE pause point
     streamed_layers: frozenset = frozenset()
-    file_reads = 0  # reads of the model file (small host copies: norms, biases), counted
+    host_reads = 0  # host copies made from the model file (norms, biases: to record a shape)
 
     @property
     def reads_file(self) -> bool:
         """Whether a forward may read the model file at any time: only with a predictor (its
-        host ops read the memory map). Else a forward reads it only to record a new shape,
-        counted in file_reads, and the model checks the file after one that did (models/base.py)."""
+        host ops read the memory map). Else it is read only where `file_reads` counts, and the
+        model checks it after a forward when the count has moved (models/base.py)."""
         return self.predictor is not None
+
+    @property
+    def file_reads(self) -> int:
+        """Reads of the model file so far: host copies, and a pool's expert reads (counted as
+        they complete, by its reader threads; an expert is used only once its read is done)."""
+        return self.host_reads + (self.pool.reads if self.pool is not None else 0)
 
     def __init__(self, gguf: GGUFFile, device: Optional[Device] = None):
         from .graph import Arena, GraphRunner
@@ -124,7 +130,7 @@ class VulkanBackend:
         w = self._weights.get(name)
         if w is None:
             w = self._weights[name] = dequantize(self.gguf.tensor(name))
-            self.file_reads += 1
+            self.host_reads += 1
         return w
 
     def close(self) -> None:

@@ -86,8 +86,6 @@ class SlotTable:
 class StreamingVulkanBackend(VulkanBackend):
     """VulkanBackend whose routed experts live in an ExpertPool allocated with `SlotArrays`."""
 
-    reads_file = True  # (the pool reads experts from it)
-
     def __init__(self, gguf: GGUFFile, pool, slot_arrays: SlotArrays, device: Optional[Device] = None):
         self.pool = pool
         self.slot_arrays = slot_arrays
