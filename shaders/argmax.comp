@@ -34,7 +34,7 @@ void main() {
     for (uint i = tid; i < pc.n; i += gl_WorkGroupSize.x) {
         const float v = x[r * pc.stride + i];
 #ifdef GREEDY_NEXT
-        if (isnan(v) || isinf(v)) {
+        if ((floatBitsToUint(v) & 0x7F800000u) == 0x7F800000u) {  // (NaN / inf: as nonfinite.comp tests)
             nf = 1u;
             continue;
         }

@@ -1069,8 +1069,7 @@ class GraphRunner:
         kv = cache.storage
         if cache.offset + n > kv.capacity:
             kv.grow(cache.offset + n)
-        if n == 1 and hook is None and not self.be.streamed_layers and self.be.predictor is None \
-                and not cfg.recurrent_layers:  # a resident decode step: the short way
+        if n == 1 and hook is None and self._host_free(cfg):  # a resident decode step: the short way
             return self._step(model, kv, cache, int(ids[0]))
         with np.errstate(all="ignore"):  # (a predictor's and a hook's host math: see NumpyBackend.forward)
             return self._forward(model, ids, cache, hook, last_only)
@@ -1124,6 +1123,12 @@ class GraphRunner:
             finite = finite and rec.finite()
         return out[-1] if last_only or len(out) == 1 else np.concatenate(out), finite
 
+    def _host_free(self, cfg) -> bool:
+        """Whether a forward needs nothing of the host between submission and logits (with no
+        hook): every layer resident, no predictor, no recurrent state (whose chunks hold
+        Ctrl-C, and which a trim cannot undo). `_step` and `greedy_chain` rest on it."""
+        return not self.be.streamed_layers and self.be.predictor is None and not cfg.recurrent_layers
+
     def _step(self, model, kv: DeviceKV, cache: DeviceCache, token: int) -> tuple[np.ndarray, bool]:
         """forward() of one row with nothing to pause for, observe or hold (every layer
         resident, no hook, predictor or recurrent state): the same recording, replayed with
@@ -1142,9 +1147,7 @@ class GraphRunner:
         (the step queued past the last token kept is undone by a trim). Else None."""
         if not isinstance(cache, DeviceCache) or cache.storage.cfg is not model.cfg:
             return None
-        if self.be.streamed_layers or self.be.predictor is not None or model.cfg.recurrent_layers:
-            return None
-        return GreedyChain(self, model, cache, limit)
+        return GreedyChain(self, model, cache, limit) if self._host_free(model.cfg) else None
 
     def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
                    observe: bool = False, lookup: bool = False) -> Recording:
