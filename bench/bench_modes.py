@@ -171,7 +171,7 @@ def within(path: Path, n_tokens: int, rounds: int) -> dict:
 
         def no_pause_steps(self) -> int:  # (the streamed model's, so far)
             r = self.model.be.runner
-            return r.lookup_steps - r.lookup_refused
+            return r.table_steps - r.table_steps_refused
 
     seqs = {k: Seq(*v) for k, v in modes.items()}
     for _ in range(2 * n_tokens):  # warm up; the pool gets every expert the decode routes to

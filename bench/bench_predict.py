@@ -175,7 +175,8 @@ def recall_why(path: str, n: int, backend: str = "numpy") -> None:
     only the routed experts that were predicted for layer l (what a pool would have read
     ahead: a proxy for "the experts that are resident"), or a linear map of layer l's FFN
     input fitted online (ridge least squares over every earlier row, the prompt included)."""
-    from onebit.moe.predict import PauseContext, Predictor
+    from onebit.moe.predict import Predictor
+    from onebit.pause import PauseContext
 
     m = onebit.load(path, backend=backend)
     cfg, be = m.cfg, m.be
@@ -194,7 +195,7 @@ def recall_why(path: str, n: int, backend: str = "numpy") -> None:
         def at_pause(self, ctx: PauseContext, layer: int, ids, logits, h):
             x = be.rms_norm(h, be.weight(self.arch.router_names(cfg, layer)[0]), cfg.norm_eps)  # [R, dim]
             _, w = be.route(logits, k, cfg.expert_weights_norm)
-            y = be.experts(x, layer, ids, w)  # [R, dim]: layer's real expert output
+            y = be.experts(layer, x, ids, w)  # [R, dim]: layer's real expert output
             got = self.pred.pop(layer, None)
             if got is not None and len(ids) == 1:
                 acc = self.hits.setdefault(layer, {v: [0, 0] for v in variants})
@@ -211,8 +212,8 @@ def recall_why(path: str, n: int, backend: str = "numpy") -> None:
                 lin = h + x @ np.linalg.solve(A[0] + 1e-2 * np.trace(A[0]) / cfg.dim * np.eye(cfg.dim), A[1]) \
                     if A is not None else h
                 rs = {"as today": h, "+ exact expert output (bound)": h + y,
-                      "+ top-1 expert only": h + be.experts(x, layer, ids[:, :1], w[:, :1]),
-                      "+ predicted experts only": h + (be.experts(x, layer, ids[:, part], w[:, part]) if part else 0),
+                      "+ top-1 expert only": h + be.experts(layer, x, ids[:, :1], w[:, :1]),
+                      "+ predicted experts only": h + (be.experts(layer, x, ids[:, part], w[:, part]) if part else 0),
                       "+ linear fit": lin}
                 out = {}
                 for v, r in rs.items():
@@ -225,9 +226,9 @@ def recall_why(path: str, n: int, backend: str = "numpy") -> None:
             A[1] += x.T.astype(np.float64) @ y
 
     why = Why()
-    be.predictor = why
+    m.net.predictor = why
     decode(m, ids0, n)
-    be.predictor = None
+    m.net.predictor = None
     print(f"## why block mode misses at 1 ahead: {n}-token greedy decode, {backend}, top-{k} recall per target layer\n")
     layers = sorted(why.hits)
     print("| residual layer l + 1 is predicted from | " + " | ".join(f"layer {l}" for l in layers) + " | all |")

@@ -30,19 +30,17 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
     path = model or default_model_path()
     if ctx is not None:
         _check_ctx(path, ctx)
-    if device is not None:
-        from onebit.backends.vulkan.device import DEVICE_ENV, choose_device, list_devices
+    if device is not None and backend == "vulkan":  # a device asked for by name or index: no fallback
+        from onebit.backends.vulkan.device import choose_device, list_devices
 
-        if backend == "vulkan":  # a device asked for by name or index: no silent fallback to numpy
-            choose_device(list_devices(), device)
-        os.environ[DEVICE_ENV] = device
+        choose_device(list_devices(), device)
     if slots is not None and slots != "auto":
         try:
             slots = int(slots)
         except ValueError:
             raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
     m = onebit.load(path, backend=backend, n_ctx=ctx, slots=slots, budget=budget,
-                    pool_policy=policy, predict=predict)
+                    pool_policy=policy, predict=predict, device=device)
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
@@ -54,7 +52,7 @@ def _check_ctx(path: str, ctx: int) -> None:
     """--ctx within the model's context length, with room for a prompt token and a reply token;
     read from the file header before anything is loaded."""
     from onebit.gguf_file import GGUFFile
-    from onebit.models import model_class
+    from onebit.models import network_class
 
     if ctx < 1:
         raise UsageError(f"--ctx must be at least 2, got {ctx}")
@@ -62,7 +60,7 @@ def _check_ctx(path: str, ctx: int) -> None:
         raise UsageError(f"--ctx {ctx} leaves no room to generate: a prompt takes at least one token "
                          f"and the reply another (use --ctx 2 or more)")
     g = GGUFFile(path)
-    n = model_class(g.architecture, path).config(g).context_length
+    n = network_class(g.architecture, path).config(g).context_length
     if ctx > n:
         raise UsageError(f"--ctx {ctx} is out of range: the model's context length is {n}")
 
@@ -384,11 +382,11 @@ def info(
         return
     from onebit.gguf_file import GGUFFile
     from onebit.info import format_info, model_info
-    from onebit.models import model_class
+    from onebit.models import network_class
 
     path = model or default_model_path()
     g = GGUFFile(path)
-    cfg = model_class(g.architecture, path).config(g)
+    cfg = network_class(g.architecture, path).config(g)
     data = model_info(g, cfg)
     typer.echo(json.dumps(data, indent=2) if as_json else format_info(data))
 
@@ -413,19 +411,19 @@ def plan(
     from onebit.gguf_file import GGUFFile
     from onebit.memory.budget import detect_budget
     from onebit.memory.plan import make_plan
-    from onebit.models import model_class
+    from onebit.models import network_class
 
     path = model or default_model_path()
     limits = {}
     from onebit.backends import resolve
 
-    if resolve(backend) == "vulkan" or (backend == "auto" and device is not None):
+    if resolve(backend, device) == "vulkan":
         from onebit.memory.budget import vulkan_limits
 
         limits = vulkan_limits(device)
     b = detect_budget(budget, reserve, **limits)
     g = GGUFFile(path)
-    cfg = model_class(g.architecture, path).config(g)
+    cfg = network_class(g.architecture, path).config(g)
     p = make_plan(g, cfg, b, ctx=ctx, layers=layers, slots=slots, verify_rows=verify_rows)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onebit.backends.numpy_backend import NumpyBackend
-from onebit.cache import SWA_ROWS, kv_cache_bytes, layer_positions, recurrent_state_bytes
+from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_positions, recurrent_state_bytes,
+                          scratch_kv_bytes, scratch_state_bytes)
 from onebit.config import ModelConfig
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.moe.predict import scratch_kv_bytes, scratch_state_bytes
 
 from .budget import Budget, format_bytes
 
@@ -204,8 +204,6 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         items.append(PlanItem("recurrent state", state,
                               f"{len(cfg.recurrent_layers)} DeltaNet layers, per sequence (not per token)"))
         # copies to roll back to (a state cannot trim): a chat's checkpoints and lookup's one
-        from onebit.chat import MAX_CHECKPOINTS
-
         n = MAX_CHECKPOINTS + 1
         items.append(PlanItem("recurrent checkpoints", n * state,
                               f"{n} x {format_bytes(state)} (chat prefix reuse, lookup rollback)"))

@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from onebit.backends.experts import read_only
 from onebit.errors import ModelFileError, OnebitError, UsageError
 
 from .plan import EXPERT_PARTS, SizeClass
@@ -168,6 +169,7 @@ class ExpertPool:
         if len(slots) != len(classes):
             raise UsageError("one slot count per size class is needed")
         self.policy = policy
+        self.gguf = gguf
         self.classes = classes
         self.class_of_layer = {layer: i for i, c in enumerate(classes) for layer in c.layers}
         self.sources = {
@@ -175,6 +177,7 @@ class ExpertPool:
             for c in classes for layer in c.layers for part in EXPERT_PARTS
         }
         self.buffers: list[dict[str, np.ndarray]] = []
+        self._views: list[list[np.ndarray]] = []  # per class: the parts' buffers, read only (arrays())
         self.slots: list[list[_Slot]] = []
         for ci, (c, n) in enumerate(zip(classes, slots)):
             if n < 1:
@@ -190,6 +193,7 @@ class ExpertPool:
                                      f"wanted uint8 {shape}")
                 bufs[part].fill(0)  # touch every page now: the plan counts the slots as used
             self.buffers.append(bufs)
+            self._views.append([read_only(bufs[p]) for p in EXPERT_PARTS])
             self.slots.append([_Slot(ci, i) for i in range(n)])
         self.where: dict[tuple[int, int], _Slot] = {}
         self.lru: list[OrderedDict] = [OrderedDict() for _ in classes]  # unpinned slots, oldest first
@@ -289,7 +293,16 @@ class ExpertPool:
             per[4] += dt
         return out
 
-    def pinned_groups(self, layer: int, experts: list[int]):
+    @property
+    def streamed_layers(self) -> frozenset:
+        """The layers whose experts stream through this pool (an expert source, backends/experts.py)."""
+        return frozenset(self.class_of_layer)
+
+    def arrays(self, layer: int) -> list[np.ndarray]:
+        """gate, up, down slots of layer's size class: read-only views [slots, rows, row_bytes]."""
+        return self._views[self.class_of_layer[layer]]
+
+    def pinned(self, layer: int, experts: list[int]):
         """Yield (start, group, slots) over `experts` in groups of at most capacity(layer) (a
         prompt may route to more experts than fit at once), each group acquired (pinned)
         while the caller uses it and released after."""
@@ -493,6 +506,7 @@ class ExpertPool:
             with self.lock:
                 self.stats.bytes_read += n
                 self.reads += 1
+                self.gguf.reads += 1  # (the model checks the file after a forward when this moved)
                 self.read_seconds += dt
                 self.read_cpu_seconds += cpu
                 self.in_flight -= 1

@@ -336,3 +336,20 @@ def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4, swa_rows: int = SWA_ROW
     layers: their ring's positions)."""
     per_pos = cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes
     return sum(layer_positions(cfg, i, n_ctx, swa_rows) for i in range(cfg.n_layers)) * per_pos
+
+
+MAX_CHECKPOINTS = 4  # recurrent-state checkpoints a chat keeps (each: every recurrent layer's state)
+
+
+def scratch_kv_bytes(cfg, rows: int = 1) -> int:
+    """Bytes of one predicted layer's scratch state (moe/predict.py): this step's keys and
+    values (float32)."""
+    return 4 * rows * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v)
+
+
+def scratch_state_bytes(cfg, layer: int) -> int:
+    """Bytes of predicted layer `layer`'s scratch: K/V of one row, or (a recurrent layer) a copy
+    of its conv history and delta-rule state, which the speculative step writes."""
+    if cfg.layer_is_recurrent(layer):
+        return recurrent_state_bytes(cfg) // len(cfg.recurrent_layers)
+    return scratch_kv_bytes(cfg)

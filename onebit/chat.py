@@ -14,6 +14,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from .cache import MAX_CHECKPOINTS
 from .errors import UsageError
 from .harmony import HarmonyStream, is_harmony
 from .think import think_stream
@@ -43,7 +44,6 @@ class TurnStats:
         return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
 
 
-MAX_CHECKPOINTS = 4  # recurrent-state checkpoints a chat keeps (each: every recurrent layer's state)
 
 
 class ChatSession:

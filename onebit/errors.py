@@ -24,6 +24,10 @@ class UsageError(OnebitError):
     """Bad arguments to a command or API call."""
 
 
+class BackendUnavailableError(OnebitError):
+    """A backend cannot run here, or cannot run this model (the load falls to the next one)."""
+
+
 class ModelFileChangedError(OnebitError):
     """The model file was truncated, rewritten or replaced while a model was using it."""
 

@@ -265,6 +265,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        self.reads = 0  # reads of the file outside its memory map (an expert pool's, a device backend's copies)
         p = Path(path)
         if not p.exists():
             raise ModelFileError(f"{path}: no such file")

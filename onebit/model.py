@@ -2,65 +2,69 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .backends import make_backend, resolve
-from .errors import UsageError
+from .backends import fallback_order, open_backend, resolve
+from .errors import BackendUnavailableError, UsageError
 from .generate import GenerationResponse, stream_generate
 from .gguf_file import GGUFFile
 from .lookup import DEFAULT_DRAFTS, lookup_budget
-from .models import model_class
+from .models import network_class
 from .models.base import check_ids
 from .sample import make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096
+log = logging.getLogger("onebit")
 
 
 class Model:
+    """The facade a user loads: tokenizer, chat template, memory plan, backend and network
+    (`self.net`, the architecture's schedule over the backend) in one place."""
+
     def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = None,
                  slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
-                 predict=None):
+                 predict=None, device: Optional[str | int] = None):
         self.path = str(path)
         self.gguf = GGUFFile(path)
-        cls = model_class(self.gguf.architecture, self.path)
+        cls = network_class(self.gguf.architecture, self.path)
         cfg = cls.config(self.gguf)
         if n_ctx is not None and n_ctx < 1:
             raise UsageError(f"context length must be >= 1, got {n_ctx}")
         self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, cfg.context_length)
-        self.pool = None
-        self.plan = None
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
         self.template_kwargs: dict = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
         from .memory.guard import MemoryGuard
 
         self.guard = MemoryGuard()  # checked every generated token
         self.backend_asked = backend
-        backend = resolve(backend)
-        with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
-            if slots is not None or budget is not None:
-                self.be = self._planned_backend(backend, cfg, slots, budget, pool_policy,
-                                                _predicted_layers(cfg, predict))
-            else:
-                self.be = make_backend(backend, self.gguf, auto=self.backend_asked == "auto")
-        # Under a memory plan the KV cache is allocated up front, as planned.
-        kv_capacity = self.context_length if self.plan is not None else 0
-        try:
-            with np.errstate(all="ignore"):
-                self.net = cls(self.gguf, self.be, cfg, kv_capacity)
-        except Exception as e:
-            from .backends.vulkan.device import VulkanUnavailableError
-
-            if not isinstance(e, VulkanUnavailableError):
-                raise
-            sys.stderr.write(f"onebit: warning: {e}; using the numpy backend\n")
-            self.be.close()
-            self.be = self._numpy_backend()
-            self.net = cls(self.gguf, self.be, cfg, kv_capacity)
+        planned = slots is not None or budget is not None
+        # The load path: file -> config -> plan -> expert source -> backend -> network. One
+        # fallback rule: a backend that cannot run here (or cannot run this model) gives way to
+        # the next fastest that can, said in one line.
+        order = fallback_order(resolve(backend, device))
+        for i, name in enumerate(order):
+            try:
+                with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
+                    self.plan, self.pool, self.be = self._open(name, cfg, planned, slots, budget, pool_policy,
+                                                               _predicted_layers(cfg, predict), device)
+                    try:
+                        # under a memory plan the KV cache is allocated up front, as planned
+                        self.net = cls(self.gguf, self.be, cfg, self.context_length if planned else 0)
+                    except BaseException:
+                        self.be.close()
+                        raise
+                break
+            except BackendUnavailableError as e:
+                if i + 1 == len(order):
+                    raise
+                sys.stderr.write(f"onebit: warning: {e}; using the {order[i + 1]} backend\n")
+                log.info("backend %s unavailable, using %s: %s", name, order[i + 1], e)  # (stderr has it already)
         self.cfg = self.net.cfg
         self.predictor = None
         if predict is not None:
@@ -72,60 +76,44 @@ class Model:
         # what `chat` renders with when the file has no template
         self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
 
-    def _planned_backend(self, backend, cfg, slots, budget, policy, predicted: str = ""):
-        """Plan memory first; refuse a plan that does not fit; stream experts when slots < all."""
-        from .backends.cpu import StreamingCpuBackend
-        from .backends.streaming import StreamingNumpyBackend
+    def _open(self, name: str, cfg, planned: bool, slots, budget, policy, predicted: str, device):
+        """(plan, pool, backend) for backend `name`: memory planned first where asked (a plan
+        that does not fit is refused), routed experts streamed through a pool when fewer
+        slots than experts fit, the pool's slots in device memory on Vulkan."""
         from .memory.budget import detect_budget
         from .memory.plan import PlanError, make_plan
         from .memory.pool import ExpertPool
 
-        limits = {}
-        if backend == "vulkan":
-            from .backends.vulkan.device import VulkanUnavailableError
+        dev = limits = None
+        if name == "vulkan":
+            from .backends.vulkan.device import default_device
             from .memory.budget import vulkan_limits
 
-            try:
-                limits = vulkan_limits()
-            except VulkanUnavailableError:
-                pass  # the backend falls back to numpy below, with its own warning
-        self.plan = make_plan(self.gguf, cfg, detect_budget(budget, **limits), ctx=self.context_length,
-                              layers=predicted, slots="auto" if slots is None else slots)
-        if not self.plan.fits:
-            raise PlanError(self.plan)
-        if not self.plan.streaming:
-            return make_backend(backend, self.gguf, auto=self.backend_asked == "auto")
-        if backend == "vulkan":  # slots in mapped device buffers the expert kernels read
-            from .backends.vulkan.device import VulkanUnavailableError
+            dev = default_device(device)  # (a device that cannot open: VulkanUnavailableError)
+            limits = vulkan_limits(device) if planned else None
+        plan = None
+        if planned:
+            plan = make_plan(self.gguf, cfg, detect_budget(budget, **(limits or {})), ctx=self.context_length,
+                             layers=predicted, slots="auto" if slots is None else slots)
+            if not plan.fits:
+                raise PlanError(plan)
+        pool = arrays = None
+        try:
+            if plan is not None and plan.streaming:
+                if name == "vulkan":  # slots in mapped device buffers the expert kernels read
+                    from .backends.vulkan.slots import SlotArrays
 
-            try:
-                from .backends.vulkan.streaming import StreamingVulkanBackend
-
-                be = StreamingVulkanBackend.create(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
-                self.pool = be.pool
-                return be
-            except VulkanUnavailableError as e:  # as make_backend does: say so, stream on numpy (cpu under auto)
-                backend = "cpu" if self.backend_asked == "auto" else "numpy"
-                sys.stderr.write(f"onebit: warning: {e}; using the {backend} backend\n")
-        self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
-        self._copy_resident()
-        if backend == "cpu":
-            return StreamingCpuBackend(self.gguf, self.pool)
-        return StreamingNumpyBackend(self.gguf, self.pool)
-
-    def _numpy_backend(self):
-        """The numpy twin of the backend that was planned (streaming through a pool if it was)."""
-        from .backends.numpy_backend import NumpyBackend
-
-        if self.pool is None:
-            return NumpyBackend(self.gguf)
-        from .backends.streaming import StreamingNumpyBackend
-        from .memory.pool import ExpertPool
-
-        policy = self.pool.policy
-        self.pool = ExpertPool(self.gguf, self.plan.classes, self.plan.slots, policy=policy)
-        self._copy_resident()
-        return StreamingNumpyBackend(self.gguf, self.pool)
+                    arrays = SlotArrays(dev)
+                pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays)
+                if name != "vulkan":
+                    self._copy_resident()
+            return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            if arrays is not None:
+                arrays.destroy()
+            raise
 
     def _copy_resident(self) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
@@ -142,7 +130,8 @@ class Model:
         with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
                   disable=True if total < (256 << 20) else None) as bar:
             for t in resident:
-                self.gguf.tensors[t.name] = dataclasses.replace(t, raw=np.array(t.raw))
+                if isinstance(t.raw, np.memmap) or t.raw.base is not None:
+                    self.gguf.tensors[t.name] = dataclasses.replace(t, raw=np.array(t.raw))
                 bar.update(t.n_bytes)
 
     def set_predict(self, settings) -> None:
@@ -158,9 +147,8 @@ class Model:
             if not any(self.cfg.layer_is_moe(i) for i in range(self.cfg.n_layers)):
                 raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
             from .backends import device_info
-            from .backends.numpy_backend import NumpyBackend
 
-            on_host = isinstance(self.be, NumpyBackend)
+            on_host = self.be.runs_on_host
             host = self.be if on_host else _host_backend(self.gguf, self.pool)
             # a device backend's pool slots are device memory the host maps: read by the host's
             # expert ops only where that memory is the host's own (unified: an APU, a CPU device;
@@ -172,7 +160,7 @@ class Model:
             overlapped = not on_host and not (info is not None and info.type == "cpu")
             self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host, overlapped=overlapped,
                                        own_ok=own_ok)
-        self.be.predictor = self.predictor
+        self.net.predictor = self.predictor
 
     def close(self) -> None:
         if self.predictor is not None:
@@ -258,18 +246,12 @@ class Model:
 
 def _host_backend(gguf, pool=None):
     """Host ops for a device backend's predictor: the cpu backend's kernels (no float32 copy of
-    a weight, unlike numpy's reference ops), or numpy's where numba is unusable; with a pool,
-    routed experts from its slots (acquired, as the layer itself acquires them), not the file."""
+    a weight, unlike numpy's reference ops), or numpy's where the cpu backend cannot run; with
+    a pool, routed experts from its slots (acquired, as the layer itself acquires them)."""
     try:
-        from .backends.cpu import CpuBackend, StreamingCpuBackend
-
-        return CpuBackend(gguf) if pool is None else StreamingCpuBackend(gguf, pool)
-    except Exception:  # noqa: BLE001 (numba missing or failing: the reference ops still work)
-        if pool is None:
-            return None
-        from .backends.streaming import StreamingNumpyBackend
-
-        return StreamingNumpyBackend(gguf, pool)
+        return open_backend("cpu", gguf, experts=pool)
+    except BackendUnavailableError:
+        return open_backend("numpy", gguf, experts=pool)
 
 
 def _predicted_layers(cfg, predict) -> str:
@@ -286,11 +268,12 @@ def _predicted_layers(cfg, predict) -> str:
 
 def load(path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = None,
          slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
-         predict=None) -> Model:
+         predict=None, device: Optional[str | int] = None) -> Model:
     """Open a GGUF model (memory-mapped) on the given backend (auto: Vulkan on a GPU, else cpu;
     numpy is the reference). With `slots` (a number or "auto")
     or `budget`, memory is planned first and routed experts stream through a slot pool when
     fewer slots than experts fit. `predict` (a mode name or moe.predict.PredictSettings):
-    routing prediction feeding the pool's prefetch queue."""
+    routing prediction feeding the pool's prefetch queue. `device`: the Vulkan device (a name
+    or index, as `onebit info --device` lists; None: $ONEBIT_VULKAN_DEVICE, else the first)."""
     return Model(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy,
-                 predict=predict)
+                 predict=predict, device=device)

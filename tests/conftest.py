@@ -21,6 +21,22 @@ def pytest_configure(config):
     cpu_kernels.fill_cache()  # (a part that fails here is compiled again, and reported, by its tests)
 
 
+FAST_TIER = Path(__file__).parent / "fast_tier.txt"  # node ids of the fast tier (tools/pick_fast_tier.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the fast tier's tests `fast` (`pytest -m fast`; test_fast_tier.py checks the list
+    names tests that exist)."""
+    listed = fast_tier()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.fast)
+
+
+def fast_tier() -> set[str]:
+    return {ln.strip() for ln in FAST_TIER.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+
+
 def fixture_path(name: str) -> Path:
     p = FIXTURES / name
     if not p.exists():

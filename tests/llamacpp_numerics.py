@@ -100,7 +100,7 @@ class LlamaCppRoundingBackend(nb.NumpyBackend):
         y = _rounded_matmul(x.reshape(-1, shape[-1]), t)
         return y.reshape(*shape[:-1], y.shape[-1])
 
-    def experts(self, x, layer, ids, weights, glu=None):
+    def experts(self, layer, x, ids, weights, glu=None):
         gate, up, down = (self.gguf.tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
         biases = self.expert_biases(layer)  # gpt-oss: [E, width] per part, else None
         out = np.zeros_like(x)

@@ -297,7 +297,7 @@ def test_bom_at_the_start_is_skipped():
 
 
 def test_prompt_longer_than_context_is_an_error_result():
-    m = onebit.load(MODEL, n_ctx=16)
+    m = onebit.load(MODEL, n_ctx=16, backend="cpu")
     item = batch.PromptItem("a", 1, prompt="word " * 40)
     r = batch.generate_one(m, item, chat=True, system=None, seed=0, max_tokens=4)
     assert r["finish_reason"] == "error" and "16-token context" in r["error"] and "text" not in r

@@ -16,7 +16,7 @@ MODEL = fixture_path("qwen3moe-f32.gguf")
 
 
 def test_message_longer_than_context_leaves_history_and_cache_alone():
-    s = ChatSession(onebit.load(MODEL, n_ctx=64), temperature=0.0, max_tokens=4)
+    s = ChatSession(onebit.load(MODEL, n_ctx=64, backend="cpu"), temperature=0.0, max_tokens=4)
     list(s.send("What does os do?"))
     history = [dict(m) for m in s.history]
     cached, offset = list(s.cached), s.cache.offset

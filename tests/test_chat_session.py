@@ -13,12 +13,12 @@ MODEL = fixture_path("qwen3moe-f32.gguf")
 
 
 def test_second_turn_reuses_the_cache_and_matches_a_fresh_run():
-    m = onebit.load(MODEL)
+    m = onebit.load(MODEL, backend="cpu")
     s = ChatSession(m, temperature=0.0, max_tokens=6)
     first = "".join(r.text for r in s.send("What does json.dumps do?"))
     second = "".join(r.text for r in s.send("And json.loads?"))
     assert s.last.prompt_tokens_computed < s.last.prompt_tokens  # the first turn came from the cache
-    fresh = ChatSession(onebit.load(MODEL), temperature=0.0, max_tokens=6)
+    fresh = ChatSession(onebit.load(MODEL, backend="cpu"), temperature=0.0, max_tokens=6)
     fresh.history = [{"role": "user", "content": "What does json.dumps do?"}, {"role": "assistant", "content": first}]
     again = "".join(r.text for r in fresh.send("And json.loads?"))
     assert again == second
@@ -26,7 +26,7 @@ def test_second_turn_reuses_the_cache_and_matches_a_fresh_run():
 
 
 def test_context_overflow_drops_oldest_turns():
-    m = onebit.load(MODEL, n_ctx=96)
+    m = onebit.load(MODEL, n_ctx=96, backend="cpu")
     s = ChatSession(m, temperature=0.0, max_tokens=8, system="Be brief.")
     dropped = 0
     for i in range(8):
@@ -38,13 +38,13 @@ def test_context_overflow_drops_oldest_turns():
 
 
 def test_message_longer_than_context_is_refused():
-    s = ChatSession(onebit.load(MODEL, n_ctx=32), temperature=0.0)
+    s = ChatSession(onebit.load(MODEL, n_ctx=32, backend="cpu"), temperature=0.0)
     with pytest.raises(UsageError, match="longer than"):
         list(s.send("word " * 200))
 
 
 def test_interrupted_reply_keeps_a_consistent_cache():
-    m = onebit.load(MODEL)
+    m = onebit.load(MODEL, backend="cpu")
     s = ChatSession(m, temperature=0.0, max_tokens=50)
     gen = s.send("Tell me about os.path")
     for i, _ in enumerate(gen):

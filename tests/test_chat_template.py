@@ -171,7 +171,7 @@ def test_gemma_file_without_a_template_chats_in_gemma_turns(tmp_path):
     from onebit.info import format_info, model_info
 
     path = rewrite(fixture_path("gemma3-f32.gguf"), tmp_path / "g.gguf", drop_meta=("tokenizer.chat_template",))
-    m = onebit.load(path)
+    m = onebit.load(path, backend="cpu")
     assert m.chat_template is None
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
@@ -182,9 +182,9 @@ def test_gemma_file_without_a_template_chats_in_gemma_turns(tmp_path):
     assert ids[0] == m.tokenizer.bos_id and ids.count(m.tokenizer.bos_id) == 1
     assert m.tokenizer.token_to_id("<start_of_turn>") in ids
     # the file's own template (the fixture carries the same turns) renders the same
-    assert onebit.load(fixture_path("gemma3-f32.gguf")).apply_chat_template(msgs) == text
+    assert onebit.load(fixture_path("gemma3-f32.gguf"), backend="cpu").apply_chat_template(msgs) == text
     assert "no (Gemma turns fallback)" in format_info(model_info(m.gguf, m.cfg))
     llama = rewrite(fixture_path("llama-f32.gguf"), tmp_path / "l.gguf", drop_meta=("tokenizer.chat_template",))
-    ml = onebit.load(llama)
+    ml = onebit.load(llama, backend="cpu")
     assert "<|im_start|>user" in ml.apply_chat_template(msgs)
     assert "no (ChatML fallback)" in format_info(model_info(ml.gguf, ml.cfg))

@@ -284,7 +284,7 @@ def test_auto_takes_vulkan_only_on_a_gpu(monkeypatch):
     lavapipe = dataclasses.replace(fake, type="cpu", missing=())
     monkeypatch.setattr(vkdev, "list_devices", lambda: [lavapipe])
     assert backends.gpu_device() is None and resolve("auto") == "cpu"
-    assert onebit.load(fixture_path("qwen3moe-f32.gguf")).be.name == "cpu"
+    assert onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu").be.name == "cpu"
     monkeypatch.setenv(vkdev.DEVICE_ENV, "0")  # a device asked for by name or index
     assert resolve("auto") == "vulkan"
     monkeypatch.delenv(vkdev.DEVICE_ENV)

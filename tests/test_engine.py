@@ -17,7 +17,7 @@ ARCH_FIXTURES = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixt
 
 @pytest.mark.parametrize("name", ARCH_FIXTURES)
 def test_decode_one_by_one_equals_batched_forward(name):
-    m = onebit.load(fixture_path(f"{name}.gguf"))
+    m = onebit.load(fixture_path(f"{name}.gguf"), backend="cpu")
     ids = np.load(fixture_path(f"{name}.ref.npz"))["tokens"][:20].astype(np.int64)
     full = m.logits(ids)
     cache = m.new_cache()
@@ -28,7 +28,7 @@ def test_decode_one_by_one_equals_batched_forward(name):
 
 
 def test_cache_trim_snapshot_restore():
-    m = onebit.load(fixture_path("qwen3moe-f32.gguf"))
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu")
     ids = np.load(fixture_path("qwen3moe-f32.ref.npz"))["tokens"][:12].astype(np.int64)
     cache = m.new_cache()
     m.net.forward(ids[:8], cache)
@@ -49,7 +49,7 @@ def test_load_does_not_copy_weights():
     proc = psutil.Process()
     path = fixture_path("q3moe256-f32.gguf")
     before = proc.memory_info().rss
-    m = onebit.load(path)
+    m = onebit.load(path, backend="cpu")
     grown = proc.memory_info().rss - before
     size = path.stat().st_size
     assert all(isinstance(t.raw.base, np.memmap) or isinstance(t.raw, np.memmap) for t in m.gguf.tensors.values())
@@ -59,7 +59,7 @@ def test_load_does_not_copy_weights():
 def test_missing_tensor(tmp_path):
     bad = rewrite(fixture_path("qwen3moe-f32.gguf"), tmp_path / "m.gguf", drop_tensors={"blk.1.ffn_up_exps.weight"})
     with pytest.raises(ModelFileError, match=r"blk\.1\.ffn_up_exps\.weight.*missing"):
-        onebit.load(bad)
+        onebit.load(bad, backend="cpu")
 
 
 def test_wrong_shape(tmp_path):
@@ -69,13 +69,13 @@ def test_wrong_shape(tmp_path):
 
     bad = rewrite(fixture_path("qwen3moe-f32.gguf"), tmp_path / "m.gguf", tensor_fn=shrink)
     with pytest.raises(ModelFileError, match=r"blk\.0\.attn_q\.weight.*shape"):
-        onebit.load(bad)
+        onebit.load(bad, backend="cpu")
 
 
 def test_unknown_architecture(tmp_path):
     bad = rewrite(fixture_path("qwen3-f32.gguf"), tmp_path / "m.gguf", arch="mamba9")
     with pytest.raises(UnsupportedModelError, match="architecture 'mamba9' is not supported"):
-        onebit.load(bad)
+        onebit.load(bad, backend="cpu")
 
 
 @pytest.mark.parametrize("key,value", [("qwen3moe.embedding_length", 1 << 30), ("qwen3moe.block_count", 0),
@@ -83,11 +83,11 @@ def test_unknown_architecture(tmp_path):
 def test_absurd_dimensions(tmp_path, key, value):
     bad = rewrite(fixture_path("qwen3moe-f32.gguf"), tmp_path / "m.gguf", meta={key: value})
     with pytest.raises(ModelFileError, match=key.split(".")[1]):
-        onebit.load(bad)
+        onebit.load(bad, backend="cpu")
 
 
 def test_generate_greedy_matches_teacher_forced_argmax():
-    m = onebit.load(fixture_path("qwen3moe-f32.gguf"))
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu")
     prompt = np.load(fixture_path("qwen3moe-f32.ref.npz"))["tokens"][:10].tolist()
     toks = [r.token for r in m.generate(prompt, max_tokens=8) if r.token is not None]
     assert len(toks) >= 1

@@ -137,7 +137,7 @@ def test_resident_vulkan_runs_on_when_it_reads_nothing_from_the_file(tmp_path, c
 def test_api_zeroed_in_place_stops_generation(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(SRC.read_bytes())
-    m = onebit.load(model)
+    m = onebit.load(model, backend="cpu")
     before = os.stat(model).st_mtime_ns
     gen = m.generate([1, 2, 3], max_tokens=8)
     next(gen)
@@ -152,7 +152,7 @@ def test_api_zeroed_in_place_stops_generation(tmp_path):
 def test_api_replaced_or_removed(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(SRC.read_bytes())
-    m = onebit.load(model)
+    m = onebit.load(model, backend="cpu")
     cache = m.new_cache()
     m.net.forward(np.array([1, 2]), cache)
     new = tmp_path / "new.gguf"
@@ -166,6 +166,6 @@ def test_api_replaced_or_removed(tmp_path):
 
 
 def test_unchanged_file_runs_on():
-    m = onebit.load(SRC)
+    m = onebit.load(SRC, backend="cpu")
     assert len([r for r in m.generate([1, 2, 3], max_tokens=5)]) >= 1
     m.gguf.check_unchanged()

@@ -98,7 +98,7 @@ def _no_expert_biases(monkeypatch):
 
 
 def _no_router_bias(monkeypatch):
-    monkeypatch.setattr(gpt_oss.Model, "router_names",
+    monkeypatch.setattr(gpt_oss.Network, "router_names",
                         staticmethod(lambda cfg, i: (f"blk.{i}.post_attention_norm.weight", f"blk.{i}.ffn_gate_inp.weight", None)))
 
 

@@ -157,10 +157,10 @@ def test_recurrent_cache_cannot_trim_but_rolls_back_to_a_checkpoint():
 @pytest.mark.parametrize("name", HYBRID)
 def test_gdn_features_are_load_bearing(name):
     """The value-head order and the partial rotary are checked by the oracle (a wrong choice fails it)."""
-    m = onebit.load(fixture_path(f"{name}.gguf"))
+    m = onebit.load(fixture_path(f"{name}.gguf"), backend="cpu")
     ref = np.load(fixture_path(f"{name}.ref.npz"))
     for change in (dict(ssm_v_tiled=not m.cfg.ssm_v_tiled), dict(rope_dim=m.cfg.head_dim)):
-        m.net.cfg = m.cfg = dataclasses.replace(onebit.load(fixture_path(f"{name}.gguf")).cfg, **change)
+        m.net.cfg = m.cfg = dataclasses.replace(onebit.load(fixture_path(f"{name}.gguf"), backend="cpu").cfg, **change)
         cos = cosine_rows(m.logits(ref["tokens"].astype(np.int64)), ref["logits_hf"])
         assert (cos >= 0.99999).mean() < 0.5, (name, change, np.median(cos))
 
@@ -254,7 +254,7 @@ def test_chat_prefix_reuse_equals_a_fresh_run(lookup):
     first = [r.token for r in s.send("hello there") if r.token is not None]
     second = [r.token for r in s.send("and then") if r.token is not None]
     assert s.last.prompt_tokens_computed < s.last.prompt_tokens  # the cache was reused
-    from onebit.chat import MAX_CHECKPOINTS
+    from onebit.cache import MAX_CHECKPOINTS
 
     assert 1 <= len(s.checkpoints) <= MAX_CHECKPOINTS
     fresh = ChatSession(m, temperature=0.0, max_tokens=8, lookup=lookup)
@@ -325,7 +325,7 @@ def test_block_prediction_is_bit_identical_to_off(name, backend):
 def test_poisoned_recurrent_scratch_changes_nothing():
     name = "qwen3next-f32"
     ids = ref_tokens(name, 8)
-    m = onebit.load(fixture_path(f"{name}.gguf"), predict=settings_from({}, mode="block", ahead=2))
+    m = onebit.load(fixture_path(f"{name}.gguf"), predict=settings_from({}, mode="block", ahead=2), backend="cpu")
     want = decode(m, ids)
     want_hits = [s.hits for s in m.predictor.stats.values()]
     m.set_predict(settings_from({}, mode="block", ahead=2))
@@ -354,7 +354,8 @@ def test_speculative_deltanet_step_equals_the_real_step_and_leaves_the_cache_alo
 
     from onebit.backends.numpy_backend import EagerStep
     from onebit.models import blocks
-    from onebit.moe.predict import PauseContext, Predictor
+    from onebit.moe.predict import Predictor
+    from onebit.pause import PauseContext
 
     m = load("qwen3next-f32")
     cfg = m.cfg

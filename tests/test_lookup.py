@@ -385,7 +385,7 @@ def test_model_generate_takes_lookup():
 
 
 def test_drafts_never_run_past_the_context():
-    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), n_ctx=24)
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), n_ctx=24, backend="cpu")
     ids = prompt("qwen3moe-f32")
     want = run(m, ids, 0, max_tokens=100)
     got = run(m, ids, 8, max_tokens=100)

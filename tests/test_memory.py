@@ -17,9 +17,9 @@ def test_allocations_match_the_plan():
     load is the plan's resident weights + expert slots, and a prefill's peak stays inside the
     plan's total. Tolerance: 2% + 256 KiB for Python objects (tensor records, the tokenizer)."""
     path = fixture_path("q3moe256-f32.gguf")
-    onebit.load(path, slots=5, budget="1GiB", n_ctx=512).close()  # warm-up: module imports are not the plan's
+    onebit.load(path, slots=5, budget="1GiB", n_ctx=512, backend="cpu").close()  # warm-up: module imports are not the plan's
     tracemalloc.start()
-    m = onebit.load(path, slots=5, budget="1GiB", n_ctx=512)
+    m = onebit.load(path, slots=5, budget="1GiB", n_ctx=512, backend="cpu")
     try:
         loaded, _ = tracemalloc.get_traced_memory()
         items = {i.component: i.bytes for i in m.plan.items}
@@ -43,11 +43,11 @@ def test_plan_that_does_not_fit_is_refused_before_loading():
     from onebit.memory.plan import PlanError
 
     with pytest.raises(PlanError, match="memory plan needs"):
-        onebit.load(fixture_path("q3moe256-f32.gguf"), budget="1MiB")
+        onebit.load(fixture_path("q3moe256-f32.gguf"), budget="1MiB", backend="cpu")
 
 
 def test_guard_stops_generation():
-    m = onebit.load(fixture_path("qwen3moe-f32.gguf"))
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu")
     m.guard = MemoryGuard(floor=1 << 60)  # more than any machine has: trips at the first token
     with pytest.raises(MemoryGuardError, match="available memory fell"):
         list(m.generate([1, 2, 3], max_tokens=5))

@@ -43,7 +43,7 @@ def _generate(m, ids=(1, 2, 3), n=3):
     ("output.weight", np.nan, "the output head (linear output.weight)", "holds NaN/inf"),
 ])
 def test_nonfinite_logits_name_the_first_bad_layer(tmp_path, tensor, value, layer, cause):
-    m = onebit.load(_poison(tmp_path, tensor, value))
+    m = onebit.load(_poison(tmp_path, tensor, value), backend="cpu")
     with pytest.raises(NonFiniteError) as e:
         _generate(m)
     msg = str(e.value)
@@ -53,7 +53,7 @@ def test_nonfinite_logits_name_the_first_bad_layer(tmp_path, tensor, value, laye
 def test_nonfinite_at_a_decode_step_is_caught_there(tmp_path):
     """Token 7's embedding row is NaN: the prompt runs, the step that feeds token 7 stops, and the
     re-run starts from the cache as it was (earlier positions' keys and values)."""
-    m = onebit.load(_poison(tmp_path, "token_embd.weight", np.nan, where=7))
+    m = onebit.load(_poison(tmp_path, "token_embd.weight", np.nan, where=7), backend="cpu")
     cache = m.new_cache()
     assert np.isfinite(m.net.forward(np.array([1, 2, 3]), cache)).all()
     with pytest.raises(NonFiniteError, match=r"the token embedding \(embed token_embd.weight\)"):
@@ -61,7 +61,7 @@ def test_nonfinite_at_a_decode_step_is_caught_there(tmp_path):
 
 
 def test_streamed_experts_nonfinite(tmp_path):
-    m = onebit.load(_poison(tmp_path, "blk.1.ffn_gate_exps.weight", np.nan), slots=2, budget="1GiB")
+    m = onebit.load(_poison(tmp_path, "blk.1.ffn_gate_exps.weight", np.nan), slots=2, budget="1GiB", backend="cpu")
     assert m.pool is not None
     try:
         with pytest.raises(NonFiniteError, match=r"layer 1 \(experts\)"):
@@ -111,7 +111,7 @@ def test_nonfinite_in_an_earlier_row_alone(tmp_path, monkeypatch, backend):
     from onebit.backends import BACKENDS
     from onebit.backends.vulkan.backend import VulkanBackend
 
-    ref = onebit.load(QWEN3MOE)
+    ref = onebit.load(QWEN3MOE, backend="cpu")
     ids, e = _routed_first_not_last(ref, 20)
     p = _poison(tmp_path, f"blk.{ref.cfg.n_layers - 1}.ffn_down_exps.weight", np.nan, where=e)
     monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)  # no silent fall back to numpy
@@ -125,7 +125,7 @@ def test_nonfinite_in_an_earlier_row_alone(tmp_path, monkeypatch, backend):
 
 def test_valid_models_are_not_flagged():
     for name in ("qwen3moe-f32.gguf", "q3moe256-Q4_K_M.gguf"):
-        m = onebit.load(fixture_path(name))
+        m = onebit.load(fixture_path(name), backend="cpu")
         assert len(_generate(m, n=4)) >= 1
 
 

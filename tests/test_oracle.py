@@ -18,7 +18,7 @@ HF_REFS = [p for p in REFS if "logits_hf" in np.load(p).files]
 
 def test_fixtures_present():
     assert len(REFS) >= 30, "oracle fixtures missing: run tools/make_fixtures.py"
-    arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf"))).cfg.arch for p in HF_REFS}
+    arches = {onebit.load(p.with_name(p.name.replace(".ref.npz", ".gguf")), backend="cpu").cfg.arch for p in HF_REFS}
     assert arches == {"qwen3moe", "qwen2moe", "olmoe", "llama", "qwen2", "qwen3", "gemma3", "gpt-oss", "glm4moe",
                       "qwen3next", "qwen35moe"}
 
@@ -150,7 +150,7 @@ FEATURES = [
 def test_fixture_features_are_load_bearing(name, change):
     import dataclasses
 
-    model = onebit.load(FIXTURES / f"{name}.gguf")
+    model = onebit.load(FIXTURES / f"{name}.gguf", backend="cpu")
     model.net.cfg = model.cfg = dataclasses.replace(model.cfg, **change)
     ref = np.load(FIXTURES / f"{name}.ref.npz")
     cos = cosine_rows(model.logits(ref["tokens"].astype(np.int64)), ref["logits_hf"])

@@ -14,14 +14,14 @@ from onebit.errors import UsageError
 from onebit.gguf_file import GGUFFile
 from onebit.memory.budget import Budget, parse_size
 from onebit.memory.plan import make_plan, parse_layers
-from onebit.models import model_class
+from onebit.models import network_class
 
 Q4K = "q3moe256-Q4_K_M.gguf"
 
 
 def load(name):
     g = GGUFFile(fixture_path(name))
-    return g, model_class(g.architecture, g.path).config(g)
+    return g, network_class(g.architecture, g.path).config(g)
 
 
 def budget(n):

@@ -30,7 +30,8 @@ from onebit.lookup import DraftPolicy, LookupStats
 from onebit.memory.budget import Budget
 from onebit.memory.plan import make_plan
 from onebit.models import blocks
-from onebit.moe.predict import PredictSettings, Predictor, scratch_kv_bytes, settings_from
+from onebit.cache import scratch_kv_bytes
+from onebit.moe.predict import PredictSettings, Predictor, settings_from
 from onebit.sample import make_sampler
 
 N_DECODE = 10
@@ -61,7 +62,7 @@ _PROMPT = "def loads(s): Deserialize s (a str instance containing a JSON documen
 
 
 def prompt(n=8):
-    m = onebit.load(shipped())
+    m = onebit.load(shipped(), backend="cpu")
     return np.asarray(m.tokenize(_PROMPT * 6)[:n], np.int64)
 
 
@@ -146,7 +147,7 @@ def test_streamed_with_prediction_equals_resident_bit_for_bit(backend, mode):
         assert st.prefetches > 0 and st.demand_misses > 0  # prefetches were issued and it did stream
         assert st.prefetch_hits > 0  # and some were used
         if mode == "block":  # the current layer's top expert added first, read from the pool's slots
-            assert m.predictor.own == 1 and m.predictor.be.pool is m.pool
+            assert m.predictor.own == 1 and m.predictor.be.source is m.pool
     finally:
         m.close()
 
@@ -213,7 +214,7 @@ def test_poisoned_scratch_changes_nothing():
     session 15 note.)"""
     path = shipped()
     ids = prompt()
-    m = onebit.load(path, predict=settings_from({}, mode="block", ahead=2))
+    m = onebit.load(path, predict=settings_from({}, mode="block", ahead=2), backend="cpu")
     want = decode(m, ids)
     m.set_predict(settings_from({}, mode="block", ahead=2))
     pred = m.predictor
@@ -251,7 +252,7 @@ def test_speculative_block_equals_the_real_block_on_a_cache_copy():
     cache = m.new_cache()
     m.net.forward(prompt(), cache)
     h = np.random.default_rng(0).normal(size=(1, cfg.dim)).astype(np.float32)
-    from onebit.moe.predict import PauseContext
+    from onebit.pause import PauseContext
 
     layer = 2
     ctx = PauseContext(cache.offset, 1, lambda l: cache[l].keys, lambda l: cache[l].values)
@@ -273,7 +274,7 @@ def test_vulkan_predicts_what_numpy_predicts():
     for backend in ("numpy", "vulkan"):
         m = onebit.load(path, backend=backend)
         cap = Capture(m.gguf, m.cfg, settings_from({}, mode="block", ahead=2))
-        m.be.predictor = cap
+        m.net.predictor = cap
         toks = decode(m, ids)[1]
         traces.append((toks, cap))
     (t0, a), (t1, b) = traces
@@ -286,7 +287,7 @@ def test_vulkan_predicts_what_numpy_predicts():
 
 def test_trace_and_table_agree(tmp_path):
     out = tmp_path / "pred.jsonl"
-    m = onebit.load(shipped(), predict=settings_from({}, mode="router", ahead=2, out=str(out)))
+    m = onebit.load(shipped(), predict=settings_from({}, mode="router", ahead=2, out=str(out)), backend="cpu")
     decode(m, prompt())
     m.close()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -318,7 +319,7 @@ def test_plan_reserves_the_predictor_scratch():
     # one predicted block's transient memory stays within the planned activation scratch
     cache = m.new_cache()
     m.net.forward(prompt(60), cache)
-    from onebit.moe.predict import PauseContext
+    from onebit.pause import PauseContext
 
     ctx = PauseContext(cache.offset, 1, lambda l: cache[l].keys, lambda l: cache[l].values)
     h = np.ones((1, cfg.dim), np.float32)
@@ -350,7 +351,7 @@ def test_settings_from_env_and_flags():
                 {"ONEBIT_MOE_PREDICT_NO_ATTN": "maybe"}, {"ONEBIT_MOE_PREDICT_MIN": "5", "ONEBIT_MOE_PREDICT_DEPTH": "3"}):
         with pytest.raises(UsageError):
             settings_from(bad)
-    m = onebit.load(shipped())
+    m = onebit.load(shipped(), backend="cpu")
     with pytest.raises(UsageError):
         m.set_predict(settings_from({}, mode="router", layers="0-99"))
 

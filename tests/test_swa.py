@@ -370,7 +370,8 @@ def test_block_prediction_reads_the_ring():
     """The block predictor's speculative attention (moe/predict.py) over a layer's ring == over
     a cache of every position: it reads the ring's positions, not its first rows."""
     from onebit.backends.numpy_backend import NumpyBackend
-    from onebit.moe.predict import PauseContext, _ScratchStep
+    from onebit.moe.predict import _ScratchStep
+    from onebit.pause import PauseContext
 
     m = load("numpy")
     be = NumpyBackend(m.gguf)

@@ -15,7 +15,7 @@ import pytest
 import onebit
 from conftest import fixture_path
 from onebit.backends.vulkan.graph import _row_groups, _slot_table
-from onebit.backends.vulkan.streaming import SlotArrays, StreamingVulkanBackend
+from onebit.backends.vulkan.slots import SlotArrays
 
 N_DECODE = 8
 CASES = [("q3moe256-Q4_K_M.gguf", [4, 6, 7]), ("qwen3moe-f32.gguf", [2, 8, 15]), ("glm4moe-f32.gguf", [2, 5])]
@@ -47,7 +47,7 @@ def test_streamed_vulkan_equals_resident_bit_for_bit(name, slot_counts, policy):
     for slots in slot_counts:
         m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB", pool_policy=policy)
         try:
-            assert isinstance(m.be, StreamingVulkanBackend) and m.pool.n_slots == slots
+            assert m.be.name == "vulkan" and m.be.pool is m.pool and m.pool.n_slots == slots
             # routed experts are not uploaded; the pool's slots are the device's mapped buffers
             assert not any("_exps." in t for t in m.be.tensors)
             assert all(m.be.slot_arrays.buffer_of(a).host_visible for b in m.pool.buffers for a in b.values())
@@ -118,7 +118,7 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
 @pytest.mark.parametrize("name,slots", [("qwen3moe-f32.gguf", 14), ("glm4moe-f32.gguf", 8), ("q3moe256-Q4_K_M.gguf", 6)])
 def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, slots):
     """Once a step's experts were all hits, the next runs as one submission, its routers writing
-    the slot table from the pool's (graph.py Recording.lookup); one that routes to an expert
+    the slot table from the pool's (graph.py Recording.by_table); one that routes to an expert
     not pooled is refused and run again with pauses. Against the same decode with every
     streamed layer pausing: the same logits bit for bit, the same pool counts (hits, misses,
     bytes) and the same routing trace."""
@@ -130,7 +130,7 @@ def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, 
     for lookup in (True, False):
         m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB")
         try:
-            m.be.runner.pool_lookup = lookup
+            m.be.runner.pool_table_steps = lookup
             streamed = len(m.be.streamed_layers)
             trace = str(tmp_path / f"{lookup}.jsonl")
             hook = TraceWriter(trace, "t", m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
@@ -145,7 +145,7 @@ def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, 
             st = m.pool.stats
             r = m.be.runner
             runs[lookup] = (np.concatenate(out), (st.hits, st.demand_misses, st.bytes_read, st.acquires), submits,
-                            open(trace).read(), (r.lookup_steps, r.lookup_refused))
+                            open(trace).read(), (r.table_steps, r.table_steps_refused))
         finally:
             m.be.close()
     (got, counts, submits, text, (tried, refused)), (want, want_counts, paused, want_text, none) = runs[True], runs[False]
@@ -171,7 +171,7 @@ def test_a_hook_that_acts_is_called_at_every_streamed_layer():
         logits = m.net.forward(_prompt(path)[:8], cache)
         for _ in range(2 * N_DECODE):  # (without the hook these steps would run with no pause)
             logits = m.net.forward(np.array([int(logits[-1].argmax())]), cache, hook=lambda l, i, g: calls.append(l))
-        assert m.be.runner.lookup_steps == 0
+        assert m.be.runner.table_steps == 0
     finally:
         m.be.close()
     assert calls == [0, 1] * 2 * N_DECODE

@@ -9,27 +9,33 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
-from ..errors import UsageError
+from ..errors import BackendUnavailableError, UsageError
 from .numpy_backend import NumpyBackend
 
 log = logging.getLogger("onebit")
 
 
-def _vulkan(gguf):
+def _vulkan(gguf, experts=None, device=None, slot_arrays=None):
     from .vulkan.backend import VulkanBackend
 
-    return VulkanBackend(gguf)
+    return VulkanBackend(gguf, experts, device, slot_arrays)
 
 
-def _cpu(gguf):
-    from .cpu import CpuBackend
+def _cpu(gguf, experts=None, device=None, slot_arrays=None):
+    try:
+        from .cpu import CpuBackend
+    except ImportError as e:  # numba missing or broken
+        raise BackendUnavailableError(f"the cpu backend cannot run here ({e})") from e
+    return CpuBackend(gguf, experts)
 
-    return CpuBackend(gguf)
+
+def _numpy(gguf, experts=None, device=None, slot_arrays=None):
+    return NumpyBackend(gguf, experts)
 
 
-BACKENDS = {"numpy": NumpyBackend, "cpu": _cpu, "vulkan": _vulkan}
+# Fastest first: a backend that cannot run gives way to the next (onebit.load).
+BACKENDS = {"vulkan": _vulkan, "cpu": _cpu, "numpy": _numpy}
 NAMES = ("auto", *BACKENDS)
 
 
@@ -48,50 +54,38 @@ def gpu_device():
     return gpus[0] if gpus else None
 
 
-def resolve(name: str) -> str:
-    """The concrete backend `name` stands for ("auto" -> "vulkan" or "cpu")."""
+def resolve(name: str, device=None) -> str:
+    """The concrete backend `name` stands for ("auto" -> "vulkan" where a GPU device is usable,
+    or a device was named (`device`, $ONEBIT_VULKAN_DEVICE); else "cpu")."""
     if name not in NAMES:
         raise UsageError(f"unknown backend {name!r} (available: {', '.join(NAMES)})")
     if name != "auto":
         return name
     from .vulkan.device import DEVICE_ENV
 
-    if os.environ.get(DEVICE_ENV, "").strip() or gpu_device() is not None:
+    if device is not None or os.environ.get(DEVICE_ENV, "").strip() or gpu_device() is not None:
         return "vulkan"
     return "cpu"
 
 
-def make_backend(name: str, gguf, fallback: bool = True, auto: bool = False):
-    """The named backend; when Vulkan is unusable here, say so once and fall back (to numpy
-    when Vulkan was asked for by name, to cpu when `auto` chose it)."""
-    auto = auto or name == "auto"
-    name = resolve(name)
-    if name == "vulkan":
-        from .vulkan.device import VulkanUnavailableError
+def fallback_order(name: str) -> list[str]:
+    """`name` and the backends it falls back to, fastest first (vulkan -> cpu -> numpy)."""
+    names = list(BACKENDS)
+    return names[names.index(name):]
 
-        try:
-            return BACKENDS["vulkan"](gguf)
-        except VulkanUnavailableError as e:
-            if not fallback:
-                raise
-            other = "cpu" if auto else "numpy"
-            sys.stderr.write(f"onebit: warning: {e}; using the {other} backend\n")
-            log.info("Vulkan unavailable, falling back to %s: %s", other, e)  # stderr has it already
-            return BACKENDS[other](gguf)
-    return BACKENDS[name](gguf)
+
+def open_backend(name: str, gguf, experts=None, device=None, slot_arrays=None):
+    """Backend `name` over `gguf` with its expert source (`experts`: a pool, or None for the
+    file), on `device` (Vulkan; None: the default one). No fallback here: a backend that
+    cannot run raises BackendUnavailableError, which `onebit.load` handles."""
+    return BACKENDS[name](gguf, experts, device, slot_arrays)
 
 
 def device_info(be):
     """The device a backend computes on (a Vulkan device's `DeviceInfo`), or None for the host."""
-    dev = getattr(be, "dev", None)
-    return getattr(dev, "info", None)
+    return None if be.runs_on_host else be.dev.info
 
 
 def describe(be) -> str:
     """A backend in a few words, for `onebit bench` and logs: its name and threads or device."""
-    if hasattr(be, "describe"):
-        return be.describe()
-    info = device_info(be)
-    if info is not None:
-        return f"{info.name}, {info.type}"
-    return "reference" if be.name == "numpy" else be.name
+    return be.describe()

@@ -16,18 +16,10 @@ import sys
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS
+from .experts import read_only
 from .numpy_backend import NumpyBackend
 
 log = logging.getLogger("onebit")
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous read-only view: the kernels are compiled for one array type, not two."""
-    a = np.ascontiguousarray(a)
-    if a.flags.writeable:
-        a = a.view()
-        a.flags.writeable = False
-    return a
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -36,7 +28,7 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 def _ro32(x: np.ndarray) -> np.ndarray:
     """Float32, C order, read-only: the one array type the small-op kernels are compiled for."""
-    return _readonly(np.asarray(x, dtype=np.float32))
+    return read_only(np.asarray(x, dtype=np.float32))
 
 
 FEW_ROWS = 4  # attention of at most this many query rows runs in the serial kernel
@@ -51,8 +43,8 @@ def threads() -> int:
 class CpuBackend(NumpyBackend):
     name = "cpu"
 
-    def __init__(self, gguf):
-        super().__init__(gguf)
+    def __init__(self, gguf, experts=None):
+        super().__init__(gguf, experts)
         from . import cpu_kernels as K
 
         self.K = K
@@ -84,7 +76,7 @@ class CpuBackend(NumpyBackend):
             return t, None
         hit = self._raw.get(name)
         if hit is None or hit[0] is not t.raw:  # a memory plan may swap the map for a copy
-            hit = self._raw[name] = (t.raw, _readonly(t.raw))
+            hit = self._raw[name] = (t.raw, read_only(t.raw))
         return t, hit[1]
 
     def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
@@ -132,11 +124,11 @@ class CpuBackend(NumpyBackend):
         inv = self._inv_freq.get((n_rot, theta))
         if inv is None:
             inv = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)  # [n_rot/2]
-            inv = self._inv_freq[(n_rot, theta)] = _readonly(inv)
+            inv = self._inv_freq[(n_rot, theta)] = read_only(inv)
         if factors is not None:
-            inv = _readonly(inv / np.asarray(factors, dtype=np.float64).reshape(-1)[: n_rot // 2])
+            inv = read_only(inv / np.asarray(factors, dtype=np.float64).reshape(-1)[: n_rot // 2])
         out = np.empty(x.shape, np.float32)  # [R, H, D]
-        self.K.rope(out, _ro32(x), _readonly(np.asarray(pos, np.int64)), inv, float(scale), bool(neox))
+        self.K.rope(out, _ro32(x), read_only(np.asarray(pos, np.int64)), inv, float(scale), bool(neox))
         return out
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
@@ -146,13 +138,13 @@ class CpuBackend(NumpyBackend):
             if R > FEW_ROWS:
                 return super().attention(q, k, v, q_pos, window, scale, sinks)
             out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
-            self.K.attention_sinks(out, _ro32(q), _ro32(k), _ro32(v), _readonly(np.asarray(q_pos, np.int64)),
+            self.K.attention_sinks(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)),
                                    int(window), float(1.0 / np.sqrt(D) if scale is None else scale), _ro32(sinks))
             return out.reshape(R, -1)  # [R, H*Dv]
         if R > FEW_ROWS or scale is not None:  # a prompt (numpy's batched products beat a serial
             return super().attention(q, k, v, q_pos, window, scale)  # loop), or a score scale of its own
         out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
-        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), _readonly(np.asarray(q_pos, np.int64)), int(window))
+        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)), int(window))
         return out.reshape(R, -1)  # [R, H*Dv]
 
     def route(self, logits: np.ndarray, k: int, norm: bool):
@@ -189,44 +181,20 @@ class CpuBackend(NumpyBackend):
         b = super().expert_biases(layer)
         return None if b is None else [_ro32(a) for a in b]
 
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+        """The numpy backend's routed experts in one kernel call per group of pinned experts (all
+        of them at once from the file; a pool's in groups of what it can pin), reading their
+        bytes from the expert source; the same experts in the same order whatever the source."""
         parts, fast = self._expert_parts(layer)
         biases = self.expert_biases(layer)
         if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
-            return super().experts(x, layer, ids, weights, glu)
+            return super().experts(layer, x, ids, weights, glu)
         x = _f32(x)
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
-        raws = [self._kernel_raw(t.name)[1] for t in parts]
-        self.expert_call(out, x, parts, raws, experts, offs, rows, rw, experts, biases, glu)
+        arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
+        for start, group, index in self.source.pinned(layer, experts.tolist()):
+            o = offs[start : start + len(group) + 1]
+            self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), o - o[0],
+                             rows[o[0] : o[-1]], rw[o[0] : o[-1]], group, biases, glu)
         return out
-
-
-class StreamingCpuBackend(CpuBackend):
-    """Routed experts from a slot pool: the same kernel, reading slots instead of the file map,
-    over the same experts in the same order, so the output is bit-identical to resident."""
-
-    def __init__(self, gguf, pool):
-        super().__init__(gguf)
-        self.pool = pool
-
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
-        parts, fast = self._expert_parts(layer)
-        biases = self.expert_biases(layer)
-        fast = fast and (biases is None) == (glu is None)
-        x = _f32(x)
-        out = np.zeros_like(x)
-        experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
-        ci = self.pool.class_of_layer[layer]
-        bufs = [_readonly(self.pool.buffers[ci][p]) for p in EXPERT_PARTS]  # [slots, rows, row_bytes]
-        for start, group, slots in self.pool.pinned_groups(layer, [int(e) for e in experts]):
-            if fast:
-                o = offs[start : start + len(group) + 1]
-                self.expert_call(out, x, parts, bufs, np.asarray(slots, np.int64), o - o[0],
-                                 rows[o[0] : o[-1]], rw[o[0] : o[-1]], group, biases, glu)
-            else:
-                for e, slot in zip(group, slots):
-                    raws = [self.pool.slot_view(layer, slot, p) for p in EXPERT_PARTS]
-                    self.expert_ffn(out, x, ids, weights, e, parts, raws, biases, glu)
-        return out
-

@@ -8,11 +8,15 @@ dropped afterwards, so the process never holds a float32 copy of the model.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import numpy as np
 
+from ..cache import SWA_ROWS, Cache, make_cache
 from ..gguf_file import EXPERT_PARTS, GGUFFile, Tensor
+from ..pause import NO_PAUSES, PauseContext, Pauses
 from ..quants import QTYPES
+from .experts import ExpertSource, FileExperts
 
 
 def dequantize(t: Tensor, index=None) -> np.ndarray:
@@ -24,21 +28,40 @@ def dequantize(t: Tensor, index=None) -> np.ndarray:
 class NumpyBackend:
     name = "numpy"
 
-    def __init__(self, gguf: GGUFFile):
+    def __init__(self, gguf: GGUFFile, experts: Optional[ExpertSource] = None):
         self.gguf = gguf
-        self.predictor = None  # a moe.predict.Predictor, called at every MoE pause point
+        self.source = experts if experts is not None else FileExperts(gguf)  # where routed experts' bytes are
+
+    runs_on_host = True
+    reads_map = True  # a forward reads the model file's memory map at any time
 
     def close(self) -> None:
         """Nothing to free: weights stay in the file's memory map."""
 
-    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> tuple[np.ndarray, bool]:
-        """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions:
-        (logits, whether every logit is finite); the cache holds the rows either way. NaN and
-        inf give no numpy warnings: the model reports them as one error."""
+    def describe(self) -> str:
+        """The backend in a few words (`onebit bench`, logs)."""
+        return "reference"
+
+    def attach_model(self, model) -> None:
+        """A network is built over this backend (a device backend records a step here)."""
+
+    def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
+        """A cache for one sequence, in host memory (see cache.make_cache)."""
+        return make_cache(cfg, capacity, swa_rows)
+
+    def greedy_chain(self, model, cache, limit=None):
+        """Greedy steps queued ahead of the host: a device backend's (Vulkan); none here."""
+        return None
+
+    def forward(self, model, ids: np.ndarray, cache, pauses: Pauses = NO_PAUSES,
+                last_only: bool = False) -> tuple[np.ndarray, bool]:
+        """Run `model`'s schedule eagerly over token ids [R] at the cache's next positions, its
+        pause points served by `pauses`: (logits, whether every logit is finite); the cache
+        holds the rows either way. NaN and inf give no numpy warnings: the model reports them
+        as one error."""
         with np.errstate(all="ignore"):
-            if self.predictor is not None:
-                self.predictor.begin(len(ids))
-            step = EagerStep(self, ids, cache, hook)
+            pauses.begin(len(ids))
+            step = EagerStep(self, ids, cache, pauses)
             logits = model.schedule(step, last_only)
             step.commit()
             cache.offset += len(ids)
@@ -79,6 +102,11 @@ class NumpyBackend:
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """x: [R, in] @ W[out, in].T -> [R, out]."""
         return x @ dequantize(self.gguf.tensor(name)).T
+
+    def linears(self, x: np.ndarray, names) -> Optional[list[np.ndarray]]:
+        """x @ W.T for several matrices of one input in one call, where the backend fuses them
+        (cpu); None: the step runs them one by one."""
+        return None
 
     # -- elementwise and normalisation --------------------------------------------------
 
@@ -300,18 +328,22 @@ class NumpyBackend:
             w = w * np.float32(scale)
         return ids, w.astype(np.float32)
 
-    def experts(self, x: np.ndarray, layer: int, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)) (glu =
         (alpha, limit): gpt-oss's clamped variant, see `glu_oai`; the parts' biases, where the
-        file has them, are added to their products).
+        file has them, are added to their products). The experts' bytes come from the
+        backend's expert source (the file, or a pool's slots), in the same order either way.
 
         x: [R, dim]; ids, weights: [R, k]. Expert e of `ffn_gate_exps` is raw[e]: [hidden, dim].
         """
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         biases = self.expert_biases(layer)
         out = np.zeros_like(x)
-        for e in np.unique(ids):
-            self.expert_ffn(out, x, ids, weights, int(e), parts, [t.raw[int(e)] for t in parts], biases, glu)
+        arrays = self.source.arrays(layer)  # gate, up, down: [E or slots, rows, row_bytes]
+        # (a read that fails because the file changed is named by the model's forward)
+        for _, group, index in self.source.pinned(layer, [int(e) for e in np.unique(ids)]):
+            for e, i in zip(group, index):
+                self.expert_ffn(out, x, ids, weights, e, parts, [a[i] for a in arrays], biases, glu)
         return out
 
     def expert_biases(self, layer: int):
@@ -353,8 +385,8 @@ class EagerStep:
     """The ops of a model schedule (models/blocks.py), each run at once on numpy arrays, for
     token ids [R] at the cache's next positions."""
 
-    def __init__(self, be: NumpyBackend, ids: np.ndarray, cache, hook=None):
-        self.be, self.ids, self.cache, self.hook = be, ids, cache, hook
+    def __init__(self, be: NumpyBackend, ids: np.ndarray, cache, pauses: Pauses = NO_PAUSES):
+        self.be, self.ids, self.cache, self.pauses = be, ids, cache, pauses
         self._pause_ctx = None
         self._staged: dict = {}  # recurrent layer -> its new (conv, state), written when the step completes
         self.start = cache.offset
@@ -372,8 +404,7 @@ class EagerStep:
         return y + self.be.weight(bias) if bias is not None else y
 
     def linears(self, x: np.ndarray, names, biases) -> list[np.ndarray]:
-        fused = getattr(self.be, "linears", None)  # e.g. cpu: one parallel region for all of them
-        ys = fused(x, names) if fused is not None else None
+        ys = self.be.linears(x, names)  # (cpu: one parallel region for all of them)
         if ys is None:
             return [self.linear(x, n, b) for n, b in zip(names, biases)]
         return [y + self.be.weight(b) if b is not None else y for y, b in zip(ys, biases)]
@@ -423,22 +454,18 @@ class EagerStep:
         return self.be.route_sigmoid(logits, k, b, norm, scale, groups, groups_used)
 
     def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
-        if self.hook is not None:
-            self.hook(layer, ids, logits)
-        predictor = self.be.predictor
-        if predictor is not None:
+        p = self.pauses
+        p.at_pause(layer, ids, logits)
+        p.observe(layer, ids, logits)  # (eager: an observer's data is at hand now)
+        if p.predicting:
             if self._pause_ctx is None:  # made once per forward, at its first pause point
-                from ..moe.predict import PauseContext
-
                 c = self.cache
                 self._pause_ctx = PauseContext(self.start, len(self.ids), lambda l: c[l].keys, lambda l: c[l].values,
                                                lambda l: c[l])
-            predictor.at_pause(self._pause_ctx, layer, ids, logits, h)
+            p.predict(self._pause_ctx, layer, ids, logits, h)
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
-        if glu is None:
-            return self.be.experts(x, layer, ids, weights)
-        return self.be.experts(x, layer, ids, weights, glu)
+        return self.be.experts(layer, x, ids, weights, glu)
 
     def shared_expert(self, layer: int, x: np.ndarray) -> np.ndarray:
         """qwen2moe's always-on expert, scaled per row by a sigmoid gate."""

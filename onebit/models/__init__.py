@@ -22,10 +22,11 @@ ARCHITECTURES = {
 }
 
 
-def model_class(arch: str, source: str):
+def network_class(arch: str, source: str):
+    """The network class (a `TransformerLM`) of GGUF architecture `arch`; `source` names the file in errors."""
     module = ARCHITECTURES.get(arch)
     if module is None:
         raise UnsupportedModelError(
             f"{source}: architecture {arch!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
-    return importlib.import_module(f"{__name__}.{module}").Model
+    return importlib.import_module(f"{__name__}.{module}").Network

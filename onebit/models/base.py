@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache import SWA_ROWS, Cache, make_cache
+from ..cache import SWA_ROWS, Cache
 from ..config import ModelConfig
 from ..errors import NonFiniteError, OnebitError, UsageError
+from ..pause import PauseClient, Pauses
 from . import blocks
 
 
@@ -23,10 +24,9 @@ class TransformerLM:
         self.draft_times: dict[int, float] = {}  # lookup decoding: seconds of a forward by row count
         self.draft_learned: dict = {}  # lookup decoding: accept rates by match length, the gate's means
         self.cfg: ModelConfig = cfg if cfg is not None else self.config(gguf)
+        self.predictor: PauseClient | None = None  # routing prediction at the pause points (moe/predict.py)
         blocks.check_tensors(gguf, self.expected_tensors(gguf))
-        attach = getattr(backend, "attach_model", None)  # e.g. Vulkan: check it can record this model
-        if attach is not None:
-            attach(self)
+        backend.attach_model(self)  # (Vulkan: records a step now, so a model it cannot run is refused at load)
 
     @staticmethod
     def config(gguf) -> ModelConfig:
@@ -65,58 +65,58 @@ class TransformerLM:
         """A cache for one sequence; sliding-window layers hold a ring sized for forwards of
         `swa_rows` rows (0: every layer holds every position)."""
         capacity = self.kv_capacity if capacity is None else capacity
-        device_cache = getattr(self.be, "make_cache", None)  # the backend's own (device memory)
-        if device_cache is not None:
-            return device_cache(self.cfg, capacity, swa_rows)
-        return make_cache(self.cfg, capacity, swa_rows)
+        return self.be.make_cache(self.cfg, capacity, swa_rows)  # (Vulkan: in device memory)
 
     def forward(self, ids, cache: Cache, hook=None, last_only: bool = False) -> np.ndarray:
         """Logits [R, vocab] (or [1, vocab]: the last row) for token ids [R] at the cache's next
-        positions; the cache then holds them too. `hook` is called at every MoE pause point."""
+        positions; the cache then holds them too. `hook` and the predictor are the clients of
+        every MoE pause point (pause.py)."""
         ids = np.asarray(ids, dtype=np.int64)
         check_ids(ids, self.cfg.vocab_size)
         self.rows_run += len(ids)  # rows (tokens) through the model so far: per-token stats divide by it
-        unchanged = getattr(self.gguf, "check_unchanged", None)  # the file is read while running
-        if unchanged is not None and file_reads(self.be) is None:  # (else the check after will do)
+        unchanged = self.gguf.check_unchanged  # the file is read while running
+        if self._file_reads() is None:  # (else the check after will do)
             unchanged()
         try:  # (backends run their host math under np.errstate: NaN / inf are reported below, once)
-            logits, finite = self.be.forward(self, ids, cache, hook=hook, last_only=last_only)
+            logits, finite = self.be.forward(self, ids, cache, Pauses(hook, self.predictor), last_only)
         except OnebitError:
-            if unchanged is not None:
-                unchanged()  # a read that failed because the file changed says how it changed
+            unchanged()  # a read that failed because the file changed says how it changed
             raise
-        if unchanged is not None:
-            self._check_file(unchanged)  # before these logits are used: they may come from a changed file
+        self._check_file(unchanged)  # before these logits are used: they may come from a changed file
         if not finite:  # (each backend checks its logits: Vulkan on the device)
             raise self._nonfinite(ids, cache, last_only)
         return logits
 
-    _reads_checked: int | None = None  # file_reads(self.be) when the file was last checked
+    _reads_checked: int | None = None  # _file_reads() when the file was last checked
+
+    def _file_reads(self) -> int | None:
+        """How many times the file has been read outside its memory map (gguf.reads: a pool's
+        expert reads, a device backend's host copies to record a shape); None where a forward
+        may read the memory map at any time (a host backend, a predictor's host ops): the file
+        is then checked before and after each forward."""
+        return None if self.be.reads_map or self.predictor is not None else self.gguf.reads
 
     def _check_file(self, unchanged) -> None:
         """After a forward: the file checked where it may have been read since the last check
         (the forward's reads, or a pool's that completed since: an expert read after one check
         and used in a later forward is covered by that forward's check)."""
-        reads = file_reads(self.be)
+        reads = self._file_reads()
         if reads is None or reads != self._reads_checked:
             unchanged()
             self._reads_checked = reads
 
     def greedy_steps(self, cache: Cache, limit: int | None = None) -> "GreedySteps | None":
         """Greedy decoding with the device a step ahead of the host, where the backend offers it
-        (Vulkan, every layer resident); else None. `limit`: no position at or past it."""
-        make = getattr(self.be, "greedy_chain", None)
-        chain = make(self, cache, limit) if make is not None else None
+        (Vulkan, every layer resident, no predictor); else None. `limit`: no position at or past it."""
+        chain = self.be.greedy_chain(self, cache, limit) if self.predictor is None else None
         return None if chain is None else GreedySteps(self, cache, chain)
 
     def _nonfinite(self, ids, cache, last_only: bool) -> NonFiniteError:
         from ..nonfinite import first_nonfinite
 
-        unchanged = getattr(self.gguf, "check_unchanged", None)
-        if unchanged is not None:
-            unchanged()  # (the re-run reads the weights from the file)
+        self.gguf.check_unchanged()  # (the re-run reads the weights from the file)
         where = first_nonfinite(self, ids, cache, last_only)
-        backend = getattr(self.be, "name", "this")
+        backend = self.be.name
         if where is None:
             where = ("a numpy re-run of the same step is finite: a numerics problem of the "
                      f"{backend} backend (try --backend numpy)") if backend != "numpy" else \
@@ -133,7 +133,6 @@ class GreedySteps:
 
     def __init__(self, model: TransformerLM, cache: Cache, chain):
         self.model, self.cache, self.chain = model, cache, chain
-        self._unchanged = getattr(model.gguf, "check_unchanged", None)
 
     def step(self, tok: int) -> int | None:
         got = self.chain.step(tok)
@@ -141,22 +140,13 @@ class GreedySteps:
             return None
         nxt, finite = got
         self.model.rows_run += 1
-        if self._unchanged is not None:
-            self.model._check_file(self._unchanged)
+        self.model._check_file(self.model.gguf.check_unchanged)
         if not finite:
             raise self.model._nonfinite(np.array([tok], np.int64), self.cache, False)
         return nxt
 
     def close(self) -> None:
         self.chain.close()
-
-
-def file_reads(be) -> int | None:
-    """How many times the backend has read the model file, where it counts its reads (Vulkan:
-    host copies to record a new shape, a pool's expert reads); None where a forward may read it
-    at any time (a memory map: the numpy backends, a predictor's host ops): the file is then
-    checked before and after each forward."""
-    return None if getattr(be, "reads_file", True) else be.file_reads
 
 
 def check_ids(ids: np.ndarray, vocab_size: int) -> None:

@@ -20,7 +20,7 @@ SWA_PERIOD = 6  # llama.cpp's default: layers 5, 11, 17, ... attend globally
 LOCAL_ROPE_THETA = 10000.0  # rope.freq_base_swa when the file does not say (llama.cpp's default)
 
 
-class Model(TransformerLM):
+class Network(TransformerLM):
     @staticmethod
     def config(gguf):
         cfg = config_from_gguf(gguf, rope_neox=True, qk_norm="head")

@@ -25,7 +25,7 @@ from .base import TransformerLM
 GATING_SIGMOID = 2  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid (0: unset -> sigmoid)
 
 
-class Model(TransformerLM):
+class Network(TransformerLM):
     @staticmethod
     def config(gguf):
         qk_norm = "head" if "blk.0.attn_q_norm.weight" in gguf.tensors else "none"

@@ -24,7 +24,7 @@ SWA_PERIOD = 2  # llama.cpp's default for gpt-oss: layers 0, 2, 4, ... slide, 1,
 GLU = (1.702, 7.0)  # (alpha, limit) of the clamped SwiGLU
 
 
-class Model(TransformerLM):
+class Network(TransformerLM):
     @staticmethod
     def config(gguf):
         cfg = config_from_gguf(gguf, rope_neox=True, default_weights_norm=True, yarn=True)

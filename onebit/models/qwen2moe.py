@@ -6,7 +6,7 @@ from ..config import config_from_gguf
 from .base import TransformerLM
 
 
-class Model(TransformerLM):  # the shared pre-norm decoder layer (blocks.decoder_layer)
+class Network(TransformerLM):  # the shared pre-norm decoder layer (blocks.decoder_layer)
     @staticmethod
     def config(gguf):
         return config_from_gguf(gguf, rope_neox=True, default_weights_norm=False)

@@ -14,7 +14,7 @@ from .base import TransformerLM
 from .qwen3next import hybrid_config
 
 
-class Model(TransformerLM):
+class Network(TransformerLM):
     def expected_tensors(self, gguf):
         return blocks.hybrid_tensors(self.cfg, gguf)
 

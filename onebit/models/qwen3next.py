@@ -67,7 +67,7 @@ def hybrid_config(gguf, v_tiled: bool, default_weights_norm: bool = True) -> Mod
         ssm_time_step_rank=v_heads, ssm_v_tiled=v_tiled, ffn_norm="post_attention_norm")
 
 
-class Model(TransformerLM):
+class Network(TransformerLM):
     def expected_tensors(self, gguf):
         return blocks.hybrid_tensors(self.cfg, gguf)
 

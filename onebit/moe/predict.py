@@ -44,9 +44,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..backends.numpy_backend import EagerStep
+from ..backends.numpy_backend import EagerStep, NumpyBackend
+from ..cache import RecurrentCache
 from ..errors import UsageError
 from ..gate import SpeedGate
+from ..memory.plan import parse_layers
+from ..pause import NO_PAUSES, PauseClient, PauseContext
 
 MODES = ("off", "router", "block")
 ENV = "ONEBIT_MOE_PREDICT"
@@ -152,24 +155,7 @@ def as_settings(predict) -> PredictSettings:
     return predict
 
 
-def scratch_kv_bytes(cfg, rows: int = 1) -> int:
-    """Bytes of one predicted layer's scratch state: this step's keys and values (float32)."""
-    return 4 * rows * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v)
-
-
-def scratch_state_bytes(cfg, layer: int) -> int:
-    """Bytes of predicted layer `layer`'s scratch: K/V of one row, or (a recurrent layer) a copy
-    of its conv history and delta-rule state, which the speculative step writes."""
-    if cfg.layer_is_recurrent(layer):
-        from ..cache import recurrent_state_bytes
-
-        return recurrent_state_bytes(cfg) // len(cfg.recurrent_layers)
-    return scratch_kv_bytes(cfg)
-
-
 def _recurrent_scratch(cfg):
-    from ..cache import RecurrentCache
-
     return RecurrentCache(cfg.ssm_conv_kernel, cfg.ssm_conv_channels, cfg.ssm_time_step_rank, cfg.ssm_state_size)
 
 
@@ -417,17 +403,7 @@ class Ledger:
             self.changes += 1
 
 
-class PauseContext:
-    """What a backend hands the predictor at a pause point: the rows' positions and a view of
-    the real cache's earlier keys and values (read only)."""
-
-    def __init__(self, start: int, rows: int, keys, values, states=None):
-        self.start, self.rows = start, rows
-        self.keys, self.values = keys, values  # layer -> [S, Hkv, D] arrays, position p in row p % S
-        self.states = states  # layer -> its RecurrentCache (conv, state) before these rows (hybrid models)
-
-
-class Predictor:
+class Predictor(PauseClient):
     """Ranks the next layers' experts at each pause point and feeds the pool's prefetch queue."""
 
     def __init__(self, gguf, cfg, settings: PredictSettings, pool=None, host=None, overlapped: bool = False,
@@ -437,13 +413,10 @@ class Predictor:
         pool's slots); numpy's reference ops if None. `overlapped`: the host predicts while a
         device computes (the ledger does not count the host's time). `own_ok`: block mode may
         run the current layer's top experts on the host (see `own` below)."""
-        from ..backends.numpy_backend import NumpyBackend
-        from ..memory.plan import parse_layers
-
-        from ..models import model_class
+        from ..models import network_class  # (models import nothing of the predictor's)
 
         self.cfg, self.s, self.pool = cfg, settings, pool
-        self.arch = model_class(cfg.arch, str(getattr(gguf, "path", "")))  # its router names and mixer
+        self.arch = network_class(cfg.arch, str(getattr(gguf, "path", "")))  # its router names and mixer
         self.be = host if host is not None else NumpyBackend(gguf)
         self.k = cfg.n_experts_used
         self.moe_layers = [i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)]
@@ -502,9 +475,9 @@ class Predictor:
 
     # -- the pause point ------------------------------------------------------------------
 
-    def begin(self, rows: int = 1) -> None:
+    def begin(self, rows: int = 1) -> bool:
         """A forward over `rows` rows starts: predictions left from the last one are dropped;
-        the gate may switch (see Gate)."""
+        the gate may switch (see Gate). Returns whether this forward's pauses have work (`pausing`)."""
         self.pending.clear()
         self.older.clear()
         self.forwards += 1
@@ -520,7 +493,7 @@ class Predictor:
             # ledger's to measure or decide, so no bookkeeping either (the pool's counters are
             # marked again when the gate next turns prediction on)
             self._pool_mark = None
-            return
+            return False
         if self.ledger is not None:
             pool = self.pool
             mark = {l: list(v) for l, v in pool.by_layer.items()}
@@ -547,12 +520,21 @@ class Predictor:
         self._used.clear()
         self._cost.clear()
         self._sent.clear()
+        return self.pausing
 
     @property
     def pausing(self) -> bool:
         """Whether this forward's pause points have work for the predictor (when not, the
         Vulkan backend makes no host copies of h, ids and logits for it)."""
         return self.active and not self._idle
+
+    def states_ahead(self, layer: int) -> tuple[int, ...]:
+        """The recurrent layers whose state before this step a block-mode prediction at
+        `layer`'s pause reads (their speculative DeltaNet steps start from it)."""
+        if self.s.mode != "block" or self.s.no_attn or not self.cfg.recurrent_layers:
+            return ()
+        i = self.moe_layers.index(layer)
+        return tuple(l for l in self.moe_layers[i + 1 : i + 1 + self.s.ahead] if self.cfg.layer_is_recurrent(l))
 
     def at_pause(self, ctx: PauseContext, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
         if not self.pausing:
@@ -674,7 +656,7 @@ class Predictor:
         x = be.rms_norm(h, be.weight(self.arch.router_names(cfg, layer)[0]), cfg.norm_eps)  # [R, dim]
         _, w = be.route(logits, self.k, cfg.expert_weights_norm)  # (the order of ids: by weight)
         n = self.own
-        return be.experts(x, layer, np.ascontiguousarray(ids[:, :n]), np.ascontiguousarray(w[:, :n]))  # [R, dim]
+        return be.experts(layer, x, np.ascontiguousarray(ids[:, :n]), np.ascontiguousarray(w[:, :n]))  # [R, dim]
 
     def _fast_router(self, layer: int) -> Optional[tuple]:
         """(norm weight, router [E, dim], bias) as float32 views of the file, when the router
@@ -766,7 +748,7 @@ class _ScratchStep(EagerStep):
 
     def __init__(self, be, ctx: PauseContext, layer: int, k_scratch: np.ndarray, v_scratch: np.ndarray,
                  state_scratch=None):
-        self.be, self.ctx, self.layer, self.hook = be, ctx, layer, None
+        self.be, self.ctx, self.layer, self.pauses = be, ctx, layer, NO_PAUSES
         self.k_scratch, self.v_scratch = k_scratch, v_scratch
         self.state_scratch = state_scratch  # a recurrent layer's: its real state copied in, then moved on
         self._copied = False  # the real state is copied into the scratch on the block's first read

@@ -20,45 +20,46 @@ from typing import Optional
 import numpy as np
 
 from ...cache import SWA_ROWS
+from ...pause import NO_PAUSES, Pauses
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
-from .kernels import SUPPORTED_TYPES, DeviceTensor, WeightStore, Kernels, shader_qk
+from ..experts import FileExperts
+from .kernels import SUPPORTED_TYPES, DeviceTensor, Kernels, Part, WeightStore, bound_bytes, shader_qk, split_rows
+from .slots import SlotArrays, SlotTable
 
 log = logging.getLogger(__name__)
 
 
 class VulkanBackend:
     name = "vulkan"
-    pool = None
-    predictor = None  # a moe.predict.Predictor, called at every MoE pause point
-    streamed_layers: frozenset = frozenset()
-    host_reads = 0  # host copies made from the model file (norms, biases: to record a shape)
+    runs_on_host = False
+    reads_map = False  # the model file is read at load, to record a new shape (gguf.reads counts those) and by a pool
 
-    @property
-    def reads_file(self) -> bool:
-        """Whether a forward may read the model file at any time: only with a predictor (its
-        host ops read the memory map). Else it is read only where `file_reads` counts, and the
-        model checks it after a forward when the count has moved (models/base.py)."""
-        return self.predictor is not None
-
-    @property
-    def file_reads(self) -> int:
-        """Reads of the model file so far: host copies, and a pool's expert reads (counted as
-        they complete, by its reader threads; an expert is used only once its read is done)."""
-        return self.host_reads + (self.pool.reads if self.pool is not None else 0)
-
-    def __init__(self, gguf: GGUFFile, device: Optional[Device] = None):
+    def __init__(self, gguf: GGUFFile, experts=None, device: Optional[Device] = None,
+                 slot_arrays: Optional[SlotArrays] = None):
+        """`experts`: the expert source (backends/experts.py); an ExpertPool whose slots are
+        `slot_arrays` (mapped device buffers, slots.py) streams its layers' experts; None:
+        every expert is uploaded from the file."""
         from .graph import Arena, GraphRunner
 
         self.gguf = gguf
-        self.dev = device or default_device()
+        self.dev = device or (slot_arrays.dev if slot_arrays is not None else default_device())
+        self.source = experts if experts is not None else FileExperts(gguf)
+        self.streamed_layers = frozenset(self.source.streamed_layers)
+        self.pool = experts if self.streamed_layers else None  # (the pool's own API: acquire, touch, table)
+        self.slot_arrays = slot_arrays
+        if self.pool is not None and slot_arrays is None:
+            raise ValueError("a streamed Vulkan backend needs the pool's slots in device memory (SlotArrays)")
+        self._streamed_names = {f"blk.{layer}.{part}.weight" for layer in self.streamed_layers for part in EXPERT_PARTS}
+        self._layer_tensors: dict[tuple[int, str], tuple[DeviceTensor, ...]] = {}
+        self._stage: dict[int, dict[str, np.ndarray]] = {}  # size class -> part -> [n, rows, row_bytes]
         self.k = Kernels(self.dev)
         self._weights: dict[str, np.ndarray] = {}  # small host copies (norm weights, biases)
         store = WeightStore(self.dev)
         names = []
         for name, t in gguf.tensors.items():
-            if len(t.shape) < 2 or name.endswith(".bias") or self._streamed(name):
+            if len(t.shape) < 2 or name.endswith(".bias") or name in self._streamed_names:
                 continue  # (1-D tensors and biases, gpt-oss's [E, F] expert biases too: GraphConsts)
             raw, type_name = t.raw, t.type_name
             if type_name not in SUPPORTED_TYPES or t.shape[-1] % shader_qk(type_name):
@@ -75,19 +76,64 @@ class VulkanBackend:
         self.arena = Arena(self.dev)
         self.runner = GraphRunner(self)
         self.recordings = 0  # every recording made (tests check replays do not re-record)
+        self.slot_lut = None
+        if self.pool is not None:
+            for layer in self.streamed_layers:
+                self.expert_tensors(layer)  # a type without a shader: refused here, at load
+            self.slot_lut = SlotTable(self.dev, self.pool)
         log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20,
                  self.dev.info.name)
-
-    def _streamed(self, name: str) -> bool:
-        """Tensors not uploaded at load (StreamingVulkanBackend: the routed experts)."""
-        return False
 
     def streamed(self, layer: int) -> bool:
         return layer in self.streamed_layers
 
+    def describe(self) -> str:
+        return f"{self.dev.info.name}, {self.dev.info.type}"
+
     def expert_tensors(self, layer: int) -> tuple[DeviceTensor, ...]:
-        """gate, up, down of `layer`'s routed experts, indexed by expert id."""
-        return tuple(self.tensors[f"blk.{layer}.{p}.weight"] for p in EXPERT_PARTS)
+        """gate, up, down of `layer`'s routed experts: indexed by expert id, or for a streamed
+        layer over the pool's slot buffers, indexed by slot."""
+        if layer not in self.streamed_layers:
+            return tuple(self.tensors[f"blk.{layer}.{p}.weight"] for p in EXPERT_PARTS)
+        return self._tensors_over(layer, self.pool.buffers[self.pool.class_of_layer[layer]], "slots")
+
+    def stage(self, layer: int, n: int) -> tuple[dict[str, np.ndarray], tuple[DeviceTensor, ...]]:
+        """Staging arrays for n of `layer`'s experts (part -> [n, rows, row_bytes]) and tensors over them."""
+        ci = self.pool.class_of_layer[layer]
+        st = self._stage.get(ci)
+        if st is None or st[EXPERT_PARTS[0]].shape[0] < n:
+            st = self._stage[ci] = {p: self.slot_arrays((n, *self.pool.buffers[ci][p].shape[1:])) for p in EXPERT_PARTS}
+            self._layer_tensors = {key: v for key, v in self._layer_tensors.items() if key[1] != "stage"}
+        return st, self._tensors_over(layer, st, "stage")
+
+    def _tensors_over(self, layer: int, arrays: dict[str, np.ndarray], key: str) -> tuple[DeviceTensor, ...]:
+        """gate/up/down DeviceTensors over `arrays` ([n, rows, row_bytes] mapped buffers) typed as
+        layer's expert tensors."""
+        cached = self._layer_tensors.get((layer, key))
+        if cached is not None:
+            return cached
+        info = self.dev.info
+        align = max(16, info.min_storage_buffer_offset_alignment)
+        limit = info.max_storage_buffer_range - info.max_storage_buffer_range % align - align  # bound_bytes's spare
+        out = []
+        for p in EXPERT_PARTS:
+            t = self.gguf.tensor(f"blk.{layer}.{p}.weight")
+            if t.type_name not in SUPPORTED_TYPES or t.shape[-1] % shader_qk(t.type_name):
+                raise VulkanUnavailableError(f"{self.gguf.path}: streamed expert tensor {t.name} is "
+                                             f"{t.type_name} with rows of {t.shape[-1]}, which has no Vulkan shader")
+            arr = arrays[p]
+            buf = self.slot_arrays.buffer_of(arr)
+            n, per = arr.shape[0], arr[0].nbytes
+            parts = []
+            for start, count in split_rows(n, per, limit, t.name):
+                off = start * per
+                if off % align:
+                    raise VulkanKernelError(f"{t.name}: expert slots of {per} bytes cannot be split at "
+                                            f"{align}-byte aligned offsets")
+                parts.append(Part(buf.slice(off, bound_bytes(count * per)), start, count))
+            out.append(DeviceTensor(t.name, t.type_name, (n, *t.shape[1:]), tuple(parts)))
+        res = self._layer_tensors[(layer, key)] = tuple(out)
+        return res
 
     # -- the model ------------------------------------------------------------------------
 
@@ -104,7 +150,7 @@ class VulkanBackend:
         try:
             self.runner._recording(model, cache.storage, 1, True, self.streamed_layers)
             if self.pool is not None and self.streamed_layers and not cfg.recurrent_layers:
-                self.runner._recording(model, cache.storage, 1, True, frozenset(), lookup=True)  # (graph.py)
+                self.runner._recording(model, cache.storage, 1, True, frozenset(), by_table=True)  # (graph.py)
         except VulkanKernelError as e:
             raise VulkanUnavailableError(f"{self.gguf.path}: the Vulkan kernels cannot run this model ({e})") from e
         finally:
@@ -115,10 +161,13 @@ class VulkanBackend:
         forwards of `swa_rows` rows, 0: none)."""
         return self.runner.make_cache(cfg, capacity, swa_rows)
 
-    def forward(self, model, ids: np.ndarray, cache, hook=None, last_only: bool = False) -> tuple[np.ndarray, bool]:
-        return self.runner.forward(model, ids, cache, hook=hook, last_only=last_only)
+    def forward(self, model, ids: np.ndarray, cache, pauses: Pauses = NO_PAUSES,
+                last_only: bool = False) -> tuple[np.ndarray, bool]:
+        return self.runner.forward(model, ids, cache, pauses, last_only)
 
     def greedy_chain(self, model, cache, limit=None):
+        """Greedy decoding a step ahead on the device (graph.GreedyChain), where a step needs
+        nothing of the host but its token; else None. The model asks only without a predictor."""
         return self.runner.greedy_chain(model, cache, limit)
 
     # -- weights ------------------------------------------------------------------------
@@ -130,16 +179,26 @@ class VulkanBackend:
         w = self._weights.get(name)
         if w is None:
             w = self._weights[name] = dequantize(self.gguf.tensor(name))
-            self.host_reads += 1
+            self.gguf.reads += 1  # (the model checks the file after a forward that read it)
         return w
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()  # reader threads stop before the memory they write goes away
+            self.pool.table = None
         self.runner.close()
         self.consts.close()
         self.arena.close()
         for b in self._store.buffers:
             b.destroy()
         self.tensors = {}
+        if self.slot_arrays is not None:
+            self.slot_arrays.destroy()
+        if self.slot_lut is not None:
+            self.slot_lut.destroy()
+            self.slot_lut = None
+        self._stage = {}
+        self._layer_tensors = {}
 
 
 class GraphConsts:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from ...errors import OnebitError
+from ...errors import BackendUnavailableError, OnebitError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ DEVICE_ENV = "ONEBIT_VULKAN_DEVICE"
 PUSH_CONSTANT_BYTES = 128
 
 
-class VulkanUnavailableError(OnebitError):
+class VulkanUnavailableError(BackendUnavailableError):
     """No Vulkan loader, no usable device, or a device that lacks a feature onebit needs."""
 
 
@@ -843,12 +843,14 @@ def open_device(selector: Optional[str | int] = None) -> Device:
     return Device(choose_device(list_devices(), selector))
 
 
-_default: Optional[Device] = None
+_opened: dict[Optional[str], Device] = {}
 
 
-def default_device() -> Device:
-    """One shared device per process (opening a device and building pipelines is slow)."""
-    global _default
-    if _default is None or _default._closed:
-        _default = open_device()
-    return _default
+def default_device(selector: Optional[str | int] = None) -> Device:
+    """One shared device per process and selector (opening a device and building pipelines is
+    slow); `selector` as for `open_device`."""
+    key = None if selector is None else str(selector)
+    dev = _opened.get(key)
+    if dev is None or dev._closed:
+        dev = _opened[key] = open_device(selector)
+    return dev

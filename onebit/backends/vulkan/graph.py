@@ -40,6 +40,7 @@ from typing import Optional
 import numpy as np
 
 from ...cache import SWA_ROWS, Cache, KVCache, RecurrentCache, RingKVCache, layer_positions
+from ...pause import NO_PAUSES, PauseContext, Pauses
 from .device import Buffer, Fence, Slice, VulkanKernelError
 from .kernels import DeviceTensor, Part, SlotLookup
 
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 MIN_CAPACITY = 256
 EXACT_ROWS = 16  # forwards of up to this many rows are recorded for their exact R
 MAX_ROWS = 256  # longer ones run as chunks of powers of two up to this
-NO_PAUSES: frozenset = frozenset()
+NO_PAUSE_LAYERS: frozenset = frozenset()
 
 
 def row_chunks(n: int, limit: int = MAX_ROWS) -> list[int]:
@@ -499,7 +500,7 @@ class Recorder:
             self.rec.observed.append((layer, ids, logits))
         if layer in self.rec.pause_layers:
             self.rec.pauses.append(PausePoint(layer, len(self.seq.ops), ids, logits, h))
-        elif self.rec.lookup and self.be.streamed(layer):  # the router writes the slot table too
+        elif self.rec.by_table and self.be.streamed(layer):  # the router writes the slot table too
             ops = self.seq.ops
             if ids.redo is None or ids.redo[1] != len(ops):
                 raise VulkanKernelError(f"layer {layer}: the pause point does not follow the router")
@@ -508,7 +509,7 @@ class Recorder:
             R, k = ids.shape
             table = self.rec.fixed((R, k), np.int32)
             record(SlotLookup(self.be.slot_lut.s, table.s, self.rec.miss.s, layer * self.be.slot_lut.width))
-            self.rec.looked[layer] = (ids, table)
+            self.rec.by_table_ids[layer] = (ids, table)
         ids.redo = None
 
     def experts(self, layer: int, x: Val, ids: Val, w: Val, glu=None) -> Val:
@@ -521,8 +522,8 @@ class Recorder:
         if self.be.streamed(layer):
             if pp is not None:
                 index = pp.table = self.rec.fixed((R, k), np.int32)
-            elif layer in self.rec.looked:
-                index = self.rec.looked[layer][1]
+            elif layer in self.rec.by_table_ids:
+                index = self.rec.by_table_ids[layer][1]
             else:
                 raise VulkanKernelError(f"layer {layer}: streamed experts without a pause point")
         g, u, h, y = self._new((R, k, F)), self._new((R, k, F)), self._new((R, k, F)), self._new((R, dim))
@@ -631,16 +632,16 @@ class Recording:
     """One model forward over R rows against one KV storage, recorded once and replayed."""
 
     def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset,
-                 observe: bool = False, lookup: bool = False):
+                 observe: bool = False, by_table: bool = False):
         self.be, self.model, self.cfg, self.kv = be, model, model.cfg, kv
         self.dev, self.R, self.last_only, self.pause_layers = be.dev, R, last_only, pause_layers
         self.observe = observe  # keep every MoE layer's ids and logits for an observing hook
         self.observed: list[tuple[int, Val, Val]] = []
-        # lookup: streamed layers with no pause point read the pool's slots through its table
+        # by_table: streamed layers with no pause point read the pool's slots through its table
         # (the router writes the slot table); a step that routed to an expert not there is
         # refused (run() returns None) and run again with pauses.
-        self.lookup = lookup
-        self.looked: dict[int, tuple[Val, Val]] = {}  # layer -> (ids, slot table), kept for touch()
+        self.by_table = by_table
+        self.by_table_ids: dict[int, tuple[Val, Val]] = {}  # layer -> (ids, slot table), kept for touch()
         self.arena = be.arena
         self._bufs: list[Buffer] = []
         self.collector = self.dev.sequence()
@@ -653,7 +654,7 @@ class Recording:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
-            if lookup:  # set by a router that found an expert outside the pool
+            if by_table:  # set by a router that found an expert outside the pool
                 self.miss = self.fixed((1,), np.int32)
                 self._miss = self.miss.host()
             self._rows = np.arange(R, dtype=np.int32)
@@ -692,11 +693,12 @@ class Recording:
 
     # -- replay ------------------------------------------------------------------------
 
-    def run(self, tokens: np.ndarray, start: int, hook=None, pool=None) -> Optional[np.ndarray]:
-        """Forward tokens [R] at positions start..start+R-1; returns logits (a copy), or None
-        where a lookup step routed to an expert the pool did not hold (nothing was called or
-        counted: the caller runs the rows again with pauses, over what this step wrote).
-        `finite()` then says whether every logit is finite."""
+    def run(self, tokens: np.ndarray, start: int, pauses: Pauses = NO_PAUSES, pool=None) -> Optional[np.ndarray]:
+        """Forward tokens [R] at positions start..start+R-1, the pause points served by `pauses`
+        (pause.py) and the pool; returns logits (a copy), or None where a step by the slot
+        table routed to an expert the pool did not hold (nothing was called or counted: the
+        caller runs the rows again with pauses, over what this step wrote). `finite()` then
+        says whether every logit is finite."""
         self._bad[0] = 0
         if self.R == 1:  # (a decode step: item writes cost less than the array ops)
             self._tok[0], self._pos[0] = tokens[0], start
@@ -706,27 +708,21 @@ class Recording:
         # Work a hook put off, done while the device runs; not on a CPU device, whose threads
         # it slows (lavapipe, qwen3moe-f32: a routing trace's formatting there made a 1.8 ms
         # step 230-270 us longer than leaving it to TraceWriter.BATCH).
-        drain = None if hook is None or self.dev.info.type == "cpu" else getattr(hook, "drain", None)
-        if self.lookup:
+        drain = None if self.dev.info.type == "cpu" else pauses.drain
+        if self.by_table:
             self._miss[0] = 0
             self._first(drain)
             if self._miss[0]:
                 return None
             # (a few ids a layer: a set is faster than np.unique)
-            pool.touch([(layer, sorted(set(ids.host().ravel().tolist()))) for layer, (ids, _) in self.looked.items()])
+            pool.touch([(layer, sorted(set(ids.host().ravel().tolist()))) for layer, (ids, _) in self.by_table_ids.items()])
             self.n_replays += 1
-            if hook is not None:
-                self._observed(hook)
+            self._observed(pauses)
             return self._logits.copy()
         held = None
-        predictor = self.be.predictor
-        if predictor is not None:
-            predictor.begin(self.R)
-            if not predictor.pausing:  # (its gate has it off: no copies of h, ids and logits to make)
-                predictor = None
-        if predictor is not None:
-            from ...moe.predict import PauseContext
-
+        pauses.begin(self.R)
+        predicting = pauses.predicting  # (off: no copies of h, ids and logits to make)
+        if predicting:
             kv = self.kv
             frozen: dict = {}  # recurrent layers ahead: their state before this step, read before the device moves it
             ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l],
@@ -738,32 +734,28 @@ class Recording:
         try:
             self._first(drain)
             for pp, seg in zip(self.pauses, self.segments[1:]):
-                if predictor is not None:  # read now: the next segment adds into h in place
+                if predicting:  # read now: the next segment adds into h in place
                     hs, hshape, hdtype = pp.h
                     h = hs.buffer.view(hdtype, hshape, hs.offset).copy()
                     ids, logits = pp.ids.host().astype(np.int64), pp.logits.host().copy()
-                    if self.cfg.recurrent_layers and predictor.s.mode == "block" and not predictor.s.no_attn:
-                        frozen.clear()  # (only block mode runs the next layers' mixers)
-                        i = predictor.moe_layers.index(pp.layer)
-                        for l in predictor.moe_layers[i + 1 : i + 1 + predictor.s.ahead]:
-                            if self.cfg.layer_is_recurrent(l):
-                                frozen[l] = _StateCopy(kv.conv[l].copy(), kv.state[l].copy())
+                    frozen.clear()
+                    for l in pauses.states_ahead(pp.layer):
+                        frozen[l] = _StateCopy(kv.conv[l].copy(), kv.state[l].copy())
                 done[0], held = held, None
-                held, seg = self._at_pause(pp, hook, pool, seg, done)
+                held, seg = self._at_pause(pp, pauses, pool, seg, done)
                 seg.submit()
                 if done[0] is not None:
                     pool.release(*done[0])
                     done[0] = None
-                if predictor is not None:  # the host ranks the next layers while the device runs
-                    predictor.at_pause(ctx, pp.layer, ids, logits, h)
+                if predicting:  # the host ranks the next layers while the device runs
+                    pauses.predict(ctx, pp.layer, ids, logits, h)
                 seg.wait()
         finally:
             for pinned in (held, done[0]):
                 if pinned is not None:
                     pool.release(*pinned)
         self.n_replays += 1
-        if hook is not None:
-            self._observed(hook)
+        self._observed(pauses)
         return self._logits.copy()
 
     def step(self, token: int, start: int) -> np.ndarray:
@@ -789,18 +781,19 @@ class Recording:
         finally:
             self.segments[0].wait()
 
-    def _observed(self, hook) -> None:
+    def _observed(self, pauses: Pauses) -> None:
+        """An observing hook's calls, after the step: every MoE layer's routing, kept by the recording."""
         for layer, ids, logits in self.observed:
-            hook(layer, ids.host().astype(np.int64), logits.host().copy())
+            pauses.observe(layer, ids.host().astype(np.int64), logits.host().copy())
 
-    def _at_pause(self, pp: PausePoint, hook, pool, seg, done: list):
+    def _at_pause(self, pp: PausePoint, pauses: Pauses, pool, seg, done: list):
         """The host's turn at a pause point: the hook, then the pool. Returns (what to release
         after the next segment, the segment to run next). done[0]: (layer, experts) the last
         segment read, which the caller releases after the next submission; released here first
         (and set to None) where this layer's experts might need their slots."""
         ids = pp.ids.host()  # [R, k] int32, in mapped memory
-        if hook is not None and not self.observe:
-            hook(pp.layer, ids.astype(np.int64), pp.logits.host().copy())
+        if pauses.hook_acts:
+            pauses.at_pause(pp.layer, ids.astype(np.int64), pp.logits.host().copy())
         if pp.table is None:
             return None, seg
         layer, table = pp.layer, pp.table.host()
@@ -869,7 +862,7 @@ class Recording:
         one-segment step twice, each ending in the greedy tail (the next token and position
         written for the next replay), each with an output and a fence of its own (built once)."""
         if self._chain is None:
-            if self.R != 1 or len(self.segments) != 1 or self.lookup:
+            if self.R != 1 or len(self.segments) != 1 or self.by_table:
                 raise ValueError("a greedy chain replays a one-row step with no pause points")
             parts = self._chain = []
             for _ in range(2):
@@ -897,7 +890,7 @@ class Recording:
                 pp.post.close()
         self.segments, self.pauses = [], []
         self.logits = None
-        self.looked = {}
+        self.by_table_ids = {}
         self.collector.close()
         for b in self._bufs:
             b.destroy()
@@ -947,7 +940,7 @@ class GreedyChain:
             if self.cache.offset >= kv.capacity:
                 kv.grow(self.cache.offset + 1)  # (drops the recordings: ours too)
             if self.rec is None or self.rec.logits is None:
-                self.rec = self.runner._recording(self.model, kv, 1, False, NO_PAUSES)
+                self.rec = self.runner._recording(self.model, kv, 1, False, NO_PAUSE_LAYERS)
                 self.parts, self._next = self.rec.chain(), 0
             self.rec._tok[0], self.rec._pos[0] = tok, self.cache.offset
             self._queue()
@@ -1037,12 +1030,12 @@ class GraphRunner:
     def __init__(self, be):
         self.be = be
         self.storages: list[DeviceKV] = []
-        # Steps with no pause over streamed experts (Recording.lookup; off: every streamed layer
+        # Steps with no pause over streamed experts (Recording.by_table; off: every streamed layer
         # pauses): tried after `_calm_needed` steps in a row whose every expert was a hit; a
         # refused try doubles how many it waits for.
-        self.pool_lookup = True
+        self.pool_table_steps = True
         self._calm, self._calm_needed = 0, 1
-        self.lookup_steps, self.lookup_refused = 0, 0  # (counts: the tests and benches read them)
+        self.table_steps, self.table_steps_refused = 0, 0  # (counts: the tests and benches read them)
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> DeviceCache:
         want = max(int(capacity), 1)
@@ -1057,7 +1050,7 @@ class GraphRunner:
             self.storages.append(pick)
         return DeviceCache(pick)
 
-    def forward(self, model, ids: np.ndarray, cache: DeviceCache, hook=None,
+    def forward(self, model, ids: np.ndarray, cache: DeviceCache, pauses: Pauses = NO_PAUSES,
                 last_only: bool = False) -> tuple[np.ndarray, bool]:
         """(logits, whether all are finite): see NumpyBackend.forward."""
         cfg = model.cfg
@@ -1069,52 +1062,51 @@ class GraphRunner:
         kv = cache.storage
         if cache.offset + n > kv.capacity:
             kv.grow(cache.offset + n)
-        if n == 1 and hook is None and self._host_free(cfg):  # a resident decode step: the short way
-            return self._step(model, kv, cache, int(ids[0]))
+        if n == 1 and pauses.hook is None and pauses.predictor is None and self._host_free(cfg):
+            return self._step(model, kv, cache, int(ids[0]))  # a resident decode step: the short way
         with np.errstate(all="ignore"):  # (a predictor's and a hook's host math: see NumpyBackend.forward)
-            return self._forward(model, ids, cache, hook, last_only)
+            return self._forward(model, ids, cache, pauses, last_only)
 
-    def _forward(self, model, ids: np.ndarray, cache: DeviceCache, hook, last_only: bool) -> tuple[np.ndarray, bool]:
+    def _forward(self, model, ids: np.ndarray, cache: DeviceCache, pauses: Pauses,
+                 last_only: bool) -> tuple[np.ndarray, bool]:
         cfg, kv, n = model.cfg, cache.storage, len(ids)
-        # A hook that only observes (hook.needs_pause = False, e.g. a routing trace) is called
-        # after the step with every layer's ids; any other hook pauses at every MoE layer.
-        pauses = self.be.streamed_layers
-        observe = hook is not None and not getattr(hook, "needs_pause", True)
-        acting = (hook is not None and not observe) or self.be.predictor is not None
-        if acting:
-            pauses |= {i for i in range(cfg.n_layers) if cfg.layer_is_moe(i)}
+        # A hook that only observes (pauses.observing, e.g. a routing trace) is called after the
+        # step with every layer's ids; a client that acts pauses every MoE layer.
+        layers = pauses.layers(cfg, self.be.streamed_layers)
+        observe = pauses.observing
         # All-row logits are one binding: keep it under the device's limit.
         limit = MAX_ROWS if last_only else max(1, min(MAX_ROWS, self.be.dev.info.max_storage_buffer_range
                                                        // (4 * cfg.vocab_size)))
         limit = min(limit, kv.forward_rows)  # a ring's rows must still hold what they read
         rings = [cache[i] for i in kv.rings]
-        # Lookup steps: only where the pauses are the pool's alone (no acting hook, no
-        # predictor), for decode and verify rows (a prompt chunk's many experts would often
-        # miss, and a refused chunk costs a chunk), and not over recurrent state (a refused
-        # step would have moved it).
+        # Steps by the slot table: only where the pauses are the pool's alone (no client acts),
+        # for decode and verify rows (a prompt chunk's many experts would often miss, and a
+        # refused chunk costs a chunk), and not over recurrent state (a refused step would
+        # have moved it).
         pool = self.be.pool
-        lookup = self.pool_lookup and pool is not None and bool(pauses) and not acting and not cfg.recurrent_layers
+        by_table = (self.pool_table_steps and pool is not None and bool(layers) and not pauses.acting
+                    and not cfg.recurrent_layers)
         out, s, finite = [], 0, True
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
             for c in rings:
                 c.advance(cache.offset, R)
             logits = None
-            if lookup and R <= EXACT_ROWS and self._calm >= self._calm_needed:
-                rec = self._recording(model, kv, R, last_only, NO_PAUSES, observe, lookup=True)
-                logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
-                self.lookup_steps += 1
+            if by_table and R <= EXACT_ROWS and self._calm >= self._calm_needed:
+                rec = self._recording(model, kv, R, last_only, NO_PAUSE_LAYERS, observe, by_table=True)
+                logits = rec.run(ids[s : s + R], cache.offset, pauses, pool)
+                self.table_steps += 1
                 if logits is None:  # an expert outside the pool: with pauses, below
-                    self.lookup_refused += 1
+                    self.table_steps_refused += 1
                     self._calm, self._calm_needed = 0, min(2 * self._calm_needed, 64)
                 else:
                     self._calm_needed = 1
             if logits is None:
-                rec = self._recording(model, kv, R, last_only, pauses, observe)
-                misses = pool.stats.demand_misses if lookup else 0
+                rec = self._recording(model, kv, R, last_only, layers, observe)
+                misses = pool.stats.demand_misses if by_table else 0
                 with _held_interrupts(bool(cfg.recurrent_layers)):
-                    logits = rec.run(ids[s : s + R], cache.offset, hook, pool)
+                    logits = rec.run(ids[s : s + R], cache.offset, pauses, pool)
                     cache.offset += R
-                if lookup:
+                if by_table:
                     self._calm = self._calm + 1 if pool.stats.demand_misses == misses else 0
             else:
                 cache.offset += R
@@ -1124,16 +1116,16 @@ class GraphRunner:
         return out[-1] if last_only or len(out) == 1 else np.concatenate(out), finite
 
     def _host_free(self, cfg) -> bool:
-        """Whether a forward needs nothing of the host between submission and logits (with no
-        hook): every layer resident, no predictor, no recurrent state (whose chunks hold
-        Ctrl-C, and which a trim cannot undo). `_step` and `greedy_chain` rest on it."""
-        return not self.be.streamed_layers and self.be.predictor is None and not cfg.recurrent_layers
+        """Whether a forward with no pause client needs nothing of the host between submission
+        and logits: every layer resident, no recurrent state (whose chunks hold Ctrl-C, and
+        which a trim cannot undo). `_step` and `greedy_chain` rest on it."""
+        return not self.be.streamed_layers and not cfg.recurrent_layers
 
     def _step(self, model, kv: DeviceKV, cache: DeviceCache, token: int) -> tuple[np.ndarray, bool]:
         """forward() of one row with nothing to pause for, observe or hold (every layer
         resident, no hook, predictor or recurrent state): the same recording, replayed with
         none of the bookkeeping those need (a decode step's host time is a share of its own)."""
-        rec = self._recording(model, kv, 1, False, NO_PAUSES)
+        rec = self._recording(model, kv, 1, False, NO_PAUSE_LAYERS)
         at = cache.offset
         for i in kv.rings:
             cache[i].advance(at, 1)
@@ -1149,14 +1141,14 @@ class GraphRunner:
             return None
         return GreedyChain(self, model, cache, limit) if self._host_free(model.cfg) else None
 
-    def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, pauses: frozenset,
-                   observe: bool = False, lookup: bool = False) -> Recording:
+    def _recording(self, model, kv: DeviceKV, R: int, last_only: bool, layers: frozenset,
+                   observe: bool = False, by_table: bool = False) -> Recording:
         last_only = last_only and R > 1  # one row: the same forward either way
         chunked = 0 < self.be.k.delta_chunk_min_rows <= R  # the delta rule's kernel is recorded in
-        key = (id(model), R, last_only, pauses, observe, chunked, lookup)
+        key = (id(model), R, last_only, layers, observe, chunked, by_table)
         rec = kv.recordings.get(key)
         if rec is None:
-            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, pauses, observe, lookup)
+            rec = kv.recordings[key] = Recording(self.be, model, kv, R, last_only, layers, observe, by_table)
         return rec
 
     def close(self) -> None:

@@ -127,7 +127,7 @@ class VulkanOps:
         R, E = logits.shape
         ls = self._in(logits)
         ids, wts = self._out((R, k), np.int32), self._out((R, k))
-        look, extra = self._lookup(lut, layer, R, k)
+        look, extra = self._slot_lut(lut, layer, R, k)
         return self._run(lambda s: self.k.softmax_topk(s, ls, ids[0], wts[0], R, E, k, norm, lut=look), ids, wts,
                          *extra)
 
@@ -137,11 +137,11 @@ class VulkanOps:
         ls = self._in(logits)
         bs = self._in(bias) if bias is not None else None
         ids, wts = self._out((R, k), np.int32), self._out((R, k))
-        look, extra = self._lookup(lut, layer, R, k)
+        look, extra = self._slot_lut(lut, layer, R, k)
         return self._run(lambda s: self.k.sigmoid_topk(s, ls, bs, ids[0], wts[0], R, E, k, norm, scale, groups,
                                                        groups_used, lut=look), ids, wts, *extra)
 
-    def _lookup(self, lut: Optional[np.ndarray], layer: int, R: int, k: int):
+    def _slot_lut(self, lut: Optional[np.ndarray], layer: int, R: int, k: int):
         """The routers' SlotLookup over a host table, and the outputs it adds (table, miss flag)."""
         if lut is None:
             return None, ()
