@@ -1,4 +1,4 @@
-"""Where bytes live: budget detection, the memory plan, the expert slot pool (see docs/DESIGN.md).
-
-Installed as `onebit.memory`. Its modules arrive with the memory-plan issue.
+"""Where bytes live: budget detection (budget), the memory plan (plan), the expert slot pool
+and its reader threads (pool: an expert source, backends/experts.py), and the memory guard
+(guard). Installed as `onebit.memory`; see docs/DESIGN.md.
 """

@@ -56,7 +56,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int, lookup: int
         "model": model.path,
         "backend": model.be.name,
         "backend_detail": describe(model.be),
-        "threads": getattr(model.be, "threads", None),
+        "threads": model.be.threads,
         "prompt_tokens": len(prompt),
         "gen_tokens": gen_tokens,
         "runs": runs,

@@ -46,6 +46,13 @@ class KVCache:
     def trim(self, length: int) -> None:
         """The sequence is now `length` positions long (nothing to do: see the class note)."""
 
+    def can_trim_to(self, length: int) -> bool:
+        return True
+
+    def reset(self) -> None:
+        """An empty sequence."""
+        self.trim(0)
+
     def snapshot(self, length: int):
         return self.keys[:length].copy(), self.values[:length].copy()
 
@@ -131,6 +138,10 @@ class RingKVCache:
         if length == 0:
             self.held_from = 0
 
+    def reset(self) -> None:
+        """An empty sequence."""
+        self.trim(0)
+
     def advance(self, start: int, n: int) -> None:
         """Positions start .. start+n-1 are being written (on the host or the device): check the
         rows can read what they need, and note what the ring no longer holds."""
@@ -201,6 +212,9 @@ class RecurrentCache:
     def trim(self, length: int) -> None:
         """Nothing to drop (`Cache.trim` refuses a real trim; a rollback restores a snapshot)."""
 
+    def can_trim_to(self, length: int) -> bool:
+        return False
+
     def reset(self) -> None:
         """The state of an empty sequence."""
         self.conv.fill(0)
@@ -256,7 +270,7 @@ class Cache:
         ring may no longer hold what that length's next row reads)."""
         if length >= self.offset:
             return True
-        return all(c.can_trim_to(length) if hasattr(c, "can_trim_to") else c.can_trim for c in self.layers)
+        return all(c.can_trim_to(length) for c in self.layers)
 
     def trim(self, n: int) -> int:
         """Drop the last n positions (fewer if it holds fewer); returns how many were dropped."""
@@ -298,8 +312,7 @@ class Cache:
         """An empty sequence (recurrent layers back to zero state)."""
         self.offset = 0
         for c in self.layers:
-            reset = getattr(c, "reset", None)
-            reset() if reset is not None else c.trim(0)
+            c.reset()
 
     @property
     def nbytes(self) -> int:

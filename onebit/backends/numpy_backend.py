@@ -34,6 +34,7 @@ class NumpyBackend:
 
     runs_on_host = True
     reads_map = True  # a forward reads the model file's memory map at any time
+    threads = None  # compute threads where the backend sets them (cpu)
 
     def close(self) -> None:
         """Nothing to free: weights stay in the file's memory map."""

@@ -1,1 +1,2 @@
-"""MoE routing: traces, cache-policy simulation (and, later, routing prediction)."""
+"""MoE routing: prediction of the next layers' experts (predict), routing traces (trace) and
+cache-policy simulation over them (cachesim)."""

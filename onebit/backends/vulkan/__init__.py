@@ -2,8 +2,9 @@
 
 `device` is the Vulkan layer, `kernels` runs the compiled shaders in `spv/` (built from
 `shaders/` at the repository root), `reference` holds their numpy twins, and `backend` is
-`VulkanBackend`, the same interface as `NumpyBackend`; `graph` records the whole one-row decode
-step into one command buffer that is replayed per token.
+`VulkanBackend`, the same interface as `NumpyBackend`; `graph` records a forward of R rows
+(decode, verify rows, prompt chunks) into command buffers replayed per forward, cut at the
+pause points that need the host; `slots` holds a streaming pool's slots in device memory.
 """
 
 from .device import (

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 class VulkanBackend:
     name = "vulkan"
     runs_on_host = False
+    threads = None
     reads_map = False  # the model file is read at load, to record a new shape (gguf.reads counts those) and by a pool
 
     def __init__(self, gguf: GGUFFile, experts=None, device: Optional[Device] = None,

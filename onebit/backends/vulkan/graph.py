@@ -5,14 +5,16 @@ run once against a `Recorder`, whose ops record dispatches instead of computing:
 device buffers with shapes, taken from an arena and given back when the schedule drops them
 (CPython frees a value as soon as nothing refers to it, so buffers are reused in recording
 order, and the sequence's barriers order every reuse). The result, a `Recording`, is kept per
-(KV storage, R, last_only, pause layers, observing hook) and replayed: per forward the host writes R token
-ids and positions into mapped buffers, submits, waits and reads the logits.
+(KV storage, model, R, last_only, pause layers, observing hook, chunked delta rule, by slot
+table: `GraphRunner._recording`'s key) and replayed: per forward the host writes R token ids
+and positions into mapped buffers, submits, waits and reads the logits.
 
-Pause points. At a MoE layer's pause the recording is cut into segments when that layer
-needs the host: a hook (traces, predictors) or streamed experts. Between segments the host
-reads the layer's expert ids and router logits from mapped memory, calls the hook, acquires
-the experts in the pool and writes the slot table the expert kernels read, then submits the
-next segment. With nothing to pause the whole forward is one submission; a hook that only
+Pause points (the protocol: onebit/pause.py). At a MoE layer's pause the recording is cut
+into segments when that layer needs the host: a client that acts (a hook, the predictor) or
+streamed experts. Between segments the host reads the layer's expert ids and router logits
+from mapped memory, calls the hook, acquires the experts in the pool and writes the slot
+table the expert kernels read, then submits the next segment, and the predictor ranks while
+the device runs it. With nothing to pause the whole forward is one submission; a hook that only
 observes (`needs_pause = False`: a routing trace) keeps it so, and is called after the step
 with every layer's ids and logits, which the recording keeps in buffers of their own. When a pool cannot
 pin every expert the rows route to at once (a prefill chunk, a small per-layer partition),
@@ -1055,7 +1057,8 @@ class GraphRunner:
         """(logits, whether all are finite): see NumpyBackend.forward."""
         cfg = model.cfg
         if not isinstance(cache, DeviceCache) or cache.storage.cfg is not cfg:
-            raise ValueError("this cache was not made by this model on the Vulkan backend (use model.new_cache())")
+            raise ValueError("this cache was not made by this network on the Vulkan backend (use model.new_cache() "
+                             "or model.net.make_cache())")
         n = len(ids)
         if n == 0:
             return np.zeros((0, cfg.vocab_size), np.float32), True
