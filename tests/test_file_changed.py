@@ -122,7 +122,7 @@ def test_file_changed_while_generating(tmp_path, change, when, args):
 @pytest.mark.parametrize("change", ["truncate", "zero"])
 def test_resident_vulkan_runs_on_when_it_reads_nothing_from_the_file(tmp_path, change):
     """Every weight on the device and nothing read from the file after load (the model counts
-    the backend's reads: backend.file_reads): a change under the run changes nothing, so it runs
+    the reads outside the memory map: gguf.reads): a change under the run changes nothing, so it runs
     to the end with the results of an untouched file."""
     _, want, r = _run(tmp_path, "none", "during", "--backend", "vulkan", "--seed", "1")
     assert r.returncode == 0, r.stderr[-2000:]

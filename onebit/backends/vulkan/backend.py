@@ -4,12 +4,14 @@ Weights are uploaded once, at load, in their quantized layout (one memcpy per te
 GGUF memory map on unified memory). A weight whose type has no shader (or whose rows are not
 whole shader blocks) is dequantized once at load and uploaded as F32, and the log says so;
 a model the kernels cannot run at all (e.g. a row length that is not a multiple of 4) is
-refused at load with `VulkanUnavailableError`, which `make_backend` / `onebit.load` turn
-into an explicit, logged fall back to the numpy backend.
+refused at load with `VulkanUnavailableError`, which `onebit.load` turns into its one
+fallback rule (the next backend, said in one line).
 
 Every forward (decode, verify rows, prefill chunks) replays a recording specialised on its
-row count; the KV cache lives in device memory (graph.DeviceKV). Streamed experts
-(streaming.py) and hooks are served at the recording's pause points.
+row count; the KV cache lives in device memory (graph.DeviceKV). The routed experts come from
+the backend's expert source: uploaded from the file, or a pool's slots in device memory
+(slots.py), acquired at the recording's pause points, where the pause clients are served too
+(onebit/pause.py).
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from typing import Optional
 import numpy as np
 
 from ...cache import SWA_ROWS
-from ...pause import NO_PAUSES, Pauses
 from ...gguf_file import EXPERT_PARTS, GGUFFile
+from ...pause import NO_PAUSES, Pauses
+from ..experts import FileExperts
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
-from ..experts import FileExperts
 from .kernels import SUPPORTED_TYPES, DeviceTensor, Kernels, Part, WeightStore, bound_bytes, shader_qk, split_rows
 from .slots import SlotArrays, SlotTable
 
