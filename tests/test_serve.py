@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from http.client import HTTPConnection
 import json
+import os
 import re
 import shutil
 import signal
@@ -377,3 +378,75 @@ def _drain(it):
     except Exception as e:  # noqa: BLE001 - the server said it is shutting down
         out.append(e)
     return out
+
+
+# -- pieces without a server ----------------------------------------------------------------
+
+def test_reply_splitter_reasoning_and_held_tool_call(server):
+    import onebit
+    from onebit.serve import ReplySplitter
+
+    g = onebit.load(fixture_path("gptoss-f32.gguf"), backend="numpy")
+    s = ReplySplitter(g, [], tools=True, constrained=False)
+    raw = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+           "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Oslo\"}")
+    deltas = [s.feed(raw[i:i + 7], final=False) for i in range(0, len(raw), 7)] + [s.feed("", final=True)]
+    assert "".join(d.reasoning for d in deltas) == "Need weather."
+    assert "".join(d.content for d in deltas) == ""
+    calls, rest = s.calls()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+
+    q = onebit.load(Path(server[1]).parent / "models" / "qwen3tools.gguf", backend="numpy")
+    s = ReplySplitter(q, [], tools=True, constrained=False)
+    raw = "<think>\nLet me see.\n</think>\n\nSure. <tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>"
+    deltas = [s.feed(raw[i:i + 3], final=False) for i in range(0, len(raw), 3)] + [s.feed("", final=True)]
+    assert "".join(d.reasoning for d in deltas) == "Let me see."
+    assert "".join(d.content for d in deltas) == "Sure. "  # the call is held back, not shown as text
+    calls, rest = s.calls()
+    assert [c.name for c in calls] == ["f"] and rest == ""
+    s = ReplySplitter(q, [], tools=True, constrained=False)
+    s.feed("Sure. <tool_call>{\"name\": oops", final=False)
+    s.feed("", final=True)
+    assert s.calls() == ([], "<tool_call>{\"name\": oops")  # does not parse: given out as text
+
+
+def test_generate_json_schema(tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "generate", "-m", DEFAULT, "--backend", "numpy",
+                        "-p", "Describe a person.", "-n", "40", "--json-schema", str(schema), "--json",
+                        "--temp", "0.8", "--seed", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    obj = json.loads(rec["text"])
+    assert rec["finish_reason"] == "stop" and set(obj) == {"name", "age"} and 0 <= obj["age"] <= 120
+    schema.write_text('{"type": "nonsense"}')
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "generate", "-m", DEFAULT, "-p", "x",
+                        "--json-schema", str(schema)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not usable as a JSON schema" in r.stderr
+
+
+def test_list_finds_models_dir_hub_ollama_lmstudio(tmp_path):
+    (tmp_path / "dir" / "sub").mkdir(parents=True)
+    (tmp_path / "dir" / "sub" / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "dir" / "b-00002-of-00002.gguf").write_bytes(b"GGUF")  # a later part of a split file
+    hub = tmp_path / "hub" / "models--org--repo" / "snapshots" / "abc"
+    hub.mkdir(parents=True)
+    (hub / "m-Q4_K_M.gguf").write_bytes(b"GGUF")
+    olla = tmp_path / "ollama"
+    (olla / "manifests" / "registry.ollama.ai" / "library" / "qwen3").mkdir(parents=True)
+    (olla / "blobs").mkdir()
+    (olla / "blobs" / "sha256-00ff").write_bytes(b"GGUF")
+    (olla / "manifests" / "registry.ollama.ai" / "library" / "qwen3" / "4b").write_text(json.dumps(
+        {"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:00ff"}]}))
+    lms = tmp_path / "home" / ".lmstudio" / "models" / "pub" / "repo"
+    lms.mkdir(parents=True)
+    (lms / "x.gguf").write_bytes(b"GGUF")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "OLLAMA_MODELS": str(olla),
+           "HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "list", "--models-dir", str(tmp_path / "dir"),
+                        "--json"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    got = {(e["id"], e["source"]) for e in json.loads(r.stdout)}
+    assert got == {("sub/a", "models-dir"), ("org/repo/m-Q4_K_M", "huggingface"), ("qwen3:4b", "ollama"),
+                   ("pub/repo/x", "lmstudio")}
