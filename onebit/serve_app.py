@@ -371,11 +371,19 @@ async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, incl
     try:
         if chat:
             yield chunk({"role": "assistant", "content": ""})
+        pending = None  # an event taken while merging deltas
         while True:
-            ev = await run.events.get()
-            kind, value = ev
+            kind, value = pending if pending is not None else await run.events.get()
+            pending = None
             if kind == "delta":
                 d: Delta = value
+                # deltas that queued up while the client read are sent as one chunk
+                while not run.events.empty():
+                    nxt = run.events.get_nowait()
+                    if nxt[0] != "delta":
+                        pending = nxt
+                        break
+                    d = Delta(d.content + nxt[1].content, d.reasoning + nxt[1].reasoning)
                 if chat:
                     delta = {}
                     if d.reasoning:

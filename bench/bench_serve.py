@@ -1,0 +1,171 @@
+"""`onebit serve` under load: requests per second and time to first token at 1 / 4 / 16
+concurrent clients, through the real `openai` client (streamed chat completions).
+
+Starts `onebit serve` on a free loopback port (or uses --url), then for each client count C
+runs C threads that each send --requests-per-client requests back to back (distinct prompts:
+a short question with a number in it; the chat template is the shared prefix), greedy,
+--max-tokens each with the end-of-generation tokens banned (every reply is exactly that
+long). Time to first token is measured from sending to the first streamed content; a
+request's whole time from sending to its last chunk. The server runs one request at a time,
+so TTFT grows with the queue: at C clients a request waits for about C-1 others.
+
+    python bench/bench_serve.py [--model M.gguf] [--backend cpu] [--clients 1 4 16]
+        [--requests-per-client 4] [--max-tokens 32] [--url http://127.0.0.1:8080]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def start_server(model: str, backend: str, ctx: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "onebit.cli.main", "serve", model, "--backend", backend,
+                             "--ctx", str(ctx), "--port", "0", "-q"], stdout=log, stderr=log)
+    for _ in range(6000):  # up to 10 minutes (a first cpu-backend run compiles its kernels)
+        m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log_path.read_text())
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the server did not start:\n" + log_path.read_text())
+
+
+def one_request(client, model: str, prompt: str, max_tokens: int, ban: dict) -> tuple[float, float, int]:
+    """(time to first token, total time, completion tokens) of one streamed request."""
+    t0 = time.perf_counter()
+    first = None
+    usage = None
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0, stream=True, logit_bias=ban,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if first is None and chunk.choices and (chunk.choices[0].delta.content or
+                                                getattr(chunk.choices[0].delta, "reasoning_content", None)):
+            first = time.perf_counter() - t0
+        if chunk.usage is not None:
+            usage = chunk.usage
+    total = time.perf_counter() - t0
+    return (first if first is not None else total), total, usage.completion_tokens if usage else 0
+
+
+def run_level(client, model: str, clients: int, per_client: int, max_tokens: int, ban: dict, offset: int):
+    results, errors = [], []
+
+    def worker(c: int):
+        for k in range(per_client):
+            n = offset + c * per_client + k
+            try:
+                results.append(one_request(client, model, f"Question {n}: what is {n} times {n % 7 + 2}?",
+                                           max_tokens, ban))
+            except Exception as e:  # noqa: BLE001 - counted and shown
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return results, errors, wall
+
+
+def direct(model_path: str, backend: str, ctx: int, n: int, max_tokens: int) -> tuple[float, float]:
+    """(requests/s, median time to first token) of the same requests through Model.generate in
+    this process, one after another: the engine without the server."""
+    import onebit
+    from onebit.serve import penalties
+
+    m = onebit.load(model_path, backend=backend, n_ctx=ctx)
+    ban = penalties(0, 0, {t: -100 for t in m.tokenizer.stop_ids})
+    list(m.generate([{"role": "user", "content": "warm up"}], max_tokens=4, lookup=0))
+    ttft = []
+    t0 = time.perf_counter()
+    for k in range(n):
+        t1 = time.perf_counter()
+        for i, r in enumerate(m.generate([{"role": "user", "content": f"Question {k}: what is {k} times {k % 7 + 2}?"}],
+                                         max_tokens=max_tokens, lookup=0, processors=[ban])):
+            if i == 0:
+                ttft.append(time.perf_counter() - t1)
+    wall = time.perf_counter() - t0
+    m.close()
+    return n / wall, statistics.median(ttft)
+
+
+def pct(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "onebit" / "data" / "default.gguf"))
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--url", help="use a running server instead of starting one")
+    args = ap.parse_args()
+
+    import openai
+
+    import onebit
+
+    stops = onebit.load(args.model, backend="numpy").tokenizer.stop_ids
+    ban = {str(t): -100 for t in stops}  # every reply is max_tokens long
+    if args.url is None:
+        rps, ttft = direct(args.model, args.backend, args.ctx, 16, args.max_tokens)
+        print(f"engine alone (Model.generate in one process, 16 requests in a row): {rps:.2f} req/s, "
+              f"time to first token median {ttft:.3f} s")
+    proc = None
+    tmp = tempfile.TemporaryDirectory()
+    if args.url is None:
+        proc, url = start_server(args.model, args.backend, args.ctx, Path(tmp.name) / "server.log")
+    else:
+        url = args.url.rstrip("/")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        one_request(client, model, "warm up", 4, ban)
+        print(f"server: model {Path(args.model).name}, backend {args.backend}, {args.max_tokens} tokens per reply, "
+              f"{args.requests_per_client} requests per client, streamed, greedy")
+        print()
+        print("| clients | requests | errors | req/s | tok/s (all clients) | TTFT median s | TTFT p90 s "
+              "| request median s |")
+        print("|---|---|---|---|---|---|---|---|")
+        offset = 0
+        for c in args.clients:
+            results, errors, wall = run_level(client, model, c, args.requests_per_client, args.max_tokens, ban,
+                                              offset)
+            offset += c * args.requests_per_client
+            ttft = [r[0] for r in results]
+            total = [r[1] for r in results]
+            tokens = sum(r[2] for r in results)
+            print(f"| {c} | {len(results)} | {len(errors)} | {len(results) / wall:.2f} | {tokens / wall:.1f} "
+                  f"| {statistics.median(ttft):.3f} | {pct(ttft, 0.9):.3f} | {statistics.median(total):.3f} |",
+                  flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
