@@ -90,7 +90,7 @@ def serve(
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None
     from onebit import catalog
-    from onebit.lookup import lookup_budget
+    from onebit.lookup import DEFAULT_DRAFTS, lookup_budget
     from onebit.serve import Engine, LoadOptions, Sampling
 
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
@@ -100,7 +100,7 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
     template_kw = _template_kwargs(template_kwargs)
-    lookup = lookup_budget(lookup, default=0)  # one request at a time: plain decoding unless asked
+    lookup = lookup_budget(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        None, None, moe_predict_own)

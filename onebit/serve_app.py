@@ -145,7 +145,8 @@ def _sampling(req: _Sampling, defaults: Sampling, vocab: int) -> Sampling:
     pick = lambda value, default: default if value is None else value  # noqa: E731
     return Sampling(
         temperature=pick(req.temperature, defaults.temperature), top_p=pick(req.top_p, defaults.top_p),
-        top_k=pick(req.top_k, defaults.top_k), min_p=pick(req.min_p, defaults.min_p), seed=req.seed,
+        top_k=pick(req.top_k, defaults.top_k), min_p=pick(req.min_p, defaults.min_p),
+        seed=None if req.seed is None else req.seed % (1 << 64),  # any integer, as OpenAI takes it
         repeat_penalty=pick(req.repeat_penalty, defaults.repeat_penalty),
         presence_penalty=pick(req.presence_penalty, defaults.presence_penalty),
         frequency_penalty=pick(req.frequency_penalty, defaults.frequency_penalty), logit_bias=bias)
@@ -324,10 +325,16 @@ async def respond(engine: Engine, work: Work, request: Request, chat: bool, stre
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     content, reasoning = [], []
+    checked = time.monotonic()
     while True:
         ev = await run.next()
         if ev is None:
             return JSONResponse({}, status_code=499)
+        if time.monotonic() - checked > 0.25:  # events keep coming: look for a client gone now and then
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                run.cancel()
+                return JSONResponse({}, status_code=499)
         kind, value = ev
         if kind == "delta":
             content.append(value.content)
@@ -528,6 +535,12 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
         created = now()
         return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "onebit"}
                                            for m in engine.models()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in engine.models():
+            raise ApiError(f"The model '{name}' does not exist", 404, code="model_not_found", param="model")
+        return {"id": name, "object": "model", "created": now(), "owned_by": "onebit"}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):

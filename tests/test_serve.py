@@ -104,6 +104,7 @@ def chat(client, content, model="default", **kw):
 def test_models_and_health(server, client):
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == "default" and {"gptoss", "qwen3tools"} <= set(ids)
+    assert client.models.retrieve("default").id == "default"
     status, text, _ = call(server[0] + "/health")
     assert status == 200 and json.loads(text)["status"] == "ok"
 
@@ -276,13 +277,16 @@ def test_sixteen_concurrent_clients(client):
 
 def test_dropped_client_frees_the_model(server, client):
     url = server[0]
+    import onebit
+
     health = lambda: json.loads(call(url + "/health")[1])  # noqa: E731
+    ban = {str(t): -100 for t in onebit.load(DEFAULT, backend="numpy").tokenizer.stop_ids}  # all 300 unless stopped
     before = health()["generated"]
     u = re.match(r"http://([^:/]+):(\d+)", url)
     conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
     conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
         "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300, "stream": True,
-        "temperature": 0}))
+        "temperature": 0, "logit_bias": ban}))
     r = conn.getresponse()
     assert r.status == 200
     for _ in range(6):
@@ -298,6 +302,24 @@ def test_dropped_client_frees_the_model(server, client):
             break
         time.sleep(0.1)
     assert h["generated"] - before < 100
+    # a request that does not stream, dropped while it generates, stops too
+    before = h["generated"]
+    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
+    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
+        "messages": [{"role": "user", "content": "Tell me another story."}], "max_tokens": 300, "seed": -5,
+        "temperature": 0.5, "logit_bias": ban}))
+    for _ in range(600):
+        if health()["generated"] > before:
+            break
+        time.sleep(0.05)
+    conn.sock.close()
+    conn.close()
+    for _ in range(600):
+        h = health()
+        if not h["busy"]:
+            break
+        time.sleep(0.05)
+    assert 0 < h["generated"] - before < 150
 
 
 @pytest.mark.parametrize("body, status, code", [
