@@ -385,6 +385,7 @@ def test_api_key_and_sigterm(tmp_path):
         assert proc.wait(60) == 0
         reader.join(60)
         assert not reader.is_alive()
+        assert isinstance(got[-1], openai.APIError) and "cancelled" in str(got[-1]), got[-1]  # said, not cut
     finally:
         if proc.poll() is None:
             proc.kill()
