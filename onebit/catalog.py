@@ -38,7 +38,9 @@ def _is_model(name: str) -> bool:
     return low.endswith(".gguf") and not low.startswith("mmproj") and _is_first_part(name)
 
 
-def _walk(root: Path, depth: int = MAX_DEPTH) -> Iterator[Path]:
+def _files(root: Path, depth: int = MAX_DEPTH) -> Iterator[Path]:
+    """Files under root, at most `depth` folders down (hidden folders skipped), at most
+    MAX_FILES entries looked at."""
     seen = 0
     stack = [(root, 0)]
     while stack:
@@ -54,10 +56,14 @@ def _walk(root: Path, depth: int = MAX_DEPTH) -> Iterator[Path]:
             try:
                 if e.is_dir() and d < depth and not e.name.startswith("."):
                     stack.append((Path(e.path), d + 1))
-                elif e.is_file() and _is_model(e.name):
+                elif e.is_file():
                     yield Path(e.path)
             except OSError:
                 continue
+
+
+def _models(root: Path, depth: int = MAX_DEPTH) -> Iterator[Path]:
+    return (p for p in _files(root, depth) if _is_model(p.name))
 
 
 def _size(p: Path) -> int:
@@ -70,7 +76,7 @@ def _size(p: Path) -> int:
 def scan_dir(folder: str) -> list[Entry]:
     root = Path(folder)
     out = []
-    for p in _walk(root):
+    for p in _models(root):
         rel = p.relative_to(root).as_posix()
         out.append(Entry(rel[: -len(".gguf")], str(p), "models-dir", _size(p)))
     return out
@@ -91,7 +97,7 @@ def scan_hf(root: Optional[Path] = None) -> list[Entry]:
         return out
     for repo in sorted(root.glob("models--*")):
         name = repo.name[len("models--"):].replace("--", "/")
-        for p in _walk(repo / "snapshots", depth=3):
+        for p in _models(repo / "snapshots", depth=3):
             file = p.name[: -len(".gguf")]
             out.append(Entry(f"{name}/{file}", str(p), "huggingface", _size(p)))
     return out
@@ -124,25 +130,6 @@ def scan_ollama(root: Optional[Path] = None) -> list[Entry]:
             name = f"{parts[-3]}/{name}"
         out.append(Entry(f"{name}:{parts[-1]}", str(blob), "ollama", _size(blob)))
     return out
-
-
-def _files(root: Path, depth: int) -> Iterator[Path]:
-    stack = [(root, 0)]
-    seen = 0
-    while stack:
-        folder, d = stack.pop()
-        try:
-            items = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError:
-            continue
-        for e in items:
-            seen += 1
-            if seen > MAX_FILES:
-                return
-            if e.is_dir() and d < depth:
-                stack.append((Path(e.path), d + 1))
-            elif e.is_file():
-                yield Path(e.path)
 
 
 def lmstudio_dirs() -> list[Path]:

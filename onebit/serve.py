@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import OnebitError, UsageError
+from .errors import OnebitError
 from .generate import stream_generate
 from .harmony import HarmonyStream, is_harmony
 from .sample import make_logits_processors, make_sampler

@@ -172,7 +172,7 @@ def _text(content, where: str) -> str:
     return "".join(parts)
 
 
-def _messages(req: ChatRequest, harmony_names: bool = True) -> list[dict]:
+def _messages(req: ChatRequest) -> list[dict]:
     out = []
     names = {}  # tool_call_id -> function name (templates that show a result's tool by name)
     for i, m in enumerate(req.messages):

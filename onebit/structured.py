@@ -17,7 +17,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .errors import UsageError
-from .sample import LogitsProcessor
 
 _SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's bytes
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -143,10 +142,6 @@ class Constraint:
     @property
     def complete(self) -> bool:
         return self.matcher.is_accepting()
-
-
-def constraint(model, grammar: str) -> LogitsProcessor:
-    return Constraint(model, grammar)
 
 
 def load_schema(path: str) -> dict:

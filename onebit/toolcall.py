@@ -143,25 +143,3 @@ def forced_grammar(model, tools: dict[str, dict]) -> str:
         alts.append(json_rule(schema))
     body = "\n    | ".join(alts)
     return lark_grammar(f'start: {literal(tok, OPEN)} "\\n" call "\\n" {literal(tok, CLOSE)}\ncall: {body}\n')
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates read them: an assistant turn's tool-call arguments as an
-    object (templates write them with `tojson`), a tool result's content as text."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            calls = []
-            for c in m["tool_calls"]:
-                c = json.loads(json.dumps(c))
-                fn = c.get("function") or {}
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
-                calls.append(c)
-            m["tool_calls"] = calls
-        out.append(m)
-    return out
