@@ -10,7 +10,7 @@ request's whole time from sending to its last chunk. The server runs one request
 so TTFT grows with the queue: at C clients a request waits for about C-1 others.
 
     python bench/bench_serve.py [--model M.gguf] [--backend cpu] [--clients 1 4 16]
-        [--requests-per-client 4] [--max-tokens 32] [--url http://127.0.0.1:8080]
+        [--requests-per-client 4] [--max-tokens 32] [--rounds 3] [--url http://127.0.0.1:8080]
 """
 
 from __future__ import annotations
@@ -85,26 +85,29 @@ def run_level(client, model: str, clients: int, per_client: int, max_tokens: int
     return results, errors, wall
 
 
-def direct(model_path: str, backend: str, ctx: int, n: int, max_tokens: int) -> tuple[float, float]:
-    """(requests/s, median time to first token) of the same requests through Model.generate in
-    this process, one after another: the engine without the server."""
-    import onebit
-    from onebit.serve import penalties
+class Direct:
+    """The same requests through Model.generate in this process, one after another: the
+    engine without the server (and without a client), as the baseline."""
 
-    m = onebit.load(model_path, backend=backend, n_ctx=ctx)
-    ban = penalties(0, 0, {t: -100 for t in m.tokenizer.stop_ids})
-    list(m.generate([{"role": "user", "content": "warm up"}], max_tokens=4, lookup=0))
-    ttft = []
-    t0 = time.perf_counter()
-    for k in range(n):
-        t1 = time.perf_counter()
-        for i, r in enumerate(m.generate([{"role": "user", "content": f"Question {k}: what is {k} times {k % 7 + 2}?"}],
-                                         max_tokens=max_tokens, lookup=0, processors=[ban])):
-            if i == 0:
-                ttft.append(time.perf_counter() - t1)
-    wall = time.perf_counter() - t0
-    m.close()
-    return n / wall, statistics.median(ttft)
+    def __init__(self, model_path: str, backend: str, ctx: int):
+        import onebit
+        from onebit.serve import penalties
+
+        self.m = onebit.load(model_path, backend=backend, n_ctx=ctx)
+        self.ban = penalties(0, 0, {t: -100 for t in self.m.tokenizer.stop_ids})
+        self.run(0, 1, 4)  # warm up
+
+    def run(self, offset: int, n: int, max_tokens: int) -> tuple[float, float]:
+        """(requests/s, median time to first token)."""
+        ttft = []
+        t0 = time.perf_counter()
+        for k in range(offset, offset + n):
+            t1 = time.perf_counter()
+            msgs = [{"role": "user", "content": f"Question {k}: what is {k} times {k % 7 + 2}?"}]
+            for i, _ in enumerate(self.m.generate(msgs, max_tokens=max_tokens, lookup=0, processors=[self.ban])):
+                if i == 0:
+                    ttft.append(time.perf_counter() - t1)
+        return n / (time.perf_counter() - t0), statistics.median(ttft)
 
 
 def pct(values, q):
@@ -120,51 +123,60 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--url", help="use a running server instead of starting one")
     args = ap.parse_args()
 
     import openai
 
-    import onebit
-
-    stops = onebit.load(args.model, backend="numpy").tokenizer.stop_ids
-    ban = {str(t): -100 for t in stops}  # every reply is max_tokens long
-    if args.url is None:
-        rps, ttft = direct(args.model, args.backend, args.ctx, 16, args.max_tokens)
-        print(f"engine alone (Model.generate in one process, 16 requests in a row): {rps:.2f} req/s, "
-              f"time to first token median {ttft:.3f} s")
+    direct = None if args.url else Direct(args.model, args.backend, args.ctx)
+    ban = {str(t): -100 for t in (direct.m if direct else __import__("onebit").load(args.model, backend="numpy"))
+           .tokenizer.stop_ids}  # every reply is max_tokens long
     proc = None
     tmp = tempfile.TemporaryDirectory()
     if args.url is None:
         proc, url = start_server(args.model, args.backend, args.ctx, Path(tmp.name) / "server.log")
     else:
         url = args.url.rstrip("/")
+    rows: dict[str, list] = {}
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         one_request(client, model, "warm up", 4, ban)
-        print(f"server: model {Path(args.model).name}, backend {args.backend}, {args.max_tokens} tokens per reply, "
-              f"{args.requests_per_client} requests per client, streamed, greedy")
-        print()
-        print("| clients | requests | errors | req/s | tok/s (all clients) | TTFT median s | TTFT p90 s "
-              "| request median s |")
-        print("|---|---|---|---|---|---|---|---|")
         offset = 0
-        for c in args.clients:
-            results, errors, wall = run_level(client, model, c, args.requests_per_client, args.max_tokens, ban,
-                                              offset)
-            offset += c * args.requests_per_client
-            ttft = [r[0] for r in results]
-            total = [r[1] for r in results]
-            tokens = sum(r[2] for r in results)
-            print(f"| {c} | {len(results)} | {len(errors)} | {len(results) / wall:.2f} | {tokens / wall:.1f} "
-                  f"| {statistics.median(ttft):.3f} | {pct(ttft, 0.9):.3f} | {statistics.median(total):.3f} |",
-                  flush=True)
+        for rnd in range(args.rounds):  # engine alone, then the server at each client count; repeated
+            if direct is not None:
+                rps, ttft = direct.run(offset, 16, args.max_tokens)
+                offset += 16
+                rows.setdefault("engine alone", []).append((rps, ttft, ttft, 0, 16, 0))
+            for c in args.clients:
+                results, errors, wall = run_level(client, model, c, args.requests_per_client, args.max_tokens,
+                                                  ban, offset)
+                offset += c * args.requests_per_client
+                ttft = [r[0] for r in results]
+                rows.setdefault(c, []).append((len(results) / wall, statistics.median(ttft), pct(ttft, 0.9),
+                                               sum(r[2] for r in results) / wall, len(results), len(errors)))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
         tmp.cleanup()
+    print(f"model {Path(args.model).name}, backend {args.backend}, {args.max_tokens} tokens per reply "
+          f"(end-of-generation tokens banned), greedy; server: streamed through the openai client, "
+          f"{args.requests_per_client} requests per client; {args.rounds} rounds (engine alone, 1, 4, 16 "
+          f"clients, in turn), medians over rounds [min-max]")
+    print()
+    print("| clients | requests/round | errors | req/s | x engine alone | tok/s | TTFT median s | TTFT p90 s |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = [r[0] for r in rows.get("engine alone", [])]
+    for key, rs in rows.items():
+        rps = [r[0] for r in rs]
+        ratio = "" if not base or key == "engine alone" else \
+            f"{statistics.median([a / b for a, b in zip(rps, base)]):.2f}"
+        tok = "" if key == "engine alone" else f"{statistics.median([r[3] for r in rs]):.0f}"
+        print(f"| {key} | {rs[0][4]} | {sum(r[5] for r in rs)} | {statistics.median(rps):.2f} "
+              f"[{min(rps):.2f}-{max(rps):.2f}] | {ratio} | {tok} | {statistics.median([r[1] for r in rs]):.3f} | "
+              f"{statistics.median([r[2] for r in rs]):.3f} |")
 
 
 if __name__ == "__main__":

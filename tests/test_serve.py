@@ -64,6 +64,7 @@ def server(tmp_path_factory):
     shutil.copy(fixture_path("gptoss-f32.gguf"), models / "gptoss.gguf")
     rewrite(fixture_path("qwen3moe-f32.gguf"), models / "qwen3tools.gguf",
             meta={"tokenizer.chat_template": QWEN3_TEMPLATE})
+    (models / "broken.gguf").write_bytes(b"GGUF" + b"\xff" * 60)  # a file that does not load
     log = tmp / "server.log"
     proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--temp", "0", "--models-dir",
                        str(models)], log)
@@ -239,6 +240,20 @@ def test_tool_call_round_trip(client, model):
     back = client.chat.completions.create(model=model, messages=msgs, tools=[WEATHER], temperature=0, max_tokens=8)
     assert back.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert back.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_json_schema_on_gptoss(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = chat(client, "A person, please.", model="gptoss", max_tokens=40, response_format=fmt)
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"name", "age"} and r.choices[0].finish_reason == "stop"
+
+
+def test_a_model_that_does_not_load(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, "hi", model="broken", max_tokens=2)
+    assert e.value.code == "model_load_failed"
+    assert chat(client, "hi", max_tokens=2).model == "default"  # the server serves on
 
 
 def test_unparseable_tool_call_is_text():
