@@ -79,6 +79,15 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ban():
+    """logit_bias that bans the shipped model's end-of-generation tokens: a reply then runs to
+    its max_tokens or the context's end, unless stopped."""
+    import onebit
+
+    return {str(t): -100 for t in onebit.load(DEFAULT, backend="numpy").tokenizer.stop_ids}
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
 
@@ -158,13 +167,9 @@ def test_completions_plain_and_streamed(client):
     assert r.usage.completion_tokens <= 8 and r.choices[0].finish_reason in ("stop", "length")
 
 
-def test_max_tokens_beyond_context_is_clipped(client):
-    import onebit
-
-    stops = onebit.load(DEFAULT, backend="numpy").tokenizer.stop_ids  # banned, so only the context ends it
+def test_max_tokens_beyond_context_is_clipped(client, ban):
     ids = [100 + i % 50 for i in range(CTX - 5)]
-    r = client.completions.create(model="default", prompt=ids, max_tokens=100_000, temperature=0,
-                                  logit_bias={str(t): -100 for t in stops})
+    r = client.completions.create(model="default", prompt=ids, max_tokens=100_000, temperature=0, logit_bias=ban)
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == CTX - 5 and r.usage.completion_tokens == 5
 
@@ -270,13 +275,14 @@ def test_unparseable_tool_call_is_text():
 
 def test_sixteen_concurrent_clients(client):
     prompts = [f"Question number {i}: what is {i} + {i}?" for i in range(16)]
-    want = [chat(client, p, max_tokens=6).choices[0].message.content for p in prompts[:4]]
+    alone = [0, 7, 15]
+    want = [chat(client, prompts[i], max_tokens=4).choices[0].message.content for i in alone]
     got: dict[int, str] = {}
     errors = []
 
     def ask(i):
         try:
-            got[i] = chat(client, prompts[i], max_tokens=6).choices[0].message.content
+            got[i] = chat(client, prompts[i], max_tokens=4).choices[0].message.content
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -286,16 +292,13 @@ def test_sixteen_concurrent_clients(client):
     for t in threads:
         t.join(300)
     assert not errors and len(got) == 16
-    assert [got[i] for i in range(4)] == want  # the same reply as alone
+    assert [got[i] for i in alone] == want  # the same reply as alone
     assert all(isinstance(got[i], str) and got[i] for i in range(16))
 
 
-def test_dropped_client_frees_the_model(server, client):
+def test_dropped_client_frees_the_model(server, client, ban):
     url = server[0]
-    import onebit
-
     health = lambda: json.loads(call(url + "/health")[1])  # noqa: E731
-    ban = {str(t): -100 for t in onebit.load(DEFAULT, backend="numpy").tokenizer.stop_ids}  # all 300 unless stopped
     before = health()["generated"]
     u = re.match(r"http://([^:/]+):(\d+)", url)
     conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
