@@ -432,6 +432,7 @@ class Engine:
         job.put("start", {"model": self.model_id, "prompt_tokens": len(ids), "cached_tokens": common})
         generated: list[int] = []
         last = None
+        counted = 0  # of this request's tokens, added to self.generated
         replies = stream_generate(m, ids[common:], max_tokens=max_tokens, sampler=sampler, processors=procs,
                                   stop=work.stop, cache=self.cache, prompt_prefix=ids[:common], hook=m.hook,
                                   lookup=self.lookup)
@@ -441,7 +442,8 @@ class Engine:
                     break
                 if r.token is not None:
                     generated.append(r.token)
-                self.generated += 1 if r.finish_reason is None or r.token is not None else 0
+                self.generated += r.generation_tokens - counted
+                counted = r.generation_tokens
                 last = r
                 if r.finish_reason is None and self.stopping:
                     break

@@ -282,6 +282,14 @@ def _usage(done: Done) -> dict:
             "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
 
+def _timings(done: Done) -> dict:
+    """llama-server's `timings` (prompt: up to the first token; predicted: the tokens after it)."""
+    n = max(done.completion_tokens - 1, 0)
+    return {"prompt_n": done.prompt_tokens - done.cached_tokens, "prompt_ms": round(done.prompt_time * 1000, 3),
+            "predicted_n": n, "predicted_ms": round(done.generation_time * 1000, 3),
+            "predicted_per_second": round(n / done.generation_time, 2) if done.generation_time > 0 and n else 0.0}
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -358,7 +366,8 @@ async def respond(engine: Engine, work: Work, request: Request, chat: bool, stre
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
         obj = "text_completion"
     return JSONResponse({"id": rid, "object": obj, "created": created, "model": info["model"],
-                         "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(done)})
+                         "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(done),
+                         "timings": _timings(done)})
 
 
 async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, include_usage: bool):

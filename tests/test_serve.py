@@ -131,6 +131,7 @@ def test_greedy_reply_equals_onebit_generate(client):
     assert r.usage.prompt_tokens == want["prompt_tokens"]
     assert r.usage.completion_tokens == want["generation_tokens"]
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["timings"]["predicted_n"] == r.usage.completion_tokens - 1  # llama-server's field
 
 
 def test_stream_equals_plain_with_usage(server, client):
