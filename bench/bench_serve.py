@@ -2,7 +2,7 @@
 concurrent clients, through the real `openai` client (streamed chat completions).
 
 Starts `onebit serve` on a free loopback port (or uses --url), then for each client count C
-runs C threads that each send --requests-per-client requests back to back (distinct prompts:
+runs C threads that share --requests requests (each thread sends its share back to back) (distinct prompts:
 a short question with a number in it; the chat template is the shared prefix), greedy,
 --max-tokens each with the end-of-generation tokens banned (every reply is exactly that
 long). Time to first token is measured from sending to the first streamed content; a
@@ -10,7 +10,7 @@ request's whole time from sending to its last chunk. The server runs one request
 so TTFT grows with the queue: at C clients a request waits for about C-1 others.
 
     python bench/bench_serve.py [--model M.gguf] [--backend cpu] [--clients 1 4 16]
-        [--requests-per-client 4] [--max-tokens 32] [--rounds 3] [--url http://127.0.0.1:8080]
+        [--requests 16] [--max-tokens 32] [--rounds 5] [--url http://127.0.0.1:8080]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Direct:
 
         self.m = onebit.load(model_path, backend=backend, n_ctx=ctx)
         self.ban = penalties(0, 0, {t: -100 for t in self.m.tokenizer.stop_ids})
-        self.run(0, 1, 4)  # warm up
+        self.run(0, 1, 4)  # warm up (lookup decoding: 8 drafts, or $ONEBIT_LOOKUP, as `onebit serve`)
 
     def run(self, offset: int, n: int, max_tokens: int) -> tuple[float, float]:
         """(requests/s, median time to first token)."""
@@ -104,7 +104,7 @@ class Direct:
         for k in range(offset, offset + n):
             t1 = time.perf_counter()
             msgs = [{"role": "user", "content": f"Question {k}: what is {k} times {k % 7 + 2}?"}]
-            for i, _ in enumerate(self.m.generate(msgs, max_tokens=max_tokens, lookup=0, processors=[self.ban])):
+            for i, _ in enumerate(self.m.generate(msgs, max_tokens=max_tokens, processors=[self.ban])):  # lookup as serve
                 if i == 0:
                     ttft.append(time.perf_counter() - t1)
         return n / (time.perf_counter() - t0), statistics.median(ttft)
@@ -121,9 +121,9 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=16, help="requests per client count and round")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--url", help="use a running server instead of starting one")
     args = ap.parse_args()
 
@@ -146,13 +146,13 @@ def main() -> None:
         offset = 0
         for rnd in range(args.rounds):  # engine alone, then the server at each client count; repeated
             if direct is not None:
-                rps, ttft = direct.run(offset, 16, args.max_tokens)
-                offset += 16
-                rows.setdefault("engine alone", []).append((rps, ttft, ttft, 0, 16, 0))
+                rps, ttft = direct.run(offset, args.requests, args.max_tokens)
+                offset += args.requests
+                rows.setdefault("engine alone", []).append((rps, ttft, ttft, 0, args.requests, 0))
             for c in args.clients:
-                results, errors, wall = run_level(client, model, c, args.requests_per_client, args.max_tokens,
-                                                  ban, offset)
-                offset += c * args.requests_per_client
+                per_client = max(1, args.requests // c)
+                results, errors, wall = run_level(client, model, c, per_client, args.max_tokens, ban, offset)
+                offset += c * per_client
                 ttft = [r[0] for r in results]
                 rows.setdefault(c, []).append((len(results) / wall, statistics.median(ttft), pct(ttft, 0.9),
                                                sum(r[2] for r in results) / wall, len(results), len(errors)))
@@ -163,7 +163,7 @@ def main() -> None:
         tmp.cleanup()
     print(f"model {Path(args.model).name}, backend {args.backend}, {args.max_tokens} tokens per reply "
           f"(end-of-generation tokens banned), greedy; server: streamed through the openai client, "
-          f"{args.requests_per_client} requests per client; {args.rounds} rounds (engine alone, 1, 4, 16 "
+          f"{args.requests} requests per client count; {args.rounds} rounds (engine alone, 1, 4, 16 "
           f"clients, in turn), medians over rounds [min-max]")
     print()
     print("| clients | requests/round | errors | req/s | x engine alone | tok/s | TTFT median s | TTFT p90 s |")
