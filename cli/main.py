@@ -210,6 +210,9 @@ def generate(
         help="Models that reason apart from the reply (gpt-oss channels, <think> blocks of Qwen3 / GLM / "
              "DeepSeek-R1): keep the reasoning, as a `reasoning` "
              "field of each result (or on stderr for a streamed prompt). Default: dropped; `text` is the reply."),
+    json_schema: Optional[str] = typer.Option(
+        None, "--json-schema", help="Constrain every reply to JSON matching this JSON schema file ({} for any "
+                                    "object); needs the serve extra (llguidance)."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
     from onebit import batch
@@ -238,6 +241,11 @@ def generate(
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
         raise UsageError("--input needs --output FILE.jsonl (or - for stdout) for the results")
+    schema = None
+    if json_schema is not None:
+        from onebit.structured import load_schema
+
+        schema = load_schema(json_schema)
     results = batch.ResultsFile.open(output) if output is not None else None
     try:
         done = set()
@@ -250,12 +258,24 @@ def generate(
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            repetition_penalty=repeat_penalty, stop=stop, lookup=lookup,
-                           lookup_stats=lookup_stats, show_reasoning=show_reasoning))
+                           lookup_stats=lookup_stats, show_reasoning=show_reasoning,
+                           constrain=_json_constraint(m, schema)))
         finally:
             _finish(m, stats, lookup_stats)
     finally:
         if results is not None:
             results.close()
+
+
+def _json_constraint(m, schema):
+    """A maker of a fresh JSON constraint per prompt (it holds the parse state), or None."""
+    if schema is None:
+        return None
+    from onebit.structured import Constraint, json_grammar
+
+    grammar = json_grammar(schema or None)
+    Constraint(m, grammar)  # refuse a grammar the model's vocabulary cannot write, before any prompt
+    return lambda: Constraint(m, grammar)
 
 
 def _warn_unreadable(results) -> None:
@@ -306,6 +326,9 @@ def _stream_one(m, item, chat, system, seed, gen) -> None:
 
     gen = dict(gen)
     show_reasoning = gen.pop("show_reasoning", False)
+    constrain = gen.pop("constrain", None)
+    if constrain is not None:
+        gen["processors"] = [constrain()]
     channels = HarmonyStream() if chat and is_harmony(m) else None  # gpt-oss: print the final channel
     if chat and channels is None:  # <think> blocks: print the reply after the block (think.py)
         from onebit.think import think_stream
@@ -601,6 +624,9 @@ def main() -> None:
     logging.getLogger("onebit").addHandler(handler)
 
     warnings.simplefilter("ignore", RuntimeWarning)  # numeric trouble is one error from the engine instead
+    from .serve import register  # `serve` and `list` (that module imports this one's options)
+
+    register(app)
     click_exception, click_usage = _click_errors()
     try:
         rc = app(prog_name="onebit", standalone_mode=False)  # click returns an Exit's code in this mode

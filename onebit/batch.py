@@ -357,6 +357,9 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
     """Run one prompt to completion and return its result record; a prompt that does not fit
     the context gives an error record ({id, error, finish_reason: "error", prompt_tokens})."""
     show_reasoning = gen.pop("show_reasoning", False)  # harmony (gpt-oss): keep the analysis channel
+    constrain = gen.pop("constrain", None)  # a maker of a fresh logits processor per prompt (a grammar)
+    if constrain is not None:
+        gen["processors"] = [constrain()]
     ids = prompt_ids(model, item, chat=chat, system=system)
     why = too_long(model, len(ids))
     if why is not None:

@@ -217,13 +217,14 @@ class Model:
         self, prompt: str | Sequence[int] | list[dict], max_tokens: int = 256, temperature: float = 0.0,
         top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
         seed: Optional[int] = None, stop: Sequence[str] = (), cache=None, hook=None,
-        lookup: Optional[int] = None, lookup_stats=None,
+        lookup: Optional[int] = None, lookup_stats=None, processors: Sequence = (),
     ) -> Iterator[GenerationResponse]:
         """Yield GenerationResponse pieces. `prompt` is text, token ids, or chat messages (rendered
         with the model's chat template). `lookup`: drafts (n-gram lookup in the context, 0..8)
         verified per decode forward; the output is the same as without (greedy) or has the same
         distribution (sampling); None: $ONEBIT_LOOKUP, else 8 (0 where a hook is set).
-        `lookup_stats`: a `LookupStats` to count them in."""
+        `lookup_stats`: a `LookupStats` to count them in. `processors`: logits processors
+        applied after the repetition penalty (e.g. a grammar constraint, structured.py)."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         elif prompt and isinstance(prompt[0], dict):
@@ -236,7 +237,7 @@ class Model:
         if max_tokens < 0:
             raise UsageError(f"max tokens must be >= 0, got {max_tokens}")
         sampler = make_sampler(temperature, top_p, min_p, top_k, seed)
-        procs = make_logits_processors(repetition_penalty)
+        procs = make_logits_processors(repetition_penalty) + list(processors)
         hook = hook if hook is not None else self.hook
         yield from stream_generate(self, ids, max_tokens=max_tokens, sampler=sampler, processors=procs,
                                    stop=stop, cache=cache, hook=hook,

@@ -1,0 +1,179 @@
+"""`onebit serve` (the OpenAI API on a local port) and `onebit list` (GGUF files found here)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from typing import Optional
+
+import typer
+
+from onebit.errors import UsageError
+
+from .main import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, P_AHEAD, P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN,
+                   P_MIN, P_NO_ATTN, P_OWN, PREDICT, POLICY, SLOTS, TEMPLATE_KWARGS, _check_sampling, _load,
+                   _predict, _template_kwargs)
+
+MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
+                                                   "(loaded in its turn, one model at a time). Repeatable.")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket, or one clear error (a port in use, a host that is not ours)."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be 0-65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(
+    model: Optional[str] = MODEL_ARG,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free port, printed at start)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ONEBIT_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every request "
+                                               "(default $ONEBIT_API_KEY; none: no key)."),
+    models_dir: list[str] = MODELS_DIR,
+    temperature: float = typer.Option(0.7, "--temperature", "--temp", help="Default when a request gives none."),
+    top_k: int = typer.Option(0, "--top-k", help="Default when a request gives none (0 = off)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Default when a request gives none."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Default when a request gives none."),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", help="Default when a request gives none."),
+    backend: str = BACKEND,
+    ctx: Optional[int] = CTX,
+    slots: Optional[str] = SLOTS,
+    budget: Optional[str] = BUDGET,
+    pool_policy: str = POLICY,
+    device: Optional[str] = DEVICE,
+    lookup: Optional[int] = LOOKUP,
+    moe_predict: Optional[str] = PREDICT,
+    moe_predict_depth: Optional[str] = P_DEPTH,
+    moe_predict_margin: Optional[str] = P_MARGIN,
+    moe_predict_min: Optional[str] = P_MIN,
+    moe_predict_layers: Optional[str] = P_LAYERS,
+    moe_predict_ahead: Optional[str] = P_AHEAD,
+    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
+    moe_predict_chain: Optional[str] = P_CHAIN,
+    moe_predict_own: Optional[str] = P_OWN,
+    template_kwargs: Optional[str] = TEMPLATE_KWARGS,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No log line per request."),
+) -> None:
+    """Serve the OpenAI API (chat completions, completions, models) on a local port."""
+    try:
+        import uvicorn
+
+        from onebit.serve_app import create_app
+    except ImportError as e:
+        raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
+            from None
+    from onebit import catalog
+    from onebit.lookup import DEFAULT_DRAFTS, lookup_budget
+    from onebit.serve import Engine, LoadOptions, Sampling
+
+    _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
+    for d in models_dir:
+        if not os.path.isdir(d):
+            raise UsageError(f"--models-dir {d}: not a folder")
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key is empty")
+    template_kw = _template_kwargs(template_kwargs)
+    lookup = lookup_budget(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
+    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
+                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
+                       None, None, moe_predict_own)
+    sock = _listen(host, port)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict)
+    m.template_kwargs = template_kw
+    options = LoadOptions(backend=backend, ctx=ctx, slots=slots if slots in (None, "auto") else int(slots),
+                          budget=budget, pool_policy=pool_policy, predict=predict, template_kwargs=template_kw)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                        repeat_penalty=repeat_penalty)
+    found = lambda: {e.id: e.path for e in catalog.find(models_dir, usual=False)}  # noqa: E731
+    engine = Engine(m, options, sampling, lookup=lookup, catalog=found if models_dir else dict)
+
+    log = logging.getLogger("onebit.serve")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("onebit serve: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: cancel what runs, then uvicorn's shutdown
+            engine.stop()
+            super().handle_exit(sig, frame)
+            # uvicorn raises a caught signal again once it has stopped (the process would then die
+            # of it before the model is closed): the shutdown is ours, and ends with exit code 0
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=3)
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    typer.echo(f"onebit serve: {engine.model_id} on http://{shown}:{bound[1]}/v1 "
+               f"({'API key required' if api_key else 'no API key'}; Ctrl-C stops)", err=True)
+    if not _loopback(host) and api_key is None:
+        typer.echo(f"onebit: warning: listening on {host} without --api-key: anyone who can reach this "
+                   "machine can use the model", err=True)
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+        typer.echo("onebit serve: stopped", err=True)
+
+
+def list_models(
+    models_dir: list[str] = typer.Option([], "--models-dir", help="A folder of GGUF files to list too. Repeatable."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List GGUF files: --models-dir folders, the Hugging Face cache, ollama's and LM Studio's stores."""
+    import json
+
+    from onebit import catalog
+
+    for d in models_dir:
+        if not os.path.isdir(d):
+            raise UsageError(f"--models-dir {d}: not a folder")
+    entries = catalog.find(models_dir, usual=True)
+    if as_json:
+        typer.echo(json.dumps([e.__dict__ for e in entries], indent=2))
+        return
+    if not entries:
+        places = ", ".join([*models_dir, str(catalog.hf_cache()), str(catalog.ollama_dir()),
+                            *map(str, catalog.lmstudio_dirs())])
+        typer.echo(f"no GGUF files found (looked in {places})")
+        return
+    width = max(len(e.id) for e in entries)
+    for e in entries:
+        typer.echo(f"{e.id:<{width}}  {e.size / 2**30:7.2f} GiB  {e.source:<11}  {e.path}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `serve` and `list` to the onebit app (main.py calls this: under `python -m`, main.py
+    runs as __main__, so this module must not import its app)."""
+    app.command()(serve)
+    app.command("list")(list_models)

@@ -1,0 +1,162 @@
+"""GGUF files on this machine: a models folder, and where other tools keep theirs.
+
+Read only: the Hugging Face hub cache (`models--ORG--NAME/snapshots/REV/*.gguf`), ollama's
+store (a manifest per `name:tag` whose model layer is a GGUF blob) and LM Studio's folder
+(`PUBLISHER/REPO/*.gguf`). Each file gets an id a request can name: its file name without
+`.gguf` for a models folder, `org/name/file` for the hub, `name:tag` for ollama.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+MAX_DEPTH = 4  # folders below a models folder that are searched
+MAX_FILES = 2000  # entries looked at per place (a huge folder is not walked to the end)
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    path: str
+    source: str  # models-dir | huggingface | ollama | lmstudio
+    size: int
+
+
+def _is_first_part(name: str) -> bool:
+    m = _SPLIT.search(name)
+    return m is None or int(m.group(1)) == 1
+
+
+def _is_model(name: str) -> bool:
+    low = name.lower()
+    return low.endswith(".gguf") and not low.startswith("mmproj") and _is_first_part(name)
+
+
+def _files(root: Path, depth: int = MAX_DEPTH) -> Iterator[Path]:
+    """Files under root, at most `depth` folders down (hidden folders skipped), at most
+    MAX_FILES entries looked at."""
+    seen = 0
+    stack = [(root, 0)]
+    while stack:
+        folder, d = stack.pop()
+        try:
+            items = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for e in items:
+            seen += 1
+            if seen > MAX_FILES:
+                return
+            try:
+                if e.is_dir() and d < depth and not e.name.startswith("."):
+                    stack.append((Path(e.path), d + 1))
+                elif e.is_file():
+                    yield Path(e.path)
+            except OSError:
+                continue
+
+
+def _models(root: Path, depth: int = MAX_DEPTH) -> Iterator[Path]:
+    return (p for p in _files(root, depth) if _is_model(p.name))
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def scan_dir(folder: str) -> list[Entry]:
+    root = Path(folder)
+    out = []
+    for p in _models(root):
+        rel = p.relative_to(root).as_posix()
+        out.append(Entry(rel[: -len(".gguf")], str(p), "models-dir", _size(p)))
+    return out
+
+
+def hf_cache() -> Optional[Path]:
+    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if env:
+        return Path(env)
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def scan_hf(root: Optional[Path] = None) -> list[Entry]:
+    root = root or hf_cache()
+    out = []
+    if root is None or not root.is_dir():
+        return out
+    for repo in sorted(root.glob("models--*")):
+        name = repo.name[len("models--"):].replace("--", "/")
+        for p in _models(repo / "snapshots", depth=3):
+            file = p.name[: -len(".gguf")]
+            out.append(Entry(f"{name}/{file}", str(p), "huggingface", _size(p)))
+    return out
+
+
+def ollama_dir() -> Path:
+    env = os.environ.get("OLLAMA_MODELS")
+    return Path(env) if env else Path(os.path.expanduser("~")) / ".ollama" / "models"
+
+
+def scan_ollama(root: Optional[Path] = None) -> list[Entry]:
+    root = root or ollama_dir()
+    manifests = root / "manifests"
+    out = []
+    if not manifests.is_dir():
+        return out
+    for m in _files(manifests, depth=5):
+        try:
+            data = json.loads(m.read_bytes()[: 1 << 20])
+            layer = next(x for x in data.get("layers", []) if x.get("mediaType") == "application/vnd.ollama.image.model")
+            digest = layer["digest"].replace(":", "-")
+        except (OSError, ValueError, StopIteration, KeyError, AttributeError, TypeError):
+            continue
+        blob = root / "blobs" / digest
+        if not blob.is_file():
+            continue
+        parts = m.relative_to(manifests).parts  # registry / namespace / name / tag
+        name = parts[-2] if len(parts) >= 2 else m.parent.name
+        if len(parts) >= 3 and parts[-3] != "library":
+            name = f"{parts[-3]}/{name}"
+        out.append(Entry(f"{name}:{parts[-1]}", str(blob), "ollama", _size(blob)))
+    return out
+
+
+def lmstudio_dirs() -> list[Path]:
+    home = Path(os.path.expanduser("~"))
+    return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+
+
+def scan_lmstudio(roots: Optional[list[Path]] = None) -> list[Entry]:
+    out = []
+    for root in roots or lmstudio_dirs():
+        if root.is_dir():
+            for e in scan_dir(str(root)):
+                out.append(Entry(e.id, e.path, "lmstudio", e.size))
+    return out
+
+
+def find(models_dirs: list[str] = (), usual: bool = True) -> list[Entry]:
+    """Every GGUF found: the given folders first, then (usual) the other tools' stores.
+    An id found twice keeps its first place."""
+    found: list[Entry] = []
+    for d in models_dirs:
+        found += scan_dir(d)
+    if usual:
+        found += scan_hf() + scan_ollama() + scan_lmstudio()
+    seen, out = set(), []
+    for e in found:
+        if e.id not in seen:
+            seen.add(e.id)
+            out.append(e)
+    return out

@@ -1,0 +1,479 @@
+"""The OpenAI API over one loaded model: the engine side (no HTTP here; see serve_app.py).
+
+One worker thread owns the model and runs one request at a time, in arrival order (a FIFO
+queue: fair, and nothing is interleaved on the one KV cache). The cache outlives a request:
+the next request keeps the longest prefix it shares with what the cache holds (a continuing
+conversation re-runs only its new turn), as ChatSession does within a chat. A request whose
+client went away is cancelled: the worker stops it at the next token.
+
+A request names its model; with a models folder, a model other than the loaded one is
+loaded in its turn (the loaded one is closed first: one model at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .errors import OnebitError
+from .generate import stream_generate
+from .harmony import HarmonyStream, is_harmony
+from .sample import make_logits_processors, make_sampler
+from .think import think_stream
+from .toolcall import OPEN as CALL_OPEN
+from .toolcall import ToolCall, parse_harmony, parse_tags, tool_format
+
+log = logging.getLogger("onebit.serve")
+
+
+class ApiError(OnebitError):
+    """An error a request gets as an OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 code: Optional[str] = None, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.type, self.code, self.param = status, type, code, param
+
+
+@dataclass
+class LoadOptions:
+    """How the serve command loaded its model: a model picked by a request loads the same way."""
+    backend: str = "auto"
+    ctx: Optional[int] = None
+    slots: Optional[int | str] = None
+    budget: Optional[str] = None
+    pool_policy: str = "global"
+    predict: Any = None
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.05
+    seed: Optional[int] = None
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Work:
+    """One request, as the worker runs it: a chat (`messages`) or a raw `prompt`."""
+    model: Optional[str]
+    messages: Optional[list[dict]] = None
+    prompt: Optional[str | list[int]] = None
+    tools: Optional[list[dict]] = None  # rendered by the template; calls read back from the reply
+    forced_tools: Optional[dict[str, dict]] = None  # name -> parameters: the reply must be a call
+    schema: Optional[dict] = None  # JSON mode: a schema, or {} for any object
+    template_kwargs: dict = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)
+    max_tokens: Optional[int] = None  # None: up to the context's end
+    stop: Sequence[str] = ()
+
+
+@dataclass
+class Delta:
+    content: str = ""
+    reasoning: str = ""
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str = ""  # text held back to the end (a tool call that did not parse)
+    prompt_time: float = 0.0
+    generation_time: float = 0.0
+
+
+class Job:
+    """A request's place in the queue and its events, handed from the worker thread to the
+    event loop: ("start", info), ("delta", Delta), then ("done", Done) or ("error", ApiError)."""
+
+    def __init__(self, work: Work, notify: Callable[[tuple], None]):
+        self.work = work
+        self.notify = notify
+        self.cancelled = threading.Event()
+
+    def put(self, kind: str, value: Any) -> None:
+        self.notify((kind, value))
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def model_id(path: str) -> str:
+    name = Path(path).name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def penalties(presence: float, frequency: float, bias: dict[int, float], window: int = 64):
+    """OpenAI's presence / frequency penalties (over the last `window` tokens, as llama.cpp
+    applies them) and logit_bias, as one logits processor; None when all are off."""
+    if not presence and not frequency and not bias:
+        return None
+    ids = np.asarray(list(bias), dtype=np.int64)
+    values = np.asarray(list(bias.values()), dtype=np.float32)
+    values[values <= -100] = -np.inf  # -100 bans the token, as OpenAI documents
+
+    def apply(tokens, logits):
+        logits = logits.copy()
+        if len(ids):
+            ok = ids < len(logits)  # (a model picked after the request was checked)
+            logits[ids[ok]] += values[ok]
+        recent = np.asarray(tokens[-window:], dtype=np.int64)
+        if recent.size and (presence or frequency):
+            seen, counts = np.unique(recent, return_counts=True)
+            logits[seen] -= presence + frequency * counts
+        return logits
+
+    return apply
+
+
+class ReplySplitter:
+    """Turns the generated text into what the API returns: reasoning apart (gpt-oss analysis,
+    `<think>` blocks), tool calls held back and parsed at the end."""
+
+    def __init__(self, model, ids: list[int], tools: bool, constrained: bool):
+        self.harmony = is_harmony(model)
+        self.format = tool_format(model)
+        if self.harmony:
+            self.channels = HarmonyStream()
+        elif constrained:  # the grammar's text from the first token: no reasoning block
+            self.channels = None
+        else:
+            self.channels = think_stream(model, ids)
+        self.tools = tools
+        self.raw: list[str] = []
+        self.shown: list[str] = []  # content given out
+        self.held = ""  # content from a `<tool_call>` on (or a tail that may start one)
+        self.calling = False
+
+    def feed(self, text: str, final: bool) -> Delta:
+        self.raw.append(text)
+        reasoning, content = self.channels.feed(text, final=final) if self.channels else ("", text)
+        if self.tools and self.format == "tags":
+            content = self._hold(content, final)
+        self.shown.append(content)
+        return Delta(content, reasoning)
+
+    def _hold(self, content: str, final: bool) -> str:
+        if self.calling:
+            self.held += content
+            return ""
+        text = self.held + content
+        i = text.find(CALL_OPEN)
+        if i >= 0:
+            self.calling, self.held = True, text[i:]
+            return text[:i]
+        keep = 0
+        if not final:
+            for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+                if CALL_OPEN.startswith(text[-k:]):
+                    keep = k
+                    break
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
+
+    def calls(self) -> tuple[list[ToolCall], str]:
+        """(tool calls, text still to give out) at the end of the reply."""
+        if not self.tools:
+            return [], self.held
+        if self.format == "harmony":
+            return parse_harmony("".join(self.raw)), self.held
+        rest, calls = parse_tags(self.held)
+        if not calls:
+            if self.held:
+                log.info("a tool call in the reply did not parse: returned as text")
+            return [], self.held
+        return calls, rest
+
+
+class Engine:
+    """The loaded model, its KV cache, and the worker thread that runs requests in turn."""
+
+    def __init__(self, model, options: LoadOptions, sampling: Sampling, lookup: int = 0,
+                 catalog: Callable[[], dict[str, str]] = dict):
+        self.model = model
+        self.model_id = model_id(model.path)
+        self.vocab_size = model.cfg.vocab_size
+        self.options = options
+        self.sampling = sampling
+        self.lookup = lookup
+        self.found = catalog  # id -> path of the GGUF files (a models folder) a request may pick
+        self.first = (self.model_id, model.path)  # the model served at start stays one of them
+        self.cache = model.new_cache()
+        self.cached: list[int] = []  # the tokens whose K/V the cache holds
+        self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
+        self.current: Optional[Job] = None
+        self.stopping = False
+        self.served = 0
+        self.generated = 0  # tokens generated over all requests (cancelled ones too)
+        self.thread = threading.Thread(target=self._loop, name="onebit-serve-worker", daemon=True)
+        self.thread.start()
+
+    # -- the event loop's side ----------------------------------------------------------
+
+    def catalog(self) -> dict[str, str]:
+        return {self.first[0]: self.first[1], **self.found()}
+
+    def models(self) -> list[str]:
+        ids = [self.model_id]
+        for name in self.catalog():
+            if name not in ids:
+                ids.append(name)
+        return ids
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name in (None, "", self.model_id):
+            return
+        if name not in self.catalog():
+            raise ApiError(f"The model '{name}' does not exist (GET /v1/models lists the models served)",
+                           404, code="model_not_found", param="model")
+
+    def submit(self, work: Work, notify: Callable[[tuple], None]) -> Job:
+        if self.stopping:
+            raise ApiError("the server is shutting down", 503, "server_error", "shutdown")
+        self.check_model(work.model)
+        job = Job(work, notify)
+        self.queue.put(job)
+        return job
+
+    def waiting(self) -> int:
+        return self.queue.qsize()
+
+    def busy(self) -> bool:
+        return self.current is not None or self.queue.qsize() > 0
+
+    def stop(self) -> None:
+        """Refuse new requests, cancel the running and queued ones (the worker stops at the
+        next token), and let the worker end."""
+        self.stopping = True
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.put("error", ApiError("the server is shutting down", 503, "server_error", "shutdown"))
+        if self.current is not None:
+            self.current.cancel()
+        self.queue.put(None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.stop()
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.model.close()
+
+    # -- the worker thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                continue
+            self.current = job
+            try:
+                self._run(job)
+            except ApiError as e:
+                job.put("error", e)
+            except OnebitError as e:
+                job.put("error", ApiError(str(e), 400 if e.exit_code == 2 else 500,
+                                          "invalid_request_error" if e.exit_code == 2 else "server_error"))
+            except Exception as e:  # noqa: BLE001 - a bug: one log line, an error object, a fresh cache
+                log.error("internal error in a request: %s: %s", type(e).__name__, e)
+                self._fresh_cache()
+                job.put("error", ApiError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
+            finally:
+                self.current = None
+                self.served += 1
+
+    def _fresh_cache(self) -> None:
+        try:
+            self.cache = self.model.new_cache()
+        except Exception:  # noqa: BLE001 - the next request tries again
+            pass
+        self.cached = []
+
+    def _switch(self, name: Optional[str]) -> None:
+        """Make `name` the loaded model (closing the one loaded now)."""
+        if name in (None, "", self.model_id):
+            return
+        path = self.catalog().get(name)
+        if path is None:
+            raise ApiError(f"The model '{name}' does not exist", 404, code="model_not_found", param="model")
+        import onebit
+
+        o = self.options
+        old_path = self.model.path
+        log.info("loading %s (%s) in place of %s", name, path, self.model_id)
+        self.model.close()
+        self.model = None
+        self.cached = []
+        try:
+            self.model = onebit.load(path, backend=o.backend, n_ctx=o.ctx, slots=o.slots, budget=o.budget,
+                                     pool_policy=o.pool_policy, predict=o.predict)
+        except OnebitError as e:
+            log.error("cannot load %s: %s; loading %s again", path, e, old_path)
+            self.model = onebit.load(old_path, backend=o.backend, n_ctx=o.ctx, slots=o.slots, budget=o.budget,
+                                     pool_policy=o.pool_policy, predict=o.predict)
+            self.model.template_kwargs = dict(o.template_kwargs)
+            self.cache = self.model.new_cache()
+            raise ApiError(f"the model '{name}' could not be loaded: {e}", 400, code="model_load_failed",
+                           param="model") from None
+        self.model.template_kwargs = dict(o.template_kwargs)
+        self.model_id = name
+        self.vocab_size = self.model.cfg.vocab_size
+        self.cache = self.model.new_cache()
+
+    def _prompt_ids(self, work: Work) -> list[int]:
+        m = self.model
+        if work.messages is None:
+            if isinstance(work.prompt, str):
+                ids = m.tokenize(work.prompt)
+            else:
+                ids = list(work.prompt)
+                bad = [t for t in ids if not 0 <= t < m.cfg.vocab_size]
+                if bad:
+                    raise ApiError(f"token id {bad[0]} is out of range for this model's vocabulary of "
+                                   f"{m.cfg.vocab_size}", param="prompt")
+            return ids
+        if work.tools is None and not work.template_kwargs:
+            return m.chat_tokens(work.messages)
+        # Model.chat_tokens, with tools and this request's template variables
+        from .chat_template import render_chat
+
+        tok = m.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        text = render_chat(m.chat_template or m.fallback_template, work.messages, add_generation_prompt=True,
+                           bos_token=bos, eos_token=eos, source=m.path, tools=work.tools,
+                           **{**m.template_kwargs, **work.template_kwargs})
+        ids = m.tokenize(text, add_special=False, parse_special=True)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id] + ids
+        return ids
+
+    def _processors(self, work: Work, ids: list[int]) -> list:
+        s = work.sampling
+        procs = list(make_logits_processors(s.repeat_penalty))
+        extra = penalties(s.presence_penalty, s.frequency_penalty, s.logit_bias)
+        if extra is not None:
+            procs.append(extra)
+        if work.forced_tools is not None or work.schema is not None:
+            from .structured import Constraint, json_grammar
+            from .toolcall import forced_grammar
+
+            if work.forced_tools is not None:
+                grammar = forced_grammar(self.model, work.forced_tools)
+            else:
+                grammar = json_grammar(work.schema or None)
+            procs.append(Constraint(self.model, grammar))  # last: nothing may lift a masked token
+        return procs
+
+    def _reuse(self, ids: list[int]) -> int:
+        """Keep the longest prefix of `ids` the cache holds (at least one token is left to run);
+        returns its length."""
+        common = 0
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)
+        cache = self.cache
+        if cache.offset <= common:  # all it holds is reused (recurrent state too)
+            common = cache.offset
+        elif cache.can_trim and cache.can_trim_to(common):
+            cache.trim(cache.offset - common)
+        else:  # recurrent state cannot go back, nor a ring past its window: start again
+            cache.clear()
+            common = 0
+        self.cached = ids[:common]
+        return common
+
+    def _run(self, job: Job) -> None:
+        work = job.work
+        self._switch(work.model)
+        m = self.model
+        ids = self._prompt_ids(work)
+        if not ids:
+            raise ApiError("the prompt is empty", param="prompt")
+        ctx = m.context_length
+        if len(ids) >= ctx:
+            raise ApiError(f"This model's maximum context length is {ctx} tokens; the prompt is {len(ids)} "
+                           f"tokens, which leaves no room for a reply", code="context_length_exceeded",
+                           param="messages" if work.messages is not None else "prompt")
+        s = work.sampling
+        sampler = make_sampler(s.temperature, s.top_p, s.min_p, s.top_k, s.seed)
+        procs = self._processors(work, ids)
+        constrained = work.forced_tools is not None or work.schema is not None
+        reply = ReplySplitter(m, ids, tools=work.tools is not None or work.forced_tools is not None,
+                              constrained=constrained and work.messages is not None)
+        max_tokens = ctx if work.max_tokens is None else work.max_tokens
+        common = self._reuse(ids)
+        job.put("start", {"model": self.model_id, "prompt_tokens": len(ids), "cached_tokens": common})
+        generated: list[int] = []
+        last = None
+        counted = 0  # of this request's tokens, added to self.generated
+        replies = stream_generate(m, ids[common:], max_tokens=max_tokens, sampler=sampler, processors=procs,
+                                  stop=work.stop, cache=self.cache, prompt_prefix=ids[:common], hook=m.hook,
+                                  lookup=self.lookup)
+        try:
+            for r in replies:
+                if job.cancelled.is_set():
+                    break
+                if r.token is not None:
+                    generated.append(r.token)
+                self.generated += r.generation_tokens - counted
+                counted = r.generation_tokens
+                last = r
+                if r.finish_reason is None and self.stopping:
+                    break
+                d = reply.feed(r.text, final=r.finish_reason is not None)
+                if d.content or d.reasoning:
+                    job.put("delta", d)
+        except Exception:
+            self._fresh_cache()
+            raise
+        finally:
+            replies.close()  # the cache settles before we record what it holds
+            self.cached = (ids + generated)[: self.cache.offset]
+        if last is None or last.finish_reason is None:
+            job.put("error", ApiError("the request was cancelled", 499 if not self.stopping else 503,
+                                      "server_error" if self.stopping else "invalid_request_error", "cancelled"))
+            return
+        calls, rest = reply.calls()
+        finish = "tool_calls" if calls else last.finish_reason
+        job.put("done", Done(finish, len(ids), last.generation_tokens, common, calls, rest,
+                             last.prompt_time, last.generation_time))
+
+
+def new_id(prefix: str) -> str:
+    import secrets
+
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+__all__ = ["ApiError", "Engine", "LoadOptions", "Sampling", "Work", "Delta", "Done", "model_id", "new_id"]

@@ -1,0 +1,568 @@
+"""The HTTP side of `onebit serve`: the OpenAI API routes (FastAPI on uvicorn), requests
+checked into `serve.Work`, the engine's events turned into responses or SSE chunks.
+
+Every error is an OpenAI-style object `{"error": {"message", "type", "param", "code"}}` with a
+4xx status for anything the request got wrong, and one line in the log per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any, Literal, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import __version__
+from .errors import OnebitError
+from .serve import ApiError, Delta, Done, Engine, Sampling, Work, new_id, now
+
+log = logging.getLogger("onebit.serve")
+
+MAX_BODY = 32 << 20  # bytes of a request body
+FINGERPRINT = f"onebit-{__version__}"
+
+
+# -- request bodies ------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients echo back fields of our own replies
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: Union[str, dict] = "{}"
+
+
+class ToolCallIn(_Loose):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Loose):
+    type: str
+    text: Optional[str] = None
+
+
+class Message(_Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Loose):
+    name: str = "response"
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+    description: Optional[str] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = None
+
+
+class _Sampling(_Strict):
+    model: Optional[str] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repeat_penalty: Optional[float] = Field(None, gt=0)  # llama-server's name
+    logit_bias: Optional[dict[str, float]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    logprobs: Optional[Union[bool, int]] = None
+    top_logprobs: Optional[int] = None
+    user: Optional[str] = None
+    cache_prompt: Optional[bool] = None  # llama-server's; the prompt cache is always on
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=0)
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+# -- requests to work ----------------------------------------------------------------------
+
+def _sampling(req: _Sampling, defaults: Sampling, vocab: int) -> Sampling:
+    if req.n not in (None, 1):
+        raise ApiError("n > 1 is not supported: one choice per request", param="n")
+    if req.logprobs:
+        raise ApiError("logprobs are not supported", param="logprobs")
+    bias = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise ApiError(f"logit_bias keys are token ids, got {k!r}", param="logit_bias") from None
+        if not 0 <= t < vocab or not -100 <= v <= 100:
+            raise ApiError(f"logit_bias {k}: token id within the vocabulary ({vocab}) and bias in [-100, 100]",
+                           param="logit_bias")
+        bias[t] = v
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return Sampling(
+        temperature=pick(req.temperature, defaults.temperature), top_p=pick(req.top_p, defaults.top_p),
+        top_k=pick(req.top_k, defaults.top_k), min_p=pick(req.min_p, defaults.min_p),
+        seed=None if req.seed is None else req.seed % (1 << 64),  # any integer, as OpenAI takes it
+        repeat_penalty=pick(req.repeat_penalty, defaults.repeat_penalty),
+        presence_penalty=pick(req.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=pick(req.frequency_penalty, defaults.frequency_penalty), logit_bias=bias)
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 16 or any(not s for s in stops):
+        raise ApiError("stop: at most 16 non-empty strings", param="stop")
+    return stops
+
+
+def _text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content:
+        if p.type != "text" or p.text is None:
+            raise ApiError(f"{where}: only text content is supported (got a {p.type!r} part)", param="messages")
+        parts.append(p.text)
+    return "".join(parts)
+
+
+def _messages(req: ChatRequest) -> list[dict]:
+    out = []
+    names = {}  # tool_call_id -> function name (templates that show a result's tool by name)
+    for i, m in enumerate(req.messages):
+        d: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"messages[{i}].content")}
+        if m.role == "developer":
+            d["role"] = "system"
+        if m.name is not None:
+            d["name"] = m.name
+        if m.reasoning_content:
+            d["reasoning_content"] = d["thinking"] = m.reasoning_content  # <think> and gpt-oss templates
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise ApiError(f"messages[{i}]: only assistant messages carry tool_calls", param="messages")
+            calls = []
+            for c in m.tool_calls:
+                args = c.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # a template writes the text as it is
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                             "arguments": args}})
+                if c.id:
+                    names[c.id] = c.function.name
+            d["tool_calls"] = calls
+        if m.role == "tool":
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+                if "name" not in d and m.tool_call_id in names:
+                    d["name"] = names[m.tool_call_id]
+        out.append(d)
+    return out
+
+
+def chat_work(req: ChatRequest, defaults: Sampling, vocab: int) -> Work:
+    from .structured import check_schema
+    from .toolcall import check_tools
+
+    sampling = _sampling(req, defaults, vocab)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    tools, forced, schema = None, None, None
+    if req.tools:
+        try:
+            table = check_tools(req.tools)
+        except ValueError as e:
+            raise ApiError(str(e), param="tools") from None
+        choice = req.tool_choice or "auto"
+        if choice != "none":
+            tools = req.tools
+        if choice == "required":
+            forced = table
+        elif isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or name not in table:
+                raise ApiError("tool_choice must name one of the tools: {\"type\": \"function\", \"function\": "
+                               "{\"name\": ...}}", param="tool_choice")
+            forced = {name: table[name]}
+    elif req.tool_choice not in (None, "none", "auto"):
+        raise ApiError("tool_choice needs tools", param="tool_choice")
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if forced is not None:
+            raise ApiError("response_format and a required tool call cannot be combined", param="response_format")
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError("response_format json_schema needs json_schema.schema", param="response_format")
+            schema = fmt.json_schema.schema_
+            check_schema(schema, "response_format.json_schema.schema")
+        else:
+            schema = {}
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    for own in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools"):
+        if own in kwargs:
+            raise ApiError(f"chat_template_kwargs cannot set {own}", param="chat_template_kwargs")
+    return Work(model=req.model, messages=_messages(req), tools=tools, forced_tools=forced, schema=schema,
+                template_kwargs=kwargs, sampling=sampling, max_tokens=max_tokens, stop=_stops(req.stop))
+
+
+def completion_work(req: CompletionRequest, defaults: Sampling, vocab: int) -> Work:
+    if req.echo or req.suffix or req.best_of not in (None, 1):
+        raise ApiError("echo, suffix and best_of are not supported", param="prompt")
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        if len(prompt) != 1:
+            raise ApiError("one prompt per request", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str) and not prompt:
+        raise ApiError("the prompt is empty", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError("the prompt is empty", param="prompt")
+    return Work(model=req.model, prompt=prompt, sampling=_sampling(req, defaults, vocab),
+                max_tokens=req.max_tokens, stop=_stops(req.stop))
+
+
+# -- responses -----------------------------------------------------------------------------
+
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": str(e), "type": e.type, "param": e.param, "code": e.code}}
+
+
+def _usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+
+
+def _timings(done: Done) -> dict:
+    """llama-server's `timings` (prompt: up to the first token; predicted: the tokens after it)."""
+    n = max(done.completion_tokens - 1, 0)
+    return {"prompt_n": done.prompt_tokens - done.cached_tokens, "prompt_ms": round(done.prompt_time * 1000, 3),
+            "predicted_n": n, "predicted_ms": round(done.generation_time * 1000, 3),
+            "predicted_per_second": round(n / done.generation_time, 2) if done.generation_time > 0 and n else 0.0}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Run:
+    """A submitted job seen from the event loop: its events, and whether its client is gone."""
+
+    def __init__(self, engine: Engine, work: Work, request: Request):
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.request = request
+        self.job = engine.submit(work, lambda ev: loop.call_soon_threadsafe(self.events.put_nowait, ev))
+
+    async def next(self) -> Optional[tuple]:
+        """The next event; None when the client disconnected (the job is then cancelled)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), 0.5)
+            except asyncio.TimeoutError:
+                if await self.request.is_disconnected():
+                    self.job.cancel()
+                    return None
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+
+async def respond(engine: Engine, work: Work, request: Request, chat: bool, stream: bool, include_usage: bool):
+    run = Run(engine, work, request)
+    first = await run.next()
+    if first is None:
+        return JSONResponse({}, status_code=499)
+    kind, value = first
+    if kind == "error":
+        raise value
+    info = value
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    created = now()
+    if stream:
+        return StreamingResponse(_stream(run, info, rid, created, chat, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    content, reasoning = [], []
+    checked = time.monotonic()
+    while True:
+        ev = await run.next()
+        if ev is None:
+            return JSONResponse({}, status_code=499)
+        if time.monotonic() - checked > 0.25:  # events keep coming: look for a client gone now and then
+            checked = time.monotonic()
+            if await request.is_disconnected():
+                run.cancel()
+                return JSONResponse({}, status_code=499)
+        kind, value = ev
+        if kind == "delta":
+            content.append(value.content)
+            reasoning.append(value.reasoning)
+        elif kind == "error":
+            raise value
+        else:
+            done: Done = value
+            break
+    content.append(done.content)
+    text = "".join(content)
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not done.tool_calls else None}
+        if "".join(reasoning):
+            message["reasoning_content"] = "".join(reasoning)
+        if done.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in done.tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+        obj = "text_completion"
+    return JSONResponse({"id": rid, "object": obj, "created": created, "model": info["model"],
+                         "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(done),
+                         "timings": _timings(done)})
+
+
+async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, include_usage: bool):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": rid, "object": obj, "created": created, "model": info["model"], "system_fingerprint": FINGERPRINT}
+
+    def chunk(delta: Optional[dict] = None, finish: Optional[str] = None, text: str = "") -> str:
+        if chat:
+            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        body = {**head, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        pending = None  # an event taken while merging deltas
+        while True:
+            kind, value = pending if pending is not None else await run.events.get()
+            pending = None
+            if kind == "delta":
+                d: Delta = value
+                # deltas that queued up while the client read are sent as one chunk
+                while not run.events.empty():
+                    nxt = run.events.get_nowait()
+                    if nxt[0] != "delta":
+                        pending = nxt
+                        break
+                    d = Delta(d.content + nxt[1].content, d.reasoning + nxt[1].reasoning)
+                if chat:
+                    delta = {}
+                    if d.reasoning:
+                        delta["reasoning_content"] = d.reasoning
+                    if d.content:
+                        delta["content"] = d.content
+                    yield chunk(delta)
+                else:
+                    yield chunk(text=d.content)
+            elif kind == "error":
+                e: ApiError = value
+                log.info("stream %s ended: %s", rid, e)
+                yield _sse(error_body(e))
+                yield "data: [DONE]\n\n"
+                return
+            else:
+                done: Done = value
+                if done.content:
+                    yield chunk({"content": done.content}) if chat else chunk(text=done.content)
+                if done.tool_calls:
+                    yield chunk({"tool_calls": [c.to_openai(index=i) for i, c in enumerate(done.tool_calls)]})
+                yield chunk({}, done.finish_reason) if chat else chunk(finish=done.finish_reason)
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(done)})
+                yield "data: [DONE]\n\n"
+                return
+    finally:
+        run.cancel()  # a client gone mid-stream: the worker stops at the next token
+
+
+# -- the app -------------------------------------------------------------------------------
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})", None
+    if e.get("type") == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if e.get("type") == "missing" and not loc:
+        return "the request needs a JSON body", None
+    return f"{param}: {e.get('msg')}" if param else str(e.get("msg")), param
+
+
+class Gate:
+    """ASGI middleware: the API key, the body size limit, and one log line per request."""
+
+    def __init__(self, app, api_key: Optional[str]):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = {"code": 0}
+        scope.setdefault("state", {})
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            error = self._refuse(scope)
+            if error is not None:
+                scope["state"]["error"] = str(error)
+                await JSONResponse(error_body(error), status_code=error.status)(scope, receive, send_logged)
+            else:
+                await self.app(scope, receive, send_logged)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            why = scope["state"].get("error")
+            ms = (time.perf_counter() - t0) * 1000
+            log.info("%s %s %s %d %.0f ms%s", client[0], scope["method"], scope["path"], status["code"] or 499, ms,
+                     f": {why}" if why else "")
+
+    def _refuse(self, scope) -> Optional[ApiError]:
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] != "/health":
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                return ApiError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'", 401,
+                                code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return ApiError("Content-Length is not a number")
+            if n > MAX_BODY:
+                return ApiError(f"the request body is {n} bytes; at most {MAX_BODY} are accepted", 413,
+                                code="request_too_large")
+        return None
+
+
+def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
+    app = FastAPI(title="onebit", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+
+    def failed(request: Request, e: ApiError) -> JSONResponse:
+        request.state.error = str(e)
+        return JSONResponse(error_body(e), status_code=e.status)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return failed(request, e)
+
+    @app.exception_handler(OnebitError)
+    async def _onebit_error(request: Request, e: OnebitError):
+        return failed(request, ApiError(str(e), 400 if e.exit_code == 2 else 500,
+                                        "invalid_request_error" if e.exit_code == 2 else "server_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        message, param = _validation_message(e)
+        return failed(request, ApiError(message, 400, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return failed(request, ApiError(message, e.status_code, code=code))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.error("internal error: %s: %s", type(e).__name__, e)
+        return failed(request, ApiError(f"internal error: {type(e).__name__}", 500, "server_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_id, "busy": engine.busy(), "waiting": engine.waiting(),
+                "served": engine.served, "generated": engine.generated}
+
+    @app.get("/v1/models")
+    async def models():
+        created = now()
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "onebit"}
+                                           for m in engine.models()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in engine.models():
+            raise ApiError(f"The model '{name}' does not exist", 404, code="model_not_found", param="model")
+        return {"id": name, "object": "model", "created": now(), "owned_by": "onebit"}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        engine.check_model(req.model)
+        work = chat_work(req, engine.sampling, engine.vocab_size)
+        return await respond(engine, work, request, chat=True, stream=req.stream,
+                             include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        engine.check_model(req.model)
+        work = completion_work(req, engine.sampling, engine.vocab_size)
+        return await respond(engine, work, request, chat=False, stream=req.stream,
+                             include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    return Gate(app, api_key)
