@@ -223,6 +223,63 @@ def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, list[st
     return bytes(buf), done
 
 
+# -- hostile headers: well-formed files whose counts ask for time or memory ------------------
+
+HOSTILE_SHAPES = ("nested_empty_arrays", "empty_array_keys", "empty_strings", "one_element_tensors",
+                  "vocab_count", "long_string")
+
+
+def _gguf_str(s: bytes) -> bytes:
+    return struct.pack("<Q", len(s)) + s
+
+
+def hostile_header(shape: str, n: int) -> bytes:
+    """A GGUF file (version 3) of one hostile shape at size n:
+    nested_empty_arrays  one key holding an array of n empty arrays (12 bytes each)
+    empty_array_keys     n keys, each an empty uint8 array
+    empty_strings        one key holding an array of n empty strings (8 bytes each)
+    one_element_tensors  n F32 tensors of one element each (the header and 32 bytes of data each)
+    vocab_count          a 4-token vocabulary whose array claims n tokens
+    long_string          one metadata string of n bytes"""
+    kv, tensors, data = [], [], b""
+    if shape == "nested_empty_arrays":
+        kv.append(_gguf_str(b"hostile.nested") + struct.pack("<IIQ", 9, 9, n) + struct.pack("<IQ", 0, 0) * n)
+    elif shape == "empty_array_keys":
+        kv.extend(_gguf_str(b"k%d" % i) + struct.pack("<IIQ", 9, 0, 0) for i in range(n))
+    elif shape == "empty_strings":
+        kv.append(_gguf_str(b"hostile.strings") + struct.pack("<IIQ", 9, 8, n) + struct.pack("<Q", 0) * n)
+    elif shape == "one_element_tensors":
+        tensors.extend(_gguf_str(b"t%d" % i) + struct.pack("<IQIQ", 1, 1, 0, 32 * i) for i in range(n))
+        data = bytes(32 * n)
+    elif shape == "vocab_count":
+        kv.append(_gguf_str(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, n)
+                  + b"".join(_gguf_str(t) for t in (b"a", b"b", b"c", b"d")))
+    elif shape == "long_string":
+        kv.append(_gguf_str(b"general.description") + struct.pack("<I", 8) + _gguf_str(b"x" * n))
+    else:
+        raise ValueError(f"unknown hostile shape {shape!r}")
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)) + b"".join(kv) + b"".join(tensors)
+    return head + bytes(-len(head) % 32) + data
+
+
+def check_header(path: str) -> tuple[str, str, int]:
+    """(status, detail, peak traced bytes) of parsing one file's header as the loader does."""
+    import tracemalloc
+
+    from onebit.errors import OnebitError
+    from onebit.gguf_file import GGUFFile
+
+    tracemalloc.start()
+    try:
+        GGUFFile(path)
+        result = ("ok", "")
+    except OnebitError as e:
+        result = ("error", str(e))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return (*result, peak)
+
+
 # -- the worker: load + short forward, in a process of its own --------------------------------
 
 
