@@ -566,10 +566,14 @@ def cache_sim(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Replay a routing trace through expert-cache policies and print hit rates (decode tokens)."""
-    from onebit.moe.cachesim import POLICIES, format_table, simulate
-    from onebit.moe.trace import read_trace
+    from onebit.moe.cachesim import POLICIES, format_table, load_trace, simulate
 
-    t = read_trace(trace)
+    bad = [n for n in slots if n < 1]
+    if bad:
+        raise UsageError(f"--slots {bad[0]}: the pool needs at least 1 slot")
+    if not 0.0 <= decay <= 1.0:
+        raise UsageError(f"--decay {decay}: give a number from 0 to 1")
+    t = load_trace(trace)
     results = []
     for n in slots:
         for p in policy or POLICIES:
