@@ -27,7 +27,7 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
           device: Optional[str] = None, predict=None):
     import onebit
 
-    path = model or default_model_path()
+    path = default_model_path() if model is None else model
     if ctx is not None:
         _check_ctx(path, ctx)
     if device is not None:
@@ -386,7 +386,7 @@ def info(
     from onebit.info import format_info, model_info
     from onebit.models import model_class
 
-    path = model or default_model_path()
+    path = default_model_path() if model is None else model
     g = GGUFFile(path)
     cfg = model_class(g.architecture, path).config(g)
     data = model_info(g, cfg)
@@ -415,7 +415,7 @@ def plan(
     from onebit.memory.plan import make_plan
     from onebit.models import model_class
 
-    path = model or default_model_path()
+    path = default_model_path() if model is None else model
     limits = {}
     from onebit.backends import resolve
 

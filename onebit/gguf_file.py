@@ -15,11 +15,13 @@ stat at load (`check_unchanged`) and turns a bus error from a shrunken file into
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
 import re
 import signal
+import stat
 import struct
 import weakref
 from dataclasses import dataclass
@@ -331,6 +333,23 @@ def _check_layout(extents: list[tuple[int, int, str]], alignment: int, path: str
         expected = (offset + n_bytes + alignment - 1) // alignment * alignment
 
 
+def _check_path(path: str) -> None:
+    """A ModelFileError that says what is wrong with `path` if it is not a regular file to read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        why = {errno.ENOENT: "no such file", errno.ELOOP: "a loop of symbolic links",
+               errno.ENOTDIR: "a part of the path is not a folder", errno.EACCES: "permission denied",
+               errno.ENAMETOOLONG: "the path is too long"}.get(e.errno, e.strerror or str(e))
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            why = f"a broken symbolic link (to {os.readlink(path)})"
+        raise ModelFileError(f"{path}: {why}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelFileError(f"{path}: is a directory, not a regular file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelFileError(f"{path}: not a regular file")
+
+
 def _split_paths(path: Path) -> list[Path]:
     m = _SPLIT_RE.match(path.name)
     if not m:
@@ -350,11 +369,10 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        if not self.path:
+            raise ModelFileError("the model path is empty: give a GGUF file")
+        _check_path(self.path)
         p = Path(path)
-        if not p.exists():
-            raise ModelFileError(f"{path}: no such file")
-        if not p.is_file():
-            raise ModelFileError(f"{path}: not a regular file")
         self.paths = [str(x) for x in _split_paths(p)]
         self._identity: dict[str, tuple[int, int, int, int]] = {}  # part -> its stat at load
         self.metadata: dict[str, Any] = {}
@@ -393,7 +411,7 @@ class GGUFFile:
             raise ModelFileError(f"{path}: cannot read file ({e.strerror or e})") from None
         self.file_bytes += size
         _watch_sigbus(self)  # from here on the process reads the file through a memory map
-        data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain views: cheap to slice
+        data = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = []
         for name, dims, type_id, start in entries:
             q = QTYPES[type_id]
