@@ -428,9 +428,12 @@ class _Worker:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.started = 0  # processes started (tests and the soak check read it)
+        self.owner = os.getpid()
 
     def render(self, request: bytes, timeout_s: float, source: str) -> str:
         with self.lock:
+            if self.owner != os.getpid():  # a forked child: the worker's pipes belong to the parent
+                self.proc, self.owner = None, os.getpid()
             try:
                 if self.proc is None or self.proc.poll() is not None:
                     self._start(source)
@@ -482,7 +485,7 @@ class _Worker:
     def stop(self) -> int | None:
         """End the worker (if any); its exit status."""
         proc, self.proc = self.proc, None
-        if proc is None:
+        if proc is None or self.owner != os.getpid():
             return None
         if proc.poll() is None:
             proc.kill()

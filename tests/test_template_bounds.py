@@ -98,3 +98,19 @@ def test_cli_bomb_template_is_one_line_exit_2(tmp_path):
     err = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert len(err) == 1 and err[0].startswith(f"onebit: error: {path}: the chat template needed more than 256 MB")
+
+
+def test_a_forked_child_starts_its_own_worker():
+    render_chat(None, MESSAGES)
+    parent_worker = ct._WORKER.proc.pid
+    pid = os.fork()
+    if pid == 0:  # the child renders through a worker of its own, leaving the parent's alone
+        ok = False
+        try:
+            ok = render_chat(None, MESSAGES).startswith("<|im_start|>") and ct._WORKER.proc.pid != parent_worker
+            ct._WORKER.stop()
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ct._WORKER.proc.pid == parent_worker and render_chat(None, MESSAGES)

@@ -282,13 +282,14 @@ def check_header(path: str) -> tuple[str, str, int]:
     return (*result, peak)
 
 
-def hostile_run(sizes: dict[str, int] | None = None, log=print) -> list[dict]:
-    """Each hostile shape at the issue's sizes, parsed in a fresh process: its verdict, the
-    parse's wall time, its tracemalloc peak and the process's peak RSS beyond the interpreter's."""
+def hostile_run(sizes: list[tuple[str, int]] | None = None, log=print) -> list[dict]:
+    """Each hostile shape at the issue's sizes and just under the parser's bounds, parsed in a
+    fresh process: its verdict, the parse's wall time, its tracemalloc peak and the process's
+    peak RSS beyond the interpreter's."""
     sizes = sizes or HOSTILE_SIZES
     rows = []
     with tempfile.TemporaryDirectory(prefix="onebit-hostile-") as tmp:
-        for shape, n in sizes.items():
+        for shape, n in sizes:
             path = os.path.join(tmp, f"{shape}.gguf")
             with open(path, "wb") as f:
                 f.write(hostile_header(shape, n))
@@ -314,10 +315,12 @@ def hostile_run(sizes: dict[str, int] | None = None, log=print) -> list[dict]:
     return rows
 
 
-# The issue's sizes: 8 million empty arrays (96 MB), 1 million one-element tensors, and the other
-# shapes at comparable file sizes.
-HOSTILE_SIZES = {"nested_empty_arrays": 8_000_000, "empty_array_keys": 1_000_000, "empty_strings": 8_000_000,
-                 "one_element_tensors": 1_000_000, "vocab_count": 1 << 62, "long_string": 100_000_000}
+# The issue's sizes (8 million empty arrays: 96 MB; 1 million one-element tensors), the other
+# shapes at comparable file sizes, then each shape at the largest size the parser accepts.
+HOSTILE_SIZES = [("nested_empty_arrays", 8_000_000), ("empty_array_keys", 1_000_000), ("empty_strings", 8_000_000),
+                 ("one_element_tensors", 1_000_000), ("vocab_count", 1 << 62), ("long_string", 100_000_000),
+                 ("nested_empty_arrays", (1 << 19) // 4), ("empty_array_keys", 1 << 14), ("empty_strings", 1 << 19),
+                 ("one_element_tensors", 1 << 15), ("long_string", (64 << 20) - 64)]
 
 
 # -- the template fuzzer: random compositions of filters and loops -----------------------------
