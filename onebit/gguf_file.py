@@ -154,8 +154,8 @@ class _Budget:
         self.walked += n
         if self.walked > MAX_WALKED:
             raise ModelFileError(
-                f"{self.path}: corrupt GGUF header (array {key!r}: more than {MAX_WALKED} string or nested-array "
-                "items outside the vocabulary)"
+                f"{self.path}: corrupt GGUF header (array {key!r}: more string or nested-array items outside the "
+                f"vocabulary than onebit reads: {MAX_WALKED} strings, a nested array counting 4)"
             )
 
     def keep(self, n: int, key: str) -> None:
