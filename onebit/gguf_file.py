@@ -114,6 +114,16 @@ class _Cursor:
         self.pos += n
         return s
 
+    def text(self, what: str, budget: _Budget | None = None) -> str:
+        """A length-prefixed string decoded straight from the file (one copy: the str)."""
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        if budget is not None:
+            budget.keep(n, what)
+        s = str(memoryview(self.buf)[self.pos : self.pos + n], "utf-8", "replace")
+        self.pos += n
+        return s
+
     def skip_string(self, what: str) -> None:
         n = self.u64(f"length of {what}")
         self.need(n, what)
@@ -132,7 +142,7 @@ MAX_TENSORS = 1 << 15  # tensor entries in one file part (large models have a fe
 MAX_KV = 1 << 14  # metadata entries (files have tens to hundreds)
 MAX_ARRAY_KEPT = 1 << 16  # items in a kept metadata array outside the vocabulary; longer numeric ones are skipped
 MAX_WALKED = 1 << 19  # string items (an item of a nested array counts 4) read one by one outside the vocabulary
-MAX_KEPT_BYTES = 64 << 20  # bytes of metadata kept outside the vocabulary (keys, strings, arrays)
+MAX_KEPT_BYTES = 32 << 20  # bytes of metadata kept outside the vocabulary (keys, strings, arrays)
 
 
 @dataclass(frozen=True)
@@ -182,7 +192,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str, budget: _Budget, depth: int 
         if not keep:
             cur.skip_string(f"string in {key!r}")
             return None
-        return cur.string(f"string in {key!r}", budget=None if key in VOCAB_KEYS else budget).decode("utf-8", "replace")
+        return cur.text(f"string in {key!r}", None if key in VOCAB_KEYS else budget)
     if vtype != _ARRAY:
         raise ModelFileError(f"{cur.path}: corrupt GGUF header (unknown value type {vtype} for {key!r})")
     if depth >= MAX_NESTING:
