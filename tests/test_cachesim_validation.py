@@ -103,3 +103,10 @@ def test_simulate_itself_refuses_no_records_and_no_slots():
         cachesim.simulate(Trace(HEADER, []), "lru", 4)
     with pytest.raises(UsageError, match="at least 1 slot"):
         cachesim.simulate(Trace(HEADER, [Access(0, True, 0, (0,))]), "global-lru", 0)
+
+
+@pytest.mark.parametrize("decay", ["-0.5", "1.5", "nan"])
+def test_decay_outside_zero_to_one(monkeypatch, capsys, tmp_path, decay):
+    p = _trace(tmp_path, _rec())
+    line = _one_line_error(*run_cli(monkeypatch, capsys, "cache-sim", str(p), "--slots", "4", "--decay", decay))
+    assert f"--decay {float(decay)}: give a number from 0 to 1" in line
