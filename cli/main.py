@@ -27,7 +27,7 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
           device: Optional[str] = None, predict=None):
     import onebit
 
-    path = model or default_model_path()
+    path = default_model_path() if model is None else model
     if ctx is not None:
         _check_ctx(path, ctx)
     if device is not None and backend == "vulkan":  # a device asked for by name or index: no fallback
@@ -407,7 +407,7 @@ def info(
     from onebit.info import format_info, model_info
     from onebit.models import network_class
 
-    path = model or default_model_path()
+    path = default_model_path() if model is None else model
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
     data = model_info(g, cfg)
@@ -436,7 +436,7 @@ def plan(
     from onebit.memory.plan import make_plan
     from onebit.models import network_class
 
-    path = model or default_model_path()
+    path = default_model_path() if model is None else model
     limits = {}
     from onebit.backends import resolve
 
@@ -587,10 +587,14 @@ def cache_sim(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Replay a routing trace through expert-cache policies and print hit rates (decode tokens)."""
-    from onebit.moe.cachesim import POLICIES, format_table, simulate
-    from onebit.moe.trace import read_trace
+    from onebit.moe.cachesim import POLICIES, format_table, load_trace, simulate
 
-    t = read_trace(trace)
+    bad = [n for n in slots if n < 1]
+    if bad:
+        raise UsageError(f"--slots {bad[0]}: the pool needs at least 1 slot")
+    if not 0.0 <= decay <= 1.0:
+        raise UsageError(f"--decay {decay}: give a number from 0 to 1")
+    t = load_trace(trace)
     results = []
     for n in slots:
         for p in policy or POLICIES:

@@ -56,7 +56,8 @@ def _parse_json_line(text: str, lineno: int) -> PromptItem | BadLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return BadLine(lineno, f"not valid JSON ({e.msg} at column {e.colno})")
+        # some of json's messages end in "at" ("Unterminated string starting at"): say it once
+        return BadLine(lineno, f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
     if isinstance(obj, str):
         obj = {"prompt": obj}
     if not isinstance(obj, dict):

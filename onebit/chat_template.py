@@ -4,18 +4,35 @@ Templates come from files anyone can publish, so they run in jinja2's immutable 
 the same environment HF transformers gives them (trim_blocks, lstrip_blocks, loop controls,
 `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII text), plus bounds the
 sandbox lacks: touching an unsafe attribute is an error rather than an empty string, string
-and list growth (`*`, `+`, `%`, padding methods and filters) and the output are capped, and a
-render that runs past its deadline is stopped. Every failure is one `TemplateError` that names
-the file and the problem.
+and list growth (`*`, `+`, `%`, padding methods and filters) and the output are capped.
+
+A render runs in a worker process (one per onebit process, started at the first render and
+kept), because one C-level call (`sum` of lists, `join`, `format`) can run for minutes or take
+gigabytes where no Python-level check can step in. The worker has an address-space limit of
+`RENDER_MEMORY` beyond what it holds between renders and a CPU-time limit; the caller kills it
+past `timeout_s` of wall-clock time and starts a fresh one at the next render. A turn costs one
+round trip over a pipe (requests pickled in, replies as JSON out: the worker is never trusted
+with code in the caller). Every failure is one `TemplateError` that names the file and the
+problem (and the limit, when one was hit).
 """
 
 from __future__ import annotations
 
-import ctypes
+import atexit
+import datetime as _dt
 import json
+import math
+import os
+import pickle
 import re
+import select
+import signal
 import string
+import struct
+import subprocess
+import sys
 import threading
+import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -61,7 +78,9 @@ def fallback_template(tokens) -> tuple[str, str]:
 
 
 MIN_OUTPUT_CHARS = 1 << 20  # a render may always produce this much
-TIMEOUT_S = 10.0
+TIMEOUT_S = 10.0  # wall-clock seconds a render may take
+RENDER_MEMORY = 256 << 20  # bytes of address space a render may add to the worker
+WORKER_START_S = 60.0  # the worker's start (an interpreter and jinja2) on a loaded machine
 
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
 
@@ -70,16 +89,13 @@ class _Raised(Exception):
     """raise_exception() called by the template."""
 
 
-class _Deadline(BaseException):
-    """Injected into a render that ran out of time; BaseException so templates can't catch it."""
-
-
 def _raise_exception(message: Any = "") -> None:
     raise _Raised(str(message))
 
 
 def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(str(fmt))
+    # the caller's clock when it asked for the render (the worker renders it)
+    return (getattr(_state, "now", None) or datetime.now()).strftime(str(fmt))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
@@ -267,32 +283,6 @@ def _size_of(value: Any) -> int:
         return 0
 
 
-def _run(render, timeout_s: float, source: str) -> str:
-    """Run `render` in a worker thread; past the deadline, stop it with an async exception."""
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["out"] = render()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller below
-            box["err"] = e
-
-    worker = threading.Thread(target=work, name="chat-template", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(worker.ident), ctypes.py_object(_Deadline))
-        worker.join(1.0)
-        raise TemplateError(
-            f"{source}: the chat template did not finish within {timeout_s:g} s (a runaway "
-            "loop?); fix the template or pass one of your own"
-        )
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
-
-
 def render_chat(
     template: str | None,
     messages: list[dict],
@@ -309,7 +299,8 @@ def render_chat(
     """Render `messages` with the model's chat template (ChatML when the file has none).
 
     `extra` is passed to the template as variables (e.g. `enable_thinking=False`). The output
-    may be at most `max_output_chars` long (default: 1 MiB plus 8x the size of the input).
+    may be at most `max_output_chars` long (default: 1 MiB plus 8x the size of the input); the
+    render may take `timeout_s` seconds and `RENDER_MEMORY` bytes (in the worker process).
     """
     if template is None or not str(template).strip():
         template = CHATML_TEMPLATE
@@ -318,9 +309,21 @@ def render_chat(
                    bos_token=bos_token, eos_token=eos_token, tools=tools)
     limit = max_output_chars or MIN_OUTPUT_CHARS + 8 * (_size_of(messages) + _size_of(tools)
                                                         + _size_of(extra))
+    try:
+        now = datetime.now()  # as a plain datetime (tests put a subclass in `datetime`):
+        now = _dt.datetime(now.year, now.month, now.day, now.hour, now.minute, now.second, now.microsecond)
+        request = pickle.dumps((str(template), context, limit, source, timeout_s, now), pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
+        raise TemplateError(f"{source}: the messages cannot be passed to the chat template ({e})") from None
+    return _WORKER.render(request, timeout_s, source)
+
+
+def render_here(template: str, context: dict, limit: int, source: str, now: datetime | None = None) -> str:
+    """The render itself, in this process and without the time and memory limits (the worker
+    calls it; `bench/bench_template.py` compares it with a round trip)."""
 
     def render() -> str:
-        _state.limit = limit
+        _state.limit, _state.now = limit, now
         tpl = _compile(template)
         chunks, size = [], 0
         for chunk in tpl.generate(**context):
@@ -330,9 +333,7 @@ def render_chat(
         return "".join(chunks)
 
     try:
-        return _run(render, timeout_s, source)
-    except TemplateError:
-        raise
+        return render()
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(
             f"{source}: the chat template has a syntax error at line {e.lineno}: {e.message}; "
@@ -350,9 +351,170 @@ def render_chat(
         raise TemplateError(f"{source}: the chat template failed: {e}") from None
     except RecursionError:
         raise TemplateError(f"{source}: the chat template recursed too deeply") from None
-    except (_Deadline, MemoryError) as e:
-        raise TemplateError(f"{source}: the chat template was stopped ({type(e).__name__})") from None
+    except MemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 - undefined names, type errors, ... in template code
         raise TemplateError(
             f"{source}: the chat template failed: {type(e).__name__}: {e}"
         ) from None
+
+
+# -- the worker process ---------------------------------------------------------------------
+# Frames on its pipes: an 8-byte little-endian length, then the body.
+
+
+def _memory_message(source: str) -> str:
+    return (f"{source}: the chat template needed more than {RENDER_MEMORY >> 20} MB of memory (the limit for "
+            "one render); fix the template or pass one of your own")
+
+
+def _timeout_message(source: str, timeout_s: float) -> str:
+    return (f"{source}: the chat template did not finish within {timeout_s:g} s (the limit for one render; a "
+            "runaway loop?); fix the template or pass one of your own")
+
+
+def _serve() -> None:
+    """The worker's loop: read a request, render it under the limits, write the reply as JSON.
+    Exits at the end of its input, and after a render that ran out of memory."""
+    import resource
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides when a render stops
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but replies on the pipe
+    out.write(b"ready\n")
+    out.flush()
+    page = os.sysconf("SC_PAGE_SIZE")
+    while True:
+        head = inp.read(8)
+        if len(head) < 8:
+            return
+        try:
+            template, context, limit, source, timeout_s, now = pickle.loads(inp.read(struct.unpack("<Q", head)[0]))
+        except Exception as e:  # noqa: BLE001 - e.g. a class only the caller can import
+            body = json.dumps({"error": f"the chat template worker cannot read the messages ({e})"}).encode()
+            out.write(struct.pack("<Q", len(body)) + body)
+            out.flush()
+            continue
+        with open("/proc/self/statm", "rb") as f:
+            vm = int(f.read().split()[0]) * page
+        resource.setrlimit(resource.RLIMIT_AS, (vm + RENDER_MEMORY, resource.RLIM_INFINITY))
+        # CPU time as a backstop to the caller's clock (SIGXCPU ends the worker if the caller is gone)
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = math.ceil(used.ru_utime + used.ru_stime + timeout_s) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, resource.RLIM_INFINITY))
+        exhausted = False
+        try:
+            reply = {"text": render_here(template, context, limit, source, now)}
+        except TemplateError as e:
+            reply = {"error": str(e)}
+        except MemoryError:
+            exhausted = True
+        del template, context
+        if exhausted:
+            reply = {"error": _memory_message(source)}
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        body = json.dumps(reply, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        out.write(struct.pack("<Q", len(body)) + body)
+        out.flush()
+        if exhausted:
+            return  # a fresh worker for the next render: memory may be fragmented
+
+
+class _Worker:
+    """The caller's side: one worker process, started at the first render, restarted after a
+    render that it had to stop; renders from several threads take turns."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.started = 0  # processes started (tests and the soak check read it)
+        self.owner = os.getpid()
+
+    def render(self, request: bytes, timeout_s: float, source: str) -> str:
+        with self.lock:
+            if self.owner != os.getpid():  # a forked child: the worker's pipes belong to the parent
+                self.proc, self.owner = None, os.getpid()
+            try:
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start(source)
+                self.proc.stdin.write(struct.pack("<Q", len(request)) + request)
+                self.proc.stdin.flush()
+                body = self._read_frame(timeout_s)
+            except BaseException:  # a stopped render, an interrupt, a broken pipe: the worker goes
+                self.stop()
+                raise
+            if body is None:
+                self.stop()
+                raise TemplateError(_timeout_message(source, timeout_s))
+            if body == b"":
+                rc = self.stop()
+                if rc == -signal.SIGXCPU:
+                    raise TemplateError(_timeout_message(source, timeout_s))
+                raise TemplateError(f"{source}: the chat template worker stopped ({_how(rc)}); fix the template "
+                                    "or pass one of your own")
+            reply = json.loads(body)
+            if "error" in reply:
+                if reply["error"] == _memory_message(source):
+                    self.stop()
+                raise TemplateError(reply["error"])
+            return reply["text"]
+
+    def _start(self, source: str) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = "import sys; sys.path.insert(0, sys.argv[1]); from onebit.chat_template import _serve; _serve()"
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            raise TemplateError(f"{source}: cannot start the chat template worker ({e.strerror or e})") from None
+        self.started += 1
+        ready = _read_exact(self.proc.stdout, len(b"ready\n"), time.monotonic() + WORKER_START_S)
+        if ready != b"ready\n":
+            rc = self.stop()
+            raise TemplateError(f"{source}: the chat template worker did not start ({_how(rc)})")
+
+    def _read_frame(self, timeout_s: float) -> bytes | None:
+        """The next reply; None past the deadline, b"" if the worker died."""
+        deadline = time.monotonic() + timeout_s
+        head = _read_exact(self.proc.stdout, 8, deadline)
+        if not head:
+            return head
+        return _read_exact(self.proc.stdout, struct.unpack("<Q", head)[0], deadline)
+
+    def stop(self) -> int | None:
+        """End the worker (if any); its exit status."""
+        proc, self.proc = self.proc, None
+        if proc is None or self.owner != os.getpid():
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+        return rc
+
+
+def _how(rc: int | None) -> str:
+    if rc is None:
+        return "no reply"
+    return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+
+
+def _read_exact(stream, n: int, deadline: float) -> bytes | None:
+    """n bytes from a pipe by `deadline`; None if time ran out, b"" at end of file."""
+    fd, chunks, got = stream.fileno(), [], 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            return b""
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+_WORKER = _Worker()
+atexit.register(_WORKER.stop)

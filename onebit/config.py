@@ -206,8 +206,9 @@ def config_from_gguf(g: GGUFFile, *, rope_neox: bool, qk_norm: str = "none", def
     tokens = g.get("tokenizer.ggml.tokens")
     embd = g.tensor("token_embd.weight")
     vocab = embd.shape[0]
-    if tokens is not None and len(tokens) > vocab:
-        raise ModelFileError(f"{g.path}: {len(tokens)} tokens but token_embd has only {vocab} rows")
+    if tokens is not None and len(tokens) != vocab:  # llama.cpp requires the same (its n_vocab)
+        raise ModelFileError(f"{g.path}: the vocabulary has {len(tokens)} tokens but token_embd has {vocab} rows; "
+                             "the file is damaged or was written by a broken converter, reconvert it")
     scaling = g.get(K(R.SCALING_TYPE), "none")
     rope_scale = 1.0
     yarn_keys = {}

@@ -3,7 +3,10 @@
 The header parser checks every length and count against the file's real size before it
 trusts it (a mutated array length must not loop for 2**64 steps or allocate gigabytes),
 then every tensor's extent, and that the tensors' data tiles the data section (aligned, in
-bounds, no overlap or gap). It reads numeric arrays with one numpy view and string arrays in
+bounds, no overlap or gap). What a header can make it hold or walk is bounded whatever its
+counts say (MAX_* below): the vocabulary is read at its own size, long arrays outside it are
+stepped over without reading their items, and counts past the bounds are refused, so any
+header is accepted or refused in well under a second and tens of MB. It reads numeric arrays with one numpy view and string arrays in
 one pass, so a 150k-token vocabulary loads in a fraction of a second; tests check that it
 agrees with the `gguf` package's `GGUFReader` on every fixture. Nothing here copies weights:
 `Tensor.raw` is a view into the file's memory map, so `GGUFFile` also remembers each part's
@@ -12,10 +15,13 @@ stat at load (`check_unchanged`) and turns a bus error from a shrunken file into
 
 from __future__ import annotations
 
+import errno
+import math
 import mmap
 import os
 import re
 import signal
+import stat
 import struct
 import weakref
 from dataclasses import dataclass
@@ -95,23 +101,87 @@ class _Cursor:
         self.pos += 8
         return v
 
-    def string(self, what: str, max_len: int | None = None) -> bytes:
+    def string(self, what: str, max_len: int | None = None, budget: _Budget | None = None) -> bytes:
+        """A length-prefixed string; its length is checked against the file (and `max_len`, and
+        what `budget` has left) before a byte is copied."""
         n = self.u64(f"length of {what}")
         if max_len is not None and n > max_len:
             raise ModelFileError(f"{self.path}: corrupt GGUF header ({what} claims {n} bytes)")
         self.need(n, what)
+        if budget is not None:
+            budget.keep(n, what)
         s = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return s
+
+    def text(self, what: str, budget: _Budget | None = None) -> str:
+        """A length-prefixed string decoded straight from the file (one copy: the str)."""
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        if budget is not None:
+            budget.keep(n, what)
+        s = str(memoryview(self.buf)[self.pos : self.pos + n], "utf-8", "replace")
+        self.pos += n
+        return s
+
+    def skip_string(self, what: str) -> None:
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        self.pos += n
 
 
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 
+# What a header may make the parser hold or walk, whatever its counts say. The vocabulary (these
+# keys) is the one thing kept at the file's own size; everything else is bounded below.
+VOCAB_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                        "tokenizer.ggml.merges"})
+MAX_VOCAB = 1 << 22  # entries in a vocabulary array (the largest real vocabularies hold about 262k)
+MAX_TENSORS = 1 << 15  # tensor entries in one file part (large models have a few thousand)
+MAX_KV = 1 << 14  # metadata entries (files have tens to hundreds)
+MAX_ARRAY_KEPT = 1 << 16  # items in a kept metadata array outside the vocabulary; longer numeric ones are skipped
+MAX_WALKED = 1 << 19  # string items (an item of a nested array counts 4) read one by one outside the vocabulary
+MAX_KEPT_BYTES = 32 << 20  # bytes of metadata kept outside the vocabulary (keys, strings, arrays)
 
-def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A metadata array longer than onebit reads outside the vocabulary: its element type and
+    length, the elements themselves left in the file."""
+
+    etype: int
+    count: int
+
+
+class _Budget:
+    """What a header has used so far of the bounds above."""
+
+    def __init__(self, path: str):
+        self.path, self.walked, self.kept = path, 0, 0
+
+    def walk(self, n: int, key: str) -> None:
+        self.walked += n
+        if self.walked > MAX_WALKED:
+            raise ModelFileError(
+                f"{self.path}: corrupt GGUF header (array {key!r}: more string or nested-array items outside the "
+                f"vocabulary than onebit reads: {MAX_WALKED} strings, a nested array counting 4)"
+            )
+
+    def keep(self, n: int, key: str) -> None:
+        self.kept += n
+        if self.kept > MAX_KEPT_BYTES:
+            raise ModelFileError(
+                f"{self.path}: GGUF metadata outside the vocabulary exceeds {MAX_KEPT_BYTES >> 20} MiB (at {key!r}); "
+                "onebit refuses such headers"
+            )
+
+
+def _read_value(cur: _Cursor, vtype: int, key: str, budget: _Budget, depth: int = 0, keep: bool = True) -> Any:
     """One metadata value: scalars as Python values, strings as str, numeric arrays as numpy
-    arrays, string arrays as lists. Every length is checked against the file first."""
+    arrays, string arrays as lists, arrays of arrays (which no model uses) and long arrays outside
+    the vocabulary as `SkippedArray`. Every length is checked against the bytes left in the file
+    before anything is read or allocated; with keep=False the value is only stepped over."""
     if vtype in _SCALARS:
         n = _SCALARS[vtype]
         cur.need(n, f"value of {key!r}")
@@ -119,27 +189,44 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> Any:
         cur.pos += n
         return v
     if vtype == _STRING:
-        return cur.string(f"string in {key!r}").decode("utf-8", "replace")
-    if vtype == _ARRAY:
-        if depth >= MAX_NESTING:
-            raise ModelFileError(f"{cur.path}: corrupt GGUF header (arrays nested too deep in {key!r})")
-        etype = cur.u32(f"array type of {key!r}")
-        count = cur.u64(f"array length of {key!r}")
-        if etype in _SCALARS:
-            n = count * _SCALARS[etype]
-            cur.need(n, f"array {key!r} of {count} items")
-            arr = np.frombuffer(cur.buf, dtype=_SCALAR_NP[etype], count=count, offset=cur.pos).copy()
+        if not keep:
+            cur.skip_string(f"string in {key!r}")
+            return None
+        return cur.text(f"string in {key!r}", None if key in VOCAB_KEYS else budget)
+    if vtype != _ARRAY:
+        raise ModelFileError(f"{cur.path}: corrupt GGUF header (unknown value type {vtype} for {key!r})")
+    if depth >= MAX_NESTING:
+        raise ModelFileError(f"{cur.path}: corrupt GGUF header (arrays nested too deep in {key!r})")
+    etype = cur.u32(f"array type of {key!r}")
+    count = cur.u64(f"array length of {key!r}")
+    vocab = key in VOCAB_KEYS and depth == 0
+    if vocab and count > MAX_VOCAB:
+        raise ModelFileError(f"{cur.path}: corrupt GGUF header (array {key!r} claims {count} items; at most "
+                             f"{MAX_VOCAB} are supported)")
+    if etype in _SCALARS:
+        n = count * _SCALARS[etype]
+        cur.need(n, f"array {key!r} of {count} items")
+        if not keep or (not vocab and count > MAX_ARRAY_KEPT):
             cur.pos += n
-            return arr.astype(arr.dtype.newbyteorder("="), copy=False)
-        if etype in (_STRING, _ARRAY):
-            # Every element takes at least 8 bytes, so a count the file cannot hold is corrupt.
-            if count * 8 > cur.size - cur.pos:
-                raise ModelFileError(f"{cur.path}: corrupt GGUF header (array {key!r} claims {count} items)")
-            if etype == _STRING:
-                return [cur.string(f"string in {key!r}").decode("utf-8", "replace") for _ in range(count)]
-            return [_read_value(cur, etype, key, depth + 1) for _ in range(count)]
+            return SkippedArray(etype, count)
+        if not vocab:
+            budget.keep(n, key)
+        arr = np.frombuffer(cur.buf, dtype=_SCALAR_NP[etype], count=count, offset=cur.pos).copy()
+        cur.pos += n
+        return arr.astype(arr.dtype.newbyteorder("="), copy=False)
+    if etype not in (_STRING, _ARRAY):
         raise ModelFileError(f"{cur.path}: corrupt GGUF header (unknown array type {etype} in {key!r})")
-    raise ModelFileError(f"{cur.path}: corrupt GGUF header (unknown value type {vtype} for {key!r})")
+    # Every element takes at least 8 (string) or 12 (array) bytes: a count the file cannot hold is corrupt.
+    if count * (8 if etype == _STRING else 12) > cur.size - cur.pos:
+        raise ModelFileError(f"{cur.path}: corrupt GGUF header (array {key!r} claims {count} items)")
+    if vocab and etype == _STRING:
+        return [cur.string(f"string in {key!r}").decode("utf-8", "replace") for _ in range(count)]
+    budget.walk(count * (4 if etype == _ARRAY else 1), key)
+    if etype == _ARRAY or not keep or count > MAX_ARRAY_KEPT:
+        for _ in range(count):
+            _read_value(cur, etype, key, budget, depth + 1, keep=False)
+        return SkippedArray(etype, count)
+    return [_read_value(cur, etype, key, budget, depth + 1) for _ in range(count)]
 
 
 def _parse_header(buf, path: str) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
@@ -157,28 +244,38 @@ def _parse_header(buf, path: str) -> tuple[dict[str, Any], list[tuple[str, list[
         raise ModelFileError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("metadata count")
-    # A key/value takes at least 8 + 1 + 4 + 1 bytes and a tensor entry at least 8 + 4 + 8 + 4 + 8.
-    if n_kv * 13 > cur.size or n_tensors * 32 > cur.size:
+    # A key/value takes at least 8 + 4 + 1 bytes and a tensor entry at least 8 + 4 + 8 + 4 + 8.
+    if n_kv * 13 + n_tensors * 32 > cur.size - cur.pos:
         raise ModelFileError(
             f"{path}: corrupt GGUF header ({n_kv} metadata entries / {n_tensors} tensors cannot fit in "
-            f"{cur.size} bytes)"
+            f"the {cur.size - cur.pos} bytes after the counts)"
         )
+    for count, most, what in ((n_tensors, MAX_TENSORS, "tensors"), (n_kv, MAX_KV, "metadata entries")):
+        if count > most:
+            raise ModelFileError(f"{path}: GGUF header lists {count} {what}; onebit reads at most {most} "
+                                 "(no model has more)")
+    budget = _Budget(path)
     alignment = 32
     meta: dict[str, Any] = {}
     for i in range(n_kv):
-        key = cur.string(f"key {i}", MAX_KEY_LEN).decode("utf-8", "replace")
+        key = cur.string(f"key {i}", MAX_KEY_LEN, budget).decode("utf-8", "replace")
         vtype = cur.u32(f"type of {key!r}")
         if key in meta:
             raise ModelFileError(f"{path}: metadata key {key!r} appears twice")
-        meta[key] = _read_value(cur, vtype, key)
+        meta[key] = _read_value(cur, vtype, key, budget)
         if key == "general.alignment":
             alignment = meta[key]
             if vtype != 4 or alignment == 0 or alignment & (alignment - 1):
                 raise ModelFileError(f"{path}: general.alignment {alignment!r} is not a power-of-two uint32")
+    if n_tensors * 32 > cur.size - cur.pos:
+        raise ModelFileError(
+            f"{path}: corrupt GGUF header ({n_tensors} tensors cannot fit in the {cur.size - cur.pos} bytes "
+            "left after the metadata)"
+        )
     entries = []
     names: set[str] = set()
     for i in range(n_tensors):
-        name = cur.string(f"tensor name {i}", MAX_KEY_LEN).decode("utf-8", "replace")
+        name = cur.string(f"tensor name {i}", MAX_KEY_LEN, budget).decode("utf-8", "replace")
         n_dims = cur.u32(f"dimension count of {name!r}")
         if not 1 <= n_dims <= MAX_DIMS:
             raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
@@ -246,6 +343,23 @@ def _check_layout(extents: list[tuple[int, int, str]], alignment: int, path: str
         expected = (offset + n_bytes + alignment - 1) // alignment * alignment
 
 
+def _check_path(path: str) -> None:
+    """A ModelFileError that says what is wrong with `path` if it is not a regular file to read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        why = {errno.ENOENT: "no such file", errno.ELOOP: "a loop of symbolic links",
+               errno.ENOTDIR: "a part of the path is not a folder", errno.EACCES: "permission denied",
+               errno.ENAMETOOLONG: "the path is too long"}.get(e.errno, e.strerror or str(e))
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            why = f"a broken symbolic link (to {os.readlink(path)})"
+        raise ModelFileError(f"{path}: {why}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ModelFileError(f"{path}: is a directory, not a regular file")
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelFileError(f"{path}: not a regular file")
+
+
 def _split_paths(path: Path) -> list[Path]:
     m = _SPLIT_RE.match(path.name)
     if not m:
@@ -266,11 +380,10 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
         self.reads = 0  # reads of the file outside its memory map (an expert pool's, a device backend's copies)
+        if not self.path:
+            raise ModelFileError("the model path is empty: give a GGUF file")
+        _check_path(self.path)
         p = Path(path)
-        if not p.exists():
-            raise ModelFileError(f"{path}: no such file")
-        if not p.is_file():
-            raise ModelFileError(f"{path}: not a regular file")
         self.paths = [str(x) for x in _split_paths(p)]
         self._identity: dict[str, tuple[int, int, int, int]] = {}  # part -> its stat at load
         self.metadata: dict[str, Any] = {}
@@ -315,7 +428,7 @@ class GGUFFile:
             q = QTYPES[type_id]
             shape = tuple(reversed(dims))  # numpy order: row length last
             row_bytes = dims[0] // q.block_size * q.type_size
-            n_bytes = row_bytes * int(np.prod(shape[:-1], dtype=np.int64))
+            n_bytes = row_bytes * math.prod(shape[:-1])
             raw = data[start : start + n_bytes].reshape(*shape[:-1], row_bytes)
             tensors.append(Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path, offset=start))
         return meta, tensors

@@ -315,6 +315,18 @@ def _as_list(meta: Mapping[str, Any], key: str) -> list | None:
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
 
+MAX_DUPLICATE_TOKENS = 64  # repeated token strings tolerated (beyond 1% of the vocabulary: refused)
+
+
+def _first_repeat(texts: list[str]) -> str:
+    first: dict[str, int] = {}
+    for i, t in enumerate(texts):
+        if t in first:
+            return f"{t!r:.40} at ids {first[t]} and {i}"
+        first[t] = i
+    return "none"
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF model, matching llama.cpp id for id."""
 
@@ -360,6 +372,12 @@ class Tokenizer:
         texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
         self._texts = texts
         self._ids = {t: i for i, t in enumerate(texts)}
+        if n - len(self._ids) > max(MAX_DUPLICATE_TOKENS, n // 100):
+            raise ModelFileError(
+                f"{source}: tokenizer.ggml.tokens repeats token strings at {n - len(self._ids)} of its {n} ids "
+                f"(e.g. {_first_repeat(texts)}); a tokenizer maps each text to one id, so text could not be "
+                "encoded. The file is damaged, reconvert it"
+            )
 
         scores = _as_list(meta, "tokenizer.ggml.scores")
         types = _as_list(meta, "tokenizer.ggml.token_type")
@@ -516,10 +534,13 @@ class Tokenizer:
                 "reconvert the model with its tokenizer"
             )
         merges, seen = [], set()
-        for m in raw:
-            cut = m.find(" ", 1)
-            if cut < 0:
-                continue
+        for i, m in enumerate(raw):
+            cut = m.find(" ", 1) if isinstance(m, str) else -1
+            if cut < 0 or cut == len(m) - 1:
+                raise ModelFileError(
+                    f"{self.source}: tokenizer.ggml.merges entry {i} ({m!r:.60}) is not two tokens separated by a "
+                    "space; the file is damaged or was written by a broken converter, reconvert it"
+                )
             pair = m[:cut], m[cut + 1:]
             # llama.cpp would merge a pair whose result is no token and then spell it in
             # bytes; HF refuses such merges, and no real vocabulary has one. A repeated pair

@@ -16,12 +16,13 @@ PACKAGES = {"onebit": "onebit", "cli": "onebit.cli", "memory": "onebit.memory"} 
 LAYERS = [
     ("core", ["onebit.errors", "onebit.quants", "onebit.gguf_file", "onebit.config", "onebit.cache", "onebit.pause",
               "onebit.gate", "onebit.harmony", "onebit.think", "onebit.sample", "onebit.tokenizer",
-              "onebit.chat_template", "onebit.info", "onebit.moe.trace", "onebit.moe.cachesim"]),
+              "onebit.chat_template", "onebit.info", "onebit.moe.trace", "onebit.moe.cachesim", "onebit.catalog",
+              "onebit.structured", "onebit.toolcall"]),
     ("backends", ["onebit.backends", "onebit.nonfinite"]),
     ("memory", ["onebit.memory"]),
     ("models", ["onebit.models", "onebit.moe.predict"]),
     ("engine", ["onebit.generate", "onebit.lookup", "onebit.model", "onebit.chat", "onebit.batch", "onebit.bench",
-                "onebit.serve", "onebit.cluster"]),
+                "onebit.serve", "onebit.serve_app", "onebit.cluster"]),
     ("cli", ["onebit.cli"]),
 ]
 PACKAGE_INITS = {"onebit", "onebit.moe"}  # (onebit/__init__.py is the API: load() -> model; moe/ is two layers)

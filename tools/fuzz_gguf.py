@@ -15,6 +15,8 @@ user's terminal), a crash (signal), a hang (per-case timeout), or memory out of 
     python tools/fuzz_gguf.py --long          # 10,000 cases
     python tools/fuzz_gguf.py --cases 50 --seed 7 --fixture qwen3moe-f32
     python tools/fuzz_gguf.py --case 1234 --keep DIR    # redo one case, keep its file
+    python tools/fuzz_gguf.py --hostile       # hostile header shapes at the issue's sizes (issue 36)
+    python tools/fuzz_gguf.py --templates 3000 --seed 1 # random chat templates in the bounded worker
 
 Cases are numbered; case i of a seed is always the same mutation, so a failure can be
 replayed with --case. Exit 0 when every case passed, 1 otherwise.
@@ -223,6 +225,204 @@ def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, list[st
     return bytes(buf), done
 
 
+# -- hostile headers: well-formed files whose counts ask for time or memory ------------------
+
+HOSTILE_SHAPES = ("nested_empty_arrays", "empty_array_keys", "empty_strings", "one_element_tensors",
+                  "vocab_count", "long_string")
+
+
+def _gguf_str(s: bytes) -> bytes:
+    return struct.pack("<Q", len(s)) + s
+
+
+def hostile_header(shape: str, n: int) -> bytes:
+    """A GGUF file (version 3) of one hostile shape at size n:
+    nested_empty_arrays  one key holding an array of n empty arrays (12 bytes each)
+    empty_array_keys     n keys, each an empty uint8 array
+    empty_strings        one key holding an array of n empty strings (8 bytes each)
+    one_element_tensors  n F32 tensors of one element each (the header and 32 bytes of data each)
+    vocab_count          a 4-token vocabulary whose array claims n tokens
+    long_string          one metadata string of n bytes"""
+    kv, tensors, data = [], [], b""
+    if shape == "nested_empty_arrays":
+        kv.append(_gguf_str(b"hostile.nested") + struct.pack("<IIQ", 9, 9, n) + struct.pack("<IQ", 0, 0) * n)
+    elif shape == "empty_array_keys":
+        kv.extend(_gguf_str(b"k%d" % i) + struct.pack("<IIQ", 9, 0, 0) for i in range(n))
+    elif shape == "empty_strings":
+        kv.append(_gguf_str(b"hostile.strings") + struct.pack("<IIQ", 9, 8, n) + struct.pack("<Q", 0) * n)
+    elif shape == "one_element_tensors":
+        tensors.extend(_gguf_str(b"t%d" % i) + struct.pack("<IQIQ", 1, 1, 0, 32 * i) for i in range(n))
+        data = bytes(32 * n)
+    elif shape == "vocab_count":
+        kv.append(_gguf_str(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, n)
+                  + b"".join(_gguf_str(t) for t in (b"a", b"b", b"c", b"d")))
+    elif shape == "long_string":
+        kv.append(_gguf_str(b"general.description") + struct.pack("<I", 8) + _gguf_str(b"x" * n))
+    else:
+        raise ValueError(f"unknown hostile shape {shape!r}")
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)) + b"".join(kv) + b"".join(tensors)
+    return head + bytes(-len(head) % 32) + data
+
+
+def check_header(path: str, traced: bool = True) -> tuple[str, str, int]:
+    """(status, detail, peak traced bytes) of parsing one file's header as the loader does
+    (traced=False: without tracemalloc, which slows the parser's loops several times; peak 0)."""
+    import tracemalloc
+
+    from onebit.errors import OnebitError
+    from onebit.gguf_file import GGUFFile
+
+    if traced:
+        tracemalloc.start()
+    try:
+        GGUFFile(path)
+        result = ("ok", "")
+    except OnebitError as e:
+        result = ("error", str(e))
+    peak = 0
+    if traced:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return (*result, peak)
+
+
+def hostile_run(sizes: list[tuple[str, int]] | None = None, log=print) -> list[dict]:
+    """Each hostile shape at the issue's sizes and just under the parser's bounds, parsed in a
+    fresh process: its verdict, the parse's wall time, its tracemalloc peak and the process's
+    peak RSS beyond the interpreter's."""
+    sizes = sizes or HOSTILE_SIZES
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="onebit-hostile-") as tmp:
+        for shape, n in sizes:
+            path = os.path.join(tmp, f"{shape}.gguf")
+            with open(path, "wb") as f:
+                f.write(hostile_header(shape, n))
+            # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork + exec
+            code = ("import json, re, sys, time; sys.path.insert(0, sys.argv[2]); import fuzz_gguf; "
+                    "import onebit.gguf_file; hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', "
+                    "open('/proc/self/status').read()).group(1)); base = hwm(); "
+                    "t = time.perf_counter(); st, d, _ = fuzz_gguf.check_header(sys.argv[1], traced=False); "
+                    "dt = time.perf_counter() - t; rss = hwm() - base; "
+                    "_, _, peak = fuzz_gguf.check_header(sys.argv[1]); "
+                    "print(json.dumps([st, d, peak, dt, rss * 1024]))")
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+            r = subprocess.run([sys.executable, "-c", code, path, str(ROOT / "tools")], capture_output=True,
+                               text=True, env=env, timeout=600)
+            if r.returncode != 0:
+                row = {"shape": shape, "n": n, "status": "fail", "detail": r.stderr[-2000:]}
+            else:
+                st, detail, peak, dt, rss = json.loads(r.stdout)
+                row = {"shape": shape, "n": n, "file_mib": round(os.path.getsize(path) / 2**20, 1), "status": st,
+                       "detail": detail.replace(path, "FILE"), "seconds": round(dt, 3),
+                       "traced_peak_mib": round(peak / 2**20, 2), "rss_growth_mib": round(rss / 2**20, 1)}
+            os.remove(path)
+            rows.append(row)
+            if log:
+                log(json.dumps(row))
+    return rows
+
+
+# The issue's sizes (8 million empty arrays: 96 MB; 1 million one-element tensors), the other
+# shapes at comparable file sizes, then each shape at the largest size the parser accepts.
+HOSTILE_SIZES = [("nested_empty_arrays", 8_000_000), ("empty_array_keys", 1_000_000), ("empty_strings", 8_000_000),
+                 ("one_element_tensors", 1_000_000), ("vocab_count", 1 << 62), ("long_string", 100_000_000),
+                 ("nested_empty_arrays", (1 << 19) // 4), ("empty_array_keys", 1 << 14), ("empty_strings", 1 << 19),
+                 ("one_element_tensors", 1 << 15), ("long_string", (32 << 20) - 64)]
+
+
+# -- the template fuzzer: random compositions of filters and loops -----------------------------
+
+_T_VALUES = ["'x' * {n}", "[0] * {n}", "range({k}) | list", "messages", "messages | map(attribute='content') | list",
+             "'%s-' * {k}", "[{n}]", "'abc'", "(messages | tojson)", "[[1, 2]] * {k}", "'a b c d ' * {k}",
+             "namespace(s='y')", "[messages] * {k}", "{{'k': 'v' * {k}}}", "['x' * {n}] * {k}",
+             "[[0] * {n}] * {k}"]
+_T_FILTERS = ["join", "join(' ')", "sum(start=[])", "sum", "list", "sort", "unique | list", "reverse | list",
+              "map('string') | list", "map('upper') | list", "tojson", "string", "length", "center({n})",
+              "indent({k})", "replace('x', 'xx')", "replace('a', 'aaaa')", "batch({k}) | list", "slice({k}) | list",
+              "format(*([1] * {k}))", "wordwrap({k})", "title", "trim", "first", "last", "upper", "int",
+              "default('d')", "count", "dictsort", "truncate({k})", "striptags", "urlencode", "wordcount",
+              "select | list", "reject | list", "groupby(0) | list", "min", "max", "items | list"]
+_T_OPS = ["{a} * {k}", "{a} + {a}", "{a} ~ {a}", "({a}) * ({a})", "'%s' % ({a},)", "{a} * {n}"]
+
+
+def _t_expr(rng: random.Random, depth: int) -> str:
+    n = rng.choice([1, 10, 1000, 100_000, 1_000_000, 10 ** 7, 10 ** 9])
+    k = rng.choice([0, 1, 2, 7, 64, 1000, 100_000])
+    if depth <= 0 or rng.random() < 0.3:
+        return "(" + rng.choice(_T_VALUES).format(n=n, k=k) + ")"
+    if rng.random() < 0.6:
+        return f"({_t_expr(rng, depth - 1)} | {rng.choice(_T_FILTERS).format(n=n, k=k)})"
+    a = _t_expr(rng, depth - 1)
+    return "(" + rng.choice(_T_OPS).format(a=a, n=n, k=k) + ")"
+
+
+def random_template(rng: random.Random) -> str:
+    """A random composition of filters, operators and (nested) loops that grow a namespace."""
+    body = []
+    for _ in range(rng.randint(1, 3)):
+        expr = _t_expr(rng, rng.randint(1, 4))
+        kind = rng.random()
+        if kind < 0.4:
+            body.append("{{ " + expr + " }}")
+        elif kind < 0.8:
+            k = rng.choice([2, 10, 40, 1000, 100_000])
+            inner = "{% set ns.s = ns.s ~ " + expr + " %}" if rng.random() < 0.5 else "{{ " + expr + " }}"
+            if rng.random() < 0.3:
+                inner = "{% for j in range(" + str(rng.choice([2, 100, 10_000])) + ") %}" + inner + "{% endfor %}"
+            body.append("{% for i in range(" + str(k) + ") %}" + inner + "{% endfor %}")
+        else:
+            body.append("{% set ns.s = " + expr + " %}{{ ns.s | length }}")
+    return "{% set ns = namespace(s='') %}" + "".join(body) + "{{ messages[0]['content'] }}"
+
+
+def template_run(cases: range, seed: int, timeout_s: float = 2.0, log=print) -> dict:
+    """Render random templates; a case passes with text or one TemplateError line naming the
+    source. Counts the verdicts by kind, and samples this (the caller's) process's RSS."""
+    import psutil
+
+    from onebit import chat_template as ct
+    from onebit.errors import TemplateError
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    kinds: dict[str, int] = {}
+    failures = []
+    proc = psutil.Process()
+    rss0 = None
+    t0 = time.perf_counter()
+    for i in cases:
+        tpl = random_template(random.Random(f"tpl:{seed}:{i}"))
+        try:
+            ct.render_chat(tpl, msgs, source="fuzz.gguf", timeout_s=timeout_s)
+            kind = "rendered"
+        except TemplateError as e:
+            msg = str(e)
+            if not msg.startswith("fuzz.gguf: ") or "\n" in msg:
+                failures.append({"case": i, "template": tpl, "detail": msg[:500]})
+                kind = "fail"
+            elif "of memory" in msg:
+                kind = "memory limit"
+            elif "did not finish" in msg:
+                kind = "time limit"
+            elif "too large" in msg or "computed width" in msg:
+                kind = "growth cap"
+            else:
+                kind = "other template error"
+        except BaseException as e:  # noqa: BLE001 - what the fuzzer looks for
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            failures.append({"case": i, "template": tpl, "detail": f"{type(e).__name__}: {e}"[:500]})
+            kind = "fail"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if i == cases.start + min(50, len(cases) - 1):
+            rss0 = proc.memory_info().rss
+        if log and (i - cases.start + 1) % 500 == 0:
+            log(f"  {i - cases.start + 1} templates: {kinds}")
+    rss1 = proc.memory_info().rss
+    return {"cases": len(cases), "seed": seed, "kinds": kinds, "failures": failures,
+            "seconds": round(time.perf_counter() - t0, 1), "workers_started": ct._WORKER.started,
+            "caller_rss_mib": [round((rss0 or rss1) / 2**20, 1), round(rss1 / 2**20, 1)]}
+
+
 # -- the worker: load + short forward, in a process of its own --------------------------------
 
 
@@ -390,11 +590,28 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="write each case's file into this folder and keep it")
     ap.add_argument("--json", help="write the summary (with every failure) to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the clean errors by kind")
+    ap.add_argument("--hostile", action="store_true", help="parse the hostile header shapes at the issue's sizes")
+    ap.add_argument("--templates", type=int, metavar="N", help="render N random templates instead")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker()
         return 0
+    if a.hostile:
+        rows = hostile_run()
+        if a.json:
+            Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+        return 1 if any(r["status"] == "fail" or r.get("traced_peak_mib", 0) > 100 for r in rows) else 0
+    if a.templates:
+        sys.path.insert(0, str(ROOT))
+        res = template_run(range(a.start, a.start + a.templates), a.seed)
+        print(f"{res['cases']} templates (seed {a.seed}) in {res['seconds']} s: {res['kinds']}; worker processes "
+              f"started {res['workers_started']}; caller RSS {res['caller_rss_mib']} MiB")
+        for f in res["failures"][:10]:
+            print("FAIL", json.dumps(f))
+        if a.json:
+            Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+        return 1 if res["failures"] else 0
     fixtures = a.fixture or DEFAULT_FIXTURES
     if a.case is not None:
         cases = range(a.case, a.case + 1)

@@ -11,13 +11,99 @@ decode tokens only; the prompt warms the pool. Policies:
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
+from ..config import MAX_EXPERTS, MAX_LAYERS
 from ..errors import UsageError
-from .trace import Trace
+from .trace import Access, Trace, TraceError
 
 Key = tuple[int, int]  # (layer, expert)
+
+
+MAX_LINE = 16 << 20  # bytes in one trace line (a 512-row prefill record of a k=8 model is ~200 KB)
+
+
+def _header_int(header: dict, key: str, lo: int, hi: int, path: str) -> int:
+    v = header.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise TraceError(f"{path}:1: trace header {key!r} = {v!r} is not an integer in {lo}..{hi}")
+    return v
+
+
+def load_trace(path: str) -> Trace:
+    """Read a routing trace for `cache-sim`, checking it as the GGUF loader checks a file: the
+    header's n_layers, n_experts and k are integers in range; every record's layer, phase, and
+    expert rows (1..k distinct integer ids below n_experts) agree with it; no line is longer than
+    MAX_LINE; at least one record. Errors are one `TraceError` naming the line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read the trace ({e.strerror})") from None
+    with f:
+        lines = iter(lambda: f.readline(MAX_LINE + 1), b"")
+        header = _json_line(next(lines, b""), path, 1, "not an onebit routing trace (bad header line)")
+        if not isinstance(header, dict) or header.get("onebit_trace") != 1:
+            raise TraceError(f"{path}: not an onebit routing trace (bad header line)")
+        n_layers = _header_int(header, "n_layers", 1, MAX_LAYERS, path)
+        n_experts = _header_int(header, "n_experts", 1, MAX_EXPERTS, path)
+        k = _header_int(header, "k", 1, n_experts, path)
+        accesses: list[Access] = []
+        # Rows of one forward pass are consecutive tokens; a pass starts when the layer does not
+        # rise (the same rule as trace.read_trace).
+        token_base, first_layer, rows_in_pass = 0, None, 0
+        for n, raw in enumerate(lines, start=2):
+            if not raw.strip():
+                continue
+            rec = _json_line(raw, path, n, "malformed trace record")
+            layer, phase, rows = _record(rec, path, n, n_layers, n_experts, k)
+            if first_layer is None or layer <= first_layer:
+                token_base += rows_in_pass
+                first_layer, rows_in_pass = layer, len(rows)
+            for r, row in enumerate(rows):
+                accesses.append(Access(token_base + r, phase == "decode", layer, row))
+    if not accesses:
+        raise TraceError(f"{path}: the trace holds no records, only its header (was the run stopped before its "
+                         "first token?)")
+    accesses.sort(key=lambda a: (a.token, a.layer))
+    return Trace(header, accesses)
+
+
+def _json_line(raw: bytes, path: str, n: int, what: str):
+    if len(raw) > MAX_LINE:
+        raise TraceError(f"{path}:{n}: line longer than {MAX_LINE:,} bytes; not a trace onebit wrote")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise TraceError(f"{path}:{n}: {what}") from None
+
+
+def _record(rec, path: str, n: int, n_layers: int, n_experts: int, k: int):
+    """(layer, phase, rows as tuples of ids) of one record, or a TraceError naming line n."""
+    where = f"{path}:{n}"
+    if not isinstance(rec, dict):
+        raise TraceError(f"{where}: malformed trace record (not a JSON object)")
+    layer, phase, rows = rec.get("layer"), rec.get("phase"), rec.get("experts")
+    if type(layer) is not int or not 0 <= layer < n_layers:
+        raise TraceError(f"{where}: layer {layer!r} is not an integer in 0..{n_layers - 1} (the header's n_layers)")
+    if phase not in ("prompt", "decode"):
+        raise TraceError(f"{where}: phase {phase!r} is not 'prompt' or 'decode'")
+    if not isinstance(rows, list) or not rows:
+        raise TraceError(f"{where}: 'experts' is not a non-empty list of rows")
+    out = []
+    for row in rows:
+        if not isinstance(row, list) or not 1 <= len(row) <= k:
+            width = len(row) if isinstance(row, list) else type(row).__name__
+            raise TraceError(f"{where}: a row of experts has {width} entries; the header's k is {k}")
+        for e in row:
+            if type(e) is not int or not 0 <= e < n_experts:
+                raise TraceError(f"{where}: expert id {e!r} is not an integer in 0..{n_experts - 1} "
+                                 "(the header's n_experts)")
+        if len(set(row)) != len(row):
+            raise TraceError(f"{where}: a row routes to the same expert twice ({row})")
+        out.append(tuple(row))
+    return layer, phase, out
 
 
 class LRU:
@@ -139,6 +225,10 @@ POLICIES = ("lru", "lfu", "slru", "global-lru", "global-lfu", "belady")
 def simulate(trace: Trace, policy: str, slots: int, decay: float = 0.95) -> SimResult:
     if policy not in POLICIES:
         raise UsageError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    if slots < 1:
+        raise UsageError(f"--slots {slots}: the pool needs at least 1 slot")
+    if not trace.accesses:
+        raise UsageError("the trace holds no records to replay")
     layers = sorted({a.layer for a in trace.accesses})
     k = max((len(a.experts) for a in trace.accesses), default=1)
     per_layer = policy in ("lru", "lfu", "slru")
