@@ -332,42 +332,14 @@ def _run_batch(m, input, input_format, results, on_error, chat, system, seed, do
 
     from onebit import batch
 
-    if input == "-":
-        stream, total = sys.stdin.buffer, None
-    else:
-        try:
-            stream = open(input, "rb")
-        except OSError as e:
-            raise UsageError(f"{input}: cannot read the prompts file ({e.strerror})") from None
-        total = batch.count_lines(input)
-    failed = too_long = 0
+    stream, total = batch.open_prompts(input)
     with tqdm(total=total, unit="prompt", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
-        for item in batch.read_prompts(stream, input_format, input):
-            if isinstance(item, batch.BadLine):
-                failed += 1
-                msg = f"{input}:{item.line}: {item.reason}"
-                if on_error == "stop":
-                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + results.path + ")")
-                tqdm.write(f"onebit: warning: {msg} (skipped)", file=sys.stderr)
-                bar.update(1)
-                continue
-            if item.id in done:
-                bar.update(1)
-                continue
-            rec = batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen)
-            if "error" in rec:
-                msg = f"{input}:{item.line}: id {item.id!r}: {rec['error']}"
-                if on_error == "stop":
-                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + results.path + ")")
-                too_long += 1
-                tqdm.write(f"onebit: warning: {msg} (error result written)", file=sys.stderr)
-            results.write(rec)
-            done.add(item.id)
-            bar.update(1)
-    if failed:
-        typer.echo(f"onebit: {failed} input line(s) skipped", err=True)
-    if too_long:
-        typer.echo(f"onebit: {too_long} prompt(s) did not fit the context (error results written)", err=True)
+        run = batch.BatchRun(results, input, on_error, done, tick=bar.update,
+                             warn=lambda msg: tqdm.write(f"onebit: warning: {msg}", file=sys.stderr))
+        for item in run.pending(stream, input_format):
+            run.record(item, batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen))
+    for line in run.summary():
+        typer.echo(line, err=True)
 
 
 @app.command()
