@@ -36,18 +36,22 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
         if backend == "vulkan":  # a device asked for by name or index: no silent fallback to numpy
             choose_device(list_devices(), device)
         os.environ[DEVICE_ENV] = device
-    if slots is not None and slots != "auto":
-        try:
-            slots = int(slots)
-        except ValueError:
-            raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
-    m = onebit.load(path, backend=backend, n_ctx=ctx, slots=slots, budget=budget,
+    m = onebit.load(path, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget,
                     pool_policy=policy, predict=predict)
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
         m.hook = TraceWriter(trace, m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
     return m
+
+
+def _slots(slots: Optional[str]):
+    if slots is None or slots == "auto":
+        return slots
+    try:
+        return int(slots)
+    except ValueError:
+        raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
 
 
 def _check_ctx(path: str, ctx: int) -> None:
@@ -207,6 +211,13 @@ def generate(
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray", help="Spread --input over a Ray cluster: auto, ray://HOST:10001, a cluster address, or local "
+                            "(start Ray on this machine). Needs the cluster extra: pip install 'onebit[cluster]'."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="With --ray: worker actors, each loading the model "
+                                                                 "once (default: one per node)."),
+    worker_cpus: float = typer.Option(1.0, "--worker-cpus", help="With --ray: CPUs each worker claims in Ray, and its "
+                                                                 "cpu backend's threads."),
     show_reasoning: bool = typer.Option(
         False, "--show-reasoning",
         help="Models that reason apart from the reply (gpt-oss channels, <think> blocks of Qwen3 / GLM / "
@@ -240,12 +251,27 @@ def generate(
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
         raise UsageError("--input needs --output FILE.jsonl (or - for stdout) for the results")
+    if ray_address is not None:
+        from .ray_batch import check_ray_args
+
+        check_ray_args(input, model, ctx, trace, predict)
     results = batch.ResultsFile.open(output) if output is not None else None
     try:
         done = set()
         if results is not None and input is not None:
             done = results.resume()
             _warn_unreadable(results)
+        if ray_address is not None:
+            from .ray_batch import generate_on_ray
+
+            gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, show_reasoning=show_reasoning)
+            generate_on_ray(ray_address, workers, worker_cpus, stats, input, input_format, results, on_error, done,
+                            dict(path=model, backend=backend, ctx=ctx, slots=_slots(slots), budget=budget,
+                                 pool_policy=pool_policy, device=device, predict=predict,
+                                 template_kwargs=template_kw),
+                            dict(raw=raw, system=system, seed=seed, gen=gen))
+            return
         m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
         m.template_kwargs = template_kw
         try:
