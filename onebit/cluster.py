@@ -292,10 +292,11 @@ class Progress:
 
 class RayBatch:
     """One batch over a Ray cluster. `address`: `local` (start a Ray instance here, stopped at
-    the end), `auto`, `ray://host:10001` or a cluster's GCS address. Use as a context manager:
-    leaving it kills the workers and disconnects."""
+    the end), `auto`, `ray://host:10001` or a cluster's GCS address; None: the connection this
+    process already has (ray.init called by the caller). Use as a context manager: leaving it
+    kills the workers and disconnects what it connected."""
 
-    def __init__(self, address: str, spec: LoadSpec, work: Work, workers: Optional[int] = None,
+    def __init__(self, address: Optional[str], spec: LoadSpec, work: Work, workers: Optional[int] = None,
                  worker_cpus: float = 1, say: Callable[[str], None] = print):
         if workers is not None and workers < 1:
             raise UsageError(f"--workers must be at least 1, got {workers}")
@@ -307,12 +308,18 @@ class RayBatch:
         self.n_workers, self.worker_cpus, self.say = workers, worker_cpus, say
         self.workers: list[Worker] = []
         self.ray = import_ray()
+        self.own_connection = False
         self.started = 0.0
 
     # connection
 
     def __enter__(self) -> "RayBatch":
         ray = self.ray
+        if self.address is None:  # a program that called ray.init itself: use its connection, leave it open
+            if not ray.is_initialized():
+                raise UsageError("RayBatch(None, ...) runs on this process's Ray connection: call ray.init first")
+            return self
+        self.own_connection = True
         kw: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.ERROR)  # Ray's notices are not ours
         try:
             if self.address == "local":
@@ -321,7 +328,7 @@ class RayBatch:
                 ray.init(address=self.address, **kw)
         except (ConnectionError, ValueError, RuntimeError) as e:
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster ({why})") from None
+            raise UsageError(f"--ray {self.address}: cannot connect to a Ray cluster ({why}){_auth_hint(e)}") from None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -330,7 +337,8 @@ class RayBatch:
                 self.ray.kill(w.actor)
             except Exception:  # already gone with its node
                 pass
-        self.ray.shutdown()
+        if self.own_connection:
+            self.ray.shutdown()
 
     # start: place, check, load
 
@@ -366,6 +374,10 @@ class RayBatch:
             w.load_seconds = out["seconds"]
             for msg in dict.fromkeys(out["warnings"]):
                 self.say(f"{w.name}: {msg}")
+        nodes = len({w.where["node"] for w in self.workers})
+        loads = sorted(w.load_seconds for w in self.workers)
+        self.say(f"{n} worker(s) ready on {nodes} node(s), {self.worker_cpus:g} CPU(s) each; model loaded in "
+                 f"{loads[0]:.1f}-{loads[-1]:.1f} s")
 
     def _gather(self, what: str, calls: list[tuple[Worker, Any]]) -> list[Any]:
         """Every call's value, waiting as long as the workers take (placement may wait for
@@ -506,6 +518,16 @@ class RayBatch:
         total = sum(w.prompts for w in self.workers)
         rows.append(f"all: {total} prompt(s) in {wall:.2f} s: {total / wall if wall else 0.0:.2f} prompts/s")
         return "\n".join(rows)
+
+
+def _auth_hint(e: BaseException) -> str:
+    """A hint when the cluster refused this driver's token (Ray's token authentication)."""
+    while e is not None:
+        if type(e).__name__ == "AuthenticationError":
+            return ("; the cluster uses token authentication: set RAY_AUTH_MODE=token here and give its token "
+                    "(~/.ray/auth_token or RAY_AUTH_TOKEN)")
+        e = e.__cause__ or e.__context__
+    return ""
 
 
 def _reason(e: BaseException) -> str:
