@@ -420,6 +420,11 @@ class RayBatch:
             return queue.popleft() if queue else next(source, None)
 
         while True:
+            if not any(w.alive for w in self.workers):
+                if next_item() is not None:
+                    raise ClusterError(f"every worker was lost ({self._losses()}); {len(run.done)} result(s) are "
+                                       f"in {run.results.path}: rerun the same command to resume")
+                break
             for w in self.workers:
                 while w.alive and len(w.in_flight) < IN_FLIGHT:
                     item = next_item()
@@ -428,10 +433,7 @@ class RayBatch:
                     ref = w.actor.run.remote(item)
                     w.in_flight.append((ref, item))
                     owner[ref] = w
-            if not owner:
-                if queue:
-                    raise ClusterError(f"every worker was lost ({self._losses()}); {len(run.done)} result(s) are "
-                                       f"in {run.results.path}: rerun the same command to resume")
+            if not owner:  # nothing left to send, nothing in flight
                 break
             ready, _ = ray.wait(list(owner), num_returns=1, timeout=WAIT_S)
             for ref in ready:

@@ -186,3 +186,47 @@ def test_without_ray_says_how_to_install_it(tmp_path, monkeypatch, capsys, promp
     code, _, err = run_cli(monkeypatch, capsys, "generate", "-i", str(prompts), "-o", str(out), "--ray", "local")
     assert code == 2 and "pip install 'onebit[cluster]'" in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_every_worker_lost_stops_the_run_with_exit_1(address, tmp_path):
+    from onebit import batch
+
+    out = tmp_path / "out.jsonl"
+    items = [batch.PromptItem(f"p{i}", i + 1, prompt=f"question {i}") for i in range(4)]
+    with cluster.RayBatch(None, cluster.LoadSpec(), cluster.Work(gen={"max_tokens": 2}), workers=2,
+                          say=lambda m: None) as rb:
+        rb.start(cluster.Fingerprint.of(MODEL))
+        for w in rb.workers:
+            ray.kill(w.actor)
+        with batch.ResultsFile.open(str(out)) as f:
+            with pytest.raises(cluster.ClusterError, match="every worker was lost") as e:
+                rb.run(batch.BatchRun(f, "p.jsonl"), iter(items))
+    assert e.value.exit_code == 1 and "rerun the same command to resume" in str(e.value)
+    assert out.read_text() == ""
+
+
+def test_a_prompt_whose_worker_is_lost_twice_gets_an_error_result(tmp_path):
+    from collections import Counter, deque
+
+    from onebit import batch
+
+    said = []
+    rb = cluster.RayBatch(None, cluster.LoadSpec(), cluster.Work(), workers=2, say=said.append)
+    a, b = cluster.Worker(1, None), cluster.Worker(2, None)
+    rb.workers = [a, b]
+    x, y = batch.PromptItem("x", 1, prompt="one"), batch.PromptItem("y", 2, prompt="two")
+    out = tmp_path / "out.jsonl"
+    with batch.ResultsFile.open(str(out)) as f:
+        run = batch.BatchRun(f, "p.jsonl", warn=said.append)
+        owner, queue, losses = {"r1": a, "r2": a}, deque(), Counter()
+        a.in_flight.extend([("r1", x), ("r2", y)])  # x running, y waiting
+        rb._lose(a, "killed", owner, queue, losses, run)
+        assert list(queue) == [x, y] and owner == {} and not a.alive  # both back, in order
+        queue.clear()
+        owner["r3"] = b
+        b.in_flight.append(("r3", x))
+        rb._lose(b, "killed", owner, queue, losses, run)  # x's second loss while running
+        assert list(queue) == [] and not b.alive
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 1 and recs[0]["id"] == "x" and recs[0]["finish_reason"] == "error"
+    assert "lost 2 times" in recs[0]["error"] and any("error result written" in m for m in said)
