@@ -178,11 +178,13 @@ class BatchWorker:
         self.chat = False
 
     def where(self) -> dict[str, Any]:
-        import numba
         import ray
 
+        from .backends.info import cpu_threads  # (numba's config: starting its threads here would read
+        # the OpenMP settings before the cpu backend sets them)
+
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": socket.gethostname(), "pid": os.getpid(), "threads": numba.get_num_threads()}
+                "host": socket.gethostname(), "pid": os.getpid(), "threads": cpu_threads()}
 
     def fingerprint(self) -> Fingerprint | str:
         path = self.spec.model_path()
@@ -233,16 +235,11 @@ class BatchWorker:
 
 
 def _set_threads(n: int) -> None:
-    """The cpu backend's kernel threads in this worker: numba reads NUMBA_NUM_THREADS when it is
-    first imported (a fresh Ray worker has not imported it yet); after that, set_num_threads."""
-    import sys
-
-    if "numba" not in sys.modules:
-        os.environ["NUMBA_NUM_THREADS"] = str(n)
-    else:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    """The cpu backend's kernel threads in this worker. numba reads NUMBA_NUM_THREADS when it is
+    first imported, which a fresh Ray worker has not done yet. (Not numba.set_num_threads: that
+    starts numba's threads before the cpu backend has set OMP_WAIT_POLICY, and spinning OpenMP
+    threads made a 2-thread worker 20x slower on a loaded machine.)"""
+    os.environ["NUMBA_NUM_THREADS"] = str(n)
 
 
 # -- the driver ---------------------------------------------------------------------------
