@@ -502,7 +502,7 @@ class RayBatch:
     def table(self) -> str:
         """Per-worker figures: where it ran, what it did, how fast."""
         wall = time.perf_counter() - self.started if self.started else 0.0
-        head = f"{'worker':<7} {'node':<28} {'load s':>7} {'prompts':>8} {'prompt tok':>10} {'gen tok':>8} " \
+        head = f"{'worker':<7} {'node (ip) x threads':<28} {'load s':>7} {'prompts':>8} {'prompt tok':>10} {'gen tok':>8} " \
                f"{'busy s':>7} {'gen tok/s':>9} {'prompts/s':>9}  state"
         rows = [head]
         for w in self.workers:
