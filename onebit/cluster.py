@@ -519,10 +519,12 @@ class RayBatch:
         return "\n".join(rows)
 
 
-def _auth_hint(e: BaseException) -> str:
+def _auth_hint(e: Optional[BaseException]) -> str:
     """A hint when the cluster refused this driver's token (Ray's token authentication)."""
-    while e is not None:
-        if type(e).__name__ == "AuthenticationError":
+    from ray.exceptions import AuthenticationError
+
+    while e is not None:  # (Ray 2.60 wraps it in a RuntimeError that carries only its traceback's text)
+        if isinstance(e, AuthenticationError) or "InvalidAuthToken" in str(e):
             return ("; the cluster uses token authentication: set RAY_AUTH_MODE=token here and give its token "
                     "(~/.ray/auth_token or RAY_AUTH_TOKEN)")
         e = e.__cause__ or e.__context__
