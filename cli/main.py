@@ -255,6 +255,8 @@ def generate(
         from .ray_batch import check_ray_args
 
         check_ray_args(input, model, ctx, trace, predict)
+    elif workers is not None or worker_cpus != 1.0:
+        raise UsageError("--workers and --worker-cpus go with --ray ADDRESS")
     results = batch.ResultsFile.open(output) if output is not None else None
     try:
         done = set()

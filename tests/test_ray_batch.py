@@ -230,3 +230,19 @@ def test_a_prompt_whose_worker_is_lost_twice_gets_an_error_result(tmp_path):
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 1 and recs[0]["id"] == "x" and recs[0]["finish_reason"] == "error"
     assert "lost 2 times" in recs[0]["error"] and any("error result written" in m for m in said)
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--workers", "2"), "go with --ray"),
+    (("--ray", "local", "--trace", "t.jsonl"), "without --ray"),
+    (("--ray", "local", "--workers", "0"), "at least 1"),
+])
+def test_bad_ray_arguments_are_one_line_exit_2(tmp_path, monkeypatch, capsys, prompts, args, says):
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "-i", str(prompts), "-o", str(out), *args)
+    assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_ray_without_input_is_refused(monkeypatch, capsys):
+    code, _, err = run_cli(monkeypatch, capsys, "generate", "-p", "hi", "--ray", "local")
+    assert code == 2 and "--ray runs a prompts file" in err, err
