@@ -41,10 +41,13 @@ def prompts_file(path: str, n: int) -> None:
 
 
 class TreeMemory:
-    """Peak RSS of a process tree, sampled: the whole tree, and the largest worker actor."""
+    """Peak RSS of a process tree, sampled: the whole tree, and the largest worker actor; and
+    the CPU seconds (user + system) each process had used when last seen, workers apart."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, out: str):
         self.root, self.peak_tree, self.peak_worker, self.workers = pid, 0, 0, set()
+        self.cpu: dict[int, float] = {}
+        self.out, self.first = out, None  # (lines, process CPU) when the first results were seen
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -58,6 +61,8 @@ class TreeMemory:
             total = 0
             for p in procs:
                 try:
+                    t = p.cpu_times()
+                    self.cpu[p.pid] = t.user + t.system
                     rss = p.memory_info().rss
                     total += rss
                     if any("BatchWorker" in c for c in p.cmdline()):
@@ -66,17 +71,20 @@ class TreeMemory:
                 except psutil.Error:
                     pass
             self.peak_tree = max(self.peak_tree, total)
-            time.sleep(0.1)
+            if self.first is None and os.path.exists(self.out) and os.path.getsize(self.out) > 0:
+                with open(self.out, "rb") as f:
+                    self.first = (f.read().count(b"\n"), dict(self.cpu))
+            time.sleep(0.05)
 
     def stop(self) -> None:
         self._stop.set()
         self._t.join()
 
 
-def run(cmd: list[str], env: dict[str, str]) -> dict:
+def run(cmd: list[str], env: dict[str, str], out: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    mem = TreeMemory(proc.pid)
+    mem = TreeMemory(proc.pid, out)
     _, err = proc.communicate()
     wall = time.perf_counter() - t0
     mem.stop()
@@ -85,13 +93,27 @@ def run(cmd: list[str], env: dict[str, str]) -> dict:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{err}")
     m = re.search(r"all: (\d+) prompt\(s\) in ([\d.]+) s", err)
     return {"wall": wall, "prompts": int(m.group(1)) if m else None, "run_s": float(m.group(2)) if m else None,
-            "tree_mib": mem.peak_tree / 2**20, "worker_mib": mem.peak_worker / 2**20}
+            "tree_mib": mem.peak_tree / 2**20, "worker_mib": mem.peak_worker / 2**20,
+            "cpu_all": sum(mem.cpu.values()), "cpu_gen": _cpu_per_prompt(mem, proc.pid)}
+
+
+def _cpu_per_prompt(mem: TreeMemory, driver: int) -> float:
+    """CPU seconds per prompt while generating: what the generating processes (the workers, or
+    the single process) used from the first result seen to their last sample, per result since."""
+    if mem.first is None:
+        return float("nan")
+    lines0, cpu0 = mem.first
+    with open(mem.out, "rb") as f:
+        lines = f.read().count(b"\n")
+    pids = mem.workers or {driver}
+    used = sum(mem.cpu.get(p, 0.0) - cpu0.get(p, 0.0) for p in pids)
+    return used / max(1, lines - lines0)
 
 
 def single_timed(cmd: list[str], env: dict[str, str], out: str) -> dict:
     """A single-process run: its generation phase is the sum of the results' own prompt and
     generation times (the single run prints no run line); wall includes the load."""
-    r = run(cmd, env)
+    r = run(cmd, env, out)
     recs = [json.loads(line) for line in open(out)]
     r["prompts"] = len(recs)
     r["run_s"] = sum(x["prompt_seconds"] + x["generation_seconds"] for x in recs)
@@ -149,22 +171,25 @@ def main() -> None:
                 env["NUMBA_NUM_THREADS"] = threads
             cmd = onebit + ["-o", out] + extra
             cmds[name] = (f"NUMBA_NUM_THREADS={threads} " if threads else "") + "onebit " + " ".join(cmd[3:])
-            r = single_timed(cmd, env, out) if not extra else run(cmd, env)
+            r = single_timed(cmd, env, out) if not extra else run(cmd, env, out)
             assert r["prompts"] == a.prompts, r
             rows[name].append(r)
             print(f"round {rnd + 1}: {name}: {r['prompts'] / r['run_s']:.2f} prompts/s, wall {r['wall']:.1f} s",
                   file=sys.stderr)
     print(f"{a.prompts} prompts, --max-tokens {a.max_tokens}, seeded sampling; medians of {a.rounds} rounds (ABAB)\n")
-    print(f"| run | prompts/s (generation) | wall s (whole command) | peak RSS, process tree MiB | peak RSS, one worker MiB |")
-    print("|---|---|---|---|---|")
+    print("| run | prompts/s (generation) | wall s (whole command) | CPU ms per prompt, generating | CPU s, whole "
+          "command, all processes | peak RSS, process tree MiB | peak RSS, one worker MiB |")
+    print("|---|---|---|---|---|---|---|")
     for name, _, _ in configs:
         rs = rows[name]
         pps = statistics.median(r["prompts"] / r["run_s"] for r in rs)
         wall = statistics.median(r["wall"] for r in rs)
         tree = statistics.median(r["tree_mib"] for r in rs)
         worker = statistics.median(r["worker_mib"] for r in rs)
-        print(f"| {name} | {pps:.2f} | {wall:.1f} | {tree:.0f} | {worker:.0f} |" if worker else
-              f"| {name} | {pps:.2f} | {wall:.1f} | {tree:.0f} | (the process itself) |")
+        cpu_all = statistics.median(r["cpu_all"] for r in rs)
+        per = statistics.median(1000 * r["cpu_gen"] for r in rs)
+        print(f"| {name} | {pps:.2f} | {wall:.1f} | {per:.1f} | {cpu_all:.1f} | {tree:.0f} | "
+              + (f"{worker:.0f} |" if worker else "(the process itself) |"))
     print("\ncommands:")
     for name, cmd in cmds.items():
         print(f"  {name}: {cmd}")
