@@ -34,18 +34,22 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
         from onebit.backends.vulkan.device import choose_device, list_devices
 
         choose_device(list_devices(), device)
-    if slots is not None and slots != "auto":
-        try:
-            slots = int(slots)
-        except ValueError:
-            raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
-    m = onebit.load(path, backend=backend, n_ctx=ctx, slots=slots, budget=budget,
+    m = onebit.load(path, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget,
                     pool_policy=policy, predict=predict, device=device)
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
         m.hook = TraceWriter(trace, m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
     return m
+
+
+def _slots(slots: Optional[str]):
+    if slots is None or slots == "auto":
+        return slots
+    try:
+        return int(slots)
+    except ValueError:
+        raise UsageError(f"--slots must be a number or auto, got {slots!r}") from None
 
 
 def _check_ctx(path: str, ctx: int) -> None:
@@ -205,6 +209,13 @@ def generate(
     moe_predict_stats: Optional[str] = P_STATS,
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray", help="Spread --input over a Ray cluster: auto, ray://HOST:10001, a cluster address, or local "
+                            "(start Ray on this machine). Needs the cluster extra: pip install 'onebit[cluster]'."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="With --ray: worker actors, each loading the model "
+                                                                 "once (default: one per node)."),
+    worker_cpus: float = typer.Option(1.0, "--worker-cpus", help="With --ray: CPUs each worker claims in Ray, and its "
+                                                                 "cpu backend's threads."),
     show_reasoning: bool = typer.Option(
         False, "--show-reasoning",
         help="Models that reason apart from the reply (gpt-oss channels, <think> blocks of Qwen3 / GLM / "
@@ -246,12 +257,31 @@ def generate(
         from onebit.structured import load_schema
 
         schema = load_schema(json_schema)
+    if ray_address is not None:
+        from .ray_batch import check_ray_args
+
+        if json_schema is not None:
+            raise UsageError("--json-schema does not go with --ray yet: run the batch on one machine")
+        check_ray_args(input, model, ctx, trace, predict)
+    elif workers is not None or worker_cpus != 1.0:
+        raise UsageError("--workers and --worker-cpus go with --ray ADDRESS")
     results = batch.ResultsFile.open(output) if output is not None else None
     try:
         done = set()
         if results is not None and input is not None:
             done = results.resume()
             _warn_unreadable(results)
+        if ray_address is not None:
+            from .ray_batch import generate_on_ray
+
+            gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, show_reasoning=show_reasoning)
+            generate_on_ray(ray_address, workers, worker_cpus, stats, input, input_format, results, on_error, done,
+                            dict(path=model, backend=backend, ctx=ctx, slots=_slots(slots), budget=budget,
+                                 pool_policy=pool_policy, device=device, predict=predict,
+                                 template_kwargs=template_kw),
+                            dict(raw=raw, system=system, seed=seed, gen=gen))
+            return
         m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
         m.template_kwargs = template_kw
         try:
@@ -353,42 +383,14 @@ def _run_batch(m, input, input_format, results, on_error, chat, system, seed, do
 
     from onebit import batch
 
-    if input == "-":
-        stream, total = sys.stdin.buffer, None
-    else:
-        try:
-            stream = open(input, "rb")
-        except OSError as e:
-            raise UsageError(f"{input}: cannot read the prompts file ({e.strerror})") from None
-        total = batch.count_lines(input)
-    failed = too_long = 0
+    stream, total = batch.open_prompts(input)
     with tqdm(total=total, unit="prompt", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
-        for item in batch.read_prompts(stream, input_format, input):
-            if isinstance(item, batch.BadLine):
-                failed += 1
-                msg = f"{input}:{item.line}: {item.reason}"
-                if on_error == "stop":
-                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + results.path + ")")
-                tqdm.write(f"onebit: warning: {msg} (skipped)", file=sys.stderr)
-                bar.update(1)
-                continue
-            if item.id in done:
-                bar.update(1)
-                continue
-            rec = batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen)
-            if "error" in rec:
-                msg = f"{input}:{item.line}: id {item.id!r}: {rec['error']}"
-                if on_error == "stop":
-                    raise batch.PromptFileError(msg + " (stopped; results so far are in " + results.path + ")")
-                too_long += 1
-                tqdm.write(f"onebit: warning: {msg} (error result written)", file=sys.stderr)
-            results.write(rec)
-            done.add(item.id)
-            bar.update(1)
-    if failed:
-        typer.echo(f"onebit: {failed} input line(s) skipped", err=True)
-    if too_long:
-        typer.echo(f"onebit: {too_long} prompt(s) did not fit the context (error results written)", err=True)
+        run = batch.BatchRun(results, input, on_error, done, tick=bar.update,
+                             warn=lambda msg: tqdm.write(f"onebit: warning: {msg}", file=sys.stderr))
+        for item in run.pending(stream, input_format):
+            run.record(item, batch.generate_one(m, item, chat=chat, system=system, seed=seed, **gen))
+    for line in run.summary():
+        typer.echo(line, err=True)
 
 
 @app.command()

@@ -18,7 +18,7 @@ import stat
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .errors import OnebitError, UsageError
 from .harmony import is_harmony, split_reply
@@ -127,6 +127,18 @@ def read_prompts(stream: io.BufferedIOBase, fmt: str = "auto", name: str = "<inp
             else:
                 seen[item.id] = lineno
         yield item
+
+
+def open_prompts(path: str) -> tuple[io.BufferedIOBase, Optional[int]]:
+    """The prompts stream for `--input PATH` (`-`: stdin) and its number of prompts, when a
+    regular file tells it (for the progress bar)."""
+    if path == "-":
+        return sys.stdin.buffer, None
+    try:
+        stream = open(path, "rb")
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read the prompts file ({e.strerror})") from None
+    return stream, count_lines(path)
 
 
 def count_lines(path: str) -> Optional[int]:
@@ -394,3 +406,69 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
         "generation_tps": round(last.generation_tps, 2),
     }
 
+
+
+# -- one batch run ------------------------------------------------------------------------
+
+
+@dataclass
+class BatchRun:
+    """The bookkeeping of one batch, whoever generates its prompts (this process, or workers
+    on other machines): which prompts still need a result, and writing each result once.
+
+    `pending` yields the prompts not yet in the output, in file order; a bad line is reported
+    through `warn` and skipped, or stops the run (`on_error="stop"`). `record` writes a prompt's
+    result (one fsynced line) unless its id already has one, so an id is never written twice.
+    `tick` is called once per input line dealt with (skipped, already done or written)."""
+
+    results: ResultsFile
+    input_name: str
+    on_error: str = "skip"
+    done: set[str] = field(default_factory=set)
+    warn: Callable[[str], None] = lambda msg: print(f"onebit: warning: {msg}", file=sys.stderr)
+    tick: Callable[[], None] = lambda: None
+    skipped: int = 0  # bad input lines
+    errors: int = 0  # error results written
+
+    def pending(self, stream: io.BufferedIOBase, fmt: str = "auto") -> Iterator[PromptItem]:
+        for item in read_prompts(stream, fmt, self.input_name):
+            if isinstance(item, BadLine):
+                self.skipped += 1
+                msg = f"{self.input_name}:{item.line}: {item.reason}"
+                if self.on_error == "stop":
+                    raise PromptFileError(msg + self._stopped())
+                self.warn(f"{msg} (skipped)")
+                self.tick()
+                continue
+            if item.id in self.done:
+                self.tick()
+                continue
+            yield item
+
+    def record(self, item: PromptItem, rec: dict[str, Any]) -> bool:
+        """Write `rec`, the result of `item`; False (nothing written) if the id has one already."""
+        if item.id in self.done:
+            return False
+        if "error" in rec:
+            msg = f"{self.input_name}:{item.line}: id {item.id!r}: {rec['error']}"
+            if self.on_error == "stop":
+                raise PromptFileError(msg + self._stopped())
+            self.errors += 1
+            self.warn(f"{msg} (error result written)")
+        self.results.write(rec)
+        self.done.add(item.id)
+        self.tick()
+        return True
+
+    def summary(self) -> list[str]:
+        """Closing lines for the user: what was skipped, what got error results."""
+        lines = []
+        if self.skipped:
+            lines.append(f"onebit: {self.skipped} input line(s) skipped")
+        if self.errors:
+            lines.append(f"onebit: {self.errors} prompt(s) got an error result (see above; a rerun skips them: "
+                         f"delete their lines to retry them)")
+        return lines
+
+    def _stopped(self) -> str:
+        return f" (stopped; results so far are in {self.results.path})"
