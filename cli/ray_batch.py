@@ -23,7 +23,7 @@ def check_ray_args(input: Optional[str], model: Optional[str], ctx: Optional[int
         raise UsageError("--trace and --moe-predict-out write one file per process: run them without --ray")
     import_ray()
     if ctx is not None:
-        from .main import _check_ctx, default_model_path
+        from .options import _check_ctx, default_model_path
 
         _check_ctx(model or default_model_path(), ctx)
 

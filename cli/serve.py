@@ -13,7 +13,7 @@ import typer
 
 from onebit.errors import UsageError
 
-from .main import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, P_AHEAD, P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN,
+from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, P_AHEAD, P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN,
                    P_MIN, P_NO_ATTN, P_OWN, PREDICT, POLICY, SLOTS, TEMPLATE_KWARGS, _check_sampling, _load,
                    _predict, _template_kwargs)
 

@@ -129,14 +129,12 @@ class LoadSpec:
     def load(self):
         import onebit
 
-        if self.device is not None:
-            from .backends.vulkan.device import DEVICE_ENV, choose_device, list_devices
+        if self.device is not None and self.backend == "vulkan":  # asked for by name or index: no fallback
+            from .backends.vulkan.device import choose_device, list_devices
 
-            if self.backend == "vulkan":  # asked for by name or index: no silent fallback
-                choose_device(list_devices(), self.device)
-            os.environ[DEVICE_ENV] = self.device
+            choose_device(list_devices(), self.device)
         m = onebit.load(self.model_path(), backend=self.backend, n_ctx=self.ctx, slots=self.slots, budget=self.budget,
-                        pool_policy=self.pool_policy, predict=self.predict)
+                        pool_policy=self.pool_policy, predict=self.predict, device=self.device)
         m.template_kwargs = dict(self.template_kwargs)
         return m
 
