@@ -212,7 +212,13 @@ def test_a_prompt_whose_worker_is_lost_twice_gets_an_error_result(tmp_path):
 
     said = []
     rb = cluster.RayBatch(None, cluster.LoadSpec(), cluster.Work(), workers=2, say=said.append)
-    a, b = cluster.Worker(1, None), cluster.Worker(2, None)
+    killed = []
+
+    class NoRay:  # the queue's bookkeeping alone: no Ray call (ray.kill with no Ray running would start one)
+        kill = staticmethod(killed.append)
+
+    rb.ray = NoRay()
+    a, b = cluster.Worker(1, "actor a"), cluster.Worker(2, "actor b")
     rb.workers = [a, b]
     x, y = batch.PromptItem("x", 1, prompt="one"), batch.PromptItem("y", 2, prompt="two")
     out = tmp_path / "out.jsonl"
@@ -230,6 +236,7 @@ def test_a_prompt_whose_worker_is_lost_twice_gets_an_error_result(tmp_path):
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == 1 and recs[0]["id"] == "x" and recs[0]["finish_reason"] == "error"
     assert "lost 2 times" in recs[0]["error"] and any("error result written" in m for m in said)
+    assert killed == ["actor a", "actor b"]  # a lost worker is killed, so it sends nothing more
 
 
 @pytest.mark.parametrize("args, says", [
