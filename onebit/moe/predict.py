@@ -805,6 +805,8 @@ class _ScratchStep(EagerStep):
         else:
             sink = np.broadcast_to(self.be.weight(sinks).reshape(Hkv, H // Hkv, 1, 1), (*sc.shape[:3], 1))
             p = self.be.softmax(np.concatenate([sc, sn, sink], axis=-1))[..., :-1]
-        out = (np.einsum("hgrs,shd->hgrd", p[..., :s], vc)
-               + np.einsum("hgrs,shd->hgrd", p[..., s:], self.v_scratch))  # [Hkv, G, R, Dv]
+        out = np.einsum("hgrs,shd->hgrd", p[..., s:], self.v_scratch)  # [Hkv, G, R, Dv]
+        if s:  # (no earlier positions, a prompt's first chunk: no einsum over an empty axis, whose
+            # output was seen holding another array's old bytes, NaN among them, now and then)
+            out = np.einsum("hgrs,shd->hgrd", p[..., :s], vc) + out
         return out.transpose(2, 0, 1, 3).reshape(R, H * v.shape[2])
