@@ -193,7 +193,7 @@ class CpuBackend(NumpyBackend):
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
         arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
-        for start, group, index in self.source.pinned(layer, experts.tolist()):
+        for start, group, index in self.source.pinned(layer, experts):  # (int64 arrays from the file: no copy)
             o = offs[start : start + len(group) + 1]
             self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), o - o[0],
                              rows[o[0] : o[-1]], rw[o[0] : o[-1]], group, biases, glu)

@@ -24,8 +24,9 @@ class ExpertSource(Protocol):
         """gate, up, down of `layer`: read-only uint8 arrays [n, rows, row_bytes], indexed by
         what `pinned` yields (expert ids for the file, slot indices for a pool)."""
 
-    def pinned(self, layer: int, experts: list[int]) -> Iterator[tuple[int, list[int], list[int]]]:
-        """Yield (start, group, index) over `experts` (ascending) in groups, each group's
+    def pinned(self, layer: int, experts) -> Iterator[tuple[int, list[int], list[int]]]:
+        """Yield (start, group, index) over `experts` (ascending ids: a list or an int64 array;
+        the file yields them back as given) in groups, each group's
         experts resident and pinned while the caller uses them: experts[start:start+len(group)]
         are at index[j] of `arrays(layer)`."""
 
@@ -55,5 +56,5 @@ class FileExperts:
             hit = self._arrays[layer] = (raws, [read_only(r) for r in raws])
         return hit[1]
 
-    def pinned(self, layer: int, experts: list[int]):
+    def pinned(self, layer: int, experts):
         yield 0, experts, experts
