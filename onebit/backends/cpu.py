@@ -47,14 +47,14 @@ class CpuBackend(NumpyBackend):
         super().__init__(gguf, experts)
         from . import cpu_kernels as K
 
-        self.K = K
+        self.K = K.kernels_for(gguf)  # compiled for the file's quant types (or all types, if cached)
         self.threads = threads()
         filled = 0.0
-        if K.cache_is_cold():  # the first run on this machine: minutes, so say so before it starts
-            sys.stderr.write("onebit: compiling the cpu kernels (once per machine: about 3 minutes of one core, "
-                             "split over the cores)...\n")
-            filled = K.fill_cache()
-        seconds, compiled = K.warm_up()
+        if self.K.cache_is_cold():  # the first run of these types on this machine: say so before it starts
+            sys.stderr.write(f"onebit: compiling the cpu kernels for {', '.join(self.K.names)} (once per machine: "
+                             "seconds per type, split over the cores)...\n")
+            filled = self.K.fill_cache()
+        seconds, compiled = self.K.warm_up()
         if filled or compiled:  # later runs load the kernels from numba's disk cache
             sys.stderr.write(f"onebit: compiled the cpu kernels in {filled + seconds:.1f} s (once: they are cached "
                              "on disk)\n")

@@ -21,6 +21,7 @@ forward uses when the backend opens.
 from __future__ import annotations
 
 import os
+import types as pytypes
 
 import numpy as np
 
@@ -44,7 +45,7 @@ FM = {"reassoc", "contract", "nsz", "arcp"}
 F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 = (QTYPES_BY_NAME[n].type_id for n in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"))
 # The types decode_row decodes in plain numba; the others (MORE_TYPES) it decodes with the
-# LLVM IR of the dot products (`decode_ir`).
+# LLVM IR of the dot products (`DECODE`).
 PLAIN = {F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4}
 MORE_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "Q1_0", "IQ1_S", "IQ1_M", "IQ2_XXS",
               "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
@@ -94,113 +95,144 @@ def _scale_min_k4(b, o, j):
 M = 32
 
 
-@njit(fastmath=FM, cache=True)
-def decode_row(qt, b, out, lut, m):
-    """Raw bytes `b` of one row -> float32 `out` (len(out) weights); m = M."""
+# decode_row's plain types, one function each (m = M); `decode_row` (below) dispatches on qt.
+@njit(fastmath=FM)
+def _decode_f32(b, out, lut, m):
+    n = out.shape[0]
+    f = b.view(np.float32)
+    for i in range(n):
+        out[i] = f[i]
+
+
+@njit(fastmath=FM)
+def _decode_f16(b, out, lut, m):
+    n = out.shape[0]
+    for i in range(n):
+        out[i] = lut[_u16(b, 2 * i)]
+
+
+@njit(fastmath=FM)
+def _decode_bf16(b, out, lut, m):
+    n = out.shape[0]
+    u = out.view(np.uint32)
+    for i in range(n):
+        u[i] = np.uint32(_u16(b, 2 * i)) << np.uint32(16)
+
+
+@njit(fastmath=FM)
+def _decode_q8_0(b, out, lut, m):
+    n = out.shape[0]
+    s = b.view(np.int8)
+    for blk in range(n // m):
+        o = blk * 34
+        d = lut[_u16(b, o)]
+        q = s[o + 2 : o + 2 + m]
+        y = out[blk * m : blk * m + m]
+        for i in range(m):
+            y[i] = np.float32(q[i]) * d
+
+
+@njit(fastmath=FM)
+def _decode_q4_0(b, out, lut, m):
     n = out.shape[0]
     h = m // 2
-    if qt == F32:
-        f = b.view(np.float32)
-        for i in range(n):
-            out[i] = f[i]
-    elif qt == F16:
-        for i in range(n):
-            out[i] = lut[_u16(b, 2 * i)]
-    elif qt == BF16:
-        u = out.view(np.uint32)
-        for i in range(n):
-            u[i] = np.uint32(_u16(b, 2 * i)) << np.uint32(16)
-    elif qt == Q8_0:
-        s = b.view(np.int8)
-        for blk in range(n // m):
-            o = blk * 34
-            d = lut[_u16(b, o)]
-            q = s[o + 2 : o + 2 + m]
-            y = out[blk * m : blk * m + m]
-            for i in range(m):
-                y[i] = np.float32(q[i]) * d
-    elif qt == Q4_0:
-        for blk in range(n // m):
-            o = blk * 18
-            d = lut[_u16(b, o)]
-            q = b[o + 2 : o + 2 + h]
-            y = out[blk * m : blk * m + m]
-            y2 = y[h:]
-            for i in range(h):
-                y[i] = np.float32(np.int32(q[i] & 0xF) - 8) * d
-            for i in range(h):
-                y2[i] = np.float32(np.int32(q[i] >> 4) - 8) * d
-    elif qt == MXFP4:
-        for blk in range(n // m):
-            o = blk * 17
-            d = lut[E8M0 + b[o]]
-            q = b[o + 1 : o + 1 + h]
-            y = out[blk * m : blk * m + m]
-            y2 = y[h:]
-            for i in range(h):
-                y[i] = d * MXFP4_VALUES[q[i] & 0xF]
-            for i in range(h):
-                y2[i] = d * MXFP4_VALUES[q[i] >> 4]
-    elif qt == Q4_K:
-        for blk in range(n // 256):
-            o = blk * 144
-            d = lut[_u16(b, o)]
-            dmin = lut[_u16(b, o + 2)]
-            for j in range(4):
-                sc1, m1 = _scale_min_k4(b, o + 4, 2 * j)
-                sc2, m2 = _scale_min_k4(b, o + 4, 2 * j + 1)
-                d1, dm1, d2, dm2 = d * sc1, dmin * m1, d * sc2, dmin * m2
-                q = b[o + 16 + m * j : o + 16 + m * j + m]
-                y = out[blk * 256 + 2 * m * j : blk * 256 + 2 * m * j + 2 * m]
-                y2 = y[m:]
-                for l in range(m):
-                    y[l] = d1 * np.float32(q[l] & 0xF) - dm1
-                for l in range(m):
-                    y2[l] = d2 * np.float32(q[l] >> 4) - dm2
-    elif qt == Q5_K:
-        for blk in range(n // 256):
-            o = blk * 176
-            d = lut[_u16(b, o)]
-            dmin = lut[_u16(b, o + 2)]
-            qh = b[o + 16 : o + 16 + m]
-            for j in range(4):
-                sc1, m1 = _scale_min_k4(b, o + 4, 2 * j)
-                sc2, m2 = _scale_min_k4(b, o + 4, 2 * j + 1)
-                d1, dm1, d2, dm2 = d * sc1, dmin * m1, d * sc2, dmin * m2
-                q = b[o + 48 + m * j : o + 48 + m * j + m]
-                y = out[blk * 256 + 2 * m * j : blk * 256 + 2 * m * j + 2 * m]
-                sh = 2 * j
-                y2 = y[m:]
-                for l in range(m):
-                    y[l] = d1 * np.float32((q[l] & 0xF) | (((qh[l] >> sh) & 1) << 4)) - dm1
-                for l in range(m):
-                    y2[l] = d2 * np.float32((q[l] >> 4) | (((qh[l] >> sh) & 2) << 3)) - dm2
-    elif qt == Q6_K:
-        for blk in range(n // 256):
-            o = blk * 210
-            d = lut[_u16(b, o + 208)]
-            for half in range(2):
-                sc = o + 192 + 8 * half
-                for g in range(2):  # 16 weights per scale: l in [16g, 16g + 16)
-                    a = b[o + 64 * half + h * g : o + 64 * half + h * g + h]
-                    c = b[o + 64 * half + m + h * g : o + 64 * half + m + h * g + h]
-                    qh = b[o + 128 + m * half + h * g : o + 128 + m * half + h * g + h]
-                    s1 = d * np.float32(_i8(b[sc + g]))
-                    s2 = d * np.float32(_i8(b[sc + g + 2]))
-                    s3 = d * np.float32(_i8(b[sc + g + 4]))
-                    s4 = d * np.float32(_i8(b[sc + g + 6]))
-                    y = out[blk * 256 + 128 * half + h * g : blk * 256 + 128 * half + 128]
-                    y1, y2, y3 = y[m:], y[2 * m :], y[3 * m :]
-                    for l in range(h):
-                        y[l] = s1 * np.float32(np.int32((a[l] & 0xF) | ((qh[l] & 3) << 4)) - 32)
-                    for l in range(h):
-                        y1[l] = s2 * np.float32(np.int32((c[l] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32)
-                    for l in range(h):
-                        y2[l] = s3 * np.float32(np.int32((a[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32)
-                    for l in range(h):
-                        y3[l] = s4 * np.float32(np.int32((c[l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32)
-    else:
-        decode_ir(qt, b, out)
+    for blk in range(n // m):
+        o = blk * 18
+        d = lut[_u16(b, o)]
+        q = b[o + 2 : o + 2 + h]
+        y = out[blk * m : blk * m + m]
+        y2 = y[h:]
+        for i in range(h):
+            y[i] = np.float32(np.int32(q[i] & 0xF) - 8) * d
+        for i in range(h):
+            y2[i] = np.float32(np.int32(q[i] >> 4) - 8) * d
+
+
+@njit(fastmath=FM)
+def _decode_mxfp4(b, out, lut, m):
+    n = out.shape[0]
+    h = m // 2
+    for blk in range(n // m):
+        o = blk * 17
+        d = lut[E8M0 + b[o]]
+        q = b[o + 1 : o + 1 + h]
+        y = out[blk * m : blk * m + m]
+        y2 = y[h:]
+        for i in range(h):
+            y[i] = d * MXFP4_VALUES[q[i] & 0xF]
+        for i in range(h):
+            y2[i] = d * MXFP4_VALUES[q[i] >> 4]
+
+
+@njit(fastmath=FM)
+def _decode_q4_k(b, out, lut, m):
+    n = out.shape[0]
+    for blk in range(n // 256):
+        o = blk * 144
+        d = lut[_u16(b, o)]
+        dmin = lut[_u16(b, o + 2)]
+        for j in range(4):
+            sc1, m1 = _scale_min_k4(b, o + 4, 2 * j)
+            sc2, m2 = _scale_min_k4(b, o + 4, 2 * j + 1)
+            d1, dm1, d2, dm2 = d * sc1, dmin * m1, d * sc2, dmin * m2
+            q = b[o + 16 + m * j : o + 16 + m * j + m]
+            y = out[blk * 256 + 2 * m * j : blk * 256 + 2 * m * j + 2 * m]
+            y2 = y[m:]
+            for l in range(m):
+                y[l] = d1 * np.float32(q[l] & 0xF) - dm1
+            for l in range(m):
+                y2[l] = d2 * np.float32(q[l] >> 4) - dm2
+
+
+@njit(fastmath=FM)
+def _decode_q5_k(b, out, lut, m):
+    n = out.shape[0]
+    for blk in range(n // 256):
+        o = blk * 176
+        d = lut[_u16(b, o)]
+        dmin = lut[_u16(b, o + 2)]
+        qh = b[o + 16 : o + 16 + m]
+        for j in range(4):
+            sc1, m1 = _scale_min_k4(b, o + 4, 2 * j)
+            sc2, m2 = _scale_min_k4(b, o + 4, 2 * j + 1)
+            d1, dm1, d2, dm2 = d * sc1, dmin * m1, d * sc2, dmin * m2
+            q = b[o + 48 + m * j : o + 48 + m * j + m]
+            y = out[blk * 256 + 2 * m * j : blk * 256 + 2 * m * j + 2 * m]
+            sh = 2 * j
+            y2 = y[m:]
+            for l in range(m):
+                y[l] = d1 * np.float32((q[l] & 0xF) | (((qh[l] >> sh) & 1) << 4)) - dm1
+            for l in range(m):
+                y2[l] = d2 * np.float32((q[l] >> 4) | (((qh[l] >> sh) & 2) << 3)) - dm2
+
+
+@njit(fastmath=FM)
+def _decode_q6_k(b, out, lut, m):
+    n = out.shape[0]
+    h = m // 2
+    for blk in range(n // 256):
+        o = blk * 210
+        d = lut[_u16(b, o + 208)]
+        for half in range(2):
+            sc = o + 192 + 8 * half
+            for g in range(2):  # 16 weights per scale: l in [16g, 16g + 16)
+                a = b[o + 64 * half + h * g : o + 64 * half + h * g + h]
+                c = b[o + 64 * half + m + h * g : o + 64 * half + m + h * g + h]
+                qh = b[o + 128 + m * half + h * g : o + 128 + m * half + h * g + h]
+                s1 = d * np.float32(_i8(b[sc + g]))
+                s2 = d * np.float32(_i8(b[sc + g + 2]))
+                s3 = d * np.float32(_i8(b[sc + g + 4]))
+                s4 = d * np.float32(_i8(b[sc + g + 6]))
+                y = out[blk * 256 + 128 * half + h * g : blk * 256 + 128 * half + 128]
+                y1, y2, y3 = y[m:], y[2 * m :], y[3 * m :]
+                for l in range(h):
+                    y[l] = s1 * np.float32(np.int32((a[l] & 0xF) | ((qh[l] & 3) << 4)) - 32)
+                for l in range(h):
+                    y1[l] = s2 * np.float32(np.int32((c[l] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32)
+                for l in range(h):
+                    y2[l] = s3 * np.float32(np.int32((a[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32)
+                for l in range(h):
+                    y3[l] = s4 * np.float32(np.int32((c[l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32)
 
 
 # -- fused dot products as LLVM vector IR ---------------------------------------------------
@@ -765,7 +797,20 @@ dot4 = _dispatch(_outlined(DOT4, _A4), _A4, "Weight row w . four float32 rows, d
                  "dot1's bits.", _ORDER)
 dot8 = _dispatch(_outlined(DOT8, _A8), _A8, "Weight row w . eight float32 rows (prompts), decoding w once; each "
                  "result == dot1's bits.", _ORDER)
-decode_ir = _dispatch(DECODE, "out", "Raw row w of one of MORE_TYPES -> float32 out.", MORE_TYPES, MORE_TYPES[-1])
+
+
+def _row_decoders() -> dict:
+    """decode(b, out, lut, m) of every type: the plain types' numba functions, MORE_TYPES' IR."""
+    out = {n: globals()[f"_decode_{n.lower()}"] for n in IR_TYPES if n not in MORE_TYPES}
+    for n in MORE_TYPES:
+        ns = {"decode": DECODE[n]}
+        exec(f"def {n.lower()}(w, out, lut, m):\n    decode(w, out)", ns)
+        out[n] = njit(fastmath=FM)(ns[n.lower()])
+    return out
+
+
+decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -> float32 out (len(out) "
+                       "weights); m = M.", _ORDER)
 
 
 @njit(cache=True)
@@ -951,7 +996,10 @@ def rope(out, x, pos, inv_freq, scale, neox):
     """out = x rotated in its first 2 * len(inv_freq) dims: x, out: [R, H, D], pos: [R]."""
     R, H, D = x.shape
     half = inv_freq.shape[0]
-    out[:] = x
+    for r in range(R):  # out = x (in loops: numba's `out[:] = x` took 3 s of its first compile)
+        for h in range(H):
+            for i in range(D):
+                out[r, h, i] = x[r, h, i]
     for r in range(R):
         for i in range(half):
             ang = np.float64(pos[r]) * scale * inv_freq[i]
@@ -1090,44 +1138,193 @@ SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert, expert_ffn_oai,
            one_expert_oai)  # + SMALL_OPS
-_warm = False
 
 
-# The signatures a forward uses (tests/test_cpu_backend.py::test_no_compile_in_a_forward_pass).
+# -- the kernels of a file's types -----------------------------------------------------------
+# A cold compile of the products for every type took 84-127 s on the 2-core VM (each product
+# holds every type's dot code); for one file's two types (the shipped model: Q8_0, F32) about
+# 10 s of one core. So a backend takes the products compiled for its file's types: the same
+# source, with the dot products' `if qt == ...` chain cut to those types, each type's code
+# the all-types kernel's bit for bit (tests/test_first_token.py).
+
+PRODUCTS = ("matmul", "matmul_serial", "matmul3", "get_rows", "expert_ffn", "expert_ffn_oai")
+
+
+def _clone(kernel, env: dict, tag: str):
+    """`kernel`'s code compiled against the module's globals with `env` over them, cached on disk
+    under its own name (`<name>__<tag>`: numba's index is by module, name and line)."""
+    py = kernel.py_func
+    f = pytypes.FunctionType(py.__code__, dict(py.__globals__, **env), py.__name__, py.__defaults__, py.__closure__)
+    f.__qualname__ = f"{py.__qualname__}__{tag}"
+    f.__doc__ = py.__doc__
+    return njit(cache=True, **{k: v for k, v in kernel.targetoptions.items() if k != "nopython"})(f)
+
+
+def _typed(names: tuple[str, ...]) -> dict:
+    """The products (and the helpers they call) of PRODUCTS with the dispatch cut to `names`."""
+    tag = "_".join(n.lower() for n in names)
+    last = names[-1]
+    env = {d: _dispatch(_outlined(table, a), a, f"{d} of the types {tag}.", names, last)
+           for d, table, a in (("dot1", DOT1, _A1), ("dot2", DOT2, _A2), ("dot4", DOT4, _A4), ("dot8", DOT8, _A8))}
+    env["decode_row"] = _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)
+    for helper in (matmul_rows, one_expert, one_expert_oai):  # (each after what it calls)
+        env[helper.py_func.__name__] = _clone(helper, env, tag)
+    return {name: _clone(globals()[name], env, tag) for name in PRODUCTS}
+
+
+# Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
+WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
+              "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
+                                                            "route", "routed_rows")}
+# What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
+# were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
+# 32-45), 3.5 for the small ops whatever the types.
+SMALL_COST, PART_COST, TYPE_COST = 3.5, 2.0, 1.6
+
+
+class Kernels:
+    """The kernels one backend calls: the products compiled for `names` (quant type names; None:
+    every type, the module's own kernels) and the small ops, which every file shares. `parts`
+    (of WARM_PARTS) are what `warm_up` loads and `fill_cache` compiles: a file without experts
+    needs no expert kernel."""
+
+    LUT, M, SERIAL_WORK = LUT, M, SERIAL_WORK
+
+    def __init__(self, names=None, parts: tuple[str, ...] = tuple(WARM_PARTS)):
+        self.names = tuple(n for n in _ORDER if names is None or n in names) or ("F32",)
+        self.everything = names is None
+        self.parts = tuple(p for p in WARM_PARTS if p in parts)
+        self.SUPPORTED = frozenset(SUPPORTED) if self.everything else frozenset(
+            QTYPES_BY_NAME[n].type_id for n in self.names) & SUPPORTED
+        own = globals() if self.everything else _typed(self.names)
+        for name in PRODUCTS + WARM_PARTS["small"]:
+            setattr(self, name, own[name] if name in own else globals()[name])
+        self._warm = False
+
+    def kernels(self, parts=None) -> list:
+        """The dispatchers of `parts` (default: this set's), each once."""
+        return [getattr(self, n) for p in (parts or self.parts) for n in WARM_PARTS[p]]
+
+    def cold_parts(self) -> tuple[str, ...]:
+        """The parts some kernel of which numba's disk cache lacks (none once this set is loaded)."""
+        if self._warm:
+            return ()
+        return tuple(p for p in self.parts if not all(_cached(k) for k in self.kernels((p,))))
+
+    def cache_is_cold(self) -> bool:
+        return bool(self.cold_parts())
+
+    def fill_cache(self) -> float:
+        """Compile the cold parts into numba's disk cache, side by side: groups of parts balanced
+        by COST, one per core; this process compiles the first group, worker processes the
+        others. Returns the seconds spent."""
+        import subprocess
+        import sys
+        import time
+
+        cold = self.cold_parts()
+        if not cold:
+            return 0.0
+        t0 = time.perf_counter()
+        groups = [[] for _ in range(min(os.cpu_count() or 1, len(cold)))]
+        load = [0.0] * len(groups)
+        for p in sorted(cold, key=self._cost, reverse=True):  # longest first, onto the least loaded
+            g = load.index(min(load))
+            groups[g].append(p)
+            load[g] += self._cost(p)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        code = ("import sys; from onebit.backends import cpu_kernels as K; names = sys.argv[1]; "
+                "K.Kernels(None if names == '*' else names.split(','), tuple(sys.argv[2:])).warm_up()")
+        names = "*" if self.everything else ",".join(self.names)
+        procs = []
+        try:
+            for g in groups[1:]:
+                try:
+                    procs.append(subprocess.Popen([sys.executable, "-c", code, names, *g], env=env,
+                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL))
+                except OSError:  # no interpreter to start: warm_up compiles in this process instead
+                    break
+            self._warm_parts(groups[0])
+            for p in procs:
+                p.wait()  # a part that failed is compiled again by warm_up, which reports it
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return time.perf_counter() - t0
+
+    def _cost(self, part: str) -> float:
+        return SMALL_COST if part == "small" else PART_COST + TYPE_COST * len(self.names)
+
+    def warm_up(self) -> tuple[float, int]:
+        """Load every kernel of this set now (compiling it the first time on this machine), so
+        that no compile lands in a forward pass. Returns (seconds, kernels compiled rather than
+        loaded)."""
+        import time
+
+        if self._warm:
+            return 0.0, 0
+        t0 = time.perf_counter()
+        kernels = self.kernels()
+        before = sum(len(k.stats.cache_misses) for k in kernels)
+        self._warm_parts(self.parts)
+        self._warm = True
+        return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in kernels) - before
+
+    def _warm_parts(self, parts) -> None:
+        """Call the kernels of `parts` once, on tiny arguments of a forward's signatures."""
+        qt = QTYPES_BY_NAME[self.names[0]]
+        n = max(W, qt.block_size)  # one block (32 weights of a float type)
+        x = np.zeros((1, n), np.float32)
+        w = _ro(np.zeros((2, n // qt.block_size * qt.type_size), np.uint8))  # [2 rows, row bytes]
+        h = _ro(np.zeros((1, n, w.shape[1]), np.uint8))  # one expert, hidden = dim = n
+        ids, offs, one = np.zeros(1, np.int64), np.array([0, 1], np.int64), np.ones(1, np.float32)
+        t = qt.type_id
+        for part in parts:
+            if part == "dense":
+                self.matmul(np.empty((1, 2), np.float32), x, w, t)
+                self.matmul_serial(np.empty((1, 2), np.float32), x, w, t)
+            elif part == "fused":
+                self.matmul3(np.empty((1, 6), np.float32), x, w, w, w, t, t, t)
+                self.get_rows(np.empty((1, n), np.float32), w, ids, t, LUT, M)
+            elif part == "experts":
+                self.expert_ffn(np.zeros((1, n), np.float32), x, h, h, h, ids, offs, ids, one, t, t, t)
+            elif part == "experts_oai":
+                b = _ro(np.zeros((1, n), np.float32))
+                self.expert_ffn_oai(np.zeros((1, n), np.float32), x, h, h, h, ids, ids, offs, ids, one, t, t, t,
+                                    b, b, b, 1.702, 7.0)
+            else:
+                _warm_small()
+
+
+def parts_for(gguf) -> tuple[str, ...]:
+    """The WARM_PARTS a forward of this file calls."""
+    names = gguf.tensors.keys()
+    experts = any("_exps.weight" in n for n in names)
+    oai = any(n.endswith("ffn_gate_exps.bias") for n in names)
+    return ("dense", "fused", "small") + ("experts",) * experts + ("experts_oai",) * oai
+
+
+def kernels_for(gguf) -> Kernels:
+    """The kernels for this file: those of its own quant types when numba's disk cache holds
+    them or when it holds no all-types set either (a fresh machine compiles only what the file
+    needs); else the all-types kernels (a machine that compiled them, such as the test suite's)."""
+    names = {t.type_name for t in gguf.tensors.values() if len(t.shape) > 1 and t.qtype in SUPPORTED}
+    parts = parts_for(gguf)
+    own = Kernels(names, parts)
+    if own.cache_is_cold():
+        every = Kernels(None, parts)
+        if not every.cache_is_cold():
+            return every
+    return own
+
+
 def _ro(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
-
-
-def _inputs():
-    """Tiny arguments of the kernels' forward signatures: x [1, 32] f32, one Q8_0 matrix w [2
-    rows], one expert h (hidden 32, dim 32), routing ids and offsets (read-only where a forward's are)."""
-    return (np.zeros((1, 32), np.float32), _ro(np.zeros((2, 34), np.uint8)), _ro(np.zeros((1, 32, 34), np.uint8)),
-            np.zeros(1, np.int64), np.array([0, 1], np.int64))
-
-
-def _warm_dense():
-    x, w, _, _, _ = _inputs()
-    matmul(np.empty((1, 2), np.float32), x, w, Q8_0)
-    matmul_serial(np.empty((1, 2), np.float32), x, w, Q8_0)
-
-
-def _warm_fused():
-    x, w, _, ids, _ = _inputs()
-    matmul3(np.empty((1, 6), np.float32), x, w, w, w, Q8_0, Q8_0, Q8_0)
-    get_rows(np.empty((1, 32), np.float32), w, ids, Q8_0, LUT, M)
-
-
-def _warm_experts():
-    x, _, h, ids, offs = _inputs()
-    expert_ffn(np.zeros((1, 32), np.float32), x, h, h, h, ids, offs, ids, np.ones(1, np.float32), Q8_0, Q8_0, Q8_0)
-
-
-def _warm_experts_oai():
-    x, _, h, ids, offs = _inputs()
-    b = _ro(np.zeros((1, 32), np.float32))
-    expert_ffn_oai(np.zeros((1, 32), np.float32), x, h, h, h, ids, ids, offs, ids, np.ones(1, np.float32),
-                   Q8_0, Q8_0, Q8_0, b, b, b, 1.702, 7.0)
 
 
 def _warm_small():
@@ -1142,16 +1339,6 @@ def _warm_small():
     routed_rows(ids2, w2, 32)
 
 
-# Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
-# CPU seconds of a cold compile on the 2-core VM: matmul + matmul_serial 45, matmul3 + get_rows
-# + the small ops 44, expert_ffn 45, expert_ffn_oai 32, each counting matmul_rows, which all
-# but get_rows call (each process compiles it for itself while the cache does not have it).
-WARM_PARTS = {"dense": (_warm_dense,), "fused": (_warm_fused, _warm_small), "experts": (_warm_experts,),
-              "experts_oai": (_warm_experts_oai,)}
-# ... and in twos where there are fewer cores than parts.
-WARM_PAIRS = (("dense", "fused"), ("experts", "experts_oai"))
-
-
 def _cached(kernel) -> bool:
     """Whether numba's disk cache holds compiled code of `kernel` for this source (an index made
     before this file last changed, e.g. by an upgrade, counts as empty: numba compiles again)."""
@@ -1161,60 +1348,19 @@ def _cached(kernel) -> bool:
         return True
 
 
+EVERY = Kernels()  # the all-types kernels (tests, benches and the test suite's cache fill)
+
+
 def cache_is_cold() -> bool:
-    """Whether some kernel has never been compiled on this machine (no disk cache yet); never
-    once this process has loaded them all."""
-    return not _warm and not all(_cached(k) for k in KERNELS + SMALL_OPS)
+    """Whether some all-types kernel has never been compiled on this machine."""
+    return EVERY.cache_is_cold()
 
 
 def fill_cache() -> float:
-    """Compile every kernel into numba's disk cache, the parts in worker processes side by side
-    (measured on the 2-core VM: 84 s in two processes against 167 s in one; with four cores or
-    more the four parts run at once, not measured). Does nothing when every kernel already has
-    its cache. Returns the seconds spent."""
-    import subprocess
-    import sys
-    import time
-
-    if not cache_is_cold():
-        return 0.0
-    t0 = time.perf_counter()
-    groups = [(p,) for p in WARM_PARTS] if (os.cpu_count() or 1) >= len(WARM_PARTS) else list(WARM_PAIRS)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    code = "import sys; from onebit.backends import cpu_kernels as K; K.warm_up(tuple(sys.argv[1:]))"
-    procs = []
-    try:
-        for g in groups:
-            try:
-                procs.append(subprocess.Popen([sys.executable, "-c", code, *g], env=env, stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            except OSError:  # no interpreter to start: warm_up compiles in this process instead
-                break
-        for p in procs:
-            p.wait()  # a part that failed is compiled again in the caller's process, which reports it
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return time.perf_counter() - t0
+    """Compile every all-types kernel into numba's disk cache (Kernels.fill_cache)."""
+    return EVERY.fill_cache()
 
 
-def warm_up(parts: tuple[str, ...] = tuple(WARM_PARTS)) -> tuple[float, int]:
-    """Load every kernel now (compiling it the first time on this machine), so that no
-    compile lands in a forward pass. Returns (seconds, kernels compiled rather than loaded).
-    `parts` (names of WARM_PARTS) loads only those groups."""
-    global _warm
-    import time
-
-    if _warm:
-        return 0.0, 0
-    t0 = time.perf_counter()
-    kernels = KERNELS + SMALL_OPS
-    before = sum(len(k.stats.cache_misses) for k in kernels)
-    for part in parts:
-        for fn in WARM_PARTS[part]:
-            fn()
-    _warm = set(parts) == set(WARM_PARTS)
-    return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in kernels) - before
+def warm_up() -> tuple[float, int]:
+    """Load every all-types kernel now (Kernels.warm_up)."""
+    return EVERY.warm_up()

@@ -1,0 +1,134 @@
+"""The first use of the cpu backend on a fresh machine compiles only what the file needs.
+
+The products (matmul, matmul3, get_rows, the expert FFNs) are compiled for the file's quant
+types (`cpu_kernels.Kernels`): the all-types kernels' source with the type dispatch cut, which
+must give the all-types kernels' bits. Compile cost is judged by what numba compiled and
+cached (dispatcher signatures, cache files), never by time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conftest import fixture_path
+from onebit.backends import cpu_kernels as K
+from onebit.backends.cpu import CpuBackend
+from onebit.backends.vulkan.reference import random_blocks
+from onebit.gguf_file import GGUFFile
+from onebit.quants import QTYPES_BY_NAME
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_fresh_machine_compiles_only_the_files_types(tmp_path):
+    """An empty numba cache (a fresh machine) and a Q8_0 file: the backend compiles the Q8_0 +
+    F32 products and the small ops, and nothing of any other type: the all-types kernels
+    (which hold every type's code, Q4_K's among them) are never compiled or loaded, and the
+    disk cache holds only kernels of that set. A forward then compiles nothing more (prompt,
+    decode, and the streamed experts of a pool)."""
+    code = f"""
+import os, numpy as np, onebit
+from onebit.backends import cpu_kernels as K
+m = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu")
+assert m.be.K.names == ("Q8_0", "F32"), m.be.K.names
+assert m.be.K.parts == ("dense", "fused", "experts", "small"), m.be.K.parts
+kernels = m.be.K.kernels()
+before = [len(k.signatures) for k in kernels]
+assert all(before), [k.__name__ for k, n in zip(kernels, before) if not n]
+cache = m.new_cache()
+m.net.forward(np.arange(1, 12), cache)
+for t in range(3):
+    m.net.forward(np.array([t + 1]), cache)
+s = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu", slots=4)
+s.logits([1, 2, 3])
+assert before == [len(k.signatures) for k in kernels], "a forward compiled"
+every = [getattr(K, n) for n in K.PRODUCTS] + [K.matmul_rows, K.one_expert, K.one_expert_oai]
+assert not any(k.signatures or k.stats.cache_misses or k.stats.cache_hits for k in every)
+names = sorted(f for _, _, fs in os.walk(os.environ["NUMBA_CACHE_DIR"]) for f in fs if f.endswith(".nbi"))
+small = {{k.__name__ for k in K.SMALL_OPS}} | {{"_attend"}}
+assert all("__q8_0_f32-" in f or f.split(".")[1].split("-")[0] in small for f in names), names
+assert any("expert_ffn__q8_0_f32" in f for f in names) and not any("oai__" in f for f in names), names
+print("ok")
+"""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert "compiling the cpu kernels for Q8_0, F32" in r.stderr  # said before it happens
+
+
+def ro(a):
+    a = np.ascontiguousarray(a).view()
+    a.flags.writeable = False
+    return a
+
+
+def test_kernels_of_some_types_give_the_all_types_bits():
+    """Kernels(("Q8_0", "IQ4_NL")): a plain type (its dot inlined) and a codebook type (an
+    outlined dot, an IR decoder): get_rows, matmul (1, 3 and 9 rows), matmul3 mixing the two,
+    and the expert FFN give exactly the all-types kernels' bits."""
+    k = K.Kernels(("Q8_0", "IQ4_NL"))
+    assert k.names == ("Q8_0", "IQ4_NL") and k.SUPPORTED == {QTYPES_BY_NAME[n].type_id for n in k.names}
+    rng = np.random.default_rng(34)
+    for name in k.names:
+        qt = QTYPES_BY_NAME[name].type_id
+        n = 96
+        w = ro(random_blocks(name, (40, n), rng))
+        ids = np.array([3, 0, 39, 3], np.int64)
+        pairs = []
+        for kern in (k, K):
+            out = np.full((4, n), np.nan, np.float32)
+            kern.get_rows(out, w, ids, qt, K.LUT, K.M)
+            pairs.append([out])
+        for R in (1, 3, 9):
+            x = rng.standard_normal((R, n)).astype(np.float32)
+            for got, kern in zip(pairs, (k, K)):
+                out = np.full((R, 40), np.nan, np.float32)
+                kern.matmul(out, x, w, qt)
+                got.append(out)
+        other = [o for o in k.names if o != name][0]
+        w2 = ro(random_blocks(other, (24, n), rng))
+        x = rng.standard_normal((5, n)).astype(np.float32)
+        for got, kern in zip(pairs, (k, K)):
+            out = np.full((5, 104), np.nan, np.float32)
+            kern.matmul3(out, x, w, w2, w, qt, QTYPES_BY_NAME[other].type_id, qt)
+            got.append(out)
+        E, R, top = 6, 11, 3
+        gate, up, down = (ro(random_blocks(name, (E, n, n), rng)) for _ in range(3))
+        x = rng.standard_normal((R, n)).astype(np.float32)
+        chosen = np.stack([rng.choice(E, top, replace=False) for _ in range(R)])
+        experts, offs, rows, rw = CpuBackend.routed_rows(chosen, rng.random((R, top)).astype(np.float32), E)
+        for got, kern in zip(pairs, (k, K)):
+            out = np.zeros_like(x)
+            with np.errstate(over="ignore"):
+                kern.expert_ffn(out, x, gate, up, down, experts, offs, rows, rw, qt, qt, qt)
+            got.append(out)
+        mine, want = pairs
+        assert not np.isnan(np.concatenate([a.ravel() for a in want])).all()
+        for i, (a, b) in enumerate(zip(mine, want)):
+            assert a.tobytes() == b.tobytes(), (name, i)
+
+
+def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path):
+    """The choice, from what the disk cache holds: the file's own set when cached or when the
+    all-types kernels are not (a fresh machine); the all-types kernels when only they are
+    cached (this test suite's machine: conftest compiled them). A tensor of a type outside
+    the set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
+    m = GGUFFile(fixture_path("q3moe256-Q4_K_M.gguf"))
+    k = K.kernels_for(m)
+    assert k.everything and k.SUPPORTED == K.SUPPORTED  # all-types: cached by conftest, own set not
+    own = K.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
+    assert own.names == ("Q4_K", "Q6_K", "F32") and QTYPES_BY_NAME["Q8_0"].type_id not in own.SUPPORTED
+    code = f"""
+from onebit.gguf_file import GGUFFile
+from onebit.backends import cpu_kernels as K
+k = K.kernels_for(GGUFFile({str(fixture_path("q3moe256-Q4_K_M.gguf"))!r}))
+print(k.everything, k.names, k.cold_parts())
+"""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert r.stdout.split("\n")[0] == "False ('Q4_K', 'Q6_K', 'F32') ('dense', 'fused', 'experts', 'small')", r
