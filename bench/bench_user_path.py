@@ -67,6 +67,30 @@ def generate(m, prompt: np.ndarray, n: int, lookup: int = 0) -> float:
     return last.generation_tps
 
 
+class ForwardTimer:
+    """Counts the calls of net.forward and the seconds spent inside them (wraps the method)."""
+
+    def __init__(self, net):
+        self.net, self.inner = net, net.forward
+        self.reset()
+
+        def forward(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return self.inner(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        net.forward = forward
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def close(self) -> None:
+        del self.net.forward  # (the instance attribute: the class's method again)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(Path(onebit.__file__).parent / "data" / "default.gguf"))
@@ -82,17 +106,25 @@ def main() -> None:
     for f in ways.values():  # one unmeasured run each (first-use costs)
         f(m, prompt, 8)
     got = {k: [] for k in ways}
+    host = {k: [] for k in ways}  # seconds per token outside net.forward
+    timer = ForwardTimer(m.net)
     names = list(ways)
     for r in range(args.rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
+            timer.reset()
+            t0 = time.perf_counter()
             got[k].append(ways[k](m, prompt, args.tokens))
+            host[k].append((time.perf_counter() - t0 - timer.seconds) / timer.calls)
+    timer.close()
     base = statistics.median(got["raw"])
     print(f"{args.model} ({m.be.name}), {PROMPT}-token prompt, {args.tokens} decode tokens, {args.rounds} rounds")
-    print(f"{'path':16s} {'tok/s':>8s} {'/ raw':>7s} {'median of round ratios':>24s}")
+    print(f"{'path':16s} {'tok/s':>8s} {'/ raw':>7s} {'median of round ratios':>24s} {'host us / forward':>18s}")
     for k in names:
         ratios = [v / b for v, b in zip(got[k], got["raw"])]
         print(f"{k:16s} {statistics.median(got[k]):8.1f} {statistics.median(got[k]) / base:7.3f} "
-              f"{statistics.median(ratios):24.3f}")
+              f"{statistics.median(ratios):24.3f} {1e6 * statistics.median(host[k]):18.1f}")
+    print("(host us / forward: the whole call's time outside net.forward, prompt pass and setup included, "
+          "per forward)")
     if args.profile:
         import cProfile
         import pstats

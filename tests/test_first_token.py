@@ -73,6 +73,7 @@ def test_kernels_of_some_types_give_the_all_types_bits():
     and the expert FFN give exactly the all-types kernels' bits."""
     k = K.Kernels(("Q8_0", "IQ4_NL"))
     assert k.names == ("Q8_0", "IQ4_NL") and k.SUPPORTED == {QTYPES_BY_NAME[n].type_id for n in k.names}
+    assert K.Kernels({"IQ4_NL", "Q8_0"}).matmul is k.matmul  # one set of dispatchers per process
     rng = np.random.default_rng(34)
     for name in k.names:
         qt = QTYPES_BY_NAME[name].type_id

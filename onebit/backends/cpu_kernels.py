@@ -1160,8 +1160,10 @@ def _clone(kernel, env: dict, tag: str):
     return njit(cache=True, **{k: v for k, v in kernel.targetoptions.items() if k != "nopython"})(f)
 
 
+@cache
 def _typed(names: tuple[str, ...]) -> dict:
-    """The products (and the helpers they call) of PRODUCTS with the dispatch cut to `names`."""
+    """The products (and the helpers they call) of PRODUCTS with the dispatch cut to `names`
+    (one set of dispatchers per process: a second load of a file reuses the compiled code)."""
     tag = "_".join(n.lower() for n in names)
     last = names[-1]
     env = {d: _dispatch(_outlined(table, a), a, f"{d} of the types {tag}.", names, last)
@@ -1301,11 +1303,12 @@ class Kernels:
 
 
 def parts_for(gguf) -> tuple[str, ...]:
-    """The WARM_PARTS a forward of this file calls."""
+    """The WARM_PARTS a forward of this file calls (gpt-oss's experts, with their biases, only
+    the clamped-SwiGLU kernel)."""
     names = gguf.tensors.keys()
     experts = any("_exps.weight" in n for n in names)
     oai = any(n.endswith("ffn_gate_exps.bias") for n in names)
-    return ("dense", "fused", "small") + ("experts",) * experts + ("experts_oai",) * oai
+    return ("dense", "fused", "small") + (("experts_oai",) if oai else ("experts",) if experts else ())
 
 
 def kernels_for(gguf) -> Kernels:
