@@ -6,12 +6,14 @@ For every type of each set (default: the shipped model's Q8_0 + F32, the nine pl
 MORE_TYPES with F32), fresh random blocks go through get_rows, matmul (1, 2, 3, 4, 5, 8, 13
 rows), matmul_serial, matmul3 (two types of the set) and the expert FFNs (plain and gpt-oss),
 each called once through `Kernels(set)` and once through the all-types kernels; every output
-must be equal bit for bit ('*' as a set: this file's all-types kernels themselves). With --old PATH (a cpu_kernels.py of another revision, e.g.
-`git show main:onebit/backends/cpu_kernels.py > /tmp/old_kernels.py`), the all-types kernels of
-that file are the reference instead (it is loaded as onebit.backends._old_kernels), and the
-small ops are compared with that file's too. Minutes of
-compile on a cold cache (the all-types kernels are compiled unless cached): run under nice.
-Prints one line per set and type, exits 1 on any difference.
+must be equal bit for bit ('*' as a set: this file's all-types kernels themselves).
+
+With --old PATH (a cpu_kernels.py of another revision, e.g. `git show
+main:onebit/backends/cpu_kernels.py > /tmp/old_kernels.py`), the all-types kernels of that
+file are the reference instead (loaded as onebit.backends._old_kernels), and the small ops
+are compared with that file's too. Minutes of compile on a cold cache (the all-types kernels
+are compiled unless cached): run under nice. Prints one line per set and type, exits 1 on
+any difference.
 """
 
 from __future__ import annotations

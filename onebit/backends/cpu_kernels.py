@@ -14,8 +14,10 @@ Threads split output rows, or whole experts (`prange`); each output element is w
 thread in a fixed order, so results do not depend on the thread count or on where the bytes
 live (file map or a streaming pool's slot). A decode token runs about 3 parallel regions per
 layer (q/k/v, attention output, experts); smaller products and the small ops run serially.
-Compiled once per machine and cached on disk (cache=True); `warm_up` loads every signature a
-forward uses when the backend opens.
+Compiled once per machine and cached on disk (cache=True). A backend takes `kernels_for(file)`:
+the products compiled for the file's quant types only (`Kernels`; the all-types kernels below
+when only they are cached), whose `warm_up` loads every signature a forward uses when the
+backend opens.
 """
 
 from __future__ import annotations
@@ -1142,10 +1144,11 @@ KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, on
 
 # -- the kernels of a file's types -----------------------------------------------------------
 # A cold compile of the products for every type took 84-127 s on the 2-core VM (each product
-# holds every type's dot code); for one file's two types (the shipped model: Q8_0, F32) about
-# 10 s of one core. So a backend takes the products compiled for its file's types: the same
-# source, with the dot products' `if qt == ...` chain cut to those types, each type's code
-# the all-types kernel's bit for bit (tests/test_first_token.py).
+# holds every type's dot code); for one file's two types (the shipped model: Q8_0, F32), with
+# the small ops, about 13 s of CPU. So a backend takes the products compiled for its file's
+# types: the same source, with the dot products' and decode_row's `if qt == ...` chains cut to
+# those types, each type's code the all-types kernel's bit for bit (tests/test_first_token.py;
+# every type: tools/check_kernel_bits.py).
 
 PRODUCTS = ("matmul", "matmul_serial", "matmul3", "get_rows", "expert_ffn", "expert_ffn_oai")
 
@@ -1218,8 +1221,8 @@ class Kernels:
 
     def fill_cache(self) -> float:
         """Compile the cold parts into numba's disk cache, side by side: groups of parts balanced
-        by COST, one per core; this process compiles the first group, worker processes the
-        others. Returns the seconds spent."""
+        by their cost (`_cost`), one per core; this process compiles the first group, worker
+        processes the others. Returns the seconds spent."""
         import subprocess
         import sys
         import time
