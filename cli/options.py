@@ -31,6 +31,9 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
         choose_device(list_devices(), device)
     m = onebit.load(path, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget,
                     pool_policy=policy, predict=predict, device=device)
+    import sys
+
+    sys.stderr.write(f"onebit: {m.decision}\n")  # what the memory plan chose, in one line
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 

@@ -19,7 +19,6 @@ from .models.base import check_ids
 from .sample import make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
-DEFAULT_CONTEXT = 4096
 log = logging.getLogger("onebit")
 
 
@@ -36,14 +35,12 @@ class Model:
         cfg = cls.config(self.gguf)
         if n_ctx is not None and n_ctx < 1:
             raise UsageError(f"context length must be >= 1, got {n_ctx}")
-        self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, cfg.context_length)
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
         self.template_kwargs: dict = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
         from .memory.guard import MemoryGuard
 
         self.guard = MemoryGuard()  # checked every generated token
         self.backend_asked = backend
-        planned = slots is not None or budget is not None
         # The load path: file -> config -> plan -> expert source -> backend -> network. One
         # fallback rule: a backend that cannot run here (or cannot run this model) gives way to
         # the next fastest that can, said in one line.
@@ -51,13 +48,18 @@ class Model:
         for i, name in enumerate(order):
             try:
                 with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
-                    self.plan, self.pool, self.be = self._open(name, cfg, planned, slots, budget, pool_policy,
+                    self.plan, self.pool, self.be = self._open(name, cfg, n_ctx, slots, budget, pool_policy,
                                                                _predicted_layers(cfg, predict), device)
+                    self.context_length = self.plan.ctx
+                    # a streamed plan allocates its KV cache up front, as planned (a resident
+                    # load grows it as the context fills, so a short chat holds little)
+                    held = self.pool is not None or slots is not None or budget is not None
                     try:
-                        # under a memory plan the KV cache is allocated up front, as planned
-                        self.net = cls(self.gguf, self.be, cfg, self.context_length if planned else 0)
+                        self.net = cls(self.gguf, self.be, cfg, self.context_length if held else 0)
                     except BaseException:
                         self.be.close()
+                        if self.pool is not None:
+                            self.pool.close()
                         raise
                 break
             except BackendUnavailableError as e:
@@ -65,6 +67,7 @@ class Model:
                     raise
                 sys.stderr.write(f"onebit: warning: {e}; using the {order[i + 1]} backend\n")
                 log.info("backend %s unavailable, using %s: %s", name, order[i + 1], e)  # (stderr has it already)
+        self.decision = self.plan.decision  # one line: resident or streamed, the context, the budget
         self.cfg = self.net.cfg
         self.predictor = None
         if predict is not None:
@@ -76,12 +79,15 @@ class Model:
         # what `chat` renders with when the file has no template
         self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
 
-    def _open(self, name: str, cfg, planned: bool, slots, budget, policy, predicted: str, device):
-        """(plan, pool, backend) for backend `name`: memory planned first where asked (a plan
-        that does not fit is refused), routed experts streamed through a pool when fewer
-        slots than experts fit, the pool's slots in device memory on Vulkan."""
+    def _open(self, name: str, cfg, n_ctx, slots, budget, policy, predicted: str, device):
+        """(plan, pool, backend) for backend `name`. Memory is planned on every load, against
+        the detected budget or the one given (memory.plan.plan_load: the same plan `onebit
+        plan` prints): routed experts stream through a pool when they do not all fit with
+        margin, the pool's slots in device memory on Vulkan. A plan that does not fit is
+        refused when a budget, slots or a context were asked for; with none of them the load
+        goes ahead with what the plan chose (the most it can) and says so in one line."""
         from .memory.budget import detect_budget
-        from .memory.plan import PlanError, make_plan
+        from .memory.plan import PlanError, plan_load
         from .memory.pool import ExpertPool
 
         dev = limits = None
@@ -90,16 +96,18 @@ class Model:
             from .memory.budget import vulkan_limits
 
             dev = default_device(device)  # (a device that cannot open: VulkanUnavailableError)
-            limits = vulkan_limits(device) if planned else None
-        plan = None
-        if planned:
-            plan = make_plan(self.gguf, cfg, detect_budget(budget, **(limits or {})), ctx=self.context_length,
-                             layers=predicted, slots="auto" if slots is None else slots)
-            if not plan.fits:
+            limits = vulkan_limits(device)
+        plan = plan_load(self.gguf, cfg, detect_budget(budget, **(limits or {})), ctx=n_ctx, layers=predicted,
+                         slots=slots, backend=name)
+        if not plan.fits:
+            if slots is not None or budget is not None or n_ctx is not None:
                 raise PlanError(plan)
+            sys.stderr.write(f"onebit: warning: {self.path} does not fit the memory budget (needs at least "
+                             f"{_gib(plan.total)} GiB, {_gib(plan.budget.bytes)} GiB left): loading anyway, "
+                             "expect paging; see `onebit plan`\n")
         pool = arrays = None
         try:
-            if plan is not None and plan.streaming:
+            if plan.streaming:
                 if name == "vulkan":  # slots in mapped device buffers the expert kernels read
                     from .backends.vulkan.slots import SlotArrays
 
@@ -243,6 +251,10 @@ class Model:
                                    stop=stop, cache=cache, hook=hook,
                                    lookup=lookup_budget(lookup, default=0 if hook is not None else DEFAULT_DRAFTS),
                                    lookup_stats=lookup_stats)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def _host_backend(gguf, pool=None):
