@@ -301,7 +301,8 @@ def plan(
     model: Optional[str] = MODEL_ARG,
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length to plan the KV cache for (default: as a "
                                                           "load picks it: min(model's, 4096), less when streaming)."),
-    layers: str = typer.Option("", "--layers", help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9."),
+    layers: str = typer.Option("", "--layers", help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9 "
+                                                    "(default: as a load does: every MoE layer when streaming)."),
     slots: str = typer.Option("auto", "--slots", help="Expert slots: a number, or auto (what fits)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
@@ -331,7 +332,7 @@ def plan(
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
-                  verify_rows=verify_rows, backend=name)
+                  verify_rows=verify_rows, backend=name, predict_when_streaming=not layers)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 

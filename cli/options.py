@@ -112,7 +112,9 @@ CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(m
 
 
 PREDICT = typer.Option(None, "--moe-predict", help="Routing prediction feeding the expert pool's prefetch: "
-                                                    "off, router or block (default $ONEBIT_MOE_PREDICT or off).")
+                                                    "auto, off, router or block (default $ONEBIT_MOE_PREDICT, else "
+                                                    "auto: block when experts stream, the gate turning it off "
+                                                    "where it does not pay; off when every expert is resident).")
 
 
 P_DEPTH = typer.Option(None, "--moe-predict-depth", help="Rank this many candidates per layer (default top-k).")

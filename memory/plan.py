@@ -274,7 +274,8 @@ def _item(items: list[PlanItem], component: str) -> int:
 
 
 def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
-              slots: str | int | None = None, verify_rows: int = 8, backend: str = "cpu") -> MemoryPlan:
+              slots: str | int | None = None, verify_rows: int = 8, backend: str = "cpu",
+              predict_when_streaming: bool = False) -> MemoryPlan:
     """The plan a load follows (`onebit.load`, chat, generate, bench, serve) and `onebit plan`
     prints: the same function, so they agree.
 
@@ -289,8 +290,18 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
       grows with the share of experts in slots (bench/results/issue33-scale.md has the
       cache-sim figures), so context past what a user asked for is paid in decode speed.
     - `ctx` given: kept as asked; a plan that cannot fit it is refused by the caller (PlanError).
+    - `predict_when_streaming`: routing prediction is on when the plan streams (a load's
+      default): a streamed plan reserves every MoE layer's prediction scratch.
     `decision` says what was chosen in one line.
     """
+    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend)
+    if predict_when_streaming and plan.streaming and not layers:
+        every = ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
+        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, backend)
+    return plan
+
+
+def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend) -> MemoryPlan:
     if slots is not None and slots != "auto":
         plan = make_plan(g, cfg, budget, ctx=ctx if ctx is not None else _default_ctx(cfg), layers=layers,
                          slots=slots, verify_rows=verify_rows, backend=backend)

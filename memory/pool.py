@@ -163,7 +163,7 @@ class _Reader:
 
 class ExpertPool:
     def __init__(self, gguf, classes: list[SizeClass], slots: list[int], policy: str = "global",
-                 readers: int = READERS, direct: bool = True,
+                 readers: Optional[int] = None, direct: bool = True,
                  allocate: Optional[Callable[[tuple], np.ndarray]] = None):
         """allocate(shape) -> a writable uint8 array of that shape for one part's slots (e.g. a
         mapped device buffer a kernel reads, see vulkan.backend.SlotArrays); numpy memory if None."""
@@ -225,7 +225,7 @@ class ExpertPool:
         self.seq = itertools.count()
         self.closed = False
         self.threads = [threading.Thread(target=self._work, daemon=True, name=f"expert-reader-{i}")
-                        for i in range(max(1, readers))]
+                        for i in range(max(1, READERS if readers is None else readers))]
         for t in self.threads:
             t.start()
 

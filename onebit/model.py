@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -48,8 +49,8 @@ class Model:
         for i, name in enumerate(order):
             try:
                 with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
-                    self.plan, self.pool, self.be = self._open(name, cfg, n_ctx, slots, budget, pool_policy,
-                                                               _predicted_layers(cfg, predict), device)
+                    self.plan, self.pool, self.be, predict = self._open(name, cfg, n_ctx, slots, budget,
+                                                                        pool_policy, predict, device)
                     self.context_length = self.plan.ctx
                     # a streamed plan allocates its KV cache up front, as planned (a resident
                     # load grows it as the context fills, so a short chat holds little)
@@ -70,7 +71,7 @@ class Model:
         self.decision = self.plan.decision  # one line: resident or streamed, the context, the budget
         self.cfg = self.net.cfg
         self.predictor = None
-        if predict is not None:
+        if predict.on:
             self.set_predict(predict)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
@@ -79,8 +80,10 @@ class Model:
         # what `chat` renders with when the file has no template
         self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
 
-    def _open(self, name: str, cfg, n_ctx, slots, budget, policy, predicted: str, device):
-        """(plan, pool, backend) for backend `name`. Memory is planned on every load, against
+    def _open(self, name: str, cfg, n_ctx, slots, budget, policy, predict, device):
+        """(plan, pool, backend, prediction settings) for backend `name`; prediction "auto"
+        resolves to block where experts stream (its gate turns it off where it does not pay)
+        and off where every expert is resident. Memory is planned on every load, against
         the detected budget or the one given (memory.plan.plan_load: the same plan `onebit
         plan` prints): routed experts stream through a pool when they do not all fit with
         margin, the pool's slots in device memory on Vulkan. A plan that does not fit is
@@ -97,8 +100,15 @@ class Model:
 
             dev = default_device(device)  # (a device that cannot open: VulkanUnavailableError)
             limits = vulkan_limits(device)
-        plan = plan_load(self.gguf, cfg, detect_budget(budget, **(limits or {})), ctx=n_ctx, layers=predicted,
-                         slots=slots, backend=name)
+        from .moe.predict import as_settings
+
+        predict = as_settings(predict)
+        auto = predict.mode == "auto"
+        b = detect_budget(budget, **(limits or {}))
+        plan = plan_load(self.gguf, cfg, b, ctx=n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
+                         slots=slots, backend=name, predict_when_streaming=auto)
+        if auto:
+            predict = dataclasses.replace(predict, mode="block" if plan.streaming else "off")
         if not plan.fits:
             if slots is not None or budget is not None or n_ctx is not None:
                 raise PlanError(plan)
@@ -115,7 +125,7 @@ class Model:
                 pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays)
                 if name != "vulkan":
                     self._copy_resident()
-            return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
+            return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays), predict
         except BaseException:
             if pool is not None:
                 pool.close()
@@ -125,22 +135,43 @@ class Model:
 
     def _copy_resident(self) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
-        that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map."""
+        that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map.
+        Read with pread, not copied from the map: pages touched through the map would count
+        in this process's resident memory beside the copy (a 30B-A3B: 0.96 GiB twice)."""
         import dataclasses
 
         from tqdm import tqdm
 
+        from .errors import ModelFileError
         from .gguf_file import is_expert_tensor
 
         # (an expert part's bias, gpt-oss, is small and resident too)
         resident = [t for name, t in self.gguf.tensors.items() if not is_expert_tensor(name) or name.endswith(".bias")]
         total = sum(t.n_bytes for t in resident)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
-                  disable=True if total < (256 << 20) else None) as bar:
-            for t in resident:
-                if isinstance(t.raw, np.memmap) or t.raw.base is not None:
-                    self.gguf.tensors[t.name] = dataclasses.replace(t, raw=np.array(t.raw))
-                bar.update(t.n_bytes)
+        fds: dict[str, int] = {}
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
+                      disable=True if total < (256 << 20) else None) as bar:
+                for t in resident:
+                    if isinstance(t.raw, np.memmap) or t.raw.base is not None:
+                        if t.file not in fds:
+                            fds[t.file] = os.open(t.file, os.O_RDONLY)
+                        buf = np.empty(t.n_bytes, np.uint8)
+                        done = 0
+                        while done < t.n_bytes:  # (one preadv moves at most about 2 GiB)
+                            got = os.preadv(fds[t.file], [memoryview(buf[done:])], t.offset + done)
+                            if got <= 0:
+                                raise ModelFileError(f"{t.file}: file ended early while loading {t.name} "
+                                                     "(truncated?)")
+                            done += got
+                        raw = buf.view(t.raw.dtype).reshape(t.raw.shape)
+                        self.gguf.tensors[t.name] = dataclasses.replace(t, raw=raw)
+                    bar.update(t.n_bytes)
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot read the model file ({e.strerror or e})") from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def set_predict(self, settings) -> None:
         """Routing prediction at every MoE pause point (a moe.predict.PredictSettings, or a mode

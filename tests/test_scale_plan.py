@@ -71,6 +71,25 @@ def test_a_load_without_flags_is_planned_and_a_streamed_one_says_so(big_shape):
         r.stderr
 
 
+def test_prediction_is_on_by_default_where_experts_stream_and_off_where_all_are_resident(big_shape):
+    streamed = onebit.load(big_shape, budget="600MiB", backend="cpu")
+    resident = onebit.load(big_shape, budget="4GiB", backend="cpu")
+    off = onebit.load(big_shape, budget="600MiB", backend="cpu", predict="off")
+    try:
+        assert streamed.pool is not None and streamed.predictor is not None and streamed.predictor.s.mode == "block"
+        assert streamed.net.predictor is streamed.predictor
+        scratch = [i for i in streamed.plan.items if i.component == "predicted-layer scratch"][0]
+        assert scratch.bytes > 0  # the plan reserved the predictor's scratch
+        assert resident.pool is None and resident.predictor is None
+        assert off.pool is not None and off.predictor is None
+        # what onebit plan prints for the same budget agrees (it reserves the same scratch)
+        shown = json.loads(cli("plan", str(big_shape), "--budget", "600MiB", "--backend", "cpu", "--json").stdout)
+        assert shown["slots"] == streamed.pool.n_slots and shown["predicted_layers"] == [0, 1]
+    finally:
+        for m in (streamed, resident, off):
+            m.close()
+
+
 def test_the_default_context_gives_way_to_expert_slots_when_streaming(big_shape):
     g = GGUFFile(big_shape)
     cfg = network_class(g.architecture, g.path).config(g)
