@@ -299,9 +299,10 @@ def info(
 @app.command()
 def plan(
     model: Optional[str] = MODEL_ARG,
-    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length to plan the KV cache for "
-                                                          "(default: the model's)."),
-    layers: str = typer.Option("", "--layers", help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length to plan the KV cache for (default: as a "
+                                                          "load picks it: min(model's, 4096), less when streaming)."),
+    layers: str = typer.Option("", "--layers", help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9 "
+                                                    "(default: as a load does: every MoE layer when streaming)."),
     slots: str = typer.Option("auto", "--slots", help="Expert slots: a number, or auto (what fits)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
@@ -315,21 +316,23 @@ def plan(
     Exit 0 if it fits, 1 if not, 2 on bad input. Allocates nothing."""
     from onebit.gguf_file import GGUFFile
     from onebit.memory.budget import detect_budget
-    from onebit.memory.plan import make_plan
+    from onebit.memory.plan import plan_load
     from onebit.models import network_class
 
     path = default_model_path() if model is None else model
     limits = {}
     from onebit.backends import resolve
 
-    if resolve(backend, device) == "vulkan":
+    name = resolve(backend, device)
+    if name == "vulkan":
         from onebit.memory.budget import vulkan_limits
 
         limits = vulkan_limits(device)
     b = detect_budget(budget, reserve, **limits)
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
-    p = make_plan(g, cfg, b, ctx=ctx, layers=layers, slots=slots, verify_rows=verify_rows)
+    p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
+                  verify_rows=verify_rows, backend=name, predict_when_streaming=not layers)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 

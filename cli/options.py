@@ -17,6 +17,9 @@ def default_model_path() -> str:
     return str(files("onebit") / "data" / "default.gguf")
 
 
+LOUD_BYTES = 1 << 30  # a resident load of a file this large says what the plan chose (smaller ones stay quiet)
+
+
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
           device: Optional[str] = None, predict=None):
@@ -31,6 +34,10 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
         choose_device(list_devices(), device)
     m = onebit.load(path, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget,
                     pool_policy=policy, predict=predict, device=device)
+    if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES:
+        import sys
+
+        sys.stderr.write(f"onebit: memory: {m.decision}\n")  # what the memory plan chose, in one line
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
@@ -105,7 +112,9 @@ CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(m
 
 
 PREDICT = typer.Option(None, "--moe-predict", help="Routing prediction feeding the expert pool's prefetch: "
-                                                    "off, router or block (default $ONEBIT_MOE_PREDICT or off).")
+                                                    "auto, off, router or block (default $ONEBIT_MOE_PREDICT, else "
+                                                    "auto: block when experts stream, the gate turning it off "
+                                                    "where it does not pay; off when every expert is resident).")
 
 
 P_DEPTH = typer.Option(None, "--moe-predict-depth", help="Rank this many candidates per layer (default top-k).")

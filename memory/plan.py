@@ -7,6 +7,7 @@ Nothing here allocates.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,6 +22,14 @@ from onebit.gguf_file import EXPERT_PARTS, GGUFFile
 from .budget import Budget, format_bytes
 
 PREFILL_ROWS = 256  # rows per prefill chunk (onebit.generate's default)
+DEFAULT_CONTEXT = 4096  # the context a load gets when none is asked for (at most the model's)
+# What a process holds before any model byte: the interpreter, numpy, numba with LLVM and the
+# loaded kernels, the pool's reader threads. Measured: 242 MiB RSS after loading the shipped
+# model on the cpu backend (its 5 MiB of weights included), 247 MiB after generating.
+RUNTIME_BYTES = 256 << 20
+RESIDENT_SHARE = 0.9  # a load holds every expert resident only when that plan takes <= 90% of the budget
+CONTEXT_SHARE = 0.25  # a default context may take at most this share of what the expert slots get ...
+MIN_CONTEXT = 1024  # ... shrinking by halves, not below this (nor below what the caller asked for)
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 
 
@@ -86,6 +95,8 @@ class MemoryPlan:
     verify_rows: int
     advice: list[str] = field(default_factory=list)
 
+    decision: str = ""  # what a load does with this plan, in one line (plan_load)
+
     @property
     def total(self) -> int:
         return sum(i.bytes for i in self.items)
@@ -122,6 +133,7 @@ class MemoryPlan:
             ],
             "items": [{"component": i.component, "bytes": i.bytes, "detail": i.detail} for i in self.items],
             "advice": self.advice,
+            "decision": self.decision,
         }
 
     def table(self) -> str:
@@ -142,6 +154,8 @@ class MemoryPlan:
         mode = (f"streaming, {sum(self.slots)} of {self.all_experts} experts in slots" if self.streaming
                 else f"all {self.all_experts} resident" if self.all_experts else "none (dense model)")
         lines.append(f"experts {mode}")
+        if self.decision:
+            lines.append(f"load    {self.decision}")
         if self.fits:
             lines.append(f"verdict FITS: {format_bytes(self.total)} of {format_bytes(b)}")
         else:
@@ -168,7 +182,11 @@ def size_classes(g: GGUFFile) -> list[SizeClass]:
 
 
 def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
-              slots: str | int = "auto", verify_rows: int = 8, kv_elem_bytes: int = 4) -> MemoryPlan:
+              slots: str | int = "auto", verify_rows: int = 8, kv_elem_bytes: int = 4,
+              backend: str = "cpu") -> MemoryPlan:
+    """The plan at one context and slot count. `backend`: the numpy reference dequantizes a
+    whole matrix per use (its scratch holds the largest one as float32); the kernels of cpu and
+    Vulkan read the quantized blocks in place."""
     ctx = cfg.context_length if ctx is None else ctx
     if ctx < 1 or ctx > cfg.context_length:
         raise UsageError(f"--ctx {ctx} is out of range: the model supports 1-{cfg.context_length}")
@@ -183,7 +201,10 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
     largest = max([t.n_elements for t in resident] + [t.n_elements // t.shape[0] for t in g.tensors.values()
                                                        if t.name in expert_names])
-    items = [PlanItem("resident weights", sum(by_type.values()),
+    if backend != "numpy":
+        largest = 0
+    items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),
+             PlanItem("resident weights", sum(by_type.values()),
                       ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])))]
     items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes), _kv_detail(cfg, ctx)))
     items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
@@ -197,6 +218,15 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         per_pred = pred_bytes // max(len(predicted), 1)
     items.append(PlanItem("predicted-layer scratch", pred_bytes,
                           f"{len(predicted)} layer(s) x {format_bytes(per_pred)}" if predicted else "no --layers"))
+    if backend == "vulkan" and predicted:
+        # the predictor runs on the host beside a device backend: the cpu kernels' runtime, and
+        # the weights it reads through the file's map (each predicted layer's mixer and router,
+        # its FFN norm), resident pages of this process (measured on the 30B-A3B shape at 8 GiB:
+        # peak RSS 8.17 GiB without prediction, 8.77 GiB with block prediction, before this item)
+        host = sum(t.n_bytes for t in resident if _layer_of(t.name) in predicted and "ffn" not in t.name
+                   or t.name.endswith(("ffn_gate_inp.weight", "ffn_norm.weight")) and _layer_of(t.name) in predicted)
+        items.append(PlanItem("predictor on the host", RUNTIME_BYTES + host,
+                              f"cpu kernels' runtime + {format_bytes(host)} of weights read through the map"))
     items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
                           f"{verify_rows} rows"))
     if cfg.recurrent_layers:  # constant per sequence, whatever its length
@@ -239,13 +269,103 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
             advice.append(f"use fewer expert slots (--slots {min_slots} is the minimum; each costs "
                           f"{format_bytes(classes[0].expert_bytes)})")
         if ctx > 512:
-            advice.append(f"use a shorter context (--ctx): the KV cache costs {format_bytes(items[1].bytes)}")
+            advice.append(f"use a shorter context (--ctx): the KV cache costs {format_bytes(_item(items, 'KV cache'))}")
         if predicted:
-            advice.append(f"predict fewer layers (--layers): {format_bytes(items[3].bytes)}")
+            advice.append(f"predict fewer layers (--layers): {format_bytes(_item(items, 'predicted-layer scratch'))}")
         if fixed > budget.bytes:
             advice.append(f"everything but the expert slots needs {format_bytes(fixed)}: more memory is needed "
                           f"(with these slots the plan is short by {format_bytes(over)})")
     return plan
+
+
+def _layer_of(name: str) -> int:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def _item(items: list[PlanItem], component: str) -> int:
+    return next(i.bytes for i in items if i.component == component)
+
+
+def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
+              slots: str | int | None = None, verify_rows: int = 8, backend: str = "cpu",
+              predict_when_streaming: bool = False) -> MemoryPlan:
+    """The plan a load follows (`onebit.load`, chat, generate, bench, serve) and `onebit plan`
+    prints: the same function, so they agree.
+
+    - Every expert resident when that whole plan takes at most RESIDENT_SHARE of the budget
+      (the file's pages must stay in memory beside everything else); otherwise experts stream
+      through as many slots as fit (`slots` overrides the count).
+    - `ctx` None: the default context, min(model's, DEFAULT_CONTEXT); when streaming it halves
+      while the context's memory (KV cache and attention scratch) takes more than
+      CONTEXT_SHARE of what the expert slots get, or while the plan does not fit, down to
+      MIN_CONTEXT. Why: a slot holds one expert of 2-12 MiB, a context of 4096 tokens costs a
+      30B-A3B 768 MiB of f32 KV, about 260 slots; the hit rate of routing with little reuse
+      grows with the share of experts in slots (bench/results/issue33-scale.md has the
+      cache-sim figures), so context past what a user asked for is paid in decode speed.
+    - `ctx` given: kept as asked; a plan that cannot fit it is refused by the caller (PlanError).
+    - `predict_when_streaming`: routing prediction is on when the plan streams (a load's
+      default): a streamed plan reserves every MoE layer's prediction scratch.
+    `decision` says what was chosen in one line.
+    """
+    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend)
+    if predict_when_streaming and plan.streaming and not layers:
+        every = ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
+        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, backend)
+    return plan
+
+
+def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend) -> MemoryPlan:
+    if slots is not None and slots != "auto":
+        plan = make_plan(g, cfg, budget, ctx=ctx if ctx is not None else _default_ctx(cfg), layers=layers,
+                         slots=slots, verify_rows=verify_rows, backend=backend)
+        plan.decision = _decision(plan, None)
+        return plan
+    asked = ctx
+    ctx = ctx if ctx is not None else _default_ctx(cfg)
+    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, backend=backend)
+    if plan.classes:
+        everything = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=plan.all_experts,
+                               verify_rows=verify_rows, backend=backend)
+        if everything.total <= RESIDENT_SHARE * budget.bytes:
+            everything.decision = _decision(everything, None)
+            return everything
+        if not plan.streaming:  # everything fits, but not with the margin: the slots that fit within it
+            within = make_plan(g, cfg, dataclasses.replace(budget, bytes=int(RESIDENT_SHARE * budget.bytes)),
+                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, backend=backend)
+            plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=max(sum(within.slots), within.min_slots),
+                             verify_rows=verify_rows, backend=backend)
+    first = ctx
+    while asked is None and ctx > min(MIN_CONTEXT, first) and plan.streaming and (
+            not plan.fits or _context_bytes(plan) > CONTEXT_SHARE * _item(plan.items, "expert slots")):
+        smaller = make_plan(g, cfg, budget, ctx=max(ctx // 2, min(MIN_CONTEXT, first)), layers=layers, slots="auto",
+                            verify_rows=verify_rows, backend=backend)
+        ctx, plan = smaller.ctx, smaller
+    plan.decision = _decision(plan, first if ctx != first else None)
+    return plan
+
+
+def _default_ctx(cfg: ModelConfig) -> int:
+    return min(DEFAULT_CONTEXT, cfg.context_length)
+
+
+def _context_bytes(plan: MemoryPlan) -> int:
+    """What the context costs: the KV cache and the attention scores' share of the scratch."""
+    return _item(plan.items, "KV cache")
+
+
+def _decision(plan: MemoryPlan, reduced_from: Optional[int]) -> str:
+    b = f"budget {format_bytes(plan.budget.bytes)} ({plan.budget.source})"
+    if not plan.classes:
+        what = "all weights resident"
+    elif not plan.streaming:
+        what = f"all {plan.all_experts} experts resident"
+    else:
+        what = (f"streaming experts: {sum(plan.slots)} of {plan.all_experts} in slots "
+                f"({format_bytes(_item(plan.items, 'expert slots'))})")
+    ctx = f"context {plan.ctx}" + (f" (reduced from {reduced_from} so the experts keep their share)"
+                                   if reduced_from else "")
+    return f"{what}, {ctx}, {b}"
 
 
 def _kv_detail(cfg: ModelConfig, ctx: int) -> str:

@@ -390,6 +390,7 @@ class GGUFFile:
         self.tensors: dict[str, Tensor] = {}
         self.set_aside: dict[str, Tensor] = {}  # tensors in the file that the model never reads (config.py)
         self.file_bytes = 0
+        self._maps: dict[str, np.memmap] = {}  # part path -> its map (release)
         for i, part in enumerate(self.paths):
             meta, tensors = self._read_part(part)
             if i == 0:
@@ -423,6 +424,7 @@ class GGUFFile:
         self.file_bytes += size
         _watch_sigbus(self)  # from here on the process reads the file through a memory map
         data = np.memmap(path, dtype=np.uint8, mode="r")
+        self._maps[path] = data
         tensors = []
         for name, dims, type_id, start in entries:
             q = QTYPES[type_id]
@@ -432,6 +434,20 @@ class GGUFFile:
             raw = data[start : start + n_bytes].reshape(*shape[:-1], row_bytes)
             tensors.append(Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path, offset=start))
         return meta, tensors
+
+    def release(self, t: Tensor) -> None:
+        """Drop this process's pages of tensor `t`'s map (it has been copied elsewhere: a device
+        buffer): pages read through a map count in the process's resident memory until then.
+        The page cache keeps them (not ours); a later read through the map faults them back."""
+        data = self._maps.get(t.file)
+        m = getattr(data, "_mmap", None)
+        if m is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
+        except (OSError, ValueError):
+            pass  # (advice only)
 
     # -- the file under us -------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -19,7 +20,6 @@ from .models.base import check_ids
 from .sample import make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
-DEFAULT_CONTEXT = 4096
 log = logging.getLogger("onebit")
 
 
@@ -36,14 +36,12 @@ class Model:
         cfg = cls.config(self.gguf)
         if n_ctx is not None and n_ctx < 1:
             raise UsageError(f"context length must be >= 1, got {n_ctx}")
-        self.context_length = n_ctx if n_ctx is not None else min(DEFAULT_CONTEXT, cfg.context_length)
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
         self.template_kwargs: dict = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
         from .memory.guard import MemoryGuard
 
         self.guard = MemoryGuard()  # checked every generated token
         self.backend_asked = backend
-        planned = slots is not None or budget is not None
         # The load path: file -> config -> plan -> expert source -> backend -> network. One
         # fallback rule: a backend that cannot run here (or cannot run this model) gives way to
         # the next fastest that can, said in one line.
@@ -51,13 +49,18 @@ class Model:
         for i, name in enumerate(order):
             try:
                 with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
-                    self.plan, self.pool, self.be = self._open(name, cfg, planned, slots, budget, pool_policy,
-                                                               _predicted_layers(cfg, predict), device)
+                    self.plan, self.pool, self.be, predict = self._open(name, cfg, n_ctx, slots, budget,
+                                                                        pool_policy, predict, device)
+                    self.context_length = self.plan.ctx
+                    # a streamed plan allocates its KV cache up front, as planned (a resident
+                    # load grows it as the context fills, so a short chat holds little)
+                    held = self.pool is not None or slots is not None or budget is not None
                     try:
-                        # under a memory plan the KV cache is allocated up front, as planned
-                        self.net = cls(self.gguf, self.be, cfg, self.context_length if planned else 0)
+                        self.net = cls(self.gguf, self.be, cfg, self.context_length if held else 0)
                     except BaseException:
                         self.be.close()
+                        if self.pool is not None:
+                            self.pool.close()
                         raise
                 break
             except BackendUnavailableError as e:
@@ -65,9 +68,10 @@ class Model:
                     raise
                 sys.stderr.write(f"onebit: warning: {e}; using the {order[i + 1]} backend\n")
                 log.info("backend %s unavailable, using %s: %s", name, order[i + 1], e)  # (stderr has it already)
+        self.decision = self.plan.decision  # one line: resident or streamed, the context, the budget
         self.cfg = self.net.cfg
         self.predictor = None
-        if predict is not None:
+        if predict.on:
             self.set_predict(predict)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
@@ -76,12 +80,17 @@ class Model:
         # what `chat` renders with when the file has no template
         self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
 
-    def _open(self, name: str, cfg, planned: bool, slots, budget, policy, predicted: str, device):
-        """(plan, pool, backend) for backend `name`: memory planned first where asked (a plan
-        that does not fit is refused), routed experts streamed through a pool when fewer
-        slots than experts fit, the pool's slots in device memory on Vulkan."""
+    def _open(self, name: str, cfg, n_ctx, slots, budget, policy, predict, device):
+        """(plan, pool, backend, prediction settings) for backend `name`; prediction "auto"
+        resolves to block where experts stream (its gate turns it off where it does not pay)
+        and off where every expert is resident. Memory is planned on every load, against
+        the detected budget or the one given (memory.plan.plan_load: the same plan `onebit
+        plan` prints): routed experts stream through a pool when they do not all fit with
+        margin, the pool's slots in device memory on Vulkan. A plan that does not fit is
+        refused when a budget, slots or a context were asked for; with none of them the load
+        goes ahead with what the plan chose (the most it can) and says so in one line."""
         from .memory.budget import detect_budget
-        from .memory.plan import PlanError, make_plan
+        from .memory.plan import PlanError, plan_load
         from .memory.pool import ExpertPool
 
         dev = limits = None
@@ -90,16 +99,25 @@ class Model:
             from .memory.budget import vulkan_limits
 
             dev = default_device(device)  # (a device that cannot open: VulkanUnavailableError)
-            limits = vulkan_limits(device) if planned else None
-        plan = None
-        if planned:
-            plan = make_plan(self.gguf, cfg, detect_budget(budget, **(limits or {})), ctx=self.context_length,
-                             layers=predicted, slots="auto" if slots is None else slots)
-            if not plan.fits:
+            limits = vulkan_limits(device)
+        from .moe.predict import as_settings
+
+        predict = as_settings(predict)
+        auto = predict.mode == "auto"
+        b = detect_budget(budget, **(limits or {}))
+        plan = plan_load(self.gguf, cfg, b, ctx=n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
+                         slots=slots, backend=name, predict_when_streaming=auto)
+        if auto:
+            predict = dataclasses.replace(predict, mode="block" if plan.streaming else "off")
+        if not plan.fits:
+            if slots is not None or budget is not None or n_ctx is not None:
                 raise PlanError(plan)
+            sys.stderr.write(f"onebit: warning: {self.path} does not fit the memory budget (needs at least "
+                             f"{_gib(plan.total)} GiB, {_gib(plan.budget.bytes)} GiB left): loading anyway, "
+                             "expect paging; see `onebit plan`\n")
         pool = arrays = None
         try:
-            if plan is not None and plan.streaming:
+            if plan.streaming:
                 if name == "vulkan":  # slots in mapped device buffers the expert kernels read
                     from .backends.vulkan.slots import SlotArrays
 
@@ -107,7 +125,7 @@ class Model:
                 pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays)
                 if name != "vulkan":
                     self._copy_resident()
-            return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
+            return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays), predict
         except BaseException:
             if pool is not None:
                 pool.close()
@@ -117,22 +135,43 @@ class Model:
 
     def _copy_resident(self) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
-        that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map."""
+        that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map.
+        Read with pread, not copied from the map: pages touched through the map would count
+        in this process's resident memory beside the copy (a 30B-A3B: 0.96 GiB twice)."""
         import dataclasses
 
         from tqdm import tqdm
 
+        from .errors import ModelFileError
         from .gguf_file import is_expert_tensor
 
         # (an expert part's bias, gpt-oss, is small and resident too)
         resident = [t for name, t in self.gguf.tensors.items() if not is_expert_tensor(name) or name.endswith(".bias")]
         total = sum(t.n_bytes for t in resident)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
-                  disable=True if total < (256 << 20) else None) as bar:
-            for t in resident:
-                if isinstance(t.raw, np.memmap) or t.raw.base is not None:
-                    self.gguf.tensors[t.name] = dataclasses.replace(t, raw=np.array(t.raw))
-                bar.update(t.n_bytes)
+        fds: dict[str, int] = {}
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False,
+                      disable=True if total < (256 << 20) else None) as bar:
+                for t in resident:
+                    if isinstance(t.raw, np.memmap) or t.raw.base is not None:
+                        if t.file not in fds:
+                            fds[t.file] = os.open(t.file, os.O_RDONLY)
+                        buf = np.empty(t.n_bytes, np.uint8)
+                        done = 0
+                        while done < t.n_bytes:  # (one preadv moves at most about 2 GiB)
+                            got = os.preadv(fds[t.file], [memoryview(buf[done:])], t.offset + done)
+                            if got <= 0:
+                                raise ModelFileError(f"{t.file}: file ended early while loading {t.name} "
+                                                     "(truncated?)")
+                            done += got
+                        raw = buf.view(t.raw.dtype).reshape(t.raw.shape)
+                        self.gguf.tensors[t.name] = dataclasses.replace(t, raw=raw)
+                    bar.update(t.n_bytes)
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot read the model file ({e.strerror or e})") from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     def set_predict(self, settings) -> None:
         """Routing prediction at every MoE pause point (a moe.predict.PredictSettings, or a mode
@@ -243,6 +282,10 @@ class Model:
                                    stop=stop, cache=cache, hook=hook,
                                    lookup=lookup_budget(lookup, default=0 if hook is not None else DEFAULT_DRAFTS),
                                    lookup_stats=lookup_stats)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def _host_backend(gguf, pool=None):

@@ -362,7 +362,7 @@ def test_settings_from_env_and_flags():
                                 stats=True)
     assert settings_from({"ONEBIT_MOE_PREDICT_CHAIN": "1"}).chain
     assert settings_from(env, mode="router", ahead=3).mode == "router"
-    assert settings_from({}).mode == "off"
+    assert settings_from({}).mode == "auto"  # (block where experts stream, off where all are resident)
     for bad in ({"ONEBIT_MOE_PREDICT": "sometimes"}, {"ONEBIT_MOE_PREDICT_DEPTH": "0"},
                 {"ONEBIT_MOE_PREDICT_MARGIN": "-1"}, {"ONEBIT_MOE_PREDICT_AHEAD": "x"},
                 {"ONEBIT_MOE_PREDICT_NO_ATTN": "maybe"}, {"ONEBIT_MOE_PREDICT_MIN": "5", "ONEBIT_MOE_PREDICT_DEPTH": "3"}):

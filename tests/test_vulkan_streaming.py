@@ -98,7 +98,7 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
     from onebit.backends.vulkan.device import Sequence
 
     path = fixture_path("qwen3moe-f32.gguf")
-    m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB")
+    m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB", predict="off")  # (the pool alone)
     try:
         cache = m.new_cache()
         m.net.forward(_prompt(path)[:4], cache, last_only=True)
@@ -128,7 +128,7 @@ def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, 
     prompt = _prompt(path)[:8]
     runs = {}
     for lookup in (True, False):
-        m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB")
+        m = onebit.load(path, backend="vulkan", slots=slots, budget="1GiB", predict="off")  # (no pause a predictor asks for)
         try:
             m.be.runner.pool_table_steps = lookup
             streamed = len(m.be.streamed_layers)

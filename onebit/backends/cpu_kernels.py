@@ -17,7 +17,9 @@ layer (q/k/v, attention output, experts); smaller products and the small ops run
 Compiled once per machine and cached on disk (cache=True). A backend takes `kernels_for(file)`:
 the products compiled for the file's quant types only (`Kernels`; the all-types kernels below
 when only they are cached), whose `warm_up` loads every signature a forward uses when the
-backend opens.
+backend opens. Every kernel releases the interpreter lock while it runs (nogil): an expert
+pool's reader threads issue their next reads while a kernel computes (held, the drive sat idle
+for the length of each kernel call).
 """
 
 from __future__ import annotations
@@ -815,7 +817,7 @@ decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -
                        "weights); m = M.", _ORDER)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def matmul_rows(out, x, w, qt, n0, n1, col):
     """out[:, col + n] = x @ row n of w, for n in [n0, n1)."""
     R = x.shape[0]
@@ -846,7 +848,7 @@ CHUNK = 16  # weight rows per parallel work item
 SERIAL_WORK = 1 << 19
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul(out, x, w, qt):
     """out[R, N] = x[R, K] @ W.T for raw weight rows w: uint8 [N, row_bytes] of type qt."""
     N = w.shape[0]
@@ -854,12 +856,12 @@ def matmul(out, x, w, qt):
         matmul_rows(out, x, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def matmul_serial(out, x, w, qt):
     matmul_rows(out, x, w, qt, 0, w.shape[0], 0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def matmul3(out, x, w0, w1, w2, qt0, qt1, qt2):
     """Three products of one x in one parallel region (q, k, v): out[R, N0 + N1 + N2] = x @
     [W0; W1; W2].T. Each output column is computed exactly as `matmul` computes it."""
@@ -875,14 +877,14 @@ def matmul3(out, x, w0, w1, w2, qt0, qt1, qt2):
             matmul_rows(out, x, w2, qt2, (c - c1) * CHUNK, min(N2, (c - c1 + 1) * CHUNK), N0 + N1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def get_rows(out, w, ids, qt, lut, m):
     """out[r] = row ids[r] of w (uint8 [N, row_bytes]) decoded to float32."""
     for r in range(ids.shape[0]):
         decode_row(qt, w[ids[r]], out[r], lut, m)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def one_expert(y, x, gate, up, down, e, rows, qg, qu, qd):
     """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows))."""
     n = rows.shape[0]
@@ -915,7 +917,7 @@ def one_expert(y, x, gate, up, down, e, rows, qg, qu, qd):
     matmul_rows(y, h, down[e], qd, 0, down.shape[1], 0)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
     """out[rows] += rw * down(silu(gate(x)) * up(x)) over the chosen experts, in order.
 
@@ -935,7 +937,7 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
             o[d] += yp[d] * w
 
 
-@njit(cache=True, fastmath=FM)
+@njit(cache=True, fastmath=FM, nogil=True)
 def one_expert_oai(y, x, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alpha, limit):
     """gpt-oss's expert FFN: y[p] = down(glu(gate(x) + bg, up(x) + bu)) + bd for expert e's
     weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
@@ -956,7 +958,7 @@ def one_expert_oai(y, x, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alpha,
             y[p, d] += bd[d]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd, bg, bu, bd, alpha, limit):
     """`expert_ffn` for gpt-oss experts (`one_expert_oai`): expert j's weights are gate[sel[j]]
     and its biases bg[eids[j]], bu[eids[j]] ([E, hidden]), bd[eids[j]] ([E, dim]); the same
@@ -978,7 +980,7 @@ def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd
 # arithmetic in another summation order.
 
 
-@njit(cache=True, fastmath=FM)
+@njit(cache=True, fastmath=FM, nogil=True)
 def rms_norm(out, x, w, eps):
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for x, out: [n, D], w: [D]."""
     n, D = x.shape
@@ -993,7 +995,7 @@ def rms_norm(out, x, w, eps):
             o[i] = xr[i] / s * w[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rope(out, x, pos, inv_freq, scale, neox):
     """out = x rotated in its first 2 * len(inv_freq) dims: x, out: [R, H, D], pos: [R]."""
     R, H, D = x.shape
@@ -1013,7 +1015,7 @@ def rope(out, x, pos, inv_freq, scale, neox):
                 out[r, h, ib] = a * s + b * c
 
 
-@njit(cache=True, fastmath=FM)
+@njit(cache=True, fastmath=FM, nogil=True)
 def attention(out, q, k, v, q_pos, window):
     """Causal GQA attention for few rows (decode): q: [R, H, D] at positions q_pos; k: [S, Hkv,
     D], v: [S, Hkv, Dv] holding position p in row p % S (a sliding-window ring: S is its
@@ -1021,7 +1023,7 @@ def attention(out, q, k, v, q_pos, window):
     _attend(out, q, k, v, q_pos, window, np.float32(1.0 / np.sqrt(q.shape[2])), np.empty(0, np.float32), False)
 
 
-@njit(cache=True, fastmath=FM)
+@njit(cache=True, fastmath=FM, nogil=True)
 def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
     """`attention` with a q.k scale of its own and attention sinks (gpt-oss): sinks[h] is a
     logit of head h that joins the softmax's denominator and weights no value. k, v hold
@@ -1029,7 +1031,7 @@ def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
     _attend(out, q, k, v, q_pos, window, np.float32(scale), sinks, True)
 
 
-@njit(cache=True, fastmath=FM)
+@njit(cache=True, fastmath=FM, nogil=True)
 def _attend(out, q, k, v, q_pos, window, scale, sinks, has_sinks):
     """The loops of `attention` and `attention_sinks` (scale: float32)."""
     R, H, D = q.shape
@@ -1065,7 +1067,7 @@ def _attend(out, q, k, v, q_pos, window, scale, sinks, has_sinks):
                     o[i] += ps * vs[i]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def route(logits, k, norm):
     """Softmax over experts, the top k (ties: the lower id first, as a stable argsort):
     logits [R, E] -> ids [R, k] int64, weights [R, k] float32."""
@@ -1100,7 +1102,7 @@ def route(logits, k, norm):
     return ids, wts
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def routed_rows(ids, weights, n_experts):
     """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
     experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]],

@@ -18,6 +18,10 @@ from ..pause import NO_PAUSES, PauseContext, Pauses
 from ..quants import QTYPES
 from .experts import ExpertSource, FileExperts
 
+# A prompt's attention scores hold at most this many elements at once (query rows in tiles):
+# 16 MiB of float32 per array, whatever the context, so the plan's scratch does not grow with it.
+SCORE_TILE = 1 << 22
+
 
 def dequantize(t: Tensor, index=None) -> np.ndarray:
     """float32 values of tensor `t` (or of `t.raw[index]`, e.g. one expert or some rows)."""
@@ -80,7 +84,7 @@ class NumpyBackend:
         H, Hkv, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v
         ffn = max(cfg.hidden_dim, cfg.expert_hidden_dim * max(cfg.n_experts_used, 1), cfg.shared_expert_hidden_dim)
         act = rows * (4 * cfg.dim + H * D + 2 * Hkv * (D + Dv) + H * Dv + 3 * ffn + cfg.n_experts)
-        scores = 3 * H * rows * n_ctx  # scores, mask select, probabilities
+        scores = 3 * max(min(H * rows * n_ctx, SCORE_TILE), H * n_ctx)  # scores, mask select, probabilities
         logits = (rows if all_logits else 1) * cfg.vocab_size
         if cfg.recurrent_layers:  # a DeltaNet layer: conv in/out, q/k/v per value head, z, and the
             Hv, Ds = cfg.ssm_time_step_rank, cfg.ssm_state_size  # state twice (old, new), the
@@ -177,6 +181,10 @@ class NumpyBackend:
         group = H // Hkv
         hi = int(q_pos.max()) + 1 if R else 0
         lo = max(0, int(q_pos.min()) - window + 1) if window > 0 and R else 0
+        tile = max(1, SCORE_TILE // max(H * (hi - lo), 1))
+        if R > tile:  # a long prompt over a long cache: query rows in tiles, so the scores stay bounded
+            return np.concatenate([self.attention(q[i : i + tile], k, v, q_pos[i : i + tile], window, scale, sinks)
+                                   for i in range(0, R, tile)])
         if hi <= S:
             k, v = k[lo:hi], v[lo:hi]
         else:  # a ring

@@ -51,7 +51,7 @@ from ..gate import SpeedGate
 from ..memory.plan import parse_layers
 from ..pause import NO_PAUSES, PauseClient, PauseContext
 
-MODES = ("off", "router", "block")
+MODES = ("auto", "off", "router", "block")  # auto: block where experts stream, else off (Model resolves it)
 ENV = "ONEBIT_MOE_PREDICT"
 DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
 SETTLE = 2  # decode steps after a multi-row forward that the ledger does not measure
@@ -60,7 +60,7 @@ EMA = 0.1  # weight of the newest token in the running precisions
 
 @dataclass(frozen=True)
 class PredictSettings:
-    mode: str = "off"
+    mode: str = "auto"
     depth: int = 0  # candidates ranked per layer (0: the model's top-k)
     margin: float = math.inf  # a deeper candidate only while its logit is within this of the best
     min: int = 0  # always read at least this many (0: the model's top-k)
@@ -74,7 +74,7 @@ class PredictSettings:
 
     @property
     def on(self) -> bool:
-        return self.mode != "off"
+        return self.mode not in ("off", "auto")  # (auto: as resolved at load, see Model)
 
 
 def _int(name: str, v, lo: int) -> int:
@@ -108,7 +108,7 @@ def settings_from(env=None, **given) -> PredictSettings:
     }
     raw.update({k: v for k, v in given.items() if v is not None})
     out = {}
-    mode = str(raw["mode"] or "off").strip().lower()
+    mode = str(raw["mode"] or "auto").strip().lower()
     if mode not in MODES:
         raise UsageError(f"--moe-predict must be one of {', '.join(MODES)}, got {raw['mode']!r}")
     out["mode"] = mode

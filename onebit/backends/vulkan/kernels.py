@@ -209,7 +209,8 @@ class WeightStore:
     def planned_bytes(self) -> int:
         return sum(self._chunk_sizes)
 
-    def commit(self) -> list[DeviceTensor]:
+    def commit(self, uploaded=None) -> list[DeviceTensor]:
+        """Upload every tensor added; `uploaded(name)` is called after each one's copy."""
         self.buffers = [self.dev.buffer(size) for size in self._chunk_sizes]
         out = []
         for name, type_name, shape, raw, parts in self._pending:
@@ -220,6 +221,8 @@ class WeightStore:
                 buf.write(raw[start : start + count], off)
                 dparts.append(Part(buf.slice(off, bound_bytes(count * outer_bytes)), start, count))
             out.append(DeviceTensor(name, type_name, shape, tuple(dparts)))
+            if uploaded is not None:
+                uploaded(name)
         self._pending = []
         return out
 
