@@ -49,6 +49,7 @@ from ..cache import RecurrentCache
 from ..errors import UsageError
 from ..gate import SpeedGate
 from ..memory.plan import parse_layers
+from ..memory.pool import PROMPT_SHARE
 from ..pause import NO_PAUSES, PauseClient, PauseContext
 
 MODES = ("auto", "off", "router", "block")  # auto: block where experts stream, else off (Model resolves it)
@@ -434,6 +435,11 @@ class Predictor(PauseClient):
                         (np.zeros((1, cfg.n_kv_heads, cfg.head_dim), np.float32),
                          np.zeros((1, cfg.n_kv_heads, cfg.head_dim_v), np.float32)) for l in self.targets}
         self.forwards = 0
+        # rows from which a forward routes to PROMPT_SHARE of a layer's experts (expected): the
+        # pool reads ahead for such a forward, the predictor leaves it alone (begin)
+        share = (1 - self.k / cfg.n_experts) if cfg.n_experts > self.k else 0.0
+        self.bulk_rows = max(2, math.ceil(math.log(1 - PROMPT_SHARE) / math.log(share))) if share > 0 else 2
+        self._bulk = False
         self.gate = Gate()
         self.active = True
         top = BLOCK if settings.mode == "block" and not settings.no_attn else ROUTER
@@ -483,6 +489,9 @@ class Predictor(PauseClient):
         self.forwards += 1
         now = time.perf_counter()
         ran, self.active = self.active, self.gate.step(rows) if self.pool is not None else True
+        # a prompt's chunk that routes to most experts: the pool reads the next layers' ahead
+        # by itself (ExpertPool.read_ahead), and predicting each of its rows would only cost
+        self._bulk = self.pool is not None and rows >= self.bulk_rows
         measured = self._one_row and not self._settle  # the step that ended: a decode step the ledger counts
         self._one_row = rows == 1
         # the steps right after a prompt (or verify rows) pay for, and evict, what its many
@@ -526,7 +535,7 @@ class Predictor(PauseClient):
     def pausing(self) -> bool:
         """Whether this forward's pause points have work for the predictor (when not, the
         Vulkan backend makes no host copies of h, ids and logits for it)."""
-        return self.active and not self._idle
+        return self.active and not self._idle and not self._bulk
 
     def states_ahead(self, layer: int) -> tuple[int, ...]:
         """The recurrent layers whose state before this step a block-mode prediction at
