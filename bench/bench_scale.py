@@ -162,18 +162,21 @@ def run_onebit(cfg: dict) -> dict:
 
 
 def child(cfg: dict, squeeze: int = 0) -> dict:
-    env = dict(os.environ)
+    r = _run(squeeze, [sys.executable, __file__, "--child", json.dumps(cfg)])
+    if r.returncode:
+        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _run(squeeze: int, cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run `cmd` (an hour at most), with `squeeze` bytes locked by another process meanwhile."""
     locker = _squeeze(squeeze) if squeeze else None
     try:
-        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
-                           env=env, timeout=3600)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     finally:
         if locker is not None:
             locker.kill()
             locker.wait()
-    if r.returncode:
-        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _squeeze(nbytes: int) -> subprocess.Popen:
@@ -182,7 +185,6 @@ def _squeeze(nbytes: int) -> subprocess.Popen:
             f"n={nbytes}\n"
             "m=mmap.mmap(-1,n,flags=mmap.MAP_PRIVATE|mmap.MAP_ANONYMOUS)\n"
             "lib=ctypes.CDLL(None,use_errno=True)\n"
-            "a=ctypes.c_void_p.from_buffer(m)\n"
             "addr=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
             "r=lib.mlock(ctypes.c_void_p(addr),ctypes.c_size_t(n))\n"
             "print('locked' if r==0 else 'failed %d'%ctypes.get_errno(),flush=True)\n"
@@ -199,13 +201,7 @@ def llama_bench(binary: str, path: str, prompt: int, tokens: int, resident: bool
     cmd = [binary, "-m", path, "-p", str(prompt), "-n", str(tokens), "-t", "2", "-r", "1", "-o", "json"]
     if resident:
         cmd += ["--load-mode", "none"]
-    locker = _squeeze(squeeze) if squeeze else None
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    finally:
-        if locker is not None:
-            locker.kill()
-            locker.wait()
+    r = _run(squeeze, cmd)
     if r.returncode:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
     rows = json.loads(r.stdout)

@@ -350,7 +350,8 @@ def _default_ctx(cfg: ModelConfig) -> int:
 
 
 def _context_bytes(plan: MemoryPlan) -> int:
-    """What the context costs: the KV cache and the attention scores' share of the scratch."""
+    """What the context costs: its KV cache (the prompt's attention scratch is tiled, so it does
+    not grow with the context)."""
     return _item(plan.items, "KV cache")
 
 

@@ -138,8 +138,6 @@ class Model:
         that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map.
         Read with pread, not copied from the map: pages touched through the map would count
         in this process's resident memory beside the copy (a 30B-A3B: 0.96 GiB twice)."""
-        import dataclasses
-
         from tqdm import tqdm
 
         from .errors import ModelFileError

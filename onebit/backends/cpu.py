@@ -10,6 +10,7 @@ reference path (said once, on stderr).
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -40,6 +41,7 @@ def threads() -> int:
     return numba.get_num_threads()
 
 
+@functools.cache  # (once a process: the limit holds for every backend opened after)
 def _one_blas_thread() -> None:
     """numpy's BLAS (a prompt's attention products, the predictor's routers) to one thread: its
     threads wait spinning for work, and beside the kernels' own threads on the same cores they
