@@ -130,7 +130,12 @@ def test_cpu_equals_numpy_greedy(name):
     tokens = ref_tokens(name)
     m, ref = load(name, "cpu"), load(name)
     a, b = m.net.forward(tokens, m.new_cache()), ref.net.forward(tokens, ref.new_cache())
-    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+    # Q8_0's products take int16-rounded activations on the cpu backend (cpu_kernels.INT_TYPES):
+    # this random hybrid model amplifies that rounding to 5.0e-4 of the largest logit (cosine
+    # 0.9999997); the float32 files keep the float32 bar.
+    tol = 1e-3 if name.endswith("Q8_0") else 2e-5
+    np.testing.assert_allclose(a, b, rtol=0, atol=tol * np.abs(b).max())
+    assert cosine_rows(a, b).min() > 0.99999
     assert greedy_tokens(m, ids, N_GEN) == greedy_tokens(ref, ids, N_GEN)
 
 

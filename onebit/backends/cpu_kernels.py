@@ -731,6 +731,208 @@ DOT4 = {n: _make_dot(n, 4) for n in IR_TYPES}
 DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 
 
+# -- integer dot products on 16-bit activations ----------------------------------------------
+# For the common quantized types a weight row is dotted with activations rounded to int16 per
+# block of 32 (a float32 scale d = max|x| / 32767 per block, and m = d * sum of the block's
+# int16 values for the types with a per-sub-block minimum): the integer products of 32 weights
+# sum exactly in int32 (pairs of 16-bit products: x86's pmaddwd, which LLVM selects from the IR
+# below), then one float multiply-add per 32 weights applies the weight's and the activation's
+# scales. Per 32 weights that is 5-6 vector operations where the float32 path (`_groups`) takes
+# 10-12 (convert every weight to float, scale it, subtract the minimum, fused multiply-add).
+# Why 16-bit and not 8-bit activations (what llama.cpp does): an activation rounded to 1/32767
+# of its block's largest value moves a dot product by about 1e-5 of its size, as close to the
+# float32 results as float32 summation order is, so every oracle bar held to float32 still
+# holds; 8-bit rounding moves llama.cpp's logits to cosine 0.988-0.999 against float32
+# (tests/test_oracle.py, BELOW_BAR). Measured on the 2-core VM (one thread, 1 MiB of Q4_K
+# rows, so compute-bound): float32 6.6 GB/s, int16 11.3, int8 (AVX-512 VNNI) 15.3.
+
+INT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+INT_IDS = frozenset(QTYPES_BY_NAME[n].type_id for n in INT_TYPES)
+A = 32  # activations per int16 block (one float32 scale each)
+ACT_MAX = 32767.0
+
+
+def _pairs(b, w16, x16):
+    """<32 x i16> . <32 x i16> -> <16 x i32>, lane k = w[2k] x[2k] + w[2k+1] x[2k+1] (pmaddwd)."""
+    p = b.mul(b.sext(w16, _vec(I32)), b.sext(x16, _vec(I32)))
+    even = b.shuffle_vector(p, p, _ivec(range(0, W, 2)))
+    odd = b.shuffle_vector(p, p, _ivec(range(1, W, 2)))
+    return b.add(even, odd)
+
+
+def _k_scales(b, blk):
+    """Q4_K / Q5_K: the 6-bit scales and mins of the 8 sub-blocks (12 bytes at blk + 4), as
+    <8 x float> each (`_ir_scale_min_k4`, all 8 at once)."""
+    s = b.zext(_load(b, blk, 4, _vec(I8, 12)), _vec(I32, 12))
+    pick = lambda idx: b.shuffle_vector(s, s, _ivec(idx))  # noqa: E731
+    c = lambda v: _ivec([v] * 8)  # noqa: E731
+    first = ir.Constant(_vec(ir.IntType(1), 8), [1] * 4 + [0] * 4)  # sub-blocks 0-3
+    a, a_hi = pick([0, 1, 2, 3, 8, 9, 10, 11]), pick([0, 0, 0, 0, 0, 1, 2, 3])
+    m, m_hi = pick([4, 5, 6, 7, 8, 9, 10, 11]), pick([0, 0, 0, 0, 4, 5, 6, 7])
+    sc = b.select(first, b.and_(a, c(63)), b.or_(b.and_(a, c(15)), b.shl(b.lshr(a_hi, c(6)), c(4))))
+    mn = b.select(first, b.and_(m, c(63)), b.or_(b.lshr(m, c(4)), b.shl(b.lshr(m_hi, c(6)), c(4))))
+    return b.uitofp(sc, _vec(FLT, 8)), b.uitofp(mn, _vec(FLT, 8))
+
+
+def _igroups(b, name, blk):
+    """One block of an INT_TYPES type at byte pointer blk, as integers: ([(first weight, <32 x
+    i16> weights, scale)], mins). scale: a float (the group's) or <16 x float> (a scale per
+    pair lane, Q6_K's two per group); mins: <8 x float> of the 8 sub-blocks' minimums (Q4_K,
+    Q5_K: weight = scale * q - min) or None."""
+    V16 = _vec(I16)
+    if name == "Q8_0":
+        return [(0, b.sext(_load(b, blk, 2, _vec(I8)), V16), _f16(b, blk, 0))], None
+    if name == "Q4_0":
+        q = b.sub(_nibbles(b, _load(b, blk, 2, _vec(I8, 16))), _v8(8))
+        return [(0, b.sext(q, V16), _f16(b, blk, 0))], None
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
+        sc, mn = _k_scales(b, blk)
+        scales = b.fmul(_splat(b, d, 8), sc)
+        qs = 16 if name == "Q4_K" else 48
+        qh = _load(b, blk, 16, _vec(I8)) if name == "Q5_K" else None
+        out = []
+        for j in range(4):
+            q = _load(b, blk, qs + 32 * j, _vec(I8))
+            for half, nib in enumerate((b.and_(q, _v8(15)), b.lshr(q, _v8(4)))):
+                sub = 2 * j + half
+                if qh is not None:
+                    nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
+                out.append((32 * sub, b.zext(nib, V16), b.extract_element(scales, _const(I32, sub))))
+        return out, b.fmul(_splat(b, dmin, 8), mn)
+    if name == "Q6_K":
+        d = _f16(b, blk, 208)
+        out = []
+        for half in range(2):
+            a, c = _load(b, blk, 64 * half, _vec(I8)), _load(b, blk, 64 * half + 32, _vec(I8))
+            qh = _load(b, blk, 128 + 32 * half, _vec(I8))
+            for g, low in enumerate((b.and_(a, _v8(15)), b.and_(c, _v8(15)), b.lshr(a, _v8(4)), b.lshr(c, _v8(4)))):
+                hi = b.shl(b.and_(b.lshr(qh, _v8(2 * g)), _v8(3)), _v8(4))
+                q = b.sext(b.sub(b.or_(low, hi), _v8(32)), V16)
+                s0, s1 = (b.sitofp(_load(b, blk, 192 + 8 * half + 2 * g + k, I8), FLT) for k in range(2))
+                pair = b.insert_element(ir.Constant(_vec(FLT, 2), ir.Undefined), b.fmul(d, s0), _const(I32, 0))
+                pair = b.insert_element(pair, b.fmul(d, s1), _const(I32, 1))
+                scale = b.shuffle_vector(pair, pair, _ivec([0] * 8 + [1] * 8))
+                out.append((128 * half + 32 * g, q, scale))
+        return out, None
+    raise ValueError(name)
+
+
+def _make_idot(name: str, rows: int):
+    """Intrinsic idot(w, q, d, m, r0, ..): weight row w (raw bytes of type `name`) . activation
+    rows r0.. of (q: int16 [R, K], d: float32 [R, K / 32] scales, m: float32 [R, K / 32] scale x
+    block sum), each as float32. A row's sum is the same whatever rows share the call."""
+    qt = QTYPES_BY_NAME[name]
+    bs, ts = qt.block_size, qt.type_size
+    subs = bs // A
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        w = context.make_array(sig.args[0])(context, b, args[0])
+        qa, da, ma = (context.make_array(t)(context, b, a) for t, a in zip(sig.args[1:4], args[1:4]))
+        k_len = b.extract_value(qa.shape, 1)
+        nblk = b.extract_value(da.shape, 1)
+        xq = [b.gep(qa.data, [b.mul(r, k_len)]) for r in args[4:]]
+        xd = [b.gep(da.data, [b.mul(r, nblk)]) for r in args[4:]]
+        xm = [b.gep(ma.data, [b.mul(r, nblk)]) for r in args[4:]]
+        nb = b.udiv(b.extract_value(w.shape, 0), _const(I64, ts))
+        V16F, V8F = _vec(FLT, 16), _vec(FLT, 8)
+        accs = [cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16)) for _ in xq]
+        maccs = [cgutils.alloca_once_value(b, ir.Constant(V8F, [0.0] * 8)) for _ in xq]
+        with cgutils.for_range(b, nb) as loop:
+            i = loop.index
+            blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
+            groups, mins = _igroups(b, name, blk)
+            first = b.mul(i, _const(I64, bs))
+            sub0 = b.mul(i, _const(I64, subs))
+            for off, wq, scale in groups:
+                k = b.add(first, _const(I64, off))
+                s = b.add(sub0, _const(I64, off // A))
+                for x, dx, acc in zip(xq, xd, accs):
+                    isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
+                    dxs = _load(b, dx, s, FLT, align=4)
+                    if isinstance(scale.type, ir.VectorType):
+                        sv = b.fmul(scale, _splat(b, dxs, 16))
+                    else:
+                        sv = _splat(b, b.fmul(scale, dxs), 16)
+                    b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
+            if mins is not None:
+                for mx, macc in zip(xm, maccs):
+                    b.store(b.fadd(b.load(macc), b.fmul(mins, _load(b, mx, sub0, V8F, align=4))), macc)
+        sums = [_hsum(b, b.load(acc), 16) for acc in accs]
+        if name in ("Q4_K", "Q5_K"):
+            sums = [b.fsub(s, _hsum(b, b.load(macc), 8)) for s, macc in zip(sums, maccs)]
+        return sums[0] if rows == 1 else context.make_tuple(b, sig.return_type, sums)
+
+    def typer(typingctx, w, q, d, m, *rs):
+        ok = (isinstance(w, types.Array) and w.ndim == 1 and w.dtype == types.uint8 and w.layout == "C"
+              and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.int16 and q.layout == "C"
+              and all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
+                      for a in (d, m))
+              and all(isinstance(r, types.Integer) for r in rs))
+        if not ok:
+            return None
+        ret = types.float32 if rows == 1 else types.UniTuple(types.float32, rows)
+        return ret(w, q, d, m, *([types.int64] * rows)), codegen
+
+    if rows == 1:
+        def idot(typingctx, w, q, d, m, r0):
+            return typer(typingctx, w, q, d, m, r0)
+    elif rows == 2:
+        def idot(typingctx, w, q, d, m, r0, r1):
+            return typer(typingctx, w, q, d, m, r0, r1)
+    elif rows == 4:
+        def idot(typingctx, w, q, d, m, r0, r1, r2, r3):
+            return typer(typingctx, w, q, d, m, r0, r1, r2, r3)
+    else:
+        def idot(typingctx, w, q, d, m, r0, r1, r2, r3, r4, r5, r6, r7):
+            return typer(typingctx, w, q, d, m, r0, r1, r2, r3, r4, r5, r6, r7)
+    idot.__name__ = f"idot{rows}_{name.lower()}"
+    return intrinsic(idot)
+
+
+IDOT1 = {n: _make_idot(n, 1) for n in INT_TYPES}
+IDOT2 = {n: _make_idot(n, 2) for n in INT_TYPES}
+IDOT4 = {n: _make_idot(n, 4) for n in INT_TYPES}
+IDOT8 = {n: _make_idot(n, 8) for n in INT_TYPES}
+
+
+@njit(cache=True, nogil=True)
+def quantize_acts(x):
+    """float32 rows x [R, K] (K a multiple of 32) -> (q, d, m) of `_make_idot`: per block of 32,
+    d = max|x| / 32767, q = round(x / d), m = d * sum(q). A block holding inf or nan gets d = nan
+    (its products come out nan, as float32 ones would be inf or nan)."""
+    R, K = x.shape
+    nb = K // A
+    q = np.empty((R, K), np.int16)
+    d = np.empty((R, nb), np.float32)
+    m = np.empty((R, nb), np.float32)
+    for r in range(R):
+        for j in range(nb):
+            xb = x[r, j * A : (j + 1) * A]
+            amax = np.float32(0)
+            finite = True
+            for t in range(A):
+                v = abs(xb[t])
+                if not v <= np.float32(3.0e38):
+                    finite = False
+                elif v > amax:
+                    amax = v
+            s = 0
+            if finite and amax > 0:
+                inv = np.float32(ACT_MAX) / amax
+                for t in range(A):
+                    v = np.int16(np.rint(xb[t] * inv))
+                    q[r, j * A + t] = v
+                    s += v
+                d[r, j] = amax / np.float32(ACT_MAX)
+            else:
+                q[r, j * A : (j + 1) * A] = 0
+                d[r, j] = np.float32(0) if finite else np.float32(np.nan)
+            m[r, j] = d[r, j] * np.float32(s)
+    return q, d, m
+
+
 # -- the kernels ---------------------------------------------------------------------------
 
 def _make_decode(name: str):
@@ -803,6 +1005,58 @@ dot8 = _dispatch(_outlined(DOT8, _A8), _A8, "Weight row w . eight float32 rows (
                  "result == dot1's bits.", _ORDER)
 
 
+# The integer products' dispatch, and `rdotN`: a weight row . activation rows r0.. of x, through
+# the integer dot products for INT_TYPES (on a = acts(x), x's int16 blocks) or the float32 ones.
+_I1, _I2, _I4, _I8 = ("q, d, m, " + ", ".join(f"r{i}" for i in range(n)) for n in (1, 2, 4, 8))
+_INT_ORDER = tuple(n for n in _ORDER if n in INT_TYPES)
+
+
+def _int_dispatch(names) -> dict:
+    """is_int(qt) and idot1..idot8 for the INT_TYPES among `names` (when there are none, is_int
+    is False and the idots are never called: they return zeros)."""
+    ints = tuple(n for n in _INT_ORDER if n in names)
+    test = " or ".join(f"qt == {QTYPES_BY_NAME[n].type_id}" for n in ints) or "False"
+    ns: dict = {}
+    exec(f"def is_int(qt):\n    return {test}", ns)
+    out = {"is_int": njit(inline="always")(ns["is_int"])}
+    for n, table, a in ((1, IDOT1, _I1), (2, IDOT2, _I2), (4, IDOT4, _I4), (8, IDOT8, _I8)):
+        if ints:
+            out[f"idot{n}"] = _dispatch(table, a, f"Weight row w . {n} int16 activation row(s).", ints, ints[-1])
+        else:
+            zero = "np.float32(0)" if n == 1 else "(" + "np.float32(0), " * n + ")"
+            ns["np"] = np
+            exec(f"def idot{n}(qt, w, {a}):\n    return {zero}", ns)
+            out[f"idot{n}"] = njit(inline="always")(ns[f"idot{n}"])
+    return out
+
+
+def _rdots(env: dict) -> dict:
+    """rdot1..rdot8(qt, w, x, a, r0, ..) over `env`'s is_int, idotN and dotN."""
+    out = {}
+    for n in (1, 2, 4, 8):
+        rs = ", ".join(f"r{i}" for i in range(n))
+        xs = ", ".join(f"x[r{i}]" for i in range(n))
+        src = (f"def rdot{n}(qt, w, x, a, {rs}):\n"
+               f"    if is_int(qt):\n        return idot{n}(qt, w, a[0], a[1], a[2], {rs})\n"
+               f"    return dot{n}(qt, w, {xs})")
+        ns = dict(env)
+        exec(src, ns)
+        out[f"rdot{n}"] = njit(inline="always")(ns[f"rdot{n}"])
+    return out
+
+
+globals().update(_int_dispatch(IR_TYPES))
+globals().update(_rdots(globals()))
+
+
+@njit(cache=True, nogil=True)
+def acts(x, want):
+    """x's int16 blocks (quantize_acts) if `want` (some product of x is of INT_TYPES), else empty."""
+    if want:
+        return quantize_acts(x)
+    return np.empty((0, 0), np.int16), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
+
+
 def _row_decoders() -> dict:
     """decode(b, out, lut, m) of every type: the plain types' numba functions, MORE_TYPES' IR."""
     out = {n: globals()[f"_decode_{n.lower()}"] for n in IR_TYPES if n not in MORE_TYPES}
@@ -818,27 +1072,27 @@ decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -
 
 
 @njit(cache=True, nogil=True)
-def matmul_rows(out, x, w, qt, n0, n1, col):
-    """out[:, col + n] = x @ row n of w, for n in [n0, n1)."""
+def matmul_rows(out, x, a, w, qt, n0, n1, col):
+    """out[:, col + n] = x @ row n of w, for n in [n0, n1); a = acts(x, is_int(qt))."""
     R = x.shape[0]
     for n in range(n0, n1):
         row = w[n]
         r = 0
         while r + 8 <= R:
-            t = dot8(qt, row, x[r], x[r + 1], x[r + 2], x[r + 3], x[r + 4], x[r + 5], x[r + 6], x[r + 7])
+            t = rdot8(qt, row, x, a, r, r + 1, r + 2, r + 3, r + 4, r + 5, r + 6, r + 7)
             for i in range(8):
                 out[r + i, col + n] = t[i]
             r += 8
         while r + 4 <= R:
-            s0, s1, s2, s3 = dot4(qt, row, x[r], x[r + 1], x[r + 2], x[r + 3])
+            s0, s1, s2, s3 = rdot4(qt, row, x, a, r, r + 1, r + 2, r + 3)
             out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
             r += 4
         if r + 2 <= R:
-            s0, s1 = dot2(qt, row, x[r], x[r + 1])
+            s0, s1 = rdot2(qt, row, x, a, r, r + 1)
             out[r, col + n], out[r + 1, col + n] = s0, s1
             r += 2
         while r < R:
-            out[r, col + n] = dot1(qt, row, x[r])
+            out[r, col + n] = rdot1(qt, row, x, a, r)
             r += 1
 
 
@@ -852,13 +1106,14 @@ SERIAL_WORK = 1 << 19
 def matmul(out, x, w, qt):
     """out[R, N] = x[R, K] @ W.T for raw weight rows w: uint8 [N, row_bytes] of type qt."""
     N = w.shape[0]
+    a = acts(x, is_int(qt))
     for c in prange((N + CHUNK - 1) // CHUNK):
-        matmul_rows(out, x, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
+        matmul_rows(out, x, a, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
 
 
 @njit(cache=True, nogil=True)
 def matmul_serial(out, x, w, qt):
-    matmul_rows(out, x, w, qt, 0, w.shape[0], 0)
+    matmul_rows(out, x, acts(x, is_int(qt)), w, qt, 0, w.shape[0], 0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -868,13 +1123,14 @@ def matmul3(out, x, w0, w1, w2, qt0, qt1, qt2):
     N0, N1, N2 = w0.shape[0], w1.shape[0], w2.shape[0]
     c0 = (N0 + CHUNK - 1) // CHUNK
     c1 = c0 + (N1 + CHUNK - 1) // CHUNK
+    a = acts(x, is_int(qt0) or is_int(qt1) or is_int(qt2))
     for c in prange(c1 + (N2 + CHUNK - 1) // CHUNK):
         if c < c0:
-            matmul_rows(out, x, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), 0)
+            matmul_rows(out, x, a, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), 0)
         elif c < c1:
-            matmul_rows(out, x, w1, qt1, (c - c0) * CHUNK, min(N1, (c - c0 + 1) * CHUNK), N0)
+            matmul_rows(out, x, a, w1, qt1, (c - c0) * CHUNK, min(N1, (c - c0 + 1) * CHUNK), N0)
         else:
-            matmul_rows(out, x, w2, qt2, (c - c1) * CHUNK, min(N2, (c - c1 + 1) * CHUNK), N0 + N1)
+            matmul_rows(out, x, a, w2, qt2, (c - c1) * CHUNK, min(N2, (c - c1 + 1) * CHUNK), N0 + N1)
 
 
 @njit(cache=True, nogil=True)
@@ -885,8 +1141,9 @@ def get_rows(out, w, ids, qt, lut, m):
 
 
 @njit(cache=True, nogil=True)
-def one_expert(y, x, gate, up, down, e, rows, qg, qu, qd):
-    """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows))."""
+def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
+    """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows));
+    a = acts(x, ..) (x's int16 blocks when gate or up is of INT_TYPES)."""
     n = rows.shape[0]
     hidden = gate.shape[1]
     h = np.empty((n, hidden), np.float32)  # [rows, hidden]
@@ -894,27 +1151,27 @@ def one_expert(y, x, gate, up, down, e, rows, qg, qu, qd):
         gr, ur = gate[e, i], up[e, i]
         p = 0
         while p + 8 <= n:
-            x0, x1, x2, x3 = x[rows[p]], x[rows[p + 1]], x[rows[p + 2]], x[rows[p + 3]]
-            x4, x5, x6, x7 = x[rows[p + 4]], x[rows[p + 5]], x[rows[p + 6]], x[rows[p + 7]]
-            g = dot8(qg, gr, x0, x1, x2, x3, x4, x5, x6, x7)
-            u = dot8(qu, ur, x0, x1, x2, x3, x4, x5, x6, x7)
+            r0, r1, r2, r3, r4, r5, r6, r7 = (rows[p], rows[p + 1], rows[p + 2], rows[p + 3], rows[p + 4],
+                                              rows[p + 5], rows[p + 6], rows[p + 7])
+            g = rdot8(qg, gr, x, a, r0, r1, r2, r3, r4, r5, r6, r7)
+            u = rdot8(qu, ur, x, a, r0, r1, r2, r3, r4, r5, r6, r7)
             for t in range(8):
                 h[p + t, i] = g[t] / (np.float32(1) + np.exp(-g[t])) * u[t]
             p += 8
         while p + 4 <= n:
-            x0, x1, x2, x3 = x[rows[p]], x[rows[p + 1]], x[rows[p + 2]], x[rows[p + 3]]
-            g0, g1, g2, g3 = dot4(qg, gr, x0, x1, x2, x3)
-            u0, u1, u2, u3 = dot4(qu, ur, x0, x1, x2, x3)
+            r0, r1, r2, r3 = rows[p], rows[p + 1], rows[p + 2], rows[p + 3]
+            g0, g1, g2, g3 = rdot4(qg, gr, x, a, r0, r1, r2, r3)
+            u0, u1, u2, u3 = rdot4(qu, ur, x, a, r0, r1, r2, r3)
             h[p, i] = g0 / (np.float32(1) + np.exp(-g0)) * u0
             h[p + 1, i] = g1 / (np.float32(1) + np.exp(-g1)) * u1
             h[p + 2, i] = g2 / (np.float32(1) + np.exp(-g2)) * u2
             h[p + 3, i] = g3 / (np.float32(1) + np.exp(-g3)) * u3
             p += 4
         while p < n:
-            g = dot1(qg, gr, x[rows[p]])
-            h[p, i] = g / (np.float32(1) + np.exp(-g)) * dot1(qu, ur, x[rows[p]])
+            g = rdot1(qg, gr, x, a, rows[p])
+            h[p, i] = g / (np.float32(1) + np.exp(-g)) * rdot1(qu, ur, x, a, rows[p])
             p += 1
-    matmul_rows(y, h, down[e], qd, 0, down.shape[1], 0)
+    matmul_rows(y, h, acts(h, is_int(qd)), down[e], qd, 0, down.shape[1], 0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -929,8 +1186,9 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
     """
     dim = x.shape[1]
     y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
+    a = acts(x, is_int(qg) or is_int(qu))
     for j in prange(sel.shape[0]):
-        one_expert(y[offs[j] : offs[j + 1]], x, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]], qg, qu, qd)
+        one_expert(y[offs[j] : offs[j + 1]], x, a, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]], qg, qu, qd)
     for p in range(rows.shape[0]):
         o, yp, w = out[rows[p]], y[p], rw[p]
         for d in range(dim):
@@ -938,7 +1196,7 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def one_expert_oai(y, x, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alpha, limit):
+def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alpha, limit):
     """gpt-oss's expert FFN: y[p] = down(glu(gate(x) + bg, up(x) + bu)) + bd for expert e's
     weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
     min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
@@ -948,11 +1206,10 @@ def one_expert_oai(y, x, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alpha,
     for i in range(hidden):
         gr, ur = gate[e, i], up[e, i]
         for p in range(n):
-            xr = x[rows[p]]
-            g = min(dot1(qg, gr, xr) + bg[i], np.float32(limit))
-            u = min(max(dot1(qu, ur, xr) + bu[i], np.float32(-limit)), np.float32(limit))
+            g = min(rdot1(qg, gr, x, a, rows[p]) + bg[i], np.float32(limit))
+            u = min(max(rdot1(qu, ur, x, a, rows[p]) + bu[i], np.float32(-limit)), np.float32(limit))
             h[p, i] = g / (np.float32(1) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1))
-    matmul_rows(y, h, down[e], qd, 0, down.shape[1], 0)
+    matmul_rows(y, h, acts(h, is_int(qd)), down[e], qd, 0, down.shape[1], 0)
     for p in range(n):
         for d in range(y.shape[1]):
             y[p, d] += bd[d]
@@ -965,9 +1222,10 @@ def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd
     order of sums, so a call split into groups of j gives the same bits."""
     dim = x.shape[1]
     y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
+    a = acts(x, is_int(qg) or is_int(qu))
     for j in prange(sel.shape[0]):
         e = eids[j]
-        one_expert_oai(y[offs[j] : offs[j + 1]], x, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]],
+        one_expert_oai(y[offs[j] : offs[j + 1]], x, a, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]],
                        qg, qu, qd, bg[e], bu[e], bd[e], alpha, limit)
     for p in range(rows.shape[0]):
         o, yp, w = out[rows[p]], y[p], rw[p]
@@ -1174,7 +1432,9 @@ def _typed(names: tuple[str, ...]) -> dict:
     env = {d: _dispatch(_outlined(table, a), a, f"{d} of the types {tag}.", names, last)
            for d, table, a in (("dot1", DOT1, _A1), ("dot2", DOT2, _A2), ("dot4", DOT4, _A4), ("dot8", DOT8, _A8))}
     env["decode_row"] = _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)
-    for helper in (matmul_rows, one_expert, one_expert_oai):  # (each after what it calls)
+    env.update(_int_dispatch(names))
+    env.update(_rdots(dict(globals(), **env)))
+    for helper in (acts, matmul_rows, one_expert, one_expert_oai):  # (each after what it calls)
         env[helper.py_func.__name__] = _clone(helper, env, tag)
     return {name: _clone(globals()[name], env, tag) for name in PRODUCTS}
 

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Roofline of the cpu backend's products at real shapes: decode GB/s against the machine's
+memory bandwidth, prompt GFLOP/s against its float32 matrix-product peak.
+
+    python bench/bench_roofline.py [--runs 9] [--prompt 64] [--types Q4_K,Q6_K,...] [--root DIR]
+
+Shapes (weight rows N x row length K): the 30B-A3B shape's attention (q 4096 x 2048, k/v 512 x
+2048, o 2048 x 4096) and its routed experts (8 of 128, gate/up 768 x 2048, down 2048 x 768, one
+`expert_ffn` call as a decode token makes), its output matrix (151936 x 2048); the 0.86B file's
+experts (8 of 64, 256 x 1024) and q (1024 x 1024); Gemma 3 270M's output (262144 x 640, Q8_0 and
+Q6_K-less: 640 is not a multiple of 256). Each in each --types type that fits the row length.
+
+Decode: one activation row; GB/s = weight bytes the call reads / median time (experts: the 8
+chosen experts' bytes). Prompt: --prompt activation rows (experts: each row routed to 8 of the
+experts at random, as a prompt chunk is); GFLOP/s = 2 x MACs / median time. Yardsticks measured
+in the same run: memory bandwidth (numpy sums over two halves of a 1 GiB array on two threads,
+best of 5) and the float32 peak (numpy's BLAS sgemm of 2048 x 2048 matrices, two threads, best
+of 5). --root runs another checkout's kernels (the same call signatures) for a before/after
+table. Never run by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def yardsticks() -> tuple[float, float]:
+    a = np.ones(1 << 28, np.float32)
+    halves = [a[: len(a) // 2], a[len(a) // 2 :]]
+    bw = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=np.sum, args=(h,)) for h in halves]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        bw = max(bw, a.nbytes / (time.perf_counter() - t0))
+    del a, halves
+    m = np.random.default_rng(0).standard_normal((2048, 2048)).astype(np.float32)
+    flops = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        m @ m
+        flops = max(flops, 2 * 2048**3 / (time.perf_counter() - t0))
+    return bw / 1e9, flops / 1e9
+
+
+SHAPES = [  # label, kind, N, K (experts: hidden, dim, n_experts)
+    ("30B attn q", "dense", 4096, 2048),
+    ("30B attn k/v", "dense", 512, 2048),
+    ("30B attn o", "dense", 2048, 4096),
+    ("30B experts 8/128", "experts", 768, 2048, 128),
+    ("30B output", "dense", 151936, 2048),
+    ("0.86B attn q", "dense", 1024, 1024),
+    ("0.86B experts 8/64", "experts", 256, 1024, 64),
+    ("Gemma 270M output", "dense", 262144, 640),
+]
+
+
+def median_time(fn, runs: int) -> float:
+    fn()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,MXFP4,IQ4_XS,F16,BF16")
+    ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
+    args = ap.parse_args()
+    sys.path.insert(0, str(args.root))
+    from onebit.backends import cpu_kernels as K
+    from onebit.backends.cpu import CpuBackend
+    from onebit.backends.vulkan.reference import random_blocks
+    from onebit.quants import QTYPES_BY_NAME
+
+    bw, peak = yardsticks()
+    import numba
+
+    print(f"kernels: {args.root}; threads {numba.get_num_threads()}; memory {bw:.1f} GB/s (2 threads); "
+          f"float32 peak (BLAS sgemm) {peak:.0f} GFLOP/s; prompt rows {args.prompt}")
+    print()
+    print("| shape | type | N x K | MiB | decode ms | GB/s | x memory | prompt ms | GFLOP/s | x peak |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    wanted = [s for s in SHAPES if not args.shapes or any(s[0].startswith(p) for p in args.shapes.split(","))]
+    for label, kind, N, Kin, *rest in wanted:
+        for name in args.types.split(","):
+            qt = QTYPES_BY_NAME[name]
+            if Kin % qt.block_size or (kind == "experts" and N % qt.block_size):
+                continue
+            if kind == "dense":
+                w = random_blocks(name, (N, Kin), rng)
+                w.flags.writeable = False
+                nbytes, macs = w.nbytes, N * Kin
+
+                def run(R, w=w, N=N, Kin=Kin, t=qt.type_id):
+                    x = rng.standard_normal((R, Kin)).astype(np.float32)
+                    out = np.empty((R, N), np.float32)
+                    return lambda: K.matmul(out, x, w, t)
+            else:
+                E = rest[0]
+                gate, up = (random_blocks(name, (E, N, Kin), rng) for _ in range(2))
+                down = random_blocks(name, (E, Kin, N), rng)
+                for a in (gate, up, down):
+                    a.flags.writeable = False
+                nbytes = 8 * (gate[0].nbytes + up[0].nbytes + down[0].nbytes)
+                macs = 8 * 3 * N * Kin
+
+                def run(R, gate=gate, up=up, down=down, E=E, Kin=Kin, t=qt.type_id):
+                    x = (rng.standard_normal((R, Kin)) * 0.1).astype(np.float32)
+                    ids = np.stack([rng.choice(E, 8, replace=False) for _ in range(R)])
+                    wts = np.full((R, 8), 0.125, np.float32)
+                    sel, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
+                    out = np.zeros_like(x)
+                    return lambda: K.expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, t, t, t)
+            td = median_time(run(1), args.runs)
+            tp = median_time(run(args.prompt), max(3, args.runs // 3))
+            gbs = nbytes / td / 1e9
+            gf = 2 * macs * args.prompt / tp / 1e9
+            print(f"| {label} | {name} | {N} x {Kin} | {nbytes / 2**20:.1f} | {td * 1e3:.2f} | {gbs:.1f} | "
+                  f"{gbs / bw:.2f} | {tp * 1e3:.1f} | {gf:.1f} | {gf / peak:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
