@@ -732,9 +732,10 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 
 
 # -- integer dot products on 16-bit activations ----------------------------------------------
-# For the common quantized types a weight row is dotted with activations rounded to int16 per
-# block of 32 (a float32 scale d = max|x| / 32767 per block, and m = d * sum of the block's
-# int16 values for the types with a per-sub-block minimum): the integer products of 32 weights
+# For the common quantized types (INT_TYPES: the legacy 32-weight blocks, the K types people
+# run, MXFP4) a weight row is dotted with activations rounded to int16 per block of 32 (a
+# float32 scale d = max|x| / 32767 per block, and m = d * sum of the block's int16 values for
+# the types whose weights carry an offset): the integer products of 32 weights
 # sum exactly in int32 (pairs of 16-bit products: x86's pmaddwd, which LLVM selects from the IR
 # below), then one float multiply-add per 32 weights applies the weight's and the activation's
 # scales. Per 32 weights that is 5-6 vector operations where the float32 path (`_groups`) takes
@@ -746,7 +747,7 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 # (tests/test_oracle.py, BELOW_BAR). Measured on the 2-core VM (one thread, 1 MiB of Q4_K
 # rows, so compute-bound): float32 6.6 GB/s, int16 11.3, int8 (AVX-512 VNNI) 15.3.
 
-INT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 INT_IDS = frozenset(QTYPES_BY_NAME[n].type_id for n in INT_TYPES)
 A = 32  # activations per int16 block (one float32 scale each)
 ACT_MAX = 32767.0
@@ -776,10 +777,31 @@ def _k_scales(b, blk):
 
 def _igroups(b, name, blk):
     """One block of an INT_TYPES type at byte pointer blk, as integers: ([(first weight, <32 x
-    i16> weights, scale)], mins). scale: a float (the group's) or <16 x float> (a scale per
-    pair lane, Q6_K's two per group); mins: <8 x float> of the 8 sub-blocks' minimums (Q4_K,
-    Q5_K: weight = scale * q - min) or None."""
+    i16> weights, scale)], offsets). scale: a float (the group's) or <16 x float> (a scale per
+    pair lane, Q6_K's two per group); offsets: what each block of 32 adds to every weight (weight
+    = scale * q + offset), a float (one block) or <8 x float> (Q4_K, Q5_K: minus the 8 sub-blocks'
+    minimums), or None."""
     V16 = _vec(I16)
+    if name in ("Q4_1", "Q5_0", "Q5_1"):
+        qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
+        q = b.zext(_nibbles(b, _load(b, blk, qs, _vec(I8, 16))), _vec(I32))
+        if name != "Q4_1":
+            q = b.or_(q, _low_bits(b, _u32i(b, blk, qs - 4), 4))
+        if name == "Q5_0":
+            return [(0, b.trunc(b.sub(q, _ivec([16] * W)), V16), _f16(b, blk, 0))], None
+        return [(0, b.trunc(q, V16), _f16(b, blk, 0))], _f16(b, blk, 2)
+    if name == "MXFP4":  # the e2m1 values doubled, as integers (`_groups`), and the E8M0 scale
+        e = _byte(b, blk, 0)
+        small = b.shl(_const(I32, 0x00200000), e)
+        big = b.shl(b.sub(e, _const(I32, 1)), _const(I32, 23))
+        d = b.bitcast(b.select(b.icmp_unsigned("<", e, _const(I32, 2)), small, big), FLT)
+        n = b.zext(_nibbles(b, _load(b, blk, 1, _vec(I8, 16))), _vec(I32))
+        c = lambda v: _ivec([v] * W)  # noqa: E731
+        mag = b.and_(n, c(7))
+        wide = b.shl(b.or_(c(2), b.and_(mag, c(1))), b.sub(b.lshr(mag, c(1)), c(1)))
+        val = b.select(b.icmp_unsigned("<", mag, c(4)), mag, wide)
+        val = b.select(b.icmp_unsigned("!=", b.and_(n, c(8)), c(0)), b.sub(c(0), val), val)
+        return [(0, b.trunc(val, V16), d)], None
     if name == "Q8_0":
         return [(0, b.sext(_load(b, blk, 2, _vec(I8)), V16), _f16(b, blk, 0))], None
     if name == "Q4_0":
@@ -799,7 +821,7 @@ def _igroups(b, name, blk):
                 if qh is not None:
                     nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
                 out.append((32 * sub, b.zext(nib, V16), b.extract_element(scales, _const(I32, sub))))
-        return out, b.fmul(_splat(b, dmin, 8), mn)
+        return out, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
     if name == "Q6_K":
         d = _f16(b, blk, 208)
         out = []
@@ -837,12 +859,14 @@ def _make_idot(name: str, rows: int):
         xm = [b.gep(ma.data, [b.mul(r, nblk)]) for r in args[4:]]
         nb = b.udiv(b.extract_value(w.shape, 0), _const(I64, ts))
         V16F, V8F = _vec(FLT, 16), _vec(FLT, 8)
+        per_block = name in ("Q4_1", "Q5_1")  # one offset per block of 32; Q4_K, Q5_K: 8 per block
         accs = [cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16)) for _ in xq]
-        maccs = [cgutils.alloca_once_value(b, ir.Constant(V8F, [0.0] * 8)) for _ in xq]
+        zero = ir.Constant(FLT, 0.0) if per_block else ir.Constant(V8F, [0.0] * 8)
+        oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
-            groups, mins = _igroups(b, name, blk)
+            groups, offsets = _igroups(b, name, blk)
             first = b.mul(i, _const(I64, bs))
             sub0 = b.mul(i, _const(I64, subs))
             for off, wq, scale in groups:
@@ -856,12 +880,15 @@ def _make_idot(name: str, rows: int):
                     else:
                         sv = _splat(b, b.fmul(scale, dxs), 16)
                     b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
-            if mins is not None:
-                for mx, macc in zip(xm, maccs):
-                    b.store(b.fadd(b.load(macc), b.fmul(mins, _load(b, mx, sub0, V8F, align=4))), macc)
+            if offsets is not None:
+                for mx, oacc in zip(xm, oaccs):
+                    mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
+                    b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
         sums = [_hsum(b, b.load(acc), 16) for acc in accs]
-        if name in ("Q4_K", "Q5_K"):
-            sums = [b.fsub(s, _hsum(b, b.load(macc), 8)) for s, macc in zip(sums, maccs)]
+        if name in ("Q4_1", "Q5_1"):
+            sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
+        elif name in ("Q4_K", "Q5_K"):
+            sums = [b.fadd(s, _hsum(b, b.load(oacc), 8)) for s, oacc in zip(sums, oaccs)]
         return sums[0] if rows == 1 else context.make_tuple(b, sig.return_type, sums)
 
     def typer(typingctx, w, q, d, m, *rs):
