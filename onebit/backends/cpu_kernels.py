@@ -732,8 +732,8 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 
 
 # -- integer dot products on 16-bit activations ----------------------------------------------
-# For the common quantized types (INT_TYPES: the legacy 32-weight blocks, the K types people
-# run, MXFP4) a weight row is dotted with activations rounded to int16 per block of 32 (a
+# For the common quantized types (INT_TYPES: the legacy 32-weight blocks and the K types people
+# run) a weight row is dotted with activations rounded to int16 per block of 32 (a
 # float32 scale d = max|x| / 32767 per block, and m = d * sum of the block's int16 values for
 # the types whose weights carry an offset): the integer products of 32 weights
 # sum exactly in int32 (pairs of 16-bit products: x86's pmaddwd, which LLVM selects from the IR
@@ -745,9 +745,11 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 # float32 results as float32 summation order is, so every oracle bar held to float32 still
 # holds; 8-bit rounding moves llama.cpp's logits to cosine 0.988-0.999 against float32
 # (tests/test_oracle.py, BELOW_BAR). Measured on the 2-core VM (one thread, 1 MiB of Q4_K
-# rows, so compute-bound): float32 6.6 GB/s, int16 11.3, int8 (AVX-512 VNNI) 15.3.
+# rows, so compute-bound): float32 6.6 GB/s, int16 11.3, int8 (AVX-512 VNNI) 15.3. MXFP4 and
+# the codebook types stay on the float32 path: MXFP4's integer form (selects over 32 lanes)
+# measured 0.82-0.94x its float32 decode (bench/bench_roofline.py).
 
-INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 INT_IDS = frozenset(QTYPES_BY_NAME[n].type_id for n in INT_TYPES)
 A = 32  # activations per int16 block (one float32 scale each)
 ACT_MAX = 32767.0
@@ -790,18 +792,6 @@ def _igroups(b, name, blk):
         if name == "Q5_0":
             return [(0, b.trunc(b.sub(q, _ivec([16] * W)), V16), _f16(b, blk, 0))], None
         return [(0, b.trunc(q, V16), _f16(b, blk, 0))], _f16(b, blk, 2)
-    if name == "MXFP4":  # the e2m1 values doubled, as integers (`_groups`), and the E8M0 scale
-        e = _byte(b, blk, 0)
-        small = b.shl(_const(I32, 0x00200000), e)
-        big = b.shl(b.sub(e, _const(I32, 1)), _const(I32, 23))
-        d = b.bitcast(b.select(b.icmp_unsigned("<", e, _const(I32, 2)), small, big), FLT)
-        n = b.zext(_nibbles(b, _load(b, blk, 1, _vec(I8, 16))), _vec(I32))
-        c = lambda v: _ivec([v] * W)  # noqa: E731
-        mag = b.and_(n, c(7))
-        wide = b.shl(b.or_(c(2), b.and_(mag, c(1))), b.sub(b.lshr(mag, c(1)), c(1)))
-        val = b.select(b.icmp_unsigned("<", mag, c(4)), mag, wide)
-        val = b.select(b.icmp_unsigned("!=", b.and_(n, c(8)), c(0)), b.sub(c(0), val), val)
-        return [(0, b.trunc(val, V16), d)], None
     if name == "Q8_0":
         return [(0, b.sext(_load(b, blk, 2, _vec(I8)), V16), _f16(b, blk, 0))], None
     if name == "Q4_0":
