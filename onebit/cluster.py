@@ -236,8 +236,10 @@ def _set_threads(n: int) -> None:
     """The cpu backend's kernel threads in this worker. numba reads NUMBA_NUM_THREADS when it is
     first imported, which a fresh Ray worker has not done yet. (Not numba.set_num_threads: that
     starts numba's threads before the cpu backend has set OMP_WAIT_POLICY, and spinning OpenMP
-    threads made a 2-thread worker 20x slower on a loaded machine.)"""
+    threads made a 2-thread worker 20x slower on a loaded machine; for the same reason a worker's
+    threads sleep between regions: workers share the node's cores.)"""
     os.environ["NUMBA_NUM_THREADS"] = str(n)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # -- the driver ---------------------------------------------------------------------------

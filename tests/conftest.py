@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The suite runs two processes on two cores (pytest -n 2): their kernel threads sleep between
+# parallel regions rather than spin (cpu_kernels._wait_policy decides by the load average, which
+# lags behind two workers that start together).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import pytest

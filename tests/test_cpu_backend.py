@@ -339,3 +339,28 @@ def test_auto_takes_vulkan_only_on_a_gpu(monkeypatch):
     for kind in ("integrated", "discrete"):
         monkeypatch.setattr(vkdev, "list_devices", lambda: [lavapipe, dataclasses.replace(lavapipe, type=kind)])
         assert backends.gpu_device().type == kind and resolve("auto") == "vulkan"
+
+
+@pytest.mark.parametrize("load,want", [(0.2, "ACTIVE"), (1.0, "PASSIVE"), (None, "PASSIVE")])
+def test_kernel_threads_spin_only_on_an_idle_machine(monkeypatch, load, want):
+    """OpenMP workers spin briefly between regions when the machine is idle (load average under
+    half the cores), sleep at once when it is busy or the load is unknown, and a user's own
+    OMP_WAIT_POLICY is left alone."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+    def loadavg():
+        if load is None:
+            raise OSError("no load average")
+        return (load, load, load)
+
+    monkeypatch.setattr(os, "getloadavg", loadavg)
+    K._wait_policy()
+    assert os.environ["OMP_WAIT_POLICY"] == want
+    assert ("GOMP_SPINCOUNT" in os.environ) == (want == "ACTIVE")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    K._wait_policy()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
