@@ -76,6 +76,10 @@ class CheckedStep(EagerStep):
     def linear(self, x, name, bias=None):
         return self._at("linear", super().linear(x, name, bias), name, weights=((bias, None),) if bias else ())
 
+    def linears(self, x, names, biases):
+        ys = super().linears(x, names, biases)  # (fused on the cpu backend: `linear` not called)
+        return [self._at("linear", y, n, weights=((b, None),) if b else ()) for y, n, b in zip(ys, names, biases)]
+
     def rope(self, x, *args):
         return self._at("rope", super().rope(x, *args))
 

@@ -102,18 +102,20 @@ class CpuBackend(NumpyBackend):
         return out
 
     def linears(self, x: np.ndarray, names) -> list[np.ndarray] | None:
-        """x @ W.T for three matrices of the same input width (q, k, v) in one parallel region,
-        or None when there are not three or one of them takes another path."""
-        if len(names) != 3:
+        """x @ W.T for two or three matrices of the same input width (q, k, v; an MLP's gate and
+        up) in one parallel region, or None when one of them takes another path."""
+        if len(names) not in (2, 3):
             return None
         got = [self._kernel_raw(n) for n in names]
         if any(raw is None or raw.ndim != 2 for _, raw in got):
             return None
-        widths = [t.shape[0] for t, _ in got]
+        if len(got) == 2:  # a third matrix of no rows
+            got.append((got[0][0], got[0][1][:0]))
+        widths = [raw.shape[0] for _, raw in got]
         out = np.empty((x.shape[0], sum(widths)), np.float32)  # [R, N0 + N1 + N2]
         (t0, w0), (t1, w1), (t2, w2) = got
         self.K.matmul3(out, _f32(x), w0, w1, w2, t0.qtype, t1.qtype, t2.qtype)
-        return np.split(out, np.cumsum(widths[:2]), axis=1)
+        return np.split(out, np.cumsum(widths[:2]), axis=1)[: len(names)]
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         t, raw = self._kernel_raw(name)

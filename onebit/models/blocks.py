@@ -115,14 +115,16 @@ def attention(g, cfg: ModelConfig, layer: int, x):
 
 def dense_ffn(g, layer: int, x):
     p = f"blk.{layer}"
-    h = g.swiglu(g.linear(x, f"{p}.ffn_gate.weight"), g.linear(x, f"{p}.ffn_up.weight"))  # [R, hidden]
+    gate, up = g.linears(x, [f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"], [None, None])
+    h = g.swiglu(gate, up)  # [R, hidden]
     return g.linear(h, f"{p}.ffn_down.weight")
 
 
 def geglu_ffn(g, layer: int, x):
     """Gemma's FFN: down(gelu_tanh(gate(x)) * up(x))."""
     p = f"blk.{layer}"
-    h = g.geglu(g.linear(x, f"{p}.ffn_gate.weight"), g.linear(x, f"{p}.ffn_up.weight"))  # [R, hidden]
+    gate, up = g.linears(x, [f"{p}.ffn_gate.weight", f"{p}.ffn_up.weight"], [None, None])
+    h = g.geglu(gate, up)  # [R, hidden]
     return g.linear(h, f"{p}.ffn_down.weight")
 
 
@@ -159,7 +161,8 @@ def sigmoid_moe_ffn(g, cfg: ModelConfig, layer: int, x, h):
 def plain_shared_expert(g, layer: int, x):
     """An always-on shared expert without a gate (GLM): down(silu(gate(x)) * up(x))."""
     p = f"blk.{layer}"
-    h = g.swiglu(g.linear(x, f"{p}.ffn_gate_shexp.weight"), g.linear(x, f"{p}.ffn_up_shexp.weight"))  # [R, S]
+    gate, up = g.linears(x, [f"{p}.ffn_gate_shexp.weight", f"{p}.ffn_up_shexp.weight"], [None, None])
+    h = g.swiglu(gate, up)  # [R, S]
     return g.linear(h, f"{p}.ffn_down_shexp.weight")  # [R, dim]
 
 
