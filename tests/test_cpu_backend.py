@@ -341,26 +341,43 @@ def test_auto_takes_vulkan_only_on_a_gpu(monkeypatch):
         assert backends.gpu_device().type == kind and resolve("auto") == "vulkan"
 
 
-@pytest.mark.parametrize("load,want", [(0.2, "ACTIVE"), (1.0, "PASSIVE"), (None, "PASSIVE")])
-def test_kernel_threads_spin_only_on_an_idle_machine(monkeypatch, load, want):
-    """OpenMP workers spin briefly between regions when the machine is idle (load average under
-    half the cores), sleep at once when it is busy or the load is unknown, and a user's own
-    OMP_WAIT_POLICY is left alone."""
+@pytest.mark.parametrize("others,want", [(0.2, "ACTIVE"), (1.0, "PASSIVE"), (None, "PASSIVE")])
+def test_kernel_threads_spin_only_on_an_idle_machine(monkeypatch, others, want):
+    """OpenMP workers spin briefly between regions when the machine is idle (other runnable
+    tasks under half the cores), sleep at once when it is busy or that is unknown, and a user's
+    own OMP_WAIT_POLICY is left alone."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
 
-    def loadavg():
-        if load is None:
-            raise OSError("no load average")
-        return (load, load, load)
+    def running():
+        if others is None:
+            raise OSError("no load figures")
+        return others
 
-    monkeypatch.setattr(os, "getloadavg", loadavg)
+    monkeypatch.setattr(K, "_others_running", running)
     K._wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == want
     assert ("GOMP_SPINCOUNT" in os.environ) == (want == "ACTIVE")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(K, "_others_running", lambda: 0.0)
     K._wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_others_running_counts_a_busy_process():
+    """The count the wait policy reads: a busy process beside this one shows (on Linux)."""
+    import subprocess
+    import sys
+    import time
+
+    if not os.path.exists("/proc/loadavg"):
+        pytest.skip("no /proc/loadavg")
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert K._others_running() >= 0.6
+    finally:
+        busy.kill()
+        busy.wait()
