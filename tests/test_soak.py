@@ -1,13 +1,20 @@
 """Soak at CI size (issue 36): 120 batch prompts with the shipped model's experts streamed
 through 40 slots, then a 40-turn chat, in one process: resident memory flat after warm-up
 (under 5%, medians of fifths), no file-descriptor or thread growth, one template worker for the
-whole run, the expert pool's counters consistent. The long runs (2,000 prompts, 500 turns):
-bench/soak.py and bench/results/issue36-bounds.md."""
+whole run, the expert pool's counters consistent. No leak was found, so to show the soak fails
+for the reason it exists, the same run (bench/soak.py's sampling and verdict, the real model)
+is repeated with a leak injected into each batch prompt: memory kept, a file left open, a
+thread left running; each must fail for its own kind and only that. The long runs (2,000
+prompts, 500 turns): bench/soak.py, bench/results/issue36-bounds.md and issue36-soak-0.9b.md."""
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import soak  # noqa: E402
@@ -39,3 +46,42 @@ def test_the_checks_can_fail():
     spiky = _samples(100)
     spiky[-1]["rss"] *= 2
     assert soak.check(spiky, "x") == []
+
+
+# What each injected leak must fail (the keys of soak.check's lines), and nothing else.
+LEAKS = {None: set(), "memory": {"resident memory"}, "fd": {"fds"}, "thread": {"threads", "os_threads"}}
+
+
+@pytest.mark.parametrize("kind", list(LEAKS), ids=lambda k: k or "no-leak")
+def test_an_injected_leak_fails_the_soak(kind, monkeypatch):
+    from onebit import batch
+
+    real = batch.generate_one
+    kept: list = []
+    stop = threading.Event()
+
+    def leaky(*args, **kwargs):
+        rec = real(*args, **kwargs)
+        if kind == "memory":
+            kept.append(bytearray(b"\x01") * (2 << 20))  # 2 MiB a prompt, written (resident)
+        elif kind == "fd":
+            kept.append(open(os.devnull, "rb"))
+        elif kind == "thread":
+            kept.append(threading.Thread(target=stop.wait, daemon=True))
+            kept[-1].start()
+        return rec
+
+    monkeypatch.setattr(batch, "generate_one", leaky)
+    try:
+        res = soak.run(prompts=48, turns=0, slots=40, backend="cpu", log=None)
+    finally:
+        stop.set()
+        for x in kept:
+            if kind == "fd":
+                x.close()
+            elif kind == "thread":
+                x.join()
+    failed = {line.split(": ", 1)[1].split(" grew")[0] for line in res["failures"]}
+    assert failed == LEAKS[kind], res["failures"]
+    assert all(line.startswith("batch: ") for line in res["failures"]), res["failures"]
+    assert len(kept) == (49 if kind else 0)  # the leak ran on the warm-up and every prompt
