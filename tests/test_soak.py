@@ -85,3 +85,24 @@ def test_an_injected_leak_fails_the_soak(kind, monkeypatch):
     assert failed == LEAKS[kind], res["failures"]
     assert all(line.startswith("batch: ") for line in res["failures"]), res["failures"]
     assert len(kept) == (49 if kind else 0)  # the leak ran on the warm-up and every prompt
+
+
+def _pool_model(bytes_read: int, reads: int = 10):
+    """A stand-in with what pool_check reads: two layers of 4 experts, the second with a larger
+    down projection (a file that mixes quant types by layer, like make_big_moe's Q4_K_M)."""
+    from types import SimpleNamespace as NS
+
+    part = {"ffn_gate_exps": 4 * 100_000, "ffn_up_exps": 4 * 100_000}
+    sizes = {f"blk.{i}.{p}.weight": n for i in range(2) for p, n in part.items()}
+    sizes.update({"blk.0.ffn_down_exps.weight": 4 * 100_000, "blk.1.ffn_down_exps.weight": 4 * 150_000})
+    stats = NS(demand_misses=reads, prefetches=0, bytes_read=bytes_read, wasted_prefetches=0, hits=0,
+               prefetch_hits=0, acquires=reads)
+    return NS(pool=NS(stats=stats, slots=[[NS(pins=0)]]), cfg=NS(n_layers=2, n_experts=4),
+              gguf=NS(tensors=sizes, tensor=lambda name: NS(n_bytes=sizes[name])))
+
+
+def test_pool_check_bounds_reads_by_the_smallest_and_largest_expert():
+    assert soak.pool_check(_pool_model(10 * 300_000)) == []  # all from the layer of small experts
+    assert soak.pool_check(_pool_model(10 * 350_000)) == []  # all from the layer of large ones
+    assert "bytes read" in soak.pool_check(_pool_model(10 * 290_000))[0]  # less than any expert
+    assert "bytes read" in soak.pool_check(_pool_model(10 * 450_000))[0]  # more than the largest + alignment
