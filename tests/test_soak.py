@@ -9,6 +9,7 @@ prompts, 500 turns): bench/soak.py, bench/results/issue36-bounds.md and issue36-
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -54,6 +55,8 @@ LEAKS = {None: set(), "memory": {"resident memory"}, "fd": {"fds"}, "thread": {"
 
 @pytest.mark.parametrize("kind", list(LEAKS), ids=lambda k: k or "no-leak")
 def test_an_injected_leak_fails_the_soak(kind, monkeypatch):
+    import psutil
+
     from onebit import batch
 
     real = batch.generate_one
@@ -63,7 +66,13 @@ def test_an_injected_leak_fails_the_soak(kind, monkeypatch):
     def leaky(*args, **kwargs):
         rec = real(*args, **kwargs)
         if kind == "memory":
-            kept.append(bytearray(b"\x01") * (2 << 20))  # 2 MiB a prompt, written (resident)
+            # Fresh pages, written: a heap block could reuse pages earlier tests freed and not show.
+            # 1/200 of the resident size a prompt (4 MiB at least): ~29 prompts between the fifths
+            # compared make ~15% growth (the limit is 5%) however big this worker has grown.
+            size = max(4 << 20, psutil.Process().memory_info().rss // 200 // mmap.PAGESIZE * mmap.PAGESIZE)
+            kept.append(mmap.mmap(-1, size))
+            for off in range(0, size, mmap.PAGESIZE):
+                kept[-1][off] = 1
         elif kind == "fd":
             kept.append(open(os.devnull, "rb"))
         elif kind == "thread":
@@ -77,7 +86,7 @@ def test_an_injected_leak_fails_the_soak(kind, monkeypatch):
     finally:
         stop.set()
         for x in kept:
-            if kind == "fd":
+            if kind in ("fd", "memory"):
                 x.close()
             elif kind == "thread":
                 x.join()
