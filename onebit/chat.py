@@ -99,12 +99,11 @@ class ChatSession:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
 
     def _fit(self, history: list[dict[str, str]]) -> tuple[list[int], int]:
-        """Tokens of the conversation, dropping the oldest turns of `history` (in place) if it does
-        not fit with room to reply. Dropping changes the conversation's start, so the cache holds
-        nothing of it any more and the whole rest is run again: it drops down to half the context
-        (what llama.cpp's context shift discards), so that the next turns again run only what
-        they add until the context fills again, instead of dropping one turn and running the
-        whole conversation again on every turn from then on."""
+        """Tokens of the conversation, dropping the oldest turns of `history` (in place) if it
+        does not fit with room to reply. A drop changes what follows the system message, so the
+        turn after it runs the whole rest again; it therefore drops down to half the context (as
+        llama.cpp's context shift does), and the next turns again run only what they add until
+        the context is full again (dropping just enough would re-run everything every turn)."""
         ctx = self.model.context_length
         room = min(self.max_tokens, max(ctx // 4, 1))
         system = [{"role": "system", "content": self.system}] if self.system else []
