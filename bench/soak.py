@@ -78,22 +78,24 @@ def check(samples: list[dict], what: str) -> list[str]:
 
 def pool_check(model) -> list[str]:
     """The pool's counters agree with each other: every read is one expert (a demand miss or a
-    prefetch) of the same byte size, wasted prefetches are prefetches, nothing is left pinned."""
+    prefetch) of one expert's bytes (which differ between layers where a file mixes quant types:
+    the bounds are the smallest and the largest), wasted prefetches are prefetches, nothing is
+    left pinned."""
     pool = model.pool
     if pool is None:
         return ["no expert pool: the run did not stream (pass --slots below the expert count)"]
     st = pool.stats
     g = model.gguf
-    layer = next(i for i in range(model.cfg.n_layers) if f"blk.{i}.ffn_gate_exps.weight" in g.tensors)
-    per_expert = sum(g.tensor(f"blk.{layer}.{p}.weight").n_bytes // model.cfg.n_experts
-                     for p in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    sizes = {sum(g.tensor(f"blk.{i}.{p}.weight").n_bytes // model.cfg.n_experts
+                 for p in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+             for i in range(model.cfg.n_layers) if f"blk.{i}.ffn_gate_exps.weight" in g.tensors}
     from onebit.memory.pool import ALIGN
 
     bad = []
     reads = st.demand_misses + st.prefetches  # an O_DIRECT read of a part rounds out to ALIGN at both ends
-    if not reads * per_expert <= st.bytes_read <= reads * (per_expert + 3 * 2 * ALIGN):
+    if not reads * min(sizes) <= st.bytes_read <= reads * (max(sizes) + 3 * 2 * ALIGN):
         bad.append(f"pool: {st.bytes_read} bytes read for {st.demand_misses} demand misses + {st.prefetches} "
-                   f"prefetches of {per_expert} bytes")
+                   f"prefetches of {min(sizes)}..{max(sizes)} bytes")
     if st.wasted_prefetches > st.prefetches:
         bad.append(f"pool: {st.wasted_prefetches} wasted prefetches of {st.prefetches}")
     if st.hits + st.prefetch_hits + st.demand_misses < st.acquires:
@@ -105,7 +107,9 @@ def pool_check(model) -> list[str]:
 
 
 def run(model_path: str = DEFAULT_MODEL, prompts: int = 200, turns: int = 50, slots: int = 40,
-        backend: str = "cpu", max_tokens: int = 4, chat_tokens: int = 8, log=print) -> dict:
+        backend: str = "cpu", max_tokens: int = 4, chat_tokens: int = 8, log=print, phase_done=None) -> dict:
+    """The soak; `phase_done(out)`, if given, is called with the results so far after the batch
+    phase (a long run's first half is kept if the second is cut short). `turns=0`: no chat."""
     import psutil
 
     import onebit
@@ -135,23 +139,33 @@ def run(model_path: str = DEFAULT_MODEL, prompts: int = 200, turns: int = 50, sl
             samples.append(_sample(proc, ct))
             if log and (i + 1) % max(prompts // 10, 1) == 0:
                 log(f"  batch {i + 1}/{prompts}: rss {samples[-1]['rss'] >> 20} MiB, fds {samples[-1]['fds']}, "
-                    f"threads {samples[-1]['os_threads']}")
+                    f"threads {samples[-1]['os_threads']}, {time.perf_counter() - t0:.0f} s")
         out["batch"] = _summary(samples)
         out["failures"] += check(samples, "batch")
         stats = m.pool.stats.to_dict() if m.pool is not None else {}
         out["pool"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}
+        out["batch_seconds"] = round(time.perf_counter() - t0, 1)
+        if phase_done:
+            phase_done(out)
         session = ChatSession(m, max_tokens=chat_tokens, temperature=0.8, seed=1)
         samples = []
+        computed = dropped = 0
         for turn in range(turns):
             for _ in session.send(f"Turn {turn}: tell me one more thing about the number {turn}."):
                 pass
+            computed += session.last.prompt_tokens_computed
+            dropped += session.last.dropped_turns > 0
             samples.append(_sample(proc, ct))
             if log and (turn + 1) % max(turns // 10, 1) == 0:
                 log(f"  chat {turn + 1}/{turns}: rss {samples[-1]['rss'] >> 20} MiB, history "
-                    f"{len(session.history)} messages")
-        out["chat"] = _summary(samples)
-        out["failures"] += check(samples, "chat")
+                    f"{len(session.history)} messages, {time.perf_counter() - t0:.0f} s")
+        if turns:
+            out["chat"] = _summary(samples)
+            out["chat"].update(context=m.context_length, prompt_tokens_computed=computed, turns_that_dropped=dropped)
+            out["failures"] += check(samples, "chat")
         out["failures"] += pool_check(m)
+        stats = m.pool.stats.to_dict() if m.pool is not None else {}
+        out["pool_end"] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}
     finally:
         gc.unfreeze()
         m.close()
@@ -183,7 +197,12 @@ def main() -> int:
     ap.add_argument("--json", help="write the summary here")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    res = run(a.model, a.prompts, a.turns, a.slots, a.backend, a.max_tokens, a.chat_tokens)
+    def phase_done(out: dict) -> None:
+        if a.json:
+            Path(a.json).write_text(json.dumps(dict(out, chat="not finished"), indent=2) + "\n")
+
+    res = run(a.model, a.prompts, a.turns, a.slots, a.backend, a.max_tokens, a.chat_tokens,
+              log=lambda line: print(line, flush=True), phase_done=phase_done)
     print(json.dumps(res, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")

@@ -2,7 +2,8 @@
 
 Each turn renders the whole conversation with the chat template, keeps the longest prefix
 already in the cache, and feeds only the rest. When the conversation no longer fits the
-context, the oldest turns are dropped (the system message stays) and the caller is told.
+context, the oldest turns are dropped down to half the context (the system message stays),
+so the next turns reuse the cache again, and the caller is told.
 """
 
 from __future__ import annotations
@@ -98,16 +99,21 @@ class ChatSession:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
 
     def _fit(self, history: list[dict[str, str]]) -> tuple[list[int], int]:
-        """Tokens of the conversation, dropping the oldest turns of `history` (in place) until it
-        fits with room to reply."""
+        """Tokens of the conversation, dropping the oldest turns of `history` (in place) if it
+        does not fit with room to reply. A drop changes what follows the system message, so the
+        turn after it runs the whole rest again; it therefore drops down to half the context (as
+        llama.cpp's context shift does), and the next turns again run only what they add until
+        the context is full again (dropping just enough would re-run everything every turn)."""
         ctx = self.model.context_length
         room = min(self.max_tokens, max(ctx // 4, 1))
         system = [{"role": "system", "content": self.system}] if self.system else []
         dropped = 0
+        target = ctx
         while True:
             ids = self.model.chat_tokens(system + history)
-            if len(ids) + room <= ctx or len(history) <= 1:
+            if len(ids) + room <= target or len(history) <= 1:
                 break
+            target = ctx // 2
             # drop the oldest user turn and the reply that followed it
             del history[:2 if len(history) > 2 else 1]
             dropped += 1

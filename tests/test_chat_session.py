@@ -37,6 +37,29 @@ def test_context_overflow_drops_oldest_turns():
     assert s.messages()[0]["role"] == "system"
 
 
+def test_a_full_context_drops_old_turns_once_not_every_turn():
+    """Once the context is full, dropping old turns makes the next prompt differ from the cache at
+    its start, so that turn runs the whole conversation again. It must drop enough that the turns
+    after it again run only what they add, not drop one turn and re-run everything each turn."""
+    m = onebit.load(MODEL, n_ctx=256, backend="cpu")
+    s = ChatSession(m, temperature=0.0, max_tokens=4, system="Be brief.")
+    turns = []
+    for i in range(24):
+        list(s.send(f"Question {i} about os?"))
+        turns.append((s.last.dropped_turns, s.last.prompt_tokens, s.last.prompt_tokens_computed))
+        assert len(s.cached) <= 256
+    drops = [i for i, t in enumerate(turns) if t[0]]
+    assert drops, turns  # the context filled
+    first = drops[0]
+    assert len(drops) <= 5, turns  # about one drop per half a context of turns (7 turns here)
+    for prev, (dropped, total, computed) in zip(turns[first:], turns[first + 1:]):
+        if not dropped:  # the turn ran what the conversation grew by (its message, the last reply)
+            assert computed <= total - prev[1], turns
+    after = turns[first + 1:]
+    assert sum(c for _, _, c in after) < sum(t for _, t, _ in after) // 3, turns
+    assert turns[first][1] + 4 <= 256 // 2  # the drop left half the context free
+
+
 def test_message_longer_than_context_is_refused():
     s = ChatSession(onebit.load(MODEL, n_ctx=32, backend="cpu"), temperature=0.0)
     with pytest.raises(UsageError, match="longer than"):
