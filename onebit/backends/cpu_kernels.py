@@ -788,7 +788,6 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 # measured 0.82-0.94x its float32 decode (bench/bench_roofline.py).
 
 INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-INT_IDS = frozenset(QTYPES_BY_NAME[n].type_id for n in INT_TYPES)
 A = 32  # activations per int16 block (one float32 scale each)
 ACT_MAX = 32767.0
 
