@@ -816,10 +816,11 @@ def _k_scales(b, blk):
 
 def _igroups(b, name, blk):
     """One block of an INT_TYPES type at byte pointer blk, as integers: ([(first weight, <32 x
-    i16> weights, scale)], offsets). scale: a float (the group's) or <16 x float> (a scale per
-    pair lane, Q6_K's two per group); offsets: what each block of 32 adds to every weight (weight
-    = scale * q + offset), a float (one block) or <8 x float> (Q4_K, Q5_K: minus the 8 sub-blocks'
-    minimums), or None."""
+    i16> weights, scale)], scales, offsets). scale: a float (the group's), <16 x float> (a scale
+    per pair lane, Q6_K's two per group), or, where `scales` (<8 x float>, Q4_K and Q5_K: the 8
+    sub-blocks' scales) is given, the group's lane in it; offsets: what each block of 32 adds to
+    every weight (weight = scale * q + offset), a float (one block) or <8 x float> (Q4_K, Q5_K:
+    minus the 8 sub-blocks' minimums), or None."""
     V16 = _vec(I16)
     if name in ("Q4_1", "Q5_0", "Q5_1"):
         qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
@@ -827,13 +828,13 @@ def _igroups(b, name, blk):
         if name != "Q4_1":
             q = b.or_(q, _low_bits(b, _u32i(b, blk, qs - 4), 4))
         if name == "Q5_0":
-            return [(0, b.trunc(b.sub(q, _ivec([16] * W)), V16), _f16(b, blk, 0))], None
-        return [(0, b.trunc(q, V16), _f16(b, blk, 0))], _f16(b, blk, 2)
+            return [(0, b.trunc(b.sub(q, _ivec([16] * W)), V16), _f16(b, blk, 0))], None, None
+        return [(0, b.trunc(q, V16), _f16(b, blk, 0))], None, _f16(b, blk, 2)
     if name == "Q8_0":
-        return [(0, b.sext(_load(b, blk, 2, _vec(I8)), V16), _f16(b, blk, 0))], None
+        return [(0, b.sext(_load(b, blk, 2, _vec(I8)), V16), _f16(b, blk, 0))], None, None
     if name == "Q4_0":
         q = b.sub(_nibbles(b, _load(b, blk, 2, _vec(I8, 16))), _v8(8))
-        return [(0, b.sext(q, V16), _f16(b, blk, 0))], None
+        return [(0, b.sext(q, V16), _f16(b, blk, 0))], None, None
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
         sc, mn = _k_scales(b, blk)
@@ -847,8 +848,8 @@ def _igroups(b, name, blk):
                 sub = 2 * j + half
                 if qh is not None:
                     nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
-                out.append((32 * sub, b.zext(nib, V16), b.extract_element(scales, _const(I32, sub))))
-        return out, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
+                out.append((32 * sub, b.zext(nib, V16), sub))
+        return out, scales, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
     if name == "Q6_K":
         d = _f16(b, blk, 208)
         out = []
@@ -863,7 +864,7 @@ def _igroups(b, name, blk):
                 pair = b.insert_element(pair, b.fmul(d, s1), _const(I32, 1))
                 scale = b.shuffle_vector(pair, pair, _ivec([0] * 8 + [1] * 8))
                 out.append((128 * half + 32 * g, q, scale))
-        return out, None
+        return out, None, None
     raise ValueError(name)
 
 
@@ -893,19 +894,22 @@ def _make_idot(name: str, rows: int):
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
-            groups, offsets = _igroups(b, name, blk)
+            groups, scales, offsets = _igroups(b, name, blk)
             first = b.mul(i, _const(I64, bs))
             sub0 = b.mul(i, _const(I64, subs))
+            if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
+                sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
             for off, wq, scale in groups:
                 k = b.add(first, _const(I64, off))
                 s = b.add(sub0, _const(I64, off // A))
-                for x, dx, acc in zip(xq, xd, accs):
+                for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
                     isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
-                    dxs = _load(b, dx, s, FLT, align=4)
-                    if isinstance(scale.type, ir.VectorType):
-                        sv = b.fmul(scale, _splat(b, dxs, 16))
+                    if scales is not None:
+                        sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
+                    elif isinstance(scale.type, ir.VectorType):
+                        sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
                     else:
-                        sv = _splat(b, b.fmul(scale, dxs), 16)
+                        sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
                     b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
             if offsets is not None:
                 for mx, oacc in zip(xm, oaccs):
