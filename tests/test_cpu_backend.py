@@ -164,8 +164,10 @@ def test_small_ops_match_numpy(rng):
     v = rng.standard_normal((S, Hkv, 8)).astype(np.float32)
     for window in (0, 4):
         got = np.full((3, 4, 8), np.nan, np.float32)
-        K.attention(got, q, k, v, pos, window)
+        K.attention(got, q, k, v, pos, window, 0.25)  # 1 / sqrt(16)
         close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window), 1e-5)
+        K.attention(got, q, k, v, pos, window, 0.1)  # a model's own scale (Gemma's query_pre_attn_scalar)
+        close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window, 0.1), 1e-5)
 
     logits = rng.standard_normal((5, 12)).astype(np.float32)
     logits[0, 3] = logits[0, 7]  # a tie: the lower id first, as numpy's stable argsort

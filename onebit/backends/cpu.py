@@ -157,10 +157,11 @@ class CpuBackend(NumpyBackend):
             self.K.attention_sinks(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)),
                                    int(window), float(1.0 / np.sqrt(D) if scale is None else scale), _ro32(sinks))
             return out.reshape(R, -1)  # [R, H*Dv]
-        if R > FEW_ROWS or scale is not None:  # a prompt (numpy's batched products beat a serial
-            return super().attention(q, k, v, q_pos, window, scale)  # loop), or a score scale of its own
+        if R > FEW_ROWS:  # a prompt: numpy's batched products beat a serial loop
+            return super().attention(q, k, v, q_pos, window, scale)
         out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
-        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)), int(window))
+        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)), int(window),
+                         float(1.0 / np.sqrt(D) if scale is None else scale))
         return out.reshape(R, -1)  # [R, H*Dv]
 
     def route(self, logits: np.ndarray, k: int, norm: bool):

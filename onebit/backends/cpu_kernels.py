@@ -1332,11 +1332,12 @@ def rope(out, x, pos, inv_freq, scale, neox):
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
-def attention(out, q, k, v, q_pos, window):
+def attention(out, q, k, v, q_pos, window, scale):
     """Causal GQA attention for few rows (decode): q: [R, H, D] at positions q_pos; k: [S, Hkv,
     D], v: [S, Hkv, Dv] holding position p in row p % S (a sliding-window ring: S is its
-    capacity); out: [R, H, Dv]. Row r sees positions 0..q_pos[r] (the last `window` only, if > 0)."""
-    _attend(out, q, k, v, q_pos, window, np.float32(1.0 / np.sqrt(q.shape[2])), np.empty(0, np.float32), False)
+    capacity); out: [R, H, Dv]. Row r sees positions 0..q_pos[r] (the last `window` only, if > 0).
+    scale: the q.k scale (1 / sqrt(D) unless the model sets its own, as Gemma does)."""
+    _attend(out, q, k, v, q_pos, window, np.float32(scale), np.empty(0, np.float32), False)
 
 
 @njit(cache=True, fastmath=FM, nogil=True)
@@ -1659,7 +1660,7 @@ def _warm_small():
     q = _ro(np.zeros((1, 2, 4), np.float32))
     pos, inv = _ro(np.zeros(1, np.int64)), _ro(np.ones(2))
     rope(np.empty_like(q), q, pos, inv, 1.0, True)
-    attention(np.empty_like(q), q, q, q, pos, 0)
+    attention(np.empty_like(q), q, q, q, pos, 0, 0.5)
     attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
     ids2, w2 = route(xr, 2, True)
     routed_rows(ids2, w2, 32)
