@@ -298,11 +298,11 @@ def _splat(b, s, n=W):
     return b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [0] * n))
 
 
-def _two(b, s0, s1):
-    """<s0 x16, s1 x16>: a scale per 16 weights (Q6_K)."""
+def _two(b, s0, s1, n=W):
+    """<s0 x n/2, s1 x n/2>: a scale per 16 weights (Q6_K; n = 16: per pair of weights)."""
     v = b.insert_element(ir.Constant(_vec(FLT, 2), ir.Undefined), s0, _const(I32, 0))
     v = b.insert_element(v, s1, _const(I32, 1))
-    return b.shuffle_vector(v, v, ir.Constant(_vec(I32), [0] * 16 + [1] * 16))
+    return b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [0] * (n // 2) + [1] * (n // 2)))
 
 
 def _load(b, base, off, ty, align=1):
@@ -351,6 +351,41 @@ def _ir_scale_min_k4(b, blk, j):
     return b.uitofp(sc, FLT), b.uitofp(m, FLT)
 
 
+def _k_quants(b, name, blk):
+    """Q4_K / Q5_K: (sub-block, <32 x i8> quants 0..15 / 0..31) of one block, in order."""
+    qs = 16 if name == "Q4_K" else 48
+    qh = _load(b, blk, 16, _vec(I8)) if name == "Q5_K" else None
+    for j in range(4):
+        q = _load(b, blk, qs + 32 * j, _vec(I8))
+        for half, nib in enumerate((b.and_(q, _v8(15)), b.lshr(q, _v8(4)))):
+            sub = 2 * j + half
+            if qh is not None:
+                nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
+            yield sub, nib
+
+
+def _q6_quants(b, blk):
+    """Q6_K: (first weight, <32 x i8> quants -32..31, the two int8 scales of its halves as
+    float) of one block, in order; the block's f16 scale is at blk + 208."""
+    for half in range(2):
+        a, c = _load(b, blk, 64 * half, _vec(I8)), _load(b, blk, 64 * half + 32, _vec(I8))
+        qh = _load(b, blk, 128 + 32 * half, _vec(I8))
+        for g, low in enumerate((b.and_(a, _v8(15)), b.and_(c, _v8(15)), b.lshr(a, _v8(4)), b.lshr(c, _v8(4)))):
+            hi = b.shl(b.and_(b.lshr(qh, _v8(2 * g)), _v8(3)), _v8(4))
+            q = b.sub(b.or_(low, hi), _v8(32))
+            s0, s1 = (b.sitofp(_load(b, blk, 192 + 8 * half + 2 * g + k, I8), FLT) for k in range(2))
+            yield 128 * half + 32 * g, q, s0, s1
+
+
+def _q5_quants(b, name, blk):
+    """Q4_1 / Q5_0 / Q5_1: the block's <32 x i32> quants (0..15 / 0..31, no offset applied)."""
+    qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
+    q = b.zext(_nibbles(b, _load(b, blk, qs, _vec(I8, 16))), _vec(I32))
+    if name != "Q4_1":
+        q = b.or_(q, _low_bits(b, _u32i(b, blk, qs - 4), 4))
+    return q
+
+
 def _groups(b, name, blk):
     """The weight groups of one block at byte pointer blk: [(first weight, <32 x float>)]."""
     V = _vec(FLT)
@@ -381,32 +416,16 @@ def _groups(b, name, blk):
         return [(0, b.fmul(_splat(b, d), b.sitofp(val, V)))]
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
-        qs = 16 if name == "Q4_K" else 48
-        qh = _load(b, blk, 16, _vec(I8)) if name == "Q5_K" else None
         out = []
-        for j in range(4):
-            q = _load(b, blk, qs + 32 * j, _vec(I8))
-            for half, nib in enumerate((b.and_(q, _v8(15)), b.lshr(q, _v8(4)))):
-                sub = 2 * j + half
-                if qh is not None:
-                    nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
-                sc, m = _ir_scale_min_k4(b, blk, sub)
-                ds, dm = b.fmul(d, sc), b.fmul(dmin, m)
-                w = b.fsub(b.fmul(_splat(b, ds), b.uitofp(nib, V)), _splat(b, dm))
-                out.append((32 * sub, w))
+        for sub, nib in _k_quants(b, name, blk):
+            sc, m = _ir_scale_min_k4(b, blk, sub)
+            ds, dm = b.fmul(d, sc), b.fmul(dmin, m)
+            out.append((32 * sub, b.fsub(b.fmul(_splat(b, ds), b.uitofp(nib, V)), _splat(b, dm))))
         return out
     if name == "Q6_K":
         d = _f16(b, blk, 208)
-        out = []
-        for half in range(2):
-            a, c = _load(b, blk, 64 * half, _vec(I8)), _load(b, blk, 64 * half + 32, _vec(I8))
-            qh = _load(b, blk, 128 + 32 * half, _vec(I8))
-            for g, low in enumerate((b.and_(a, _v8(15)), b.and_(c, _v8(15)), b.lshr(a, _v8(4)), b.lshr(c, _v8(4)))):
-                hi = b.shl(b.and_(b.lshr(qh, _v8(2 * g)), _v8(3)), _v8(4))
-                q = b.sitofp(b.sub(b.or_(low, hi), _v8(32)), V)
-                s0, s1 = (b.sitofp(_load(b, blk, 192 + 8 * half + 2 * g + k, I8), FLT) for k in range(2))
-                out.append((128 * half + 32 * g, b.fmul(_two(b, b.fmul(d, s0), b.fmul(d, s1)), q)))
-        return out
+        return [(off, b.fmul(_two(b, b.fmul(d, s0), b.fmul(d, s1)), b.sitofp(q, V)))
+                for off, q, s0, s1 in _q6_quants(b, blk)]
     return _more_groups(b, name, blk)
 
 
@@ -520,10 +539,7 @@ def _more_groups(b, name, blk):
     if name in ("Q4_1", "Q5_0", "Q5_1"):
         d = _f16(b, blk, 0)
         m = _f16(b, blk, 2) if name != "Q5_0" else None
-        qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
-        q = b.zext(_nibbles(b, _load(b, blk, qs, _vec(I8, 16))), _vec(I32))
-        if name != "Q4_1":
-            q = b.or_(q, _low_bits(b, _u32i(b, blk, qs - 4), 4))
+        q = _q5_quants(b, name, blk)
         if name == "Q5_0":
             return [(0, b.fmul(_splat(b, d), b.sitofp(b.sub(q, c(16)), V)))]
         return [(0, b.fadd(b.fmul(_splat(b, d), b.uitofp(q, V)), _splat(b, m)))]
@@ -823,10 +839,7 @@ def _igroups(b, name, blk):
     minus the 8 sub-blocks' minimums), or None."""
     V16 = _vec(I16)
     if name in ("Q4_1", "Q5_0", "Q5_1"):
-        qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
-        q = b.zext(_nibbles(b, _load(b, blk, qs, _vec(I8, 16))), _vec(I32))
-        if name != "Q4_1":
-            q = b.or_(q, _low_bits(b, _u32i(b, blk, qs - 4), 4))
+        q = _q5_quants(b, name, blk)
         if name == "Q5_0":
             return [(0, b.trunc(b.sub(q, _ivec([16] * W)), V16), _f16(b, blk, 0))], None, None
         return [(0, b.trunc(q, V16), _f16(b, blk, 0))], None, _f16(b, blk, 2)
@@ -839,32 +852,12 @@ def _igroups(b, name, blk):
         d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
         sc, mn = _k_scales(b, blk)
         scales = b.fmul(_splat(b, d, 8), sc)
-        qs = 16 if name == "Q4_K" else 48
-        qh = _load(b, blk, 16, _vec(I8)) if name == "Q5_K" else None
-        out = []
-        for j in range(4):
-            q = _load(b, blk, qs + 32 * j, _vec(I8))
-            for half, nib in enumerate((b.and_(q, _v8(15)), b.lshr(q, _v8(4)))):
-                sub = 2 * j + half
-                if qh is not None:
-                    nib = b.or_(nib, b.shl(b.and_(b.lshr(qh, _v8(sub)), _v8(1)), _v8(4)))
-                out.append((32 * sub, b.zext(nib, V16), sub))
+        out = [(32 * sub, b.zext(nib, V16), sub) for sub, nib in _k_quants(b, name, blk)]
         return out, scales, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
     if name == "Q6_K":
         d = _f16(b, blk, 208)
-        out = []
-        for half in range(2):
-            a, c = _load(b, blk, 64 * half, _vec(I8)), _load(b, blk, 64 * half + 32, _vec(I8))
-            qh = _load(b, blk, 128 + 32 * half, _vec(I8))
-            for g, low in enumerate((b.and_(a, _v8(15)), b.and_(c, _v8(15)), b.lshr(a, _v8(4)), b.lshr(c, _v8(4)))):
-                hi = b.shl(b.and_(b.lshr(qh, _v8(2 * g)), _v8(3)), _v8(4))
-                q = b.sext(b.sub(b.or_(low, hi), _v8(32)), V16)
-                s0, s1 = (b.sitofp(_load(b, blk, 192 + 8 * half + 2 * g + k, I8), FLT) for k in range(2))
-                pair = b.insert_element(ir.Constant(_vec(FLT, 2), ir.Undefined), b.fmul(d, s0), _const(I32, 0))
-                pair = b.insert_element(pair, b.fmul(d, s1), _const(I32, 1))
-                scale = b.shuffle_vector(pair, pair, _ivec([0] * 8 + [1] * 8))
-                out.append((128 * half + 32 * g, q, scale))
-        return out, None, None
+        return [(off, b.sext(q, V16), _two(b, b.fmul(d, s0), b.fmul(d, s1), 16))
+                for off, q, s0, s1 in _q6_quants(b, blk)], None, None
     raise ValueError(name)
 
 
