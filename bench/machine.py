@@ -55,6 +55,25 @@ def cores(seconds: float) -> None:
               f"(CPU / wall each {', '.join(f'{c:.2f}' for c, _ in got)}; {n_cpu} cores)")
 
 
+def memory_read_gbs() -> float:
+    """Memory read rate, GB/s: numpy sums over the two halves of a 1 GiB float32 array on two
+    threads at once, best of 5 (the yardstick bench_scale and bench_roofline divide by)."""
+    import threading
+
+    import numpy as np
+
+    a = np.ones(1 << 28, np.float32)
+    halves = [a[: len(a) // 2], a[len(a) // 2 :]]
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=np.sum, args=(h,)) for h in halves]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        best = max(best, a.nbytes / (time.perf_counter() - t0))
+    return best / 1e9
+
+
 def reads(path: str, n: int = 300) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
