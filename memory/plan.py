@@ -15,7 +15,7 @@ from typing import Optional
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_positions, recurrent_state_bytes,
                           scratch_kv_bytes, scratch_state_bytes)
-from onebit.config import ModelConfig
+from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
 
@@ -223,8 +223,8 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         # the weights it reads through the file's map (each predicted layer's mixer and router,
         # its FFN norm), resident pages of this process (measured on the 30B-A3B shape at 8 GiB:
         # peak RSS 8.17 GiB without prediction, 8.77 GiB with block prediction, before this item)
-        host = sum(t.n_bytes for t in resident if _layer_of(t.name) in predicted and "ffn" not in t.name
-                   or t.name.endswith(("ffn_gate_inp.weight", "ffn_norm.weight")) and _layer_of(t.name) in predicted)
+        host = sum(t.n_bytes for t in resident if layer_of(t.name) in predicted
+                   and ("ffn" not in t.name or t.name.endswith(("ffn_gate_inp.weight", "ffn_norm.weight"))))
         items.append(PlanItem("predictor on the host", RUNTIME_BYTES + host,
                               f"cpu kernels' runtime + {format_bytes(host)} of weights read through the map"))
     items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
@@ -276,11 +276,6 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
             advice.append(f"everything but the expert slots needs {format_bytes(fixed)}: more memory is needed "
                           f"(with these slots the plan is short by {format_bytes(over)})")
     return plan
-
-
-def _layer_of(name: str) -> int:
-    m = re.match(r"blk\.(\d+)\.", name)
-    return int(m.group(1)) if m else -1
 
 
 def _item(items: list[PlanItem], component: str) -> int:

@@ -20,6 +20,12 @@ MAX_EXPERTS = 1 << 12
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
+def layer_of(tensor_name: str) -> int:
+    """The layer of a `blk.N.` tensor name; -1 for a tensor outside the layers."""
+    m = _BLK_RE.match(tensor_name)
+    return int(m.group(1)) if m else -1
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
