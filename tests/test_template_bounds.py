@@ -114,3 +114,15 @@ def test_a_forked_child_starts_its_own_worker():
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert ct._WORKER.proc.pid == parent_worker and render_chat(None, MESSAGES)
+
+
+def test_a_short_template_fuzz_run_hits_the_bounds_and_never_fails():
+    """tools/fuzz_gguf.py's template fuzzer (random compositions of filters and loops), 30
+    cases: every case renders or gives one error line naming the file, and some of them reach
+    the bounds (the time limit or a growth cap), so the run exercises them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import fuzz_gguf
+
+    got = fuzz_gguf.template_run(range(30), seed=3, timeout_s=1.0, log=None)
+    assert got["failures"] == [], got["failures"][:3]
+    assert got["kinds"].get("time limit", 0) + got["kinds"].get("growth cap", 0) > 0, got["kinds"]
