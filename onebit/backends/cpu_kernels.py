@@ -76,6 +76,7 @@ from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
+from numba.np.arrayobj import populate_array  # noqa: E402
 
 from functools import cache  # noqa: E402
 
@@ -129,6 +130,64 @@ def _scale_min_k4(b, o, j):
     sc = (b[o + j + 4] & 0xF) | ((b[o + j - 4] >> 6) << 4)
     m = (b[o + j + 4] >> 4) | ((b[o + j] >> 6) << 4)
     return np.float32(sc), np.float32(m)
+
+
+def _view(context, builder, aty, arr, rty, at, ndrop):
+    """A view of array `arr` (type aty) as type rty starting `at` bytes in, without its first
+    `ndrop` dimensions, that holds no reference (meminfo null)."""
+    src = context.make_array(aty)(context, builder, arr)
+    out = context.make_array(rty)(context, builder)
+    shape, strides = cgutils.unpack_tuple(builder, src.shape), cgutils.unpack_tuple(builder, src.strides)
+    data = builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [at])
+    populate_array(out, data=builder.bitcast(data, src.data.type), shape=shape[ndrop:], strides=strides[ndrop:],
+                   itemsize=src.itemsize, meminfo=None)
+    return out._getvalue()
+
+
+# Views that hold no reference. numba counts references to an array with atomic increments
+# wherever a kernel slices it or hands it to an inlined helper; in a parallel region both
+# threads doing so on one array fight over its count's cache line (a decode token's expert FFN
+# on the 0.86B file: 430 us a call with counted views, 260 us without). Only for views that
+# live inside a kernel while its caller holds the array.
+
+@intrinsic
+def row_of(typingctx, a, i):
+    """a[i] for a C-ordered array of 2 or more dimensions, as a view that holds no reference."""
+    if not (isinstance(a, types.Array) and a.ndim >= 2 and a.layout == "C" and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        at = builder.mul(context.cast(builder, args[1], sig.args[1], types.intp),
+                         builder.extract_value(src.strides, 0))
+        return _view(context, builder, sig.args[0], args[0], sig.return_type, at, 1)
+
+    return types.Array(a.dtype, a.ndim - 1, "C", readonly=not a.mutable)(a, i), codegen
+
+
+@intrinsic
+def borrowed(typingctx, a):
+    """The C-ordered array a as a view that holds no reference."""
+    if not (isinstance(a, types.Array) and a.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _view(context, builder, sig.args[0], args[0], sig.return_type, ir.Constant(ir.IntType(64), 0), 0)
+
+    return a(a), codegen
+
+
+@intrinsic
+def keep_alive(typingctx, a):
+    """Nothing, at run time: a use of `a` after a kernel's loop, so that numba frees `a` (an
+    array the kernel made) only after the loop's reference-free views of it are done with."""
+    return types.none(a), lambda context, builder, sig, args: context.get_dummy_value()
+
+
+@njit(inline="always")
+def lent(a):
+    """The three arrays of acts(..) as views that hold no reference (see `keep_alive`)."""
+    return borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
 
 
 # Every kernel takes the block loops' length `m` (always M = 32) from its caller at run time:
@@ -1082,13 +1141,15 @@ def _int_dispatch(names) -> dict:
 
 
 def _rdots(env: dict) -> dict:
-    """rdot1..rdot8(qt, w, x, a, r0, ..) over `env`'s is_int, idotN and dotN."""
+    """rdot1..rdot8(qt, w, x, aq, ad, am, r0, ..) over `env`'s is_int, idotN and dotN (aq, ad, am:
+    acts(x), unpacked by the caller outside its loops: taking them out of the tuple inside a
+    loop would count a reference each time, an atomic operation the threads contend for)."""
     out = {}
     for n in (1, 2, 4, 8):
         rs = ", ".join(f"r{i}" for i in range(n))
-        xs = ", ".join(f"x[r{i}]" for i in range(n))
-        src = (f"def rdot{n}(qt, w, x, a, {rs}):\n"
-               f"    if is_int(qt):\n        return idot{n}(qt, w, a[0], a[1], a[2], {rs})\n"
+        xs = ", ".join(f"row_of(x, r{i})" for i in range(n))
+        src = (f"def rdot{n}(qt, w, x, aq, ad, am, {rs}):\n"
+               f"    if is_int(qt):\n        return idot{n}(qt, w, aq, ad, am, {rs})\n"
                f"    return dot{n}(qt, w, {xs})")
         ns = dict(env)
         exec(src, ns)
@@ -1125,25 +1186,26 @@ decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -
 @njit(cache=True, nogil=True)
 def matmul_rows(out, x, a, w, qt, n0, n1, col):
     """out[:, col + n] = x @ row n of w, for n in [n0, n1); a = acts(x, is_int(qt))."""
+    x, aq, ad, am = borrowed(x), borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
     R = x.shape[0]
     for n in range(n0, n1):
-        row = w[n]
+        row = row_of(w, n)
         r = 0
         while r + 8 <= R:
-            t = rdot8(qt, row, x, a, r, r + 1, r + 2, r + 3, r + 4, r + 5, r + 6, r + 7)
+            t = rdot8(qt, row, x, aq, ad, am, r, r + 1, r + 2, r + 3, r + 4, r + 5, r + 6, r + 7)
             for i in range(8):
                 out[r + i, col + n] = t[i]
             r += 8
         while r + 4 <= R:
-            s0, s1, s2, s3 = rdot4(qt, row, x, a, r, r + 1, r + 2, r + 3)
+            s0, s1, s2, s3 = rdot4(qt, row, x, aq, ad, am, r, r + 1, r + 2, r + 3)
             out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
             r += 4
         if r + 2 <= R:
-            s0, s1 = rdot2(qt, row, x, a, r, r + 1)
+            s0, s1 = rdot2(qt, row, x, aq, ad, am, r, r + 1)
             out[r, col + n], out[r + 1, col + n] = s0, s1
             r += 2
         while r < R:
-            out[r, col + n] = rdot1(qt, row, x, a, r)
+            out[r, col + n] = rdot1(qt, row, x, aq, ad, am, r)
             r += 1
 
 
@@ -1158,8 +1220,10 @@ def matmul(out, x, w, qt):
     """out[R, N] = x[R, K] @ W.T for raw weight rows w: uint8 [N, row_bytes] of type qt."""
     N = w.shape[0]
     a = acts(x, is_int(qt))
+    ab, out, x, w = lent(a), borrowed(out), borrowed(x), borrowed(w)  # (no counted references in the loop)
     for c in prange((N + CHUNK - 1) // CHUNK):
-        matmul_rows(out, x, a, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
+        matmul_rows(out, x, ab, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
+    keep_alive(a)
 
 
 @njit(cache=True, nogil=True)
@@ -1175,13 +1239,16 @@ def matmul3(out, x, w0, w1, w2, qt0, qt1, qt2):
     c0 = (N0 + CHUNK - 1) // CHUNK
     c1 = c0 + (N1 + CHUNK - 1) // CHUNK
     a = acts(x, is_int(qt0) or is_int(qt1) or is_int(qt2))
+    ab, out, x = lent(a), borrowed(out), borrowed(x)
+    w0, w1, w2 = borrowed(w0), borrowed(w1), borrowed(w2)
     for c in prange(c1 + (N2 + CHUNK - 1) // CHUNK):
         if c < c0:
-            matmul_rows(out, x, a, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), 0)
+            matmul_rows(out, x, ab, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), 0)
         elif c < c1:
-            matmul_rows(out, x, a, w1, qt1, (c - c0) * CHUNK, min(N1, (c - c0 + 1) * CHUNK), N0)
+            matmul_rows(out, x, ab, w1, qt1, (c - c0) * CHUNK, min(N1, (c - c0 + 1) * CHUNK), N0)
         else:
-            matmul_rows(out, x, a, w2, qt2, (c - c1) * CHUNK, min(N2, (c - c1 + 1) * CHUNK), N0 + N1)
+            matmul_rows(out, x, ab, w2, qt2, (c - c1) * CHUNK, min(N2, (c - c1 + 1) * CHUNK), N0 + N1)
+    keep_alive(a)
 
 
 @njit(cache=True, nogil=True)
@@ -1195,34 +1262,36 @@ def get_rows(out, w, ids, qt, lut, m):
 def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
     """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows));
     a = acts(x, ..) (x's int16 blocks when gate or up is of INT_TYPES)."""
+    x, aq, ad, am = borrowed(x), borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
     n = rows.shape[0]
     hidden = gate.shape[1]
+    ge, ue = row_of(gate, e), row_of(up, e)
     h = np.empty((n, hidden), np.float32)  # [rows, hidden]
     for i in range(hidden):
-        gr, ur = gate[e, i], up[e, i]
+        gr, ur = row_of(ge, i), row_of(ue, i)
         p = 0
         while p + 8 <= n:
             r0, r1, r2, r3, r4, r5, r6, r7 = (rows[p], rows[p + 1], rows[p + 2], rows[p + 3], rows[p + 4],
                                               rows[p + 5], rows[p + 6], rows[p + 7])
-            g = rdot8(qg, gr, x, a, r0, r1, r2, r3, r4, r5, r6, r7)
-            u = rdot8(qu, ur, x, a, r0, r1, r2, r3, r4, r5, r6, r7)
+            g = rdot8(qg, gr, x, aq, ad, am, r0, r1, r2, r3, r4, r5, r6, r7)
+            u = rdot8(qu, ur, x, aq, ad, am, r0, r1, r2, r3, r4, r5, r6, r7)
             for t in range(8):
                 h[p + t, i] = g[t] / (np.float32(1) + np.exp(-g[t])) * u[t]
             p += 8
         while p + 4 <= n:
             r0, r1, r2, r3 = rows[p], rows[p + 1], rows[p + 2], rows[p + 3]
-            g0, g1, g2, g3 = rdot4(qg, gr, x, a, r0, r1, r2, r3)
-            u0, u1, u2, u3 = rdot4(qu, ur, x, a, r0, r1, r2, r3)
+            g0, g1, g2, g3 = rdot4(qg, gr, x, aq, ad, am, r0, r1, r2, r3)
+            u0, u1, u2, u3 = rdot4(qu, ur, x, aq, ad, am, r0, r1, r2, r3)
             h[p, i] = g0 / (np.float32(1) + np.exp(-g0)) * u0
             h[p + 1, i] = g1 / (np.float32(1) + np.exp(-g1)) * u1
             h[p + 2, i] = g2 / (np.float32(1) + np.exp(-g2)) * u2
             h[p + 3, i] = g3 / (np.float32(1) + np.exp(-g3)) * u3
             p += 4
         while p < n:
-            g = rdot1(qg, gr, x, a, rows[p])
-            h[p, i] = g / (np.float32(1) + np.exp(-g)) * rdot1(qu, ur, x, a, rows[p])
+            g = rdot1(qg, gr, x, aq, ad, am, rows[p])
+            h[p, i] = g / (np.float32(1) + np.exp(-g)) * rdot1(qu, ur, x, aq, ad, am, rows[p])
             p += 1
-    matmul_rows(y, h, acts(h, is_int(qd)), down[e], qd, 0, down.shape[1], 0)
+    matmul_rows(y, h, acts(h, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1238,8 +1307,10 @@ def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
     dim = x.shape[1]
     y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
     a = acts(x, is_int(qg) or is_int(qu))
+    ab, xb, gate, up, down = lent(a), borrowed(x), borrowed(gate), borrowed(up), borrowed(down)
     for j in prange(sel.shape[0]):
-        one_expert(y[offs[j] : offs[j + 1]], x, a, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]], qg, qu, qd)
+        one_expert(y[offs[j] : offs[j + 1]], xb, ab, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]], qg, qu, qd)
+    keep_alive(a)
     for p in range(rows.shape[0]):
         o, yp, w = out[rows[p]], y[p], rw[p]
         for d in range(dim):
@@ -1251,16 +1322,18 @@ def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alp
     """gpt-oss's expert FFN: y[p] = down(glu(gate(x) + bg, up(x) + bu)) + bd for expert e's
     weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
     min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
+    x, aq, ad, am = borrowed(x), borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
     n = rows.shape[0]
     hidden = gate.shape[1]
+    ge, ue = row_of(gate, e), row_of(up, e)
     h = np.empty((n, hidden), np.float32)  # [rows, hidden]
     for i in range(hidden):
-        gr, ur = gate[e, i], up[e, i]
+        gr, ur = row_of(ge, i), row_of(ue, i)
         for p in range(n):
-            g = min(rdot1(qg, gr, x, a, rows[p]) + bg[i], np.float32(limit))
-            u = min(max(rdot1(qu, ur, x, a, rows[p]) + bu[i], np.float32(-limit)), np.float32(limit))
+            g = min(rdot1(qg, gr, x, aq, ad, am, rows[p]) + bg[i], np.float32(limit))
+            u = min(max(rdot1(qu, ur, x, aq, ad, am, rows[p]) + bu[i], np.float32(-limit)), np.float32(limit))
             h[p, i] = g / (np.float32(1) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1))
-    matmul_rows(y, h, acts(h, is_int(qd)), down[e], qd, 0, down.shape[1], 0)
+    matmul_rows(y, h, acts(h, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
     for p in range(n):
         for d in range(y.shape[1]):
             y[p, d] += bd[d]
@@ -1274,9 +1347,10 @@ def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd
     dim = x.shape[1]
     y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
     a = acts(x, is_int(qg) or is_int(qu))
+    ab, xb, gate, up, down = lent(a), borrowed(x), borrowed(gate), borrowed(up), borrowed(down)
     for j in prange(sel.shape[0]):
         e = eids[j]
-        one_expert_oai(y[offs[j] : offs[j + 1]], x, a, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]],
+        one_expert_oai(y[offs[j] : offs[j + 1]], xb, ab, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]],
                        qg, qu, qd, bg[e], bu[e], bd[e], alpha, limit)
     for p in range(rows.shape[0]):
         o, yp, w = out[rows[p]], y[p], rw[p]
