@@ -867,6 +867,38 @@ A = 32  # activations per int16 block (one float32 scale each)
 ACT_MAX = 32767.0
 
 
+def _has_vnni() -> bool:
+    """Whether the code numba makes here may use AVX-512 VNNI (vpdpbusd): the features numba
+    compiles for (NUMBA_CPU_FEATURES, else the host's; numba's disk cache is keyed by them too)."""
+    from numba.core import config
+
+    feats = config.CPU_FEATURES
+    if feats is None:
+        import llvmlite.binding as llvm
+
+        feats = llvm.get_host_cpu_features().flatten()
+    on = {f[1:] for f in feats.split(",") if f.startswith("+")}
+    return {"avx512vnni", "avx512bw"} <= on
+
+
+# Q4_K and Q5_K on AVX-512 VNNI: the int16 activation v is split exactly as v = 256 hi + lo
+# (hi: its signed high byte, lo: its unsigned low byte; `quantize_acts` stores both planes
+# after the int16 values), and a weight vector of 64 unsigned quants meets each plane in one
+# vpdpbusd (64 byte products summed four to an int32 lane): sum q v = 256 sum q hi + sum q lo,
+# the same integer as the int16 path's, in half the vector operations, and the float
+# conversion once per 64 weights (two sub-blocks, a scale per half of the lanes) instead of
+# per 32. Q8_0 and Q6_K hold signed weights (vpdpbusd wants one unsigned side): int16 path.
+VNNI = _has_vnni()
+VNNI_TYPES = ("Q4_K", "Q5_K") if VNNI else ()
+
+
+def _dpbusd(b, acc, u8, s8):
+    """<16 x i32> acc + (sums of 4 products of unsigned bytes u8 and signed bytes s8)."""
+    fnty = ir.FunctionType(_vec(I32, 16), [_vec(I32, 16), _vec(I8, 64), _vec(I8, 64)])
+    fn = cgutils.get_or_insert_function(b.module, fnty, "llvm.x86.avx512.vpdpbusd.512")
+    return b.call(fn, [acc, u8, s8])
+
+
 def _pairs(b, w16, x16):
     """<32 x i16> . <32 x i16> -> <16 x i32>, lane k = w[2k] x[2k] + w[2k+1] x[2k+1] (pmaddwd)."""
     p = b.mul(b.sext(w16, _vec(I32)), b.sext(x16, _vec(I32)))
@@ -920,6 +952,29 @@ def _igroups(b, name, blk):
     raise ValueError(name)
 
 
+def _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs):
+    """One Q4_K / Q5_K block (blk, the i-th of the row) into the rows' accumulators, through the
+    activations' byte planes: 4 x 64 weights, two sub-blocks each (see VNNI)."""
+    V16F, V8F = _vec(FLT, 16), _vec(FLT, 8)
+    d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
+    sc, mn = _k_scales(b, blk)
+    scales, offsets = b.fmul(_splat(b, d, 8), sc), b.fneg(b.fmul(_splat(b, dmin, 8), mn))
+    quants = dict(_k_quants(b, name, blk))  # sub-block -> <32 x i8>, 0..15 / 0..31
+    first, sub0 = b.mul(i, _const(I64, 256)), b.mul(i, _const(I64, 8))
+    sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
+    zero = ir.Constant(_vec(I32, 16), [0] * 16)
+    for j in range(4):
+        wv = b.shuffle_vector(quants[2 * j], quants[2 * j + 1], _ivec(range(64)))  # <64 x i8>
+        k = b.add(first, _const(I64, 64 * j))
+        for r, ((lo_p, hi_p), acc) in enumerate(zip(planes, accs)):
+            lo, hi = _load(b, lo_p, k, _vec(I8, 64)), _load(b, hi_p, k, _vec(I8, 64))
+            isum = _dpbusd(b, b.shl(_dpbusd(b, zero, wv, hi), ir.Constant(_vec(I32, 16), [8] * 16)), lo, wv)
+            sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([2 * j] * 8 + [2 * j + 1] * 8))
+            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), sv, flags=FAST), flags=FAST), acc)
+    for mx, oacc in zip(xm, oaccs):
+        b.store(b.fadd(b.load(oacc), b.fmul(offsets, _load(b, mx, sub0, V8F, align=4))), oacc)
+
+
 def _make_idot(name: str, rows: int):
     """Intrinsic idot(w, q, d, m, r0, ..): weight row w (raw bytes of type `name`) . activation
     rows r0.. of (q: int16 [R, K], d: float32 [R, K / 32] scales, m: float32 [R, K / 32] scale x
@@ -943,30 +998,37 @@ def _make_idot(name: str, rows: int):
         accs = [cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16)) for _ in xq]
         zero = ir.Constant(FLT, 0.0) if per_block else ir.Constant(V8F, [0.0] * 8)
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
+        if name in VNNI_TYPES:  # the byte planes (quantize_acts): lo at 2K bytes into the row, hi at 3K
+            kk = b.mul(nblk, _const(I64, A))
+            xb = [b.bitcast(x, ir.PointerType(I8)) for x in xq]
+            planes = [(b.gep(x, [b.mul(kk, _const(I64, 2))]), b.gep(x, [b.mul(kk, _const(I64, 3))])) for x in xb]
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
-            groups, scales, offsets = _igroups(b, name, blk)
-            first = b.mul(i, _const(I64, bs))
-            sub0 = b.mul(i, _const(I64, subs))
-            if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
-                sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
-            for off, wq, scale in groups:
-                k = b.add(first, _const(I64, off))
-                s = b.add(sub0, _const(I64, off // A))
-                for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
-                    isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
-                    if scales is not None:
-                        sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
-                    elif isinstance(scale.type, ir.VectorType):
-                        sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
-                    else:
-                        sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
-                    b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
-            if offsets is not None:
-                for mx, oacc in zip(xm, oaccs):
-                    mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
-                    b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
+            if name in VNNI_TYPES:
+                _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
+            else:
+                groups, scales, offsets = _igroups(b, name, blk)
+                first = b.mul(i, _const(I64, bs))
+                sub0 = b.mul(i, _const(I64, subs))
+                if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
+                    sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
+                for off, wq, scale in groups:
+                    k = b.add(first, _const(I64, off))
+                    s = b.add(sub0, _const(I64, off // A))
+                    for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
+                        isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
+                        if scales is not None:
+                            sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
+                        elif isinstance(scale.type, ir.VectorType):
+                            sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
+                        else:
+                            sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
+                        b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
+                if offsets is not None:
+                    for mx, oacc in zip(xm, oaccs):
+                        mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
+                        b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
         sums = [_hsum(b, b.load(acc), 16) for acc in accs]
         if name in ("Q4_1", "Q5_1"):
             sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
@@ -1011,10 +1073,11 @@ IDOT8 = {n: _make_idot(n, 8) for n in INT_TYPES}
 def quantize_acts(x):
     """float32 rows x [R, K] (K a multiple of 32) -> (q, d, m) of `_make_idot`: per block of 32,
     d = max|x| / 32767, q = round(x / d), m = d * sum(q). A block holding inf or nan gets d = nan
-    (its products come out nan, as float32 ones would be inf or nan)."""
+    (its products come out nan, as float32 ones would be inf or nan). q is [R, 2K]: the int16
+    values, then (as bytes) every value's low byte and high byte, two planes of K (see VNNI)."""
     R, K = x.shape
     nb = K // A
-    q = np.empty((R, K), np.int16)
+    q = np.empty((R, 2 * K), np.int16)  # [R, K] values, then their low-byte and high-byte planes
     d = np.empty((R, nb), np.float32)
     m = np.empty((R, nb), np.float32)
     for r in range(R):
@@ -1040,6 +1103,12 @@ def quantize_acts(x):
                 q[r, j * A : (j + 1) * A] = 0
                 d[r, j] = np.float32(0) if finite else np.float32(np.nan)
             m[r, j] = d[r, j] * np.float32(s)
+    planes = q.view(np.uint8)  # [R, 4K] bytes: after the values, lo = v & 255 at 2K + k, hi = v >> 8 at 3K + k
+    for r in range(R):
+        for k in range(K):
+            v = q[r, k]
+            planes[r, 2 * K + k] = np.uint8(v & 255)
+            planes[r, 3 * K + k] = np.uint8((v >> 8) & 255)
     return q, d, m
 
 
