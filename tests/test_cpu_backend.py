@@ -88,7 +88,8 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     planes = q.view(np.uint8)[:, 192:].astype(np.int64)  # after the 96 values: low bytes, then high bytes
     lo, hi = planes[:, :96], planes[:, 96:]
     assert np.array_equal(256 * np.where(hi > 127, hi - 256, hi) + lo, q[:, :96])  # v = 256 hi + lo, exactly
-    q = q[:, :96]
+    q, m16, m = q[:, :96], m[:, 3:], m[:, :3]
+    assert np.array_equal(m16, q.reshape(3, 6, 16).sum(-1).astype(np.float32))  # each 16 values' sum (Q6_K's offset)
     b = x.astype(np.float64).reshape(3, 3, 32)
     assert np.allclose(d[:, :2].astype(np.float64) * 32767, np.abs(b).max(-1)[:, :2], rtol=1e-6)
     assert d[1, 1] == 0 and np.all(q[1, 32:64] == 0) and m[1, 1] == 0

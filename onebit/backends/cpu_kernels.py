@@ -423,15 +423,16 @@ def _k_quants(b, name, blk):
             yield sub, nib
 
 
-def _q6_quants(b, blk):
-    """Q6_K: (first weight, <32 x i8> quants -32..31, the two int8 scales of its halves as
-    float) of one block, in order; the block's f16 scale is at blk + 208."""
+def _q6_quants(b, blk, signed=True):
+    """Q6_K: (first weight, <32 x i8> quants -32..31 (0..63, the stored values, if not `signed`),
+    the two int8 scales of its halves as float) of one block, in order; the block's f16 scale is
+    at blk + 208."""
     for half in range(2):
         a, c = _load(b, blk, 64 * half, _vec(I8)), _load(b, blk, 64 * half + 32, _vec(I8))
         qh = _load(b, blk, 128 + 32 * half, _vec(I8))
         for g, low in enumerate((b.and_(a, _v8(15)), b.and_(c, _v8(15)), b.lshr(a, _v8(4)), b.lshr(c, _v8(4)))):
             hi = b.shl(b.and_(b.lshr(qh, _v8(2 * g)), _v8(3)), _v8(4))
-            q = b.sub(b.or_(low, hi), _v8(32))
+            q = b.sub(b.or_(low, hi), _v8(32)) if signed else b.or_(low, hi)
             s0, s1 = (b.sitofp(_load(b, blk, 192 + 8 * half + 2 * g + k, I8), FLT) for k in range(2))
             yield 128 * half + 32 * g, q, s0, s1
 
@@ -887,9 +888,11 @@ def _has_vnni() -> bool:
 # vpdpbusd (64 byte products summed four to an int32 lane): sum q v = 256 sum q hi + sum q lo,
 # the same integer as the int16 path's, in half the vector operations, and the float
 # conversion once per 64 weights (two sub-blocks, a scale per half of the lanes) instead of
-# per 32. Q8_0 and Q6_K hold signed weights (vpdpbusd wants one unsigned side): int16 path.
+# per 32. Q6_K's quants are stored unsigned (q = u - 32): the products take u, and the 32 x
+# sum of each 16 activations it owes (`quantize_acts` keeps those sums) comes off with the
+# scales. Q8_0's weights are signed (vpdpbusd wants one unsigned side): int16 path.
 VNNI = _has_vnni()
-VNNI_TYPES = ("Q4_K", "Q5_K") if VNNI else ()
+VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K") if VNNI else ()
 
 
 def _dpbusd(b, acc, u8, s8):
@@ -975,10 +978,39 @@ def _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs):
         b.store(b.fadd(b.load(oacc), b.fmul(offsets, _load(b, mx, sub0, V8F, align=4))), oacc)
 
 
+def _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs):
+    """One Q6_K block into the rows' accumulators through the byte planes (see VNNI): the
+    stored quants u = q + 32, 64 to an instruction; oaccs gather d x scale x dx x (sum of the
+    16 activations) per group of 16, which the caller multiplies by -32."""
+    V16F = _vec(FLT, 16)
+    d = _f16(b, blk, 208)
+    sc = b.fmul(_splat(b, d, 16), b.sitofp(_load(b, blk, 192, _vec(I8, 16)), V16F))  # d x the 16 scales
+    first, sub0 = b.mul(i, _const(I64, 256)), b.mul(i, _const(I64, 8))
+    groups = list(_q6_quants(b, blk, signed=False))  # (first weight, u, ..) of the 8 groups of 32, in order
+    dx8 = [_load(b, dx, sub0, _vec(FLT, 8), align=4) for dx in xd]
+    zero = ir.Constant(_vec(I32, 16), [0] * 16)
+    for j in range(4):  # weights 64 j .. 64 j + 63: groups of 16 number 4 j .. 4 j + 3
+        (o0, u0, _, _), (o1, u1, _, _) = groups[2 * j], groups[2 * j + 1]
+        assert (o0, o1) == (64 * j, 64 * j + 32)
+        uv = b.shuffle_vector(u0, u1, _ivec(range(64)))
+        k = b.add(first, _const(I64, 64 * j))
+        lane_sc = b.shuffle_vector(sc, sc, _ivec([4 * j + t // 4 for t in range(16)]))  # a scale per 16 weights = 4 lanes
+        for r, ((lo_p, hi_p), acc) in enumerate(zip(planes, accs)):
+            lo, hi = _load(b, lo_p, k, _vec(I8, 64)), _load(b, hi_p, k, _vec(I8, 64))
+            isum = _dpbusd(b, b.shl(_dpbusd(b, zero, uv, hi), ir.Constant(_vec(I32, 16), [8] * 16)), lo, uv)
+            dxv = b.shuffle_vector(dx8[r], dx8[r], _ivec([2 * j] * 8 + [2 * j + 1] * 8))
+            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(lane_sc, dxv), flags=FAST), flags=FAST),
+                    acc)
+    for r, (x16, oacc) in enumerate(zip(xs, oaccs)):
+        dxg = b.shuffle_vector(dx8[r], dx8[r], _ivec([g // 2 for g in range(16)]))  # dx of each group's block of 32
+        sums = _load(b, x16, b.mul(i, _const(I64, 16)), V16F, align=4)
+        b.store(b.fadd(b.load(oacc), b.fmul(b.fmul(sc, dxg), sums)), oacc)
+
+
 def _make_idot(name: str, rows: int):
     """Intrinsic idot(w, q, d, m, r0, ..): weight row w (raw bytes of type `name`) . activation
-    rows r0.. of (q: int16 [R, K], d: float32 [R, K / 32] scales, m: float32 [R, K / 32] scale x
-    block sum), each as float32. A row's sum is the same whatever rows share the call."""
+    rows r0.. of (q, d, m) = quantize_acts(x), each as float32. A row's sum is the same whatever
+    rows share the call."""
     qt = QTYPES_BY_NAME[name]
     bs, ts = qt.block_size, qt.type_size
     subs = bs // A
@@ -991,12 +1023,15 @@ def _make_idot(name: str, rows: int):
         nblk = b.extract_value(da.shape, 1)
         xq = [b.gep(qa.data, [b.mul(r, k_len)]) for r in args[4:]]
         xd = [b.gep(da.data, [b.mul(r, nblk)]) for r in args[4:]]
-        xm = [b.gep(ma.data, [b.mul(r, nblk)]) for r in args[4:]]
+        mrow = b.extract_value(ma.shape, 1)  # 3 nblk: the blocks' scale x sum, then each 16's sum
+        xm = [b.gep(ma.data, [b.mul(r, mrow)]) for r in args[4:]]
+        xs = [b.gep(m, [nblk]) for m in xm]
         nb = b.udiv(b.extract_value(w.shape, 0), _const(I64, ts))
         V16F, V8F = _vec(FLT, 16), _vec(FLT, 8)
         per_block = name in ("Q4_1", "Q5_1")  # one offset per block of 32; Q4_K, Q5_K: 8 per block
         accs = [cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16)) for _ in xq]
-        zero = ir.Constant(FLT, 0.0) if per_block else ir.Constant(V8F, [0.0] * 8)
+        vq6 = name == "Q6_K" and name in VNNI_TYPES  # (its offsets: a <16 x float> per row)
+        zero = ir.Constant(FLT, 0.0) if per_block else ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
         if name in VNNI_TYPES:  # the byte planes (quantize_acts): lo at 2K bytes into the row, hi at 3K
             kk = b.mul(nblk, _const(I64, A))
@@ -1005,7 +1040,9 @@ def _make_idot(name: str, rows: int):
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
-            if name in VNNI_TYPES:
+            if vq6:
+                _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs)
+            elif name in VNNI_TYPES:
                 _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
             else:
                 groups, scales, offsets = _igroups(b, name, blk)
@@ -1034,6 +1071,8 @@ def _make_idot(name: str, rows: int):
             sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
         elif name in ("Q4_K", "Q5_K"):
             sums = [b.fadd(s, _hsum(b, b.load(oacc), 8)) for s, oacc in zip(sums, oaccs)]
+        elif vq6:  # q = u - 32: minus 32 x each group's scaled activation sum
+            sums = [b.fsub(s, b.fmul(_const(FLT, 32.0), _hsum(b, b.load(oacc), 16))) for s, oacc in zip(sums, oaccs)]
         return sums[0] if rows == 1 else context.make_tuple(b, sig.return_type, sums)
 
     def typer(typingctx, w, q, d, m, *rs):
@@ -1074,12 +1113,13 @@ def quantize_acts(x):
     """float32 rows x [R, K] (K a multiple of 32) -> (q, d, m) of `_make_idot`: per block of 32,
     d = max|x| / 32767, q = round(x / d), m = d * sum(q). A block holding inf or nan gets d = nan
     (its products come out nan, as float32 ones would be inf or nan). q is [R, 2K]: the int16
-    values, then (as bytes) every value's low byte and high byte, two planes of K (see VNNI)."""
+    values, then (as bytes) every value's low byte and high byte, two planes of K (see VNNI); m
+    is [R, 3 K / 32]: the blocks' d x sum(q), then the sum of q over each 16 values."""
     R, K = x.shape
     nb = K // A
     q = np.empty((R, 2 * K), np.int16)  # [R, K] values, then their low-byte and high-byte planes
     d = np.empty((R, nb), np.float32)
-    m = np.empty((R, nb), np.float32)
+    m = np.empty((R, 3 * nb), np.float32)  # [R, nb] scale x sum, then [R, 2 nb] each 16 values' sum (exact)
     for r in range(R):
         for j in range(nb):
             xb = x[r, j * A : (j + 1) * A]
@@ -1098,10 +1138,14 @@ def quantize_acts(x):
                     v = np.int16(np.rint(xb[t] * inv))
                     q[r, j * A + t] = v
                     s += v
+                    if t == A // 2 - 1:
+                        m[r, nb + 2 * j] = np.float32(s)
+                m[r, nb + 2 * j + 1] = np.float32(s) - m[r, nb + 2 * j]
                 d[r, j] = amax / np.float32(ACT_MAX)
             else:
                 q[r, j * A : (j + 1) * A] = 0
                 d[r, j] = np.float32(0) if finite else np.float32(np.nan)
+                m[r, nb + 2 * j] = m[r, nb + 2 * j + 1] = np.float32(0)
             m[r, j] = d[r, j] * np.float32(s)
     planes = q.view(np.uint8)  # [R, 4K] bytes: after the values, lo = v & 255 at 2K + k, hi = v >> 8 at 3K + k
     for r in range(R):
