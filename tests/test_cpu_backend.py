@@ -279,6 +279,36 @@ def test_expert_ffn_matches_numpy(rng, name):
 
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "MXFP4", "F16"])
+def test_expert_ffn_oai_matches_numpy(rng, name):
+    """gpt-oss's expert kernel (biases, clamped SwiGLU) == NumpyBackend.expert_ffn with them, on
+    the integer products and a float one: the kernel frees its int16 activations only after
+    its loop (a kernel that freed them early read garbage on every integer type)."""
+    E, hidden, dim, R, k = 4, n_in(name), n_in(name), 9, 2
+    gate, up = (random_blocks(name, (E, hidden, dim), rng) for _ in range(2))
+    down = random_blocks(name, (E, dim, hidden), rng)
+    biases = [(rng.standard_normal((E, n)) * 0.1).astype(np.float32) for n in (hidden, hidden, dim)]
+    x = (rng.standard_normal((R, dim)) * 0.05).astype(np.float32)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)])  # [R, k]
+    wts = rng.random((R, k)).astype(np.float32)
+    glu = (1.702, 7.0)
+
+    class Part:
+        qtype = QTYPES_BY_NAME[name].type_id
+
+    want = np.zeros_like(x)
+    with np.errstate(over="ignore"):
+        for e in np.unique(ids):
+            NumpyBackend.expert_ffn(NumpyBackend, want, x, ids, wts, int(e), [Part] * 3, [gate[e], up[e], down[e]],
+                                    biases, glu)
+    experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
+    got = np.zeros_like(x)
+    qt = Part.qtype
+    K.expert_ffn_oai(got, x, ro(gate), ro(up), ro(down), experts, experts.copy(), offs, rows, rw, qt, qt, qt,
+                     *[ro(b) for b in biases], *glu)
+    close(got, want, ACT_TOL if name in K.INT_TYPES else TOL[name], name)
+
+
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
         "llama3rope-f32", "gemma3-f32", "glm4moe-f32"]
 QUANT = ["q3moe256-" + t for t in ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "MXFP4_MOE",
