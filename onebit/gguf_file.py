@@ -46,6 +46,9 @@ _STRING, _ARRAY = 8, 9
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # (Linux's value; Python 3.11 lacks the name)
+
+
 def is_expert_tensor(name: str) -> bool:
     return any(f".{p}." in name for p in EXPERT_PARTS)
 
@@ -448,6 +451,22 @@ class GGUFFile:
             m.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
         except (OSError, ValueError):
             pass  # (advice only)
+
+    def populate(self, t: Tensor) -> bool:
+        """Map every page of tensor `t` into this process now (MADV_POPULATE_READ, Linux 5.14+;
+        reading the file where the page cache lacks it), as llama.cpp's map does at load: a
+        page first touched in a decode step costs a fault there. False where the system
+        cannot (the pages then map on first touch, as before)."""
+        data = self._maps.get(t.file)
+        m = getattr(data, "_mmap", None)
+        if m is None:
+            return False
+        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            m.madvise(MADV_POPULATE_READ, start, t.offset + t.n_bytes - start)
+        except (OSError, ValueError):
+            return False
+        return True
 
     # -- the file under us -------------------------------------------------------------
 

@@ -125,6 +125,8 @@ class Model:
                 pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays)
                 if name != "vulkan":
                     self._copy_resident()
+            elif name != "vulkan" and plan.fits:
+                self._map_experts()
             return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays), predict
         except BaseException:
             if pool is not None:
@@ -170,6 +172,26 @@ class Model:
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _map_experts(self) -> None:
+        """Every expert resident on the host: map all their pages now (GGUFFile.populate), as
+        llama.cpp maps a file at load. A decode step reads a few experts of each layer,
+        different ones each token, scattered over the file: left to first touch, those pages
+        fault inside the steps for as long as new ones come. Measured on the 30B-A3B-shape file
+        (2-core VM, file in the page cache, a 128-token prompt then 32 greedy tokens, 2 runs):
+        load 1.1 -> 2.2 s, prompt 6.3-8.0 -> 15.1-15.3 tok/s, decode 6.0-6.7 -> 7.9-8.0."""
+        from tqdm import tqdm
+
+        from .gguf_file import is_expert_tensor
+
+        experts = [t for name, t in self.gguf.tensors.items() if is_expert_tensor(name)]
+        total = sum(t.n_bytes for t in experts)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="mapping", file=sys.stderr, leave=False,
+                  disable=True if total < (256 << 20) else None) as bar:
+            for t in experts:
+                if not self.gguf.populate(t):
+                    return  # (this system cannot: first touch it is)
+                bar.update(t.n_bytes)
 
     def set_predict(self, settings) -> None:
         """Routing prediction at every MoE pause point (a moe.predict.PredictSettings, or a mode

@@ -3,6 +3,8 @@ and bad model files refused with one clear error."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -43,17 +45,36 @@ def test_cache_trim_snapshot_restore():
     np.testing.assert_array_equal(m.net.forward(ids[8:12], cache), a)
 
 
-def test_load_does_not_copy_weights():
-    import psutil
+def _anon_rss() -> int:
+    """This process's anonymous resident memory (what a copy of the weights would grow; the
+    file's pages a load maps count in RSS but are the page cache's)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
 
-    proc = psutil.Process()
+
+def test_load_does_not_copy_weights():
     path = fixture_path("q3moe256-f32.gguf")
-    before = proc.memory_info().rss
+    before = _anon_rss()
     m = onebit.load(path, backend="cpu")
-    grown = proc.memory_info().rss - before
+    grown = _anon_rss() - before
     size = path.stat().st_size
     assert all(isinstance(t.raw.base, np.memmap) or isinstance(t.raw, np.memmap) for t in m.gguf.tensors.values())
-    assert grown < size / 2, f"RSS grew by {grown} bytes loading a {size}-byte file"
+    assert grown < size / 2, f"anonymous memory grew by {grown} bytes loading a {size}-byte file"
+
+
+def test_a_resident_load_maps_every_expert_page(monkeypatch):
+    """Every expert resident: their pages are mapped at load (no fault inside a decode step)."""
+    from onebit.gguf_file import GGUFFile
+
+    done = []
+    orig = GGUFFile.populate
+    monkeypatch.setattr(GGUFFile, "populate", lambda self, t: done.append(t.name) or orig(self, t))
+    m = onebit.load(fixture_path("q3moe256-f32.gguf"), backend="cpu")
+    experts = {n for n in m.gguf.tensors if "_exps." in n}
+    assert experts and set(done) == experts
+    assert all(orig(m.gguf, m.gguf.tensor(n)) for n in sorted(experts)[:3])  # (this system can)
 
 
 def test_missing_tensor(tmp_path):
