@@ -1276,14 +1276,14 @@ def _dispatch(table, args: str, doc: str, names=IR_TYPES, last="F32", extra=""):
     return njit(inline="always")(ns["f"])
 
 
-def _outlined(table, args: str):
-    """MORE_TYPES' dots as functions of their own (not inlined): each is compiled once per
-    argument type and linked into its callers, rather than copied into every call site. With
-    26 types inlined at each of the kernels' dot calls, the first compile took 408 s (wall, on
-    the shared 2 cores; 71 s before the new types); outlined, 124 s of CPU time against 70 s.
-    A call per weight row costs nothing measurable."""
+def _outlined(table, args: str, names=MORE_TYPES):
+    """MORE_TYPES' dots (or `names`') as functions of their own (not inlined): each is compiled
+    once per argument type and linked into its callers, rather than copied into every call
+    site. With 26 types inlined at each of the kernels' dot calls, the first compile took 408 s
+    (wall, on the shared 2 cores; 71 s before the new types); outlined, 124 s of CPU time
+    against 70 s. A call per weight row costs nothing measurable."""
     out = dict(table)
-    for n in MORE_TYPES:
+    for n in names:
         ns = {"dot": table[n]}
         exec(f"def {n.lower()}(w, {args}):\n    return dot(w, {args})", ns)
         out[n] = njit(ns[n.lower()])
@@ -1317,8 +1317,10 @@ def _int_dispatch(names) -> dict:
     exec(f"def is_int(qt):\n    return {test}", ns)
     out = {"is_int": njit(inline="always")(ns["is_int"])}
     for n, table, a in ((1, IDOT1, _I1), (2, IDOT2, _I2), (4, IDOT4, _I4), (8, IDOT8, _I8)):
-        if ints:
-            out[f"idot{n}"] = _dispatch(table, a, f"Weight row w . {n} int16 activation row(s).", ints, ints[-1])
+        if ints:  # (the VNNI forms outlined: inlined beside the others, they made the row loops
+            # spill to the stack; Q8_0 decode at K = 640 ran 2x slower, Gemma 3 270M 55 -> 38 tok/s)
+            out[f"idot{n}"] = _dispatch(_outlined(table, a, VNNI_TYPES), a,
+                                        f"Weight row w . {n} int16 activation row(s).", ints, ints[-1])
         else:
             zero = "np.float32(0)" if n == 1 else "(" + "np.float32(0), " * n + ")"
             ns["np"] = np
