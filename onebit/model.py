@@ -178,8 +178,8 @@ class Model:
         llama.cpp maps a file at load. A decode step reads a few experts of each layer,
         different ones each token, scattered over the file: left to first touch, those pages
         fault inside the steps for as long as new ones come. Measured on the 30B-A3B-shape file
-        (2-core VM, file in the page cache, a 128-token prompt then 32 greedy tokens, 2 runs):
-        load 1.1 -> 2.2 s, prompt 6.3-8.0 -> 15.1-15.3 tok/s, decode 6.0-6.7 -> 7.9-8.0."""
+        (2-core VM, file in the page cache, `bench/bench_map.py`, medians of 2): load 1.1 -> 1.6
+        s, a 128-token prompt 12.0 -> 15.5 tok/s, then 32 greedy tokens 8.0 -> 8.6 tok/s."""
         from tqdm import tqdm
 
         from .gguf_file import is_expert_tensor
