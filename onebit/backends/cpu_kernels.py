@@ -778,6 +778,15 @@ def _groups1(b, name, p):
 IR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K") + MORE_TYPES
 
 
+def _intrinsic_of(typer, lead: str, rows: list[str], name: str):
+    """intrinsic `name`(typingctx, <lead>, <rows>) -> typer(typingctx, ...): numba's intrinsics
+    take a fixed list of arguments, so each row count gets a function of its own arity."""
+    args = ", ".join([lead, *rows])
+    ns = {"typer": typer}
+    exec(f"def {name}(typingctx, {args}):\n    return typer(typingctx, {args})", ns)
+    return intrinsic(ns[name])
+
+
 def _make_dot(name: str, rows: int):
     qt = QTYPES_BY_NAME[name]
     elem = qt.type_size if qt.block_size == 1 else 0  # float types: bytes per weight; 32 per group
@@ -823,20 +832,7 @@ def _make_dot(name: str, rows: int):
         ret = types.float32 if rows == 1 else types.UniTuple(types.float32, rows)
         return ret(w, *xs), codegen
 
-    if rows == 1:
-        def dot(typingctx, w, x):
-            return typer(typingctx, w, x)
-    elif rows == 2:
-        def dot(typingctx, w, x0, x1):
-            return typer(typingctx, w, x0, x1)
-    elif rows == 4:
-        def dot(typingctx, w, x0, x1, x2, x3):
-            return typer(typingctx, w, x0, x1, x2, x3)
-    else:
-        def dot(typingctx, w, x0, x1, x2, x3, x4, x5, x6, x7):
-            return typer(typingctx, w, x0, x1, x2, x3, x4, x5, x6, x7)
-    dot.__name__ = f"dot{rows}_{name.lower()}"
-    return intrinsic(dot)
+    return _intrinsic_of(typer, "w", [f"x{i}" for i in range(rows)], f"dot{rows}_{name.lower()}")
 
 
 DOT1 = {n: _make_dot(n, 1) for n in IR_TYPES}
@@ -902,6 +898,14 @@ def _dpbusd(b, acc, u8, s8):
     return b.call(fn, [acc, u8, s8])
 
 
+def _plane_dot(b, w64, lo_p, hi_p, k):
+    """<16 x i32>: 64 unsigned weight quants w64 . the int16 activations k.. k + 63, through their
+    byte planes at lo_p, hi_p: 256 (w . hi) + (w . lo), four products to a lane (see VNNI)."""
+    lo, hi = _load(b, lo_p, k, _vec(I8, 64)), _load(b, hi_p, k, _vec(I8, 64))
+    high = _dpbusd(b, ir.Constant(_vec(I32, 16), [0] * 16), w64, hi)
+    return _dpbusd(b, b.shl(high, ir.Constant(_vec(I32, 16), [8] * 16)), lo, w64)
+
+
 def _pairs(b, w16, x16):
     """<32 x i16> . <32 x i16> -> <16 x i32>, lane k = w[2k] x[2k] + w[2k+1] x[2k+1] (pmaddwd)."""
     p = b.mul(b.sext(w16, _vec(I32)), b.sext(x16, _vec(I32)))
@@ -965,13 +969,11 @@ def _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs):
     quants = dict(_k_quants(b, name, blk))  # sub-block -> <32 x i8>, 0..15 / 0..31
     first, sub0 = b.mul(i, _const(I64, 256)), b.mul(i, _const(I64, 8))
     sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
-    zero = ir.Constant(_vec(I32, 16), [0] * 16)
     for j in range(4):
         wv = b.shuffle_vector(quants[2 * j], quants[2 * j + 1], _ivec(range(64)))  # <64 x i8>
         k = b.add(first, _const(I64, 64 * j))
         for r, ((lo_p, hi_p), acc) in enumerate(zip(planes, accs)):
-            lo, hi = _load(b, lo_p, k, _vec(I8, 64)), _load(b, hi_p, k, _vec(I8, 64))
-            isum = _dpbusd(b, b.shl(_dpbusd(b, zero, wv, hi), ir.Constant(_vec(I32, 16), [8] * 16)), lo, wv)
+            isum = _plane_dot(b, wv, lo_p, hi_p, k)
             sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([2 * j] * 8 + [2 * j + 1] * 8))
             b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), sv, flags=FAST), flags=FAST), acc)
     for mx, oacc in zip(xm, oaccs):
@@ -988,7 +990,6 @@ def _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs):
     first, sub0 = b.mul(i, _const(I64, 256)), b.mul(i, _const(I64, 8))
     groups = list(_q6_quants(b, blk, signed=False))  # (first weight, u, ..) of the 8 groups of 32, in order
     dx8 = [_load(b, dx, sub0, _vec(FLT, 8), align=4) for dx in xd]
-    zero = ir.Constant(_vec(I32, 16), [0] * 16)
     for j in range(4):  # weights 64 j .. 64 j + 63: groups of 16 number 4 j .. 4 j + 3
         (o0, u0, _, _), (o1, u1, _, _) = groups[2 * j], groups[2 * j + 1]
         assert (o0, o1) == (64 * j, 64 * j + 32)
@@ -996,8 +997,7 @@ def _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs):
         k = b.add(first, _const(I64, 64 * j))
         lane_sc = b.shuffle_vector(sc, sc, _ivec([4 * j + t // 4 for t in range(16)]))  # a scale per 16 weights = 4 lanes
         for r, ((lo_p, hi_p), acc) in enumerate(zip(planes, accs)):
-            lo, hi = _load(b, lo_p, k, _vec(I8, 64)), _load(b, hi_p, k, _vec(I8, 64))
-            isum = _dpbusd(b, b.shl(_dpbusd(b, zero, uv, hi), ir.Constant(_vec(I32, 16), [8] * 16)), lo, uv)
+            isum = _plane_dot(b, uv, lo_p, hi_p, k)
             dxv = b.shuffle_vector(dx8[r], dx8[r], _ivec([2 * j] * 8 + [2 * j + 1] * 8))
             b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(lane_sc, dxv), flags=FAST), flags=FAST),
                     acc)
@@ -1086,20 +1086,7 @@ def _make_idot(name: str, rows: int):
         ret = types.float32 if rows == 1 else types.UniTuple(types.float32, rows)
         return ret(w, q, d, m, *([types.int64] * rows)), codegen
 
-    if rows == 1:
-        def idot(typingctx, w, q, d, m, r0):
-            return typer(typingctx, w, q, d, m, r0)
-    elif rows == 2:
-        def idot(typingctx, w, q, d, m, r0, r1):
-            return typer(typingctx, w, q, d, m, r0, r1)
-    elif rows == 4:
-        def idot(typingctx, w, q, d, m, r0, r1, r2, r3):
-            return typer(typingctx, w, q, d, m, r0, r1, r2, r3)
-    else:
-        def idot(typingctx, w, q, d, m, r0, r1, r2, r3, r4, r5, r6, r7):
-            return typer(typingctx, w, q, d, m, r0, r1, r2, r3, r4, r5, r6, r7)
-    idot.__name__ = f"idot{rows}_{name.lower()}"
-    return intrinsic(idot)
+    return _intrinsic_of(typer, "w, q, d, m", [f"r{i}" for i in range(rows)], f"idot{rows}_{name.lower()}")
 
 
 IDOT1 = {n: _make_idot(n, 1) for n in INT_TYPES}
@@ -1112,12 +1099,13 @@ IDOT8 = {n: _make_idot(n, 8) for n in INT_TYPES}
 def quantize_acts(x):
     """float32 rows x [R, K] (K a multiple of 32) -> (q, d, m) of `_make_idot`: per block of 32,
     d = max|x| / 32767, q = round(x / d), m = d * sum(q). A block holding inf or nan gets d = nan
-    (its products come out nan, as float32 ones would be inf or nan). q is [R, 2K]: the int16
-    values, then (as bytes) every value's low byte and high byte, two planes of K (see VNNI); m
+    (its products come out nan, as float32 ones would be inf or nan). With VNNI, q is [R, 2K]:
+    the int16 values, then (as bytes) every value's low byte and high byte, two planes of K; m
     is [R, 3 K / 32]: the blocks' d x sum(q), then the sum of q over each 16 values."""
     R, K = x.shape
     nb = K // A
-    q = np.empty((R, 2 * K), np.int16)  # [R, K] values, then their low-byte and high-byte planes
+    q = np.empty((R, 2 * K if VNNI else K), np.int16)  # [R, K] values (then, with VNNI, their byte planes)
+    planes = q.view(np.uint8)  # lo = v & 255 at byte 2K + k of a row, hi = v >> 8 at 3K + k
     d = np.empty((R, nb), np.float32)
     m = np.empty((R, 3 * nb), np.float32)  # [R, nb] scale x sum, then [R, 2 nb] each 16 values' sum (exact)
     for r in range(R):
@@ -1137,6 +1125,9 @@ def quantize_acts(x):
                 for t in range(A):
                     v = np.int16(np.rint(xb[t] * inv))
                     q[r, j * A + t] = v
+                    if VNNI:
+                        planes[r, 2 * K + j * A + t] = np.uint8(v & 255)
+                        planes[r, 3 * K + j * A + t] = np.uint8((v >> 8) & 255)
                     s += v
                     if t == A // 2 - 1:
                         m[r, nb + 2 * j] = np.float32(s)
@@ -1144,15 +1135,12 @@ def quantize_acts(x):
                 d[r, j] = amax / np.float32(ACT_MAX)
             else:
                 q[r, j * A : (j + 1) * A] = 0
+                if VNNI:
+                    planes[r, 2 * K + j * A : 2 * K + (j + 1) * A] = 0
+                    planes[r, 3 * K + j * A : 3 * K + (j + 1) * A] = 0
                 d[r, j] = np.float32(0) if finite else np.float32(np.nan)
                 m[r, nb + 2 * j] = m[r, nb + 2 * j + 1] = np.float32(0)
             m[r, j] = d[r, j] * np.float32(s)
-    planes = q.view(np.uint8)  # [R, 4K] bytes: after the values, lo = v & 255 at 2K + k, hi = v >> 8 at 3K + k
-    for r in range(R):
-        for k in range(K):
-            v = q[r, k]
-            planes[r, 2 * K + k] = np.uint8(v & 255)
-            planes[r, 3 * K + k] = np.uint8((v >> 8) & 255)
     return q, d, m
 
 
@@ -1299,7 +1287,8 @@ decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -
 @njit(cache=True, nogil=True)
 def matmul_rows(out, x, a, w, qt, n0, n1, col):
     """out[:, col + n] = x @ row n of w, for n in [n0, n1); a = acts(x, is_int(qt))."""
-    x, aq, ad, am = borrowed(x), borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
+    x = borrowed(x)
+    aq, ad, am = lent(a)
     R = x.shape[0]
     for n in range(n0, n1):
         row = row_of(w, n)
@@ -1375,7 +1364,8 @@ def get_rows(out, w, ids, qt, lut, m):
 def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
     """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows));
     a = acts(x, ..) (x's int16 blocks when gate or up is of INT_TYPES)."""
-    x, aq, ad, am = borrowed(x), borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
+    x = borrowed(x)
+    aq, ad, am = lent(a)
     n = rows.shape[0]
     hidden = gate.shape[1]
     ge, ue = row_of(gate, e), row_of(up, e)
@@ -1435,7 +1425,8 @@ def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alp
     """gpt-oss's expert FFN: y[p] = down(glu(gate(x) + bg, up(x) + bu)) + bd for expert e's
     weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
     min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
-    x, aq, ad, am = borrowed(x), borrowed(a[0]), borrowed(a[1]), borrowed(a[2])
+    x = borrowed(x)
+    aq, ad, am = lent(a)
     n = rows.shape[0]
     hidden = gate.shape[1]
     ge, ue = row_of(gate, e), row_of(up, e)
