@@ -446,6 +446,17 @@ def _q5_quants(b, name, blk):
     return q
 
 
+def _q5_bytes(b, name, blk):
+    """Q4_1 / Q5_0 / Q5_1: the block's quants as <32 x i8> (0..15 / 0..31, no offset applied),
+    the fifth bits from the 32-bit word as a <32 x i1> (one mask register on AVX-512)."""
+    qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
+    q = _nibbles(b, _load(b, blk, qs, _vec(I8, 16)))
+    if name != "Q4_1":
+        fifth = b.zext(b.bitcast(_u32i(b, blk, qs - 4), _vec(ir.IntType(1), W)), _vec(I8))
+        q = b.or_(q, b.shl(fifth, _v8(4)))
+    return q
+
+
 def _groups(b, name, blk):
     """The weight groups of one block at byte pointer blk: [(first weight, <32 x float>)]."""
     V = _vec(FLT)
@@ -937,10 +948,10 @@ def _igroups(b, name, blk):
     minus the 8 sub-blocks' minimums), or None."""
     V16 = _vec(I16)
     if name in ("Q4_1", "Q5_0", "Q5_1"):
-        q = _q5_quants(b, name, blk)
+        q = b.zext(_q5_bytes(b, name, blk), V16)
         if name == "Q5_0":
-            return [(0, b.trunc(b.sub(q, _ivec([16] * W)), V16), _f16(b, blk, 0))], None, None
-        return [(0, b.trunc(q, V16), _f16(b, blk, 0))], None, _f16(b, blk, 2)
+            return [(0, b.sub(q, ir.Constant(V16, [16] * W)), _f16(b, blk, 0))], None, None
+        return [(0, q, _f16(b, blk, 0))], None, _f16(b, blk, 2)
     if name == "Q8_0":
         return [(0, b.sext(_load(b, blk, 2, _vec(I8)), V16), _f16(b, blk, 0))], None, None
     if name == "Q4_0":
@@ -1207,59 +1218,79 @@ def _outlined(table, args: str):
 # The order of the tests: the common types first.
 _ORDER = ("Q8_0", "Q4_K", "Q6_K", "Q5_K", "Q4_0", "MXFP4", "F16", "BF16") + MORE_TYPES + ("F32",)
 _A1, _A2, _A4, _A8 = "x", "x0, x1", "x0, x1, x2, x3", "x0, x1, x2, x3, x4, x5, x6, x7"
-dot1 = _dispatch(_outlined(DOT1, _A1), _A1, "Weight row w (raw bytes of type qt) . float32 row x.", _ORDER)
-dot2 = _dispatch(_outlined(DOT2, _A2), _A2, "Weight row w . two float32 rows (verify rows), decoding w once; each "
-                 "result == dot1's bits.", _ORDER)
-dot4 = _dispatch(_outlined(DOT4, _A4), _A4, "Weight row w . four float32 rows, decoding w once; each result == "
-                 "dot1's bits.", _ORDER)
-dot8 = _dispatch(_outlined(DOT8, _A8), _A8, "Weight row w . eight float32 rows (prompts), decoding w once; each "
-                 "result == dot1's bits.", _ORDER)
-
-
-# The integer products' dispatch, and `rdotN`: a weight row . activation rows r0.. of x, through
-# the integer dot products for INT_TYPES (on a = acts(x), x's int16 blocks) or the float32 ones.
-_I1, _I2, _I4, _I8 = ("q, d, m, " + ", ".join(f"r{i}" for i in range(n)) for n in (1, 2, 4, 8))
+_DOTS = {1: _outlined(DOT1, _A1), 2: _outlined(DOT2, _A2), 4: _outlined(DOT4, _A4), 8: _outlined(DOT8, _A8)}
+_IDOTS = {1: IDOT1, 2: IDOT2, 4: IDOT4, 8: IDOT8}
 _INT_ORDER = tuple(n for n in _ORDER if n in INT_TYPES)
 
 
-def _int_dispatch(names) -> dict:
-    """is_int(qt) and idot1..idot8 for the INT_TYPES among `names` (when there are none, is_int
-    is False and the idots are never called: they return zeros)."""
-    ints = tuple(n for n in _INT_ORDER if n in names)
-    test = " or ".join(f"qt == {QTYPES_BY_NAME[n].type_id}" for n in ints) or "False"
+def _is_int(names) -> dict:
+    """{"is_int": is_int(qt)}: whether qt is one of the INT_TYPES among `names`, whose products
+    take x's int16 blocks (`acts`)."""
+    test = " or ".join(f"qt == {QTYPES_BY_NAME[n].type_id}" for n in _INT_ORDER if n in names) or "False"
     ns: dict = {}
     exec(f"def is_int(qt):\n    return {test}", ns)
-    out = {"is_int": njit(inline="always")(ns["is_int"])}
-    for n, table, a in ((1, IDOT1, _I1), (2, IDOT2, _I2), (4, IDOT4, _I4), (8, IDOT8, _I8)):
-        if ints:
-            out[f"idot{n}"] = _dispatch(table, a, f"Weight row w . {n} int16 activation row(s).", ints, ints[-1])
-        else:
-            zero = "np.float32(0)" if n == 1 else "(" + "np.float32(0), " * n + ")"
-            ns["np"] = np
-            exec(f"def idot{n}(qt, w, {a}):\n    return {zero}", ns)
-            out[f"idot{n}"] = njit(inline="always")(ns[f"idot{n}"])
-    return out
+    return {"is_int": njit(inline="always")(ns["is_int"])}
 
 
-def _rdots(env: dict) -> dict:
-    """rdot1..rdot8(qt, w, x, aq, ad, am, r0, ..) over `env`'s is_int, idotN and dotN (aq, ad, am:
-    acts(x), unpacked by the caller outside its loops: taking them out of the tuple inside a
-    loop would count a reference each time, an atomic operation the threads contend for)."""
-    out = {}
-    for n in (1, 2, 4, 8):
-        rs = ", ".join(f"r{i}" for i in range(n))
-        xs = ", ".join(f"row_of(x, r{i})" for i in range(n))
-        src = (f"def rdot{n}(qt, w, x, aq, ad, am, {rs}):\n"
-               f"    if is_int(qt):\n        return idot{n}(qt, w, aq, ad, am, {rs})\n"
-               f"    return dot{n}(qt, w, {xs})")
-        ns = dict(env)
-        exec(src, ns)
-        out[f"rdot{n}"] = njit(inline="always")(ns[f"rdot{n}"])
-    return out
+def _row_loop(name: str):
+    """rows(w, out, x, aq, ad, am, n0, n1, col) for weights of type `name`: out[:, col + n] = x @
+    row n of w for n in [n0, n1), a weight row against up to 8 activation rows at once (the
+    int16 products on (aq, ad, am) = acts(x) for INT_TYPES, else the float32 ones on x). One
+    loop per type, the type's test outside it: with every type's code inside one loop, values
+    LLVM hoists out of it for all the types at once spilled to the stack (the shipped types'
+    decode products ran 10-40% slower, bench/results/issue34-kernels.md)."""
+    def call(k, rs, row="row"):
+        if name in INT_TYPES:
+            return f"I{k}({row}, aq, ad, am, {', '.join(rs)})"
+        return f"F{k}({row}, {', '.join(f'row_of(x, {r})' for r in rs)})"
+
+    r8 = [f"r + {i}" if i else "r" for i in range(8)]
+    src = f"""def rows(w, out, x, aq, ad, am, n0, n1, col):
+    R = x.shape[0]
+    if R == 1:  # decode
+        for n in range(n0, n1):
+            out[0, col + n] = {call(1, ["0"], "row_of(w, n)")}
+        return
+    for n in range(n0, n1):
+        row = row_of(w, n)
+        r = 0
+        while r + 8 <= R:
+            t = {call(8, r8)}
+            for i in range(8):
+                out[r + i, col + n] = t[i]
+            r += 8
+        while r + 4 <= R:
+            s0, s1, s2, s3 = {call(4, r8[:4])}
+            out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
+            r += 4
+        if r + 2 <= R:
+            s0, s1 = {call(2, r8[:2])}
+            out[r, col + n], out[r + 1, col + n] = s0, s1
+            r += 2
+        while r < R:
+            out[r, col + n] = {call(1, ["r"])}
+            r += 1
+"""
+    ns = {"row_of": row_of}
+    ns.update({f"F{k}": t[name] for k, t in _DOTS.items()})
+    if name in INT_TYPES:
+        ns.update({f"I{k}": t[name] for k, t in _IDOTS.items()})
+    exec(src, ns)
+    return njit(inline="always")(ns["rows"])
 
 
-globals().update(_int_dispatch(IR_TYPES))
-globals().update(_rdots(globals()))
+ROWS = {n: _row_loop(n) for n in IR_TYPES}
+_RA = "out, x, aq, ad, am, n0, n1, col"
+
+
+def _rows_of(names) -> dict:
+    """{"rows_of": rows_of(qt, w, out, x, aq, ad, am, n0, n1, col)}: ROWS[qt's type] for the
+    types `names`."""
+    return {"rows_of": _dispatch(ROWS, _RA, "The row loop of qt's type (ROWS).", names, names[-1])}
+
+
+globals().update(_is_int(IR_TYPES))
+globals().update(_rows_of(_ORDER))
 
 
 @njit(cache=True, nogil=True)
@@ -1287,28 +1318,8 @@ decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -
 @njit(cache=True, nogil=True)
 def matmul_rows(out, x, a, w, qt, n0, n1, col):
     """out[:, col + n] = x @ row n of w, for n in [n0, n1); a = acts(x, is_int(qt))."""
-    x = borrowed(x)
     aq, ad, am = lent(a)
-    R = x.shape[0]
-    for n in range(n0, n1):
-        row = row_of(w, n)
-        r = 0
-        while r + 8 <= R:
-            t = rdot8(qt, row, x, aq, ad, am, r, r + 1, r + 2, r + 3, r + 4, r + 5, r + 6, r + 7)
-            for i in range(8):
-                out[r + i, col + n] = t[i]
-            r += 8
-        while r + 4 <= R:
-            s0, s1, s2, s3 = rdot4(qt, row, x, aq, ad, am, r, r + 1, r + 2, r + 3)
-            out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
-            r += 4
-        if r + 2 <= R:
-            s0, s1 = rdot2(qt, row, x, aq, ad, am, r, r + 1)
-            out[r, col + n], out[r + 1, col + n] = s0, s1
-            r += 2
-        while r < R:
-            out[r, col + n] = rdot1(qt, row, x, aq, ad, am, r)
-            r += 1
+    rows_of(qt, w, out, borrowed(x), aq, ad, am, n0, n1, col)
 
 
 CHUNK = 16  # weight rows per parallel work item
@@ -1360,41 +1371,37 @@ def get_rows(out, w, ids, qt, lut, m):
         decode_row(qt, w[ids[r]], out[r], lut, m)
 
 
+@njit(inline="always")
+def _expert_rows(x, a, rows):
+    """The rows `rows` of x and of its int16 blocks a = acts(x, ..) (x and a themselves when
+    rows are 0, 1, .., len(x) - 1: a decode token's)."""
+    n = rows.shape[0]
+    same = n == x.shape[0]
+    for p in range(n):
+        if rows[p] != p:
+            same = False
+    if same:
+        return x, a
+    aq, ad, am = a
+    if aq.shape[0] == 0:  # (no int16 blocks: float products)
+        return x[rows], a
+    return x[rows], (aq[rows], ad[rows], am[rows])
+
+
 @njit(cache=True, nogil=True)
 def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
     """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows));
     a = acts(x, ..) (x's int16 blocks when gate or up is of INT_TYPES)."""
-    x = borrowed(x)
-    aq, ad, am = lent(a)
-    n = rows.shape[0]
-    hidden = gate.shape[1]
-    ge, ue = row_of(gate, e), row_of(up, e)
-    h = np.empty((n, hidden), np.float32)  # [rows, hidden]
-    for i in range(hidden):
-        gr, ur = row_of(ge, i), row_of(ue, i)
-        p = 0
-        while p + 8 <= n:
-            r0, r1, r2, r3, r4, r5, r6, r7 = (rows[p], rows[p + 1], rows[p + 2], rows[p + 3], rows[p + 4],
-                                              rows[p + 5], rows[p + 6], rows[p + 7])
-            g = rdot8(qg, gr, x, aq, ad, am, r0, r1, r2, r3, r4, r5, r6, r7)
-            u = rdot8(qu, ur, x, aq, ad, am, r0, r1, r2, r3, r4, r5, r6, r7)
-            for t in range(8):
-                h[p + t, i] = g[t] / (np.float32(1) + np.exp(-g[t])) * u[t]
-            p += 8
-        while p + 4 <= n:
-            r0, r1, r2, r3 = rows[p], rows[p + 1], rows[p + 2], rows[p + 3]
-            g0, g1, g2, g3 = rdot4(qg, gr, x, aq, ad, am, r0, r1, r2, r3)
-            u0, u1, u2, u3 = rdot4(qu, ur, x, aq, ad, am, r0, r1, r2, r3)
-            h[p, i] = g0 / (np.float32(1) + np.exp(-g0)) * u0
-            h[p + 1, i] = g1 / (np.float32(1) + np.exp(-g1)) * u1
-            h[p + 2, i] = g2 / (np.float32(1) + np.exp(-g2)) * u2
-            h[p + 3, i] = g3 / (np.float32(1) + np.exp(-g3)) * u3
-            p += 4
-        while p < n:
-            g = rdot1(qg, gr, x, aq, ad, am, rows[p])
-            h[p, i] = g / (np.float32(1) + np.exp(-g)) * rdot1(qu, ur, x, aq, ad, am, rows[p])
-            p += 1
-    matmul_rows(y, h, acts(h, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
+    n, hidden = rows.shape[0], gate.shape[1]
+    xr, ar = _expert_rows(x, a, rows)  # [rows, dim]
+    g = np.empty((n, hidden), np.float32)  # [rows, hidden]
+    u = np.empty((n, hidden), np.float32)
+    matmul_rows(g, xr, ar, row_of(gate, e), qg, 0, hidden, 0)
+    matmul_rows(u, xr, ar, row_of(up, e), qu, 0, hidden, 0)
+    for p in range(n):
+        for i in range(hidden):
+            g[p, i] = g[p, i] / (np.float32(1) + np.exp(-g[p, i])) * u[p, i]
+    matmul_rows(y, g, acts(g, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1425,19 +1432,18 @@ def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alp
     """gpt-oss's expert FFN: y[p] = down(glu(gate(x) + bg, up(x) + bu)) + bd for expert e's
     weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
     min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
-    x = borrowed(x)
-    aq, ad, am = lent(a)
-    n = rows.shape[0]
-    hidden = gate.shape[1]
-    ge, ue = row_of(gate, e), row_of(up, e)
-    h = np.empty((n, hidden), np.float32)  # [rows, hidden]
-    for i in range(hidden):
-        gr, ur = row_of(ge, i), row_of(ue, i)
-        for p in range(n):
-            g = min(rdot1(qg, gr, x, aq, ad, am, rows[p]) + bg[i], np.float32(limit))
-            u = min(max(rdot1(qu, ur, x, aq, ad, am, rows[p]) + bu[i], np.float32(-limit)), np.float32(limit))
-            h[p, i] = g / (np.float32(1) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1))
-    matmul_rows(y, h, acts(h, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
+    n, hidden = rows.shape[0], gate.shape[1]
+    xr, ar = _expert_rows(x, a, rows)  # [rows, dim]
+    g = np.empty((n, hidden), np.float32)  # [rows, hidden]
+    u = np.empty((n, hidden), np.float32)
+    matmul_rows(g, xr, ar, row_of(gate, e), qg, 0, hidden, 0)
+    matmul_rows(u, xr, ar, row_of(up, e), qu, 0, hidden, 0)
+    for p in range(n):
+        for i in range(hidden):
+            gi = min(g[p, i] + bg[i], np.float32(limit))
+            ui = min(max(u[p, i] + bu[i], np.float32(-limit)), np.float32(limit))
+            g[p, i] = gi / (np.float32(1) + np.exp(np.float32(-alpha) * gi)) * (ui + np.float32(1))
+    matmul_rows(y, g, acts(g, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
     for p in range(n):
         for d in range(y.shape[1]):
             y[p, d] += bd[d]
@@ -1660,11 +1666,9 @@ def _typed(names: tuple[str, ...]) -> dict:
     (one set of dispatchers per process: a second load of a file reuses the compiled code)."""
     tag = "_".join(n.lower() for n in names)
     last = names[-1]
-    env = {d: _dispatch(_outlined(table, a), a, f"{d} of the types {tag}.", names, last)
-           for d, table, a in (("dot1", DOT1, _A1), ("dot2", DOT2, _A2), ("dot4", DOT4, _A4), ("dot8", DOT8, _A8))}
-    env["decode_row"] = _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)
-    env.update(_int_dispatch(names))
-    env.update(_rdots(dict(globals(), **env)))
+    env = {"decode_row": _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)}
+    env.update(_is_int(names))
+    env.update(_rows_of(names))
     for helper in (acts, matmul_rows, one_expert, one_expert_oai):  # (each after what it calls)
         env[helper.py_func.__name__] = _clone(helper, env, tag)
     return {name: _clone(globals()[name], env, tag) for name in PRODUCTS}
