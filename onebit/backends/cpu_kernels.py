@@ -866,11 +866,10 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 # float32 results as float32 summation order is, so every oracle bar held to float32 still
 # holds; 8-bit rounding moves llama.cpp's logits to cosine 0.988-0.999 against float32
 # (tests/test_oracle.py, BELOW_BAR). Measured on the 2-core VM (one thread, 1 MiB of Q4_K
-# rows, so compute-bound): float32 6.6 GB/s, int16 11.3, int8 (AVX-512 VNNI) 15.3. MXFP4 and
-# the codebook types stay on the float32 path: MXFP4's integer form (selects over 32 lanes)
-# measured 0.82-0.94x its float32 decode (bench/bench_roofline.py).
+# rows, so compute-bound): float32 6.6 GB/s, int16 11.3, int8 (AVX-512 VNNI) 15.3. The codebook
+# types stay on the float32 path, and MXFP4 does without VNNI: its int16 form (selects over 32
+# lanes) measured 0.82-0.94x its float32 decode (bench/bench_roofline.py); on VNNI see below.
 
-INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 A = 32  # activations per int16 block (one float32 scale each)
 ACT_MAX = 32767.0
 
@@ -899,7 +898,22 @@ def _has_vnni() -> bool:
 # sum of each 16 activations it owes (`quantize_acts` keeps those sums) comes off with the
 # scales. Q8_0's weights are signed (vpdpbusd wants one unsigned side): int16 path.
 VNNI = _has_vnni()
-VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K") if VNNI else ()
+VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K", "MXFP4") if VNNI else ()
+
+
+# MXFP4 joins the integer types on VNNI: a table lookup (vpshufb) turns each nibble into its
+# doubled e2m1 value plus 12 (0..24, unsigned), and 12 x each block's activation sum comes off
+# with the scales. Without VNNI it stays on the float32 path (its int16 form, selects over 32
+# lanes, measured 0.82-0.94x the float32 decode).
+INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K") + (("MXFP4",) if VNNI else ())
+MXFP4_PLUS12 = [int(v) + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
+
+
+def _pshufb(b, table16, idx):
+    """<64 x i8>: table16[idx[i]] for indices 0..15 (vpshufb, the 16-byte table in every lane)."""
+    ty = _vec(I8, 64)
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ty, [ty, ty]), "llvm.x86.avx512.pshuf.b.512")
+    return b.call(fn, [ir.Constant(ty, table16 * 4), idx])
 
 
 def _dpbusd(b, acc, u8, s8):
@@ -991,6 +1005,57 @@ def _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs):
         b.store(b.fadd(b.load(oacc), b.fmul(offsets, _load(b, mx, sub0, V8F, align=4))), oacc)
 
 
+def _e8m0_half(b, blk):
+    """MXFP4's block scale (the e8m0 byte at blk), halved as ggml's e8m0_to_fp32_half."""
+    e = _byte(b, blk, 0)
+    small = b.shl(_const(I32, 0x00200000), e)
+    big = b.shl(b.sub(e, _const(I32, 1)), _const(I32, 23))
+    return b.bitcast(b.select(b.icmp_unsigned("<", e, _const(I32, 2)), small, big), FLT)
+
+
+def _vnni_mxfp4(b, wdata, nb, planes, xd, xm, accs, oaccs):
+    """A row of MXFP4 blocks (nb of them at wdata) into the rows' accumulators, two blocks (64
+    weights) a step, an odd last block alone (see MXFP4_PLUS12); oaccs gather each block's
+    weight scale x its activations' scale x sum, which the caller multiplies by -12."""
+    V16F = _vec(FLT, 16)
+    zero = ir.Constant(_vec(I32, 16), [0] * 16)
+    eight = ir.Constant(_vec(I32, 16), [8] * 16)
+
+    def weights(q32):  # 32 bytes of two blocks (or 16 and zeros) -> <64 x i8> weights + 12, in order
+        lo, hi = b.and_(q32, _v8(15)), b.lshr(q32, _v8(4))
+        return _pshufb(b, MXFP4_PLUS12, b.shuffle_vector(lo, hi, _ivec(
+            list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64)))))
+
+    def step(k, s, wv, ds, loads):  # activations from index k (block s), block scales ds
+        for r, ((lo_p, hi_p), dx, mx, acc, oacc) in enumerate(zip(planes, xd, xm, accs, oaccs)):
+            lo, hi = loads(lo_p, k), loads(hi_p, k)
+            isum = _dpbusd(b, b.shl(_dpbusd(b, zero, wv, hi), eight), lo, wv)
+            sv = b.fmul(_two(b, ds[0], ds[-1], 16), _two(b, _load(b, dx, s, FLT, align=4),
+                                                          _load(b, dx, b.add(s, _const(I64, len(ds) - 1)), FLT, align=4), 16))
+            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), sv, flags=FAST), flags=FAST), acc)
+            off = b.fmul(ds[0], _load(b, mx, s, FLT, align=4))
+            if len(ds) == 2:
+                off = b.fadd(off, b.fmul(ds[1], _load(b, mx, b.add(s, _const(I64, 1)), FLT, align=4)))
+            b.store(b.fadd(b.load(oacc), off), oacc)
+
+    with cgutils.for_range(b, b.udiv(nb, _const(I64, 2))) as loop:
+        blk = b.gep(wdata, [b.mul(loop.index, _const(I64, 34))])
+        blk2 = b.gep(blk, [_const(I64, 17)])
+        q = b.shuffle_vector(_load(b, blk, 1, _vec(I8, 16)), _load(b, blk2, 1, _vec(I8, 16)), _ivec(range(32)))
+        s = b.mul(loop.index, _const(I64, 2))
+        step(b.mul(loop.index, _const(I64, 64)), s, weights(q), [_e8m0_half(b, blk), _e8m0_half(b, blk2)],
+             lambda p, k: _load(b, p, k, _vec(I8, 64)))
+    last = b.sub(nb, _const(I64, 1))
+    with b.if_then(b.icmp_unsigned("!=", b.and_(nb, _const(I64, 1)), _const(I64, 0))):
+        blk = b.gep(wdata, [b.mul(last, _const(I64, 17))])
+        none = ir.Constant(_vec(I8, 16), [0] * 16)
+        q = b.shuffle_vector(_load(b, blk, 1, _vec(I8, 16)), none, _ivec(range(32)))
+        wv = b.shuffle_vector(weights(q), ir.Constant(_vec(I8, 64), [0] * 64), _ivec(list(range(32)) + [64] * 32))
+        pad = ir.Constant(_vec(I8, 32), [0] * 32)
+        step(b.mul(last, _const(I64, 32)), last, wv, [_e8m0_half(b, blk)],
+             lambda p, k: b.shuffle_vector(_load(b, p, k, _vec(I8, 32)), pad, _ivec(range(64))))
+
+
 def _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs):
     """One Q6_K block into the rows' accumulators through the byte planes (see VNNI): the
     stored quants u = q + 32, 64 to an instruction; oaccs gather d x scale x dx x (sum of the
@@ -1042,46 +1107,55 @@ def _make_idot(name: str, rows: int):
         per_block = name in ("Q4_1", "Q5_1")  # one offset per block of 32; Q4_K, Q5_K: 8 per block
         accs = [cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16)) for _ in xq]
         vq6 = name == "Q6_K" and name in VNNI_TYPES  # (its offsets: a <16 x float> per row)
-        zero = ir.Constant(FLT, 0.0) if per_block else ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
+        vmx = name == "MXFP4"  # (only on VNNI: see INT_TYPES; a float offset per row)
+        if per_block or vmx:
+            zero = ir.Constant(FLT, 0.0)
+        else:
+            zero = ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
         if name in VNNI_TYPES:  # the byte planes (quantize_acts): lo at 2K bytes into the row, hi at 3K
             kk = b.mul(nblk, _const(I64, A))
             xb = [b.bitcast(x, ir.PointerType(I8)) for x in xq]
             planes = [(b.gep(x, [b.mul(kk, _const(I64, 2))]), b.gep(x, [b.mul(kk, _const(I64, 3))])) for x in xb]
-        with cgutils.for_range(b, nb) as loop:
-            i = loop.index
-            blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
-            if vq6:
-                _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs)
-            elif name in VNNI_TYPES:
-                _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
-            else:
-                groups, scales, offsets = _igroups(b, name, blk)
-                first = b.mul(i, _const(I64, bs))
-                sub0 = b.mul(i, _const(I64, subs))
-                if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
-                    sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
-                for off, wq, scale in groups:
-                    k = b.add(first, _const(I64, off))
-                    s = b.add(sub0, _const(I64, off // A))
-                    for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
-                        isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
-                        if scales is not None:
-                            sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
-                        elif isinstance(scale.type, ir.VectorType):
-                            sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
-                        else:
-                            sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
-                        b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
-                if offsets is not None:
-                    for mx, oacc in zip(xm, oaccs):
-                        mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
-                        b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
+        if vmx:
+            _vnni_mxfp4(b, w.data, nb, planes, xd, xm, accs, oaccs)
+        else:
+            with cgutils.for_range(b, nb) as loop:
+                i = loop.index
+                blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
+                if vq6:
+                    _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs)
+                elif name in VNNI_TYPES:
+                    _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
+                else:
+                    groups, scales, offsets = _igroups(b, name, blk)
+                    first = b.mul(i, _const(I64, bs))
+                    sub0 = b.mul(i, _const(I64, subs))
+                    if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
+                        sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
+                    for off, wq, scale in groups:
+                        k = b.add(first, _const(I64, off))
+                        s = b.add(sub0, _const(I64, off // A))
+                        for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
+                            isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
+                            if scales is not None:
+                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
+                            elif isinstance(scale.type, ir.VectorType):
+                                sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
+                            else:
+                                sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
+                            b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
+                    if offsets is not None:
+                        for mx, oacc in zip(xm, oaccs):
+                            mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
+                            b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
         sums = [_hsum(b, b.load(acc), 16) for acc in accs]
         if name in ("Q4_1", "Q5_1"):
             sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
         elif name in ("Q4_K", "Q5_K"):
             sums = [b.fadd(s, _hsum(b, b.load(oacc), 8)) for s, oacc in zip(sums, oaccs)]
+        elif vmx:  # weights + 12: minus 12 x each block's scaled activation sum
+            sums = [b.fsub(s, b.fmul(_const(FLT, 12.0), b.load(oacc))) for s, oacc in zip(sums, oaccs)]
         elif vq6:  # q = u - 32: minus 32 x each group's scaled activation sum
             sums = [b.fsub(s, b.fmul(_const(FLT, 32.0), _hsum(b, b.load(oacc), 16))) for s, oacc in zip(sums, oaccs)]
         return sums[0] if rows == 1 else context.make_tuple(b, sig.return_type, sums)
