@@ -72,13 +72,21 @@ def test_one_worker_serves_many_turns():
 
 def test_an_interrupt_during_a_render_leaves_no_half_read_reply():
     tpl = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    # Ctrl-C as a terminal gives it, to the thread waiting on the render (os.kill may pick another
+    # thread, a kernel's or the timer's, and the wait would not wake), with Python's default
+    # handler, the signal not blocked (an earlier test in the same worker may have left either)
+    timer = threading.Timer(0.3, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             render_chat(tpl, MESSAGES, timeout_s=30)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, before)
+        if signal.SIGINT in blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     assert ct._WORKER.proc is None  # stopped, not left rendering
     assert render_chat(None, MESSAGES).startswith("<|im_start|>user")
 

@@ -1,12 +1,14 @@
 """numba kernels of the cpu backend: they read quantized blocks straight from the file map.
 
-Products (`matmul`, `matmul3`, `expert_ffn`) dot each weight row with up to eight float32
-activation rows at once through `dot1` / `dot2` / `dot4` / `dot8`: LLVM vector IR (numba intrinsics, below)
+Products (`matmul`, `matmul3`, `expert_ffn`) run each weight type's own row loop (`ROWS`), which
+dots each weight row with up to eight activation rows at once (a prompt's rows meet a tile of
+weight rows at a time) through DOT1 / .. / DOT8 or IDOT1 / .. / IDOT8: LLVM vector IR (numba intrinsics, below)
 that decodes a block 32 weights at a time in registers and multiplies them into one 32-wide
 accumulator per activation row. No float32 copy of a weight matrix is ever made and a row's
-bytes are read once per eight activation rows. Activations stay float32 (no 8-bit activation
-blocks): results differ from the numpy twins (`quants.QTYPES[..].dequantize` then matmul)
-only by float32 rounding of the decode and the summation order. Every type of onebit.quants
+bytes are read once per eight activation rows. Activations are float32, or int16 per block of
+32 for INT_TYPES (below), never 8-bit: results differ from the numpy twins
+(`quants.QTYPES[..].dequantize` then matmul) by float32 rounding of the decode, the summation
+order and, for INT_TYPES, the activations' 1/32767 rounding. Every type of onebit.quants
 has its decoder here; the codebook (IQ) types read their grids from int8 tables in the
 kernel's module. `decode_row` (plain numba, and the IR decoders for MORE_TYPES) serves get_rows.
 
@@ -898,15 +900,21 @@ def _has_vnni() -> bool:
 # sum of each 16 activations it owes (`quantize_acts` keeps those sums) comes off with the
 # scales. Q8_0's weights are signed (vpdpbusd wants one unsigned side): int16 path.
 VNNI = _has_vnni()
-VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K", "MXFP4") if VNNI else ()
+VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS") if VNNI else ()
 
 
-# MXFP4 joins the integer types on VNNI: a table lookup (vpshufb) turns each nibble into its
-# doubled e2m1 value plus 12 (0..24, unsigned), and 12 x each block's activation sum comes off
-# with the scales. Without VNNI it stays on the float32 path (its int16 form, selects over 32
-# lanes, measured 0.82-0.94x the float32 decode).
-INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K") + (("MXFP4",) if VNNI else ())
+# The 32-weight nibble types on VNNI (PAIRS), two blocks (64 weights) to a step: each quant
+# becomes an unsigned byte, the level it stands for plus a constant c (MXFP4: its doubled
+# e2m1 value + 12 through a vpshufb table; IQ4_NL: its level + 128 through a table; Q4_0 and
+# Q5_0: the stored 0..15 / 0..31 as they are, c = 8 / 16), and c x each block's activation sum
+# comes off with the scales. IQ4_XS is IQ4_NL's levels in 256-weight blocks with a 6-bit scale
+# per 32. MXFP4 and the IQ4 types stay on the float32 path without VNNI (MXFP4's int16 form,
+# selects over 32 lanes, measured 0.82-0.94x the float32 decode).
+PAIRS = {"MXFP4": 12, "Q4_0": 8, "Q5_0": 16, "IQ4_NL": 128}  # type -> c
+INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K") + (
+    ("MXFP4", "IQ4_NL", "IQ4_XS") if VNNI else ())
 MXFP4_PLUS12 = [int(v) + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
+IQ4_PLUS128 = [int(v) + 128 - (256 if int(v) + 128 > 127 else 0) for v in iq4_values()]  # (as signed bytes)
 
 
 def _pshufb(b, table16, idx):
@@ -1013,47 +1021,97 @@ def _e8m0_half(b, blk):
     return b.bitcast(b.select(b.icmp_unsigned("<", e, _const(I32, 2)), small, big), FLT)
 
 
-def _vnni_mxfp4(b, wdata, nb, planes, xd, xm, accs, oaccs):
-    """A row of MXFP4 blocks (nb of them at wdata) into the rows' accumulators, two blocks (64
-    weights) a step, an odd last block alone (see MXFP4_PLUS12); oaccs gather each block's
-    weight scale x its activations' scale x sum, which the caller multiplies by -12."""
-    V16F = _vec(FLT, 16)
-    zero = ir.Constant(_vec(I32, 16), [0] * 16)
-    eight = ir.Constant(_vec(I32, 16), [8] * 16)
+def _nibble_weights(b, name, q32, fifth=None):
+    """32 quant bytes of two blocks (low nibbles: weights 0-15, high: 16-31 of each) -> <64 x i8>
+    unsigned weights in order (see PAIRS); fifth: Q5_0's <64 x i1> fifth bits."""
+    lo, hi = b.and_(q32, _v8(15)), b.lshr(q32, _v8(4))
+    v = b.shuffle_vector(lo, hi, _ivec(list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))))
+    if name == "MXFP4":
+        return _pshufb(b, MXFP4_PLUS12, v)
+    if name in ("IQ4_NL", "IQ4_XS"):
+        return _pshufb(b, IQ4_PLUS128, v)
+    if fifth is not None:
+        v = b.or_(v, b.shl(b.zext(fifth, _vec(I8, 64)), ir.Constant(_vec(I8, 64), [4] * 64)))
+    return v
 
-    def weights(q32):  # 32 bytes of two blocks (or 16 and zeros) -> <64 x i8> weights + 12, in order
-        lo, hi = b.and_(q32, _v8(15)), b.lshr(q32, _v8(4))
-        return _pshufb(b, MXFP4_PLUS12, b.shuffle_vector(lo, hi, _ivec(
-            list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64)))))
 
-    def step(k, s, wv, ds, loads):  # activations from index k (block s), block scales ds
-        for r, ((lo_p, hi_p), dx, mx, acc, oacc) in enumerate(zip(planes, xd, xm, accs, oaccs)):
-            lo, hi = loads(lo_p, k), loads(hi_p, k)
-            isum = _dpbusd(b, b.shl(_dpbusd(b, zero, wv, hi), eight), lo, wv)
-            sv = b.fmul(_two(b, ds[0], ds[-1], 16), _two(b, _load(b, dx, s, FLT, align=4),
-                                                          _load(b, dx, b.add(s, _const(I64, len(ds) - 1)), FLT, align=4), 16))
-            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), sv, flags=FAST), flags=FAST), acc)
-            off = b.fmul(ds[0], _load(b, mx, s, FLT, align=4))
-            if len(ds) == 2:
-                off = b.fadd(off, b.fmul(ds[1], _load(b, mx, b.add(s, _const(I64, 1)), FLT, align=4)))
-            b.store(b.fadd(b.load(oacc), off), oacc)
+def _pair_step(b, k, s, wv, ds, loads, planes, xd, xm, accs, oaccs, wide=False):
+    """64 weights wv (two blocks of 32 with scales ds; one block, ds of one, and zero padding)
+    against the activations from index k (block s) of each row: the integer products through
+    the byte planes into accs, each block's weight scale x activation sum into oaccs. `wide`:
+    weights over 127 (IQ4's level + 128), which the low plane's unsigned bytes cannot meet as
+    the signed side: it meets them as lo - 128 (signed), and 128 x each lane's weights come back."""
+    V16I = _vec(I32, 16)
+    zero, eight = ir.Constant(V16I, [0] * 16), ir.Constant(V16I, [8] * 16)
+    V2F, two = _vec(FLT, 2), len(ds) == 2
+    wsc = _two(b, ds[0], ds[-1], 16)  # the weight scale of each lane
+    dsv = b.insert_element(b.insert_element(ir.Constant(V2F, [0.0, 0.0]), ds[0], _const(I32, 0)),
+                           ds[-1] if two else ir.Constant(FLT, 0.0), _const(I32, 1))
+    if wide:
+        back = b.shl(_dpbusd(b, zero, wv, ir.Constant(_vec(I8, 64), [1] * 64)), ir.Constant(V16I, [7] * 16))
+    for r, ((lo_p, hi_p), dx, mx, acc, oacc) in enumerate(zip(planes, xd, xm, accs, oaccs)):
+        lo, hi = loads(lo_p, k), loads(hi_p, k)
+        high = b.shl(_dpbusd(b, zero, wv, hi), eight)
+        if wide:
+            isum = b.add(_dpbusd(b, high, wv, b.xor(lo, ir.Constant(_vec(I8, 64), [-128] * 64))), back)
+        else:
+            isum = _dpbusd(b, high, lo, wv)
+        if two:  # both blocks' activation scales and sums in one load each
+            dxv, mv = _load(b, dx, s, V2F, align=4), _load(b, mx, s, V2F, align=4)
+        else:
+            dxv = b.insert_element(ir.Constant(V2F, [0.0, 0.0]), _load(b, dx, s, FLT, align=4), _const(I32, 0))
+            mv = b.insert_element(ir.Constant(V2F, [0.0, 0.0]), _load(b, mx, s, FLT, align=4), _const(I32, 0))
+        sv = b.fmul(wsc, b.shuffle_vector(dxv, dxv, _ivec([0] * 8 + [1] * 8)))
+        b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, _vec(FLT, 16)), sv, flags=FAST), flags=FAST), acc)
+        b.store(b.fadd(b.load(oacc), b.fmul(dsv, mv)), oacc)  # <2 x float>: each block's scale x sum
 
+
+def _vnni_pairs(b, name, wdata, nb, planes, xd, xm, accs, oaccs):
+    """A row of nb blocks of a PAIRS type at wdata into the rows' accumulators, two blocks a
+    step, an odd last block alone; oaccs gather each block's weight scale x its activations'
+    scale x sum, which the caller multiplies by -PAIRS[name]."""
+    ts = QTYPES_BY_NAME[name].type_size
+    qs = {"MXFP4": 1, "Q4_0": 2, "Q5_0": 6, "IQ4_NL": 2}[name]
+    scale = (lambda blk: _e8m0_half(b, blk)) if name == "MXFP4" else (lambda blk: _f16(b, blk, 0))  # noqa: E731
+    bits = lambda blk: b.bitcast(_u32i(b, blk, 2), _vec(ir.IntType(1), 32))  # noqa: E731  (Q5_0's fifth bits)
+    wide = name == "IQ4_NL"
     with cgutils.for_range(b, b.udiv(nb, _const(I64, 2))) as loop:
-        blk = b.gep(wdata, [b.mul(loop.index, _const(I64, 34))])
-        blk2 = b.gep(blk, [_const(I64, 17)])
-        q = b.shuffle_vector(_load(b, blk, 1, _vec(I8, 16)), _load(b, blk2, 1, _vec(I8, 16)), _ivec(range(32)))
-        s = b.mul(loop.index, _const(I64, 2))
-        step(b.mul(loop.index, _const(I64, 64)), s, weights(q), [_e8m0_half(b, blk), _e8m0_half(b, blk2)],
-             lambda p, k: _load(b, p, k, _vec(I8, 64)))
+        blk = b.gep(wdata, [b.mul(loop.index, _const(I64, 2 * ts))])
+        blk2 = b.gep(blk, [_const(I64, ts)])
+        q = b.shuffle_vector(_load(b, blk, qs, _vec(I8, 16)), _load(b, blk2, qs, _vec(I8, 16)), _ivec(range(32)))
+        fifth = b.shuffle_vector(bits(blk), bits(blk2), _ivec(range(64))) if name == "Q5_0" else None
+        _pair_step(b, b.mul(loop.index, _const(I64, 64)), b.mul(loop.index, _const(I64, 2)),
+                   _nibble_weights(b, name, q, fifth), [scale(blk), scale(blk2)],
+                   lambda p, k: _load(b, p, k, _vec(I8, 64)), planes, xd, xm, accs, oaccs, wide)
     last = b.sub(nb, _const(I64, 1))
     with b.if_then(b.icmp_unsigned("!=", b.and_(nb, _const(I64, 1)), _const(I64, 0))):
-        blk = b.gep(wdata, [b.mul(last, _const(I64, 17))])
-        none = ir.Constant(_vec(I8, 16), [0] * 16)
-        q = b.shuffle_vector(_load(b, blk, 1, _vec(I8, 16)), none, _ivec(range(32)))
-        wv = b.shuffle_vector(weights(q), ir.Constant(_vec(I8, 64), [0] * 64), _ivec(list(range(32)) + [64] * 32))
-        pad = ir.Constant(_vec(I8, 32), [0] * 32)
-        step(b.mul(last, _const(I64, 32)), last, wv, [_e8m0_half(b, blk)],
-             lambda p, k: b.shuffle_vector(_load(b, p, k, _vec(I8, 32)), pad, _ivec(range(64))))
+        blk = b.gep(wdata, [b.mul(last, _const(I64, ts))])
+        q = b.shuffle_vector(_load(b, blk, qs, _vec(I8, 16)), ir.Constant(_vec(I8, 16), [0] * 16), _ivec(range(32)))
+        none = ir.Constant(_vec(ir.IntType(1), 32), [0] * 32)
+        fifth = b.shuffle_vector(bits(blk), none, _ivec(range(64))) if name == "Q5_0" else None
+        pad = ir.Constant(_vec(I8, 32), [0] * 32)  # (the padding's activations are zero)
+        _pair_step(b, b.mul(last, _const(I64, 32)), last, _nibble_weights(b, name, q, fifth), [scale(blk)],
+                   lambda p, k: b.shuffle_vector(_load(b, p, k, _vec(I8, 32)), pad, _ivec(range(64))),
+                   planes, xd, xm, accs, oaccs, wide)
+
+
+def _vnni_iq4xs_block(b, blk, i, planes, xd, xm, accs, oaccs):
+    """One IQ4_XS block (256 weights: f16 d, the 6-bit scales' high bits in a u16 and low
+    nibbles in 4 bytes, then 8 x 16 quant bytes) as four pair steps, sub-block j's scale
+    d x (its 6-bit scale - 32) (see PAIRS)."""
+    d = _f16(b, blk, 0)
+    high = b.zext(_load(b, blk, 2, I16), I32)
+    scales = []
+    for j in range(8):
+        low = b.and_(b.lshr(b.zext(_load(b, blk, 4 + j // 2, I8), I32), _const(I32, 4 * (j % 2))), _const(I32, 15))
+        ls = b.or_(low, b.shl(b.and_(b.lshr(high, _const(I32, 2 * j)), _const(I32, 3)), _const(I32, 4)))
+        scales.append(b.fmul(d, b.sitofp(b.sub(ls, _const(I32, 32)), FLT)))
+    for t in range(4):
+        q = _load(b, blk, 8 + 32 * t, _vec(I8))
+        k = b.add(b.mul(i, _const(I64, 256)), _const(I64, 64 * t))
+        s = b.add(b.mul(i, _const(I64, 8)), _const(I64, 2 * t))
+        _pair_step(b, k, s, _nibble_weights(b, "IQ4_XS", q), scales[2 * t : 2 * t + 2],
+                   lambda p, k: _load(b, p, k, _vec(I8, 64)), planes, xd, xm, accs, oaccs, True)
 
 
 def _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs):
@@ -1107,9 +1165,11 @@ def _make_idot(name: str, rows: int):
         per_block = name in ("Q4_1", "Q5_1")  # one offset per block of 32; Q4_K, Q5_K: 8 per block
         accs = [cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16)) for _ in xq]
         vq6 = name == "Q6_K" and name in VNNI_TYPES  # (its offsets: a <16 x float> per row)
-        vmx = name == "MXFP4"  # (only on VNNI: see INT_TYPES; a float offset per row)
-        if per_block or vmx:
+        vpair = name in VNNI_TYPES and (name in PAIRS or name == "IQ4_XS")  # (a float offset per row)
+        if per_block:
             zero = ir.Constant(FLT, 0.0)
+        elif vpair:  # (a pair of blocks' offsets)
+            zero = ir.Constant(_vec(FLT, 2), [0.0, 0.0])
         else:
             zero = ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
@@ -1117,14 +1177,16 @@ def _make_idot(name: str, rows: int):
             kk = b.mul(nblk, _const(I64, A))
             xb = [b.bitcast(x, ir.PointerType(I8)) for x in xq]
             planes = [(b.gep(x, [b.mul(kk, _const(I64, 2))]), b.gep(x, [b.mul(kk, _const(I64, 3))])) for x in xb]
-        if vmx:
-            _vnni_mxfp4(b, w.data, nb, planes, xd, xm, accs, oaccs)
+        if vpair and name != "IQ4_XS":
+            _vnni_pairs(b, name, w.data, nb, planes, xd, xm, accs, oaccs)
         else:
             with cgutils.for_range(b, nb) as loop:
                 i = loop.index
                 blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
                 if vq6:
                     _vnni_q6_block(b, blk, i, planes, xd, xs, accs, oaccs)
+                elif vpair:
+                    _vnni_iq4xs_block(b, blk, i, planes, xd, xm, accs, oaccs)
                 elif name in VNNI_TYPES:
                     _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
                 else:
@@ -1154,8 +1216,9 @@ def _make_idot(name: str, rows: int):
             sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
         elif name in ("Q4_K", "Q5_K"):
             sums = [b.fadd(s, _hsum(b, b.load(oacc), 8)) for s, oacc in zip(sums, oaccs)]
-        elif vmx:  # weights + 12: minus 12 x each block's scaled activation sum
-            sums = [b.fsub(s, b.fmul(_const(FLT, 12.0), b.load(oacc))) for s, oacc in zip(sums, oaccs)]
+        elif vpair:  # weights + c: minus c x each block's scaled activation sum
+            c = _const(FLT, float(PAIRS.get(name, 128)))
+            sums = [b.fsub(s, b.fmul(c, _hsum(b, b.load(oacc), 2))) for s, oacc in zip(sums, oaccs)]
         elif vq6:  # q = u - 32: minus 32 x each group's scaled activation sum
             sums = [b.fsub(s, b.fmul(_const(FLT, 32.0), _hsum(b, b.load(oacc), 16))) for s, oacc in zip(sums, oaccs)]
         return sums[0] if rows == 1 else context.make_tuple(b, sig.return_type, sums)
@@ -1306,6 +1369,9 @@ def _is_int(names) -> dict:
     return {"is_int": njit(inline="always")(ns["is_int"])}
 
 
+TILE = 32  # weight rows a prompt's row groups meet before the next (about 20-70 KiB of weights)
+
+
 def _row_loop(name: str):
     """rows(w, out, x, aq, ad, am, n0, n1, col) for weights of type `name`: out[:, col + n] = x @
     row n of w for n in [n0, n1), a weight row against up to 8 activation rows at once (the
@@ -1325,27 +1391,32 @@ def _row_loop(name: str):
         for n in range(n0, n1):
             out[0, col + n] = {call(1, ["0"], "row_of(w, n)")}
         return
-    for n in range(n0, n1):
-        row = row_of(w, n)
+    for t0 in range(n0, n1, TILE):  # (a tile of weight rows stays in cache while each group of
+        # x's rows meets it, rather than every row of x streaming through the cache for each weight row)
+        t1 = min(n1, t0 + TILE)
         r = 0
         while r + 8 <= R:
-            t = {call(8, r8)}
-            for i in range(8):
-                out[r + i, col + n] = t[i]
+            for n in range(t0, t1):
+                t = {call(8, r8, "row_of(w, n)")}
+                for i in range(8):
+                    out[r + i, col + n] = t[i]
             r += 8
         while r + 4 <= R:
-            s0, s1, s2, s3 = {call(4, r8[:4])}
-            out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
+            for n in range(t0, t1):
+                s0, s1, s2, s3 = {call(4, r8[:4], "row_of(w, n)")}
+                out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
             r += 4
         if r + 2 <= R:
-            s0, s1 = {call(2, r8[:2])}
-            out[r, col + n], out[r + 1, col + n] = s0, s1
+            for n in range(t0, t1):
+                s0, s1 = {call(2, r8[:2], "row_of(w, n)")}
+                out[r, col + n], out[r + 1, col + n] = s0, s1
             r += 2
         while r < R:
-            out[r, col + n] = {call(1, ["r"])}
+            for n in range(t0, t1):
+                out[r, col + n] = {call(1, ["r"], "row_of(w, n)")}
             r += 1
 """
-    ns = {"row_of": row_of}
+    ns = {"row_of": row_of, "TILE": TILE}
     ns.update({f"F{k}": t[name] for k, t in _DOTS.items()})
     if name in INT_TYPES:
         ns.update({f"I{k}": t[name] for k, t in _IDOTS.items()})
