@@ -85,9 +85,9 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     x[1, 32:64] = 0
     x[2, 64] = np.inf
     q, d, m = K.quantize_acts(x)
-    assert q.shape == (3, 192 if K.VNNI else 96)
+    assert q.shape == (3, (192 if K.VNNI else 96) + K.ROW_PAD)
     if K.VNNI:  # the byte planes after the 96 values: low bytes, then high bytes
-        planes = q.view(np.uint8)[:, 192:].astype(np.int64)
+        planes = q.view(np.uint8)[:, 192:384].astype(np.int64)
         lo, hi = planes[:, :96], planes[:, 96:]
         assert np.array_equal(256 * np.where(hi > 127, hi - 256, hi) + lo, q[:, :96])  # v = 256 hi + lo, exactly
     q, m16, m = q[:, :96], m[:, 3:], m[:, :3]

@@ -873,6 +873,11 @@ DOT8 = {n: _make_dot(n, 8) for n in IR_TYPES}
 # lanes) measured 0.82-0.94x its float32 decode (bench/bench_roofline.py); on VNNI see below.
 
 A = 32  # activations per int16 block (one float32 scale each)
+# int16 slots after each row of quantize_acts' q, never read: rows a power of two of bytes apart
+# put the same column of 8 rows (a prompt's group) in one set of the 8-way L1 cache, and with
+# the byte planes 16 lines took turns in one set (K = 4096: the prompt's products ran at 45-75
+# GFLOP/s against 110-130 at K = 2048)
+ROW_PAD = 32
 ACT_MAX = 32767.0
 
 
@@ -1247,12 +1252,13 @@ IDOT8 = {n: _make_idot(n, 8) for n in INT_TYPES}
 def quantize_acts(x):
     """float32 rows x [R, K] (K a multiple of 32) -> (q, d, m) of `_make_idot`: per block of 32,
     d = max|x| / 32767, q = round(x / d), m = d * sum(q). A block holding inf or nan gets d = nan
-    (its products come out nan, as float32 ones would be inf or nan). With VNNI, q is [R, 2K]:
-    the int16 values, then (as bytes) every value's low byte and high byte, two planes of K; m
+    (its products come out nan, as float32 ones would be inf or nan). With VNNI, q is [R, 2K +
+    ROW_PAD]: the int16 values, then (as bytes) every value's low byte and high byte, two planes
+    of K (without, [R, K + ROW_PAD]); m
     is [R, 3 K / 32]: the blocks' d x sum(q), then the sum of q over each 16 values."""
     R, K = x.shape
     nb = K // A
-    q = np.empty((R, 2 * K if VNNI else K), np.int16)  # [R, K] values (then, with VNNI, their byte planes)
+    q = np.empty((R, (2 * K if VNNI else K) + ROW_PAD), np.int16)  # [R, K] values (then, with VNNI, their byte planes)
     planes = q.view(np.uint8)  # lo = v & 255 at byte 2K + k of a row, hi = v >> 8 at 3K + k
     d = np.empty((R, nb), np.float32)
     m = np.empty((R, 3 * nb), np.float32)  # [R, nb] scale x sum, then [R, 2 nb] each 16 values' sum (exact)
