@@ -476,10 +476,7 @@ def _groups(b, name, blk):
         q = b.sub(_nibbles(b, _load(b, blk, 2, _vec(I8, 16))), _v8(8))
         return [(0, b.fmul(_splat(b, _f16(b, blk, 0)), b.sitofp(q, V)))]
     if name == "MXFP4":  # e2m1 magnitudes 0 1 2 3 4 6 8 12 (doubled, as ggml), sign in bit 3
-        e = _byte(b, blk, 0)
-        small = b.shl(_const(I32, 0x00200000), e)
-        big = b.shl(b.sub(e, _const(I32, 1)), _const(I32, 23))
-        d = b.bitcast(b.select(b.icmp_unsigned("<", e, _const(I32, 2)), small, big), FLT)
+        d = _e8m0_half(b, blk)
         n = b.zext(_nibbles(b, _load(b, blk, 1, _vec(I8, 16))), _vec(I32))
         c = lambda v: ir.Constant(_vec(I32), [v] * W)  # noqa: E731
         mag = b.and_(n, c(7))
