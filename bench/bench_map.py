@@ -25,10 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def child(model: str, mode: str, prompt: int, tokens: int) -> dict:
-    import numpy as np
-
     sys.path.insert(0, str(ROOT))
     import onebit
+    from bench_vs_llamacpp import time_onebit
     from onebit import model as M
 
     if mode == "touch":
@@ -37,15 +36,8 @@ def child(model: str, mode: str, prompt: int, tokens: int) -> dict:
     m = onebit.load(model, backend="cpu", budget="1TiB")
     load = time.perf_counter() - t0
     ids = m.tokenize("The quick brown fox jumps over the lazy dog. " * (prompt // 4 + 8))[:prompt]
-    cache = m.new_cache()
-    t0 = time.perf_counter()
-    logits = m.net.forward(np.array(ids), cache, last_only=True)
-    pp = len(ids) / (time.perf_counter() - t0)
-    tok = int(logits[-1].argmax())
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        tok = int(m.net.forward(np.array([tok]), cache, last_only=True)[-1].argmax())
-    return {"load_s": load, "prompt_tps": pp, "decode_tps": tokens / (time.perf_counter() - t0)}
+    pp, tg = time_onebit(m, ids, tokens)
+    return {"load_s": load, "prompt_tps": pp, "decode_tps": tg}
 
 
 def main() -> None:

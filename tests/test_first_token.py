@@ -47,7 +47,7 @@ for t in range(3):
 s = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu", slots=4)
 s.logits([1, 2, 3])
 assert before == [len(k.signatures) for k in kernels], "a forward compiled"
-every = [getattr(K, n) for n in K.PRODUCTS] + [K.matmul_rows, K.one_expert, K.one_expert_oai]
+every = [getattr(K, n) for n in K.PRODUCTS] + [K.matmul_rows, K.gate_up, K.one_expert, K.one_expert_oai]
 assert not any(k.signatures or k.stats.cache_misses or k.stats.cache_hits for k in every)
 names = sorted(f for _, _, fs in os.walk(os.environ["NUMBA_CACHE_DIR"]) for f in fs if f.endswith(".nbi"))
 small = {{k.__name__ for k in K.SMALL_OPS}} | {{"_attend", "quantize_acts"}}  # shared by every type set

@@ -910,8 +910,7 @@ VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS
 # e2m1 value + 12 through a vpshufb table; IQ4_NL: its level + 128 through a table; Q4_0 and
 # Q5_0: the stored 0..15 / 0..31 as they are, c = 8 / 16), and c x each block's activation sum
 # comes off with the scales. IQ4_XS is IQ4_NL's levels in 256-weight blocks with a 6-bit scale
-# per 32. MXFP4 and the IQ4 types stay on the float32 path without VNNI (MXFP4's int16 form,
-# selects over 32 lanes, measured 0.82-0.94x the float32 decode).
+# per 32. Without VNNI these types keep the paths above.
 PAIRS = {"MXFP4": 12, "Q4_0": 8, "Q5_0": 16, "IQ4_NL": 128}  # type -> c
 INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K") + (
     ("MXFP4", "IQ4_NL", "IQ4_XS") if VNNI else ())
@@ -1382,17 +1381,17 @@ def _row_loop(name: str):
     loop per type, the type's test outside it: with every type's code inside one loop, values
     LLVM hoists out of it for all the types at once spilled to the stack (the shipped types'
     decode products ran 10-40% slower, bench/results/issue34-kernels.md)."""
-    def call(k, rs, row="row"):
+    def call(k, rs):  # weight row n . activation rows rs
         if name in INT_TYPES:
-            return f"I{k}({row}, aq, ad, am, {', '.join(rs)})"
-        return f"F{k}({row}, {', '.join(f'row_of(x, {r})' for r in rs)})"
+            return f"I{k}(row_of(w, n), aq, ad, am, {', '.join(rs)})"
+        return f"F{k}(row_of(w, n), {', '.join(f'row_of(x, {r})' for r in rs)})"
 
     r8 = [f"r + {i}" if i else "r" for i in range(8)]
     src = f"""def rows(w, out, x, aq, ad, am, n0, n1, col):
     R = x.shape[0]
     if R == 1:  # decode
         for n in range(n0, n1):
-            out[0, col + n] = {call(1, ["0"], "row_of(w, n)")}
+            out[0, col + n] = {call(1, ["0"])}
         return
     for t0 in range(n0, n1, TILE):  # (a tile of weight rows stays in cache while each group of
         # x's rows meets it, rather than every row of x streaming through the cache for each weight row)
@@ -1400,23 +1399,23 @@ def _row_loop(name: str):
         r = 0
         while r + 8 <= R:
             for n in range(t0, t1):
-                t = {call(8, r8, "row_of(w, n)")}
+                t = {call(8, r8)}
                 for i in range(8):
                     out[r + i, col + n] = t[i]
             r += 8
         while r + 4 <= R:
             for n in range(t0, t1):
-                s0, s1, s2, s3 = {call(4, r8[:4], "row_of(w, n)")}
+                s0, s1, s2, s3 = {call(4, r8[:4])}
                 out[r, col + n], out[r + 1, col + n], out[r + 2, col + n], out[r + 3, col + n] = s0, s1, s2, s3
             r += 4
         if r + 2 <= R:
             for n in range(t0, t1):
-                s0, s1 = {call(2, r8[:2], "row_of(w, n)")}
+                s0, s1 = {call(2, r8[:2])}
                 out[r, col + n], out[r + 1, col + n] = s0, s1
             r += 2
         while r < R:
             for n in range(t0, t1):
-                out[r, col + n] = {call(1, ["r"], "row_of(w, n)")}
+                out[r, col + n] = {call(1, ["r"])}
             r += 1
 """
     ns = {"row_of": row_of, "TILE": TILE}
@@ -1537,15 +1536,23 @@ def _expert_rows(x, a, rows):
 
 
 @njit(cache=True, nogil=True)
-def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
-    """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows));
-    a = acts(x, ..) (x's int16 blocks when gate or up is of INT_TYPES)."""
+def gate_up(x, a, gate, up, e, rows, qg, qu):
+    """Expert e's gate and up products of x's rows `rows` (a = acts(x, ..)): g, u [rows, hidden]."""
     n, hidden = rows.shape[0], gate.shape[1]
     xr, ar = _expert_rows(x, a, rows)  # [rows, dim]
     g = np.empty((n, hidden), np.float32)  # [rows, hidden]
     u = np.empty((n, hidden), np.float32)
     matmul_rows(g, xr, ar, row_of(gate, e), qg, 0, hidden, 0)
     matmul_rows(u, xr, ar, row_of(up, e), qu, 0, hidden, 0)
+    return g, u
+
+
+@njit(cache=True, nogil=True)
+def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
+    """y[p] = down(silu(gate(x[rows[p]])) * up(x[rows[p]])) for expert e, p in [0, len(rows));
+    a = acts(x, ..) (x's int16 blocks when gate or up is of INT_TYPES)."""
+    n, hidden = rows.shape[0], gate.shape[1]
+    g, u = gate_up(x, a, gate, up, e, rows, qg, qu)  # [rows, hidden] each
     for p in range(n):
         for i in range(hidden):
             g[p, i] = g[p, i] / (np.float32(1) + np.exp(-g[p, i])) * u[p, i]
@@ -1581,11 +1588,7 @@ def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alp
     weights (slot or file index e) and its biases bg, bu: [hidden], bd: [dim]; glu(g, u) =
     min(g, limit) * sigmoid(alpha * min(g, limit)) * (clip(u, -limit, limit) + 1)."""
     n, hidden = rows.shape[0], gate.shape[1]
-    xr, ar = _expert_rows(x, a, rows)  # [rows, dim]
-    g = np.empty((n, hidden), np.float32)  # [rows, hidden]
-    u = np.empty((n, hidden), np.float32)
-    matmul_rows(g, xr, ar, row_of(gate, e), qg, 0, hidden, 0)
-    matmul_rows(u, xr, ar, row_of(up, e), qu, 0, hidden, 0)
+    g, u = gate_up(x, a, gate, up, e, rows, qg, qu)  # [rows, hidden] each
     for p in range(n):
         for i in range(hidden):
             gi = min(g[p, i] + bg[i], np.float32(limit))
@@ -1783,7 +1786,7 @@ def routed_rows(ids, weights, n_experts):
 SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
 
 
-KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, one_expert, expert_ffn_oai,
+KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
            one_expert_oai)  # + SMALL_OPS
 
 
@@ -1817,7 +1820,7 @@ def _typed(names: tuple[str, ...]) -> dict:
     env = {"decode_row": _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)}
     env.update(_is_int(names))
     env.update(_rows_of(names))
-    for helper in (acts, matmul_rows, one_expert, one_expert_oai):  # (each after what it calls)
+    for helper in (acts, matmul_rows, gate_up, one_expert, one_expert_oai):  # (each after what it calls)
         env[helper.py_func.__name__] = _clone(helper, env, tag)
     return {name: _clone(globals()[name], env, tag) for name in PRODUCTS}
 
