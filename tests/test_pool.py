@@ -211,3 +211,92 @@ def test_acquire_waits_for_a_release_from_another_thread():
         assert len(got) == 1 and (0, 2) in pool.where and pool._slot_waiters == 0
     finally:
         pool.close()
+
+
+def _scan_file(path, layers=6, experts=16):
+    """Expert tensors only: `layers` layers of `experts` F32 experts, each row its own numbers."""
+    from test_gguf_file import write_gguf
+
+    rng = np.random.default_rng(3)
+    return write_gguf(path, {f"blk.{l}.ffn_{p}_exps.weight": rng.standard_normal((experts, 4, 8)).astype(np.float32)
+                             for l in range(layers) for p in ("gate", "up", "down")})
+
+
+def _scan(pool, g, layers, experts=tuple(range(16))):
+    """A prompt chunk's pass: `experts` of every layer, in layer order; each slot checked
+    against the file."""
+    for layer in range(layers):
+        experts = list(experts)
+        slots = pool.acquire(layer, experts)
+        raw = g.tensor(f"blk.{layer}.ffn_down_exps.weight").raw
+        for e, s in zip(experts, slots):
+            assert np.array_equal(pool.slot_view(layer, s, "ffn_down_exps"), raw[e])
+        pool.release(layer, experts)
+
+
+def test_a_prompt_pass_hits_what_the_last_pass_left():
+    """Passes over more experts than there are slots: under plain LRU each pass evicts what
+    the next needs first (no hits after the first pass); a scan's misses go to the stream
+    region only, so the other slots keep their experts for every later pass to hit, and the
+    read-ahead never takes them either."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        g = GGUFFile(_scan_file(f"{d}/scan.gguf"))
+        pool = ExpertPool(g, size_classes(g), [40])
+        try:
+            assert pool.stream_from == [20]  # 40 slots, 16 experts a layer: 20 stream (half the slots)
+            _scan(pool, g, 6)
+            pool.drain()
+            kept = {s.index: s.key for s in pool.slots[0][:20]}
+            assert all(k is not None for k in kept.values())
+            for _ in range(2):
+                reads, before = pool.reads, pool.stats.hits
+                _scan(pool, g, 6)
+                pool.drain()
+                assert pool.stats.hits - before >= 20  # the kept experts, not read again
+                assert pool.reads - reads <= 6 * 16 - 20
+                assert {s.index: s.key for s in pool.slots[0][:20]} == kept
+            # a decode step's few experts use every slot in one LRU order again
+            pool.acquire(0, [0])
+            pool.release(0, [0])
+        finally:
+            pool.close()
+
+
+def test_a_prompt_pass_reads_ahead_into_the_stream_region():
+    """While a scan's layer computes, the next layers' experts are already queued (prefetches
+    the next acquires count as prefetch hits), as far as the stream region has room."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        g = GGUFFile(_scan_file(f"{d}/scan.gguf"))
+        pool = ExpertPool(g, size_classes(g), [40])
+        try:
+            _scan(pool, g, 6)
+            pool.drain()
+            s = pool.stats
+            assert s.prefetches > 0 and s.prefetch_hits > 0 and s.wasted_prefetches == 0
+            assert s.prefetch_hits + s.demand_misses == 6 * 16  # every expert read once, none twice
+        finally:
+            pool.close()
+
+
+def test_prefetches_a_prompt_pass_did_not_use_leave_the_stream_region():
+    """The read-ahead reads every expert of the next layers, but a prompt need not route to all
+    of them: the prefetches a pass leaves unused must become victims, or they would fill the
+    stream region pass after pass and the read-ahead would stop."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        g = GGUFFile(_scan_file(f"{d}/scan.gguf"))
+        pool = ExpertPool(g, size_classes(g), [40])
+        try:
+            for _ in range(6):
+                _scan(pool, g, 6, experts=range(3, 16))  # experts 0-2 (read ahead first) never routed
+                pool.drain()
+            # a pass went by every layer: none of its read-ahead waits for a use any more
+            assert not any(s.prefetched for s in pool.slots[0][pool.stream_from[0]:])
+            assert len(pool.lru_stream[0]) == 20 and pool.stats.wasted_prefetches > 0
+        finally:
+            pool.close()
