@@ -4,8 +4,9 @@ per backend and compare the token lists (the Vulkan backend at real size against
     python bench/check_scale_backends.py /work/big/q3-30b-shape.gguf --backend cpu --budget 8GiB
     python bench/check_scale_backends.py /work/big/q3-30b-shape.gguf --backend vulkan --budget 8GiB
 
-Prints one JSON line: the plan's decision, the greedy tokens (a 12-token prompt, then 7 more),
-seconds, and the process's peak RSS (GiB). Each backend in its own process, so the peaks are
+Prints one JSON line: the plan's decision, the greedy tokens (a 12-token prompt, then 7 more;
+with `--prompt-tokens N`, a prompt of N tokens, long enough from about 24 to route to most of a
+layer's experts and so take the pool's prompt path), seconds, and the process's peak RSS (GiB). Each backend in its own process, so the peaks are
 its own.
 """
 
@@ -30,12 +31,15 @@ def main() -> None:
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--predict", default=None, help="prediction mode (default: what a load picks)")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of this many tokens (0: the short one)")
     a = ap.parse_args()
     import onebit
 
     t0 = time.time()
     m = onebit.load(a.model, backend=a.backend, budget=a.budget, predict=a.predict)
     ids = m.tokenize("The json module encodes Python objects as JSON text.")
+    if a.prompt_tokens:
+        ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
     cache = m.new_cache()
     logits = m.net.forward(np.array(ids), cache, last_only=True)
     out = [int(logits[-1].argmax())]
