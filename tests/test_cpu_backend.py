@@ -175,6 +175,16 @@ def test_small_ops_match_numpy(rng):
         close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window), 1e-5)
         K.attention(got, q, k, v, pos, window, 0.1)  # a model's own scale (Gemma's query_pre_attn_scalar)
         close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window, 0.1), 1e-5)
+    # a sliding-window ring: position p in row p % S, rows past S wrapped over the oldest
+    kl = rng.standard_normal((31, Hkv, 16)).astype(np.float32)
+    vl = rng.standard_normal((31, Hkv, 8)).astype(np.float32)
+    ring = np.arange(31 - S, 31) % S  # positions 13..30 in their rows
+    kr, vr = np.empty_like(k), np.empty_like(v)
+    kr[ring], vr[ring] = kl[31 - S :], vl[31 - S :]
+    late = np.array([20, 25, 30], np.int64)
+    got = np.full((3, 4, 8), np.nan, np.float32)
+    K.attention(got, q, kr, vr, late, 4, 0.25)
+    close(got.reshape(3, -1), be.attention(be, q, kl, vl, late, 4), 1e-5)
 
     logits = rng.standard_normal((5, 12)).astype(np.float32)
     logits[0, 3] = logits[0, 7]  # a tie: the lower id first, as numpy's stable argsort

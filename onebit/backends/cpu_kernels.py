@@ -1620,7 +1620,7 @@ def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd
             o[d] += yp[d] * w
 
 
-# -- the small ops of a decode step (serial: each is microseconds of work) --------------------
+# -- the small ops of a decode step (serial but attention: each is microseconds of work) -------
 # Their numpy twins (`NumpyBackend.rms_norm`, `rope`, `attention`, `route`) run the same float32
 # arithmetic in another summation order.
 
@@ -1677,40 +1677,45 @@ def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
     _attend(out, q, k, v, q_pos, window, np.float32(scale), sinks, True)
 
 
-@njit(cache=True, fastmath=FM, nogil=True)
+@njit(parallel=True, cache=True, fastmath=FM, nogil=True)
 def _attend(out, q, k, v, q_pos, window, scale, sinks, has_sinks):
-    """The loops of `attention` and `attention_sinks` (scale: float32)."""
+    """The loops of `attention` and `attention_sinks` (scale: float32): a (row, head) a thread,
+    each in the order a serial loop would run it (the same bits whatever the threads)."""
     R, H, D = q.shape
     S, Hkv, Dv = v.shape
     group = H // Hkv
-    p = np.empty(S, np.float32)
-    for r in range(R):
+    for rh in prange(R * H):
+        r, h = rh // H, rh % H
         lo = max(0, q_pos[r] - window + 1) if window > 0 else 0
-        hi = q_pos[r] + 1
-        for h in range(H):
-            kh = h // group
-            qr = q[r, h]
-            m = sinks[h] if has_sinks else np.float32(-np.inf)
-            for s in range(lo, hi):
-                ks = k[s % S, kh]
-                t = np.float32(0)
-                for i in range(D):
-                    t += qr[i] * ks[i]
-                t *= scale
-                p[s % S] = t
-                m = max(m, t)
-            tot = np.float32(np.exp(sinks[h] - m)) if has_sinks else np.float32(0)
-            for s in range(lo, hi):
-                e = np.float32(np.exp(p[s % S] - m))
-                p[s % S] = e
-                tot += e
-            o = out[r, h]
-            o[:] = 0
-            for s in range(lo, hi):
-                ps = p[s % S] / tot
-                vs = v[s % S, kh]
-                for i in range(Dv):
-                    o[i] += ps * vs[i]
+        n = q_pos[r] + 1 - lo
+        kh = h // group
+        qr = q[r, h]
+        p = np.empty(n, np.float32)  # p[j]: position lo + j, in row (lo + j) % S
+        m = sinks[h] if has_sinks else np.float32(-np.inf)
+        row = lo % S
+        for j in range(n):
+            ks = k[row, kh]
+            t = np.float32(0)
+            for i in range(D):
+                t += qr[i] * ks[i]
+            t *= scale
+            p[j] = t
+            m = max(m, t)
+            row = row + 1 if row + 1 < S else 0
+        tot = np.float32(np.exp(sinks[h] - m)) if has_sinks else np.float32(0)
+        for j in range(n):
+            e = np.float32(np.exp(p[j] - m))
+            p[j] = e
+            tot += e
+        o = out[r, h]
+        o[:] = 0
+        row = lo % S
+        for j in range(n):
+            ps = p[j] / tot
+            vs = v[row, kh]
+            for i in range(Dv):
+                o[i] += ps * vs[i]
+            row = row + 1 if row + 1 < S else 0
 
 
 @njit(cache=True, nogil=True)
