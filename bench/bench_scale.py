@@ -241,7 +241,7 @@ def main() -> None:
     configs: dict[str, tuple[dict, int]] = {}
     if a.resident:
         configs["onebit resident"] = ({**base, "budget": "1TiB"}, 0)
-    for b in a.budgets.split(","):
+    for b in filter(None, a.budgets.split(",")):  # (--budgets "": no streamed runs)
         for p in a.predict.split(","):
             configs[f"onebit {b} predict={p}"] = ({**base, "budget": b, "predict": p}, 0)
     if a.default:
