@@ -6,8 +6,8 @@ per backend and compare the token lists (the Vulkan backend at real size against
 
 Prints one JSON line: the plan's decision, the greedy tokens (a 12-token prompt, then 7 more;
 with `--prompt-tokens N`, a prompt of N tokens, long enough from about 24 to route to most of a
-layer's experts and so take the pool's prompt path), seconds, and the process's peak RSS (GiB). Each backend in its own process, so the peaks are
-its own.
+layer's experts and so take the pool's prompt path), seconds, and the process's peak RSS
+(GiB). Each backend in its own process, so the peaks are its own.
 """
 
 from __future__ import annotations
