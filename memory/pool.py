@@ -2,7 +2,8 @@
 
 Slots come in size classes (experts whose gate/up/down parts have the same byte sizes); each
 class holds one buffer per part, `[n_slots, part_bytes]`, so a kernel can index slot i
-directly. One LRU order across all layers decides evictions by default ("global");
+directly. One LRU order across all layers decides evictions by default ("global"; a prompt
+chunk's acquires of most of a layer's experts are scans, which keep out of it: see ExpertPool);
 "layer" splits each class's slots evenly among its layers. Reads run on a few reader
 threads, demand reads ahead of prefetches, with O_DIRECT where the filesystem allows it
 (pread plus POSIX_FADV_DONTNEED otherwise, so the page cache does not hold a second copy).

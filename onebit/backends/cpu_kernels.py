@@ -441,11 +441,7 @@ def _q6_quants(b, blk, signed=True):
 
 def _q5_quants(b, name, blk):
     """Q4_1 / Q5_0 / Q5_1: the block's <32 x i32> quants (0..15 / 0..31, no offset applied)."""
-    qs = {"Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
-    q = b.zext(_nibbles(b, _load(b, blk, qs, _vec(I8, 16))), _vec(I32))
-    if name != "Q4_1":
-        q = b.or_(q, _low_bits(b, _u32i(b, blk, qs - 4), 4))
-    return q
+    return b.zext(_q5_bytes(b, name, blk), _vec(I32))
 
 
 def _q5_bytes(b, name, blk):
@@ -543,11 +539,6 @@ def _bits32(b, word):
 def _negate_where(b, v, word):
     """v with lane l negated where bit l of `word` is set (sign bits)."""
     return b.select(_bits32(b, word), b.fneg(v), v)
-
-
-def _low_bits(b, word, n):
-    """<32 x i32>: bit l of `word`, shifted to bit n."""
-    return b.shl(b.and_(b.lshr(_splat(b, word), _ivec(range(W))), _ivec([1] * W)), _ivec([n] * W))
 
 
 @cache

@@ -490,7 +490,8 @@ class Predictor(PauseClient):
         now = time.perf_counter()
         ran, self.active = self.active, self.gate.step(rows) if self.pool is not None else True
         # a prompt's chunk that routes to most experts: the pool reads the next layers' ahead
-        # by itself (ExpertPool.read_ahead), and predicting each of its rows would only cost
+        # by itself (a scan's read-ahead in ExpertPool.acquire), and predicting each of its
+        # rows would only cost time
         self._bulk = self.pool is not None and rows >= self.bulk_rows
         measured = self._one_row and not self._settle  # the step that ended: a decode step the ledger counts
         self._one_row = rows == 1
