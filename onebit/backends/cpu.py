@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 
 import numpy as np
@@ -28,8 +29,26 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 
 def _ro32(x: np.ndarray) -> np.ndarray:
-    """Float32, C order, read-only: the one array type the small-op kernels are compiled for."""
+    """Float32, C order, read-only: the one array type the small-op kernels are compiled for (a
+    float32 C-order array, what the ops pass from one to the next, costs a view: 0.2 us against
+    0.6 through read_only's general path, and a decode layer makes about 15 of them)."""
+    if type(x) is np.ndarray and x.dtype == F32 and x.flags.c_contiguous:
+        if x.flags.writeable:
+            x = x.view()
+            x.setflags(write=False)
+        return x
     return read_only(np.asarray(x, dtype=np.float32))
+
+
+def _ro64(x) -> np.ndarray:
+    """Int64, C order, read-only (positions): the step's own positions (read only already) as they are."""
+    if type(x) is np.ndarray and x.dtype == I64 and not x.flags.writeable and x.flags.c_contiguous:
+        return x
+    return read_only(np.asarray(x, np.int64))
+
+
+F32, I64 = np.dtype(np.float32), np.dtype(np.int64)
+SMALL_WEIGHT = 1 << 16  # elements: weights up to this size are kept decoded (norms, biases, gates)
 
 
 FEW_ROWS = 4  # attention of at most this many query rows runs in the serial kernel
@@ -78,6 +97,9 @@ class CpuBackend(NumpyBackend):
             sys.stderr.write(f"onebit: note: {msg}\n")
             log.info(msg)
         self._raw: dict[str, tuple] = {}
+        self._small: dict[str, tuple] = {}
+        self._layer_parts: dict[int, tuple] = {}
+        self._fused: dict[tuple, tuple] = {}
         self._inv_freq: dict[tuple, np.ndarray] = {}
 
     def describe(self) -> str:
@@ -93,6 +115,18 @@ class CpuBackend(NumpyBackend):
             hit = self._raw[name] = (t.raw, read_only(t.raw))
         return t, hit[1]
 
+    def weight(self, name: str) -> np.ndarray:
+        """The numpy backend's float32 weight, read only; a small one (a norm's, a bias) decoded
+        once and kept: a decode layer asks for four or more of them."""
+        t = self.gguf.tensor(name)
+        hit = self._small.get(name)
+        if hit is not None and hit[0] is t.raw:  # (a memory plan may swap the map for a copy)
+            return hit[1]
+        w = _ro32(super().weight(name))
+        if w.size <= SMALL_WEIGHT:
+            self._small[name] = (t.raw, w)
+        return w
+
     def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
         t, raw = self._kernel_raw(name)
         if raw is None:
@@ -104,6 +138,20 @@ class CpuBackend(NumpyBackend):
     def linears(self, x: np.ndarray, names) -> list[np.ndarray] | None:
         """x @ W.T for two or three matrices of the same input width (q, k, v; an MLP's gate and
         up) in one parallel region, or None when one of them takes another path."""
+        key = tuple(names)
+        hit = self._fused.get(key)
+        tensors = self.gguf.tensors
+        if hit is None or any(tensors.get(n) is not t for n, t in zip(key, hit[0])):  # (see _experts_of)
+            hit = self._fused[key] = ([tensors.get(n) for n in key], self._fuse(names))
+        if hit[1] is None:
+            return None
+        w0, w1, w2, q0, q1, q2, a, b, n = hit[1]
+        out = np.empty((x.shape[0], n), np.float32)  # [R, N0 + N1 + N2]
+        self.K.matmul3(out, _f32(x), w0, w1, w2, q0, q1, q2)
+        return [out[:, :a], out[:, a:b], out[:, b:]][: len(names)]
+
+    def _fuse(self, names):
+        """matmul3's arguments for `linears` of these matrices, or None (another path)."""
         if len(names) not in (2, 3):
             return None
         got = [self._kernel_raw(n) for n in names]
@@ -111,12 +159,9 @@ class CpuBackend(NumpyBackend):
             return None
         if len(got) == 2:  # a third matrix of no rows
             got.append((got[0][0], got[0][1][:0]))
-        widths = [raw.shape[0] for _, raw in got]
-        out = np.empty((x.shape[0], sum(widths)), np.float32)  # [R, N0 + N1 + N2]
         (t0, w0), (t1, w1), (t2, w2) = got
-        self.K.matmul3(out, _f32(x), w0, w1, w2, t0.qtype, t1.qtype, t2.qtype)
-        a, b = widths[0], widths[0] + widths[1]
-        return [out[:, :a], out[:, a:b], out[:, b:]][: len(names)]
+        a, b = w0.shape[0], w0.shape[0] + w1.shape[0]
+        return w0, w1, w2, t0.qtype, t1.qtype, t2.qtype, a, b, b + w2.shape[0]
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         t, raw = self._kernel_raw(name)
@@ -130,7 +175,7 @@ class CpuBackend(NumpyBackend):
     # -- the small ops: serial kernels (numpy's per-call overhead would cost more than the work)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        x2 = _ro32(x).reshape(-1, w.shape[-1])  # [rows, D]: a norm over the last axis
+        x2 = _ro32(x.reshape(-1, w.shape[-1]))  # [rows, D]: a norm over the last axis
         out = np.empty(x2.shape, np.float32)
         self.K.rms_norm(out, x2, _ro32(w), float(eps))
         return out.reshape(x.shape)
@@ -145,7 +190,7 @@ class CpuBackend(NumpyBackend):
         if factors is not None:
             inv = read_only(inv / np.asarray(factors, dtype=np.float64).reshape(-1)[: n_rot // 2])
         out = np.empty(x.shape, np.float32)  # [R, H, D]
-        self.K.rope(out, _ro32(x), read_only(np.asarray(pos, np.int64)), inv, float(scale), bool(neox))
+        self.K.rope(out, _ro32(x), _ro64(pos), inv, float(scale), bool(neox))
         return out
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
@@ -155,14 +200,14 @@ class CpuBackend(NumpyBackend):
             if R > FEW_ROWS:
                 return super().attention(q, k, v, q_pos, window, scale, sinks)
             out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
-            self.K.attention_sinks(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)),
-                                   int(window), float(1.0 / np.sqrt(D) if scale is None else scale), _ro32(sinks))
+            self.K.attention_sinks(out, _ro32(q), _ro32(k), _ro32(v), _ro64(q_pos),
+                                   int(window), 1.0 / math.sqrt(D) if scale is None else float(scale), _ro32(sinks))
             return out.reshape(R, -1)  # [R, H*Dv]
         if R > FEW_ROWS:  # a prompt: numpy's batched products beat a serial loop
             return super().attention(q, k, v, q_pos, window, scale)
         out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
-        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), read_only(np.asarray(q_pos, np.int64)), int(window),
-                         float(1.0 / np.sqrt(D) if scale is None else scale))
+        self.K.attention(out, _ro32(q), _ro32(k), _ro32(v), _ro64(q_pos), int(window),
+                         1.0 / math.sqrt(D) if scale is None else float(scale))
         return out.reshape(R, -1)  # [R, H*Dv]
 
     def route(self, logits: np.ndarray, k: int, norm: bool):
@@ -199,12 +244,22 @@ class CpuBackend(NumpyBackend):
         b = super().expert_biases(layer)
         return None if b is None else [_ro32(a) for a in b]
 
+    def _experts_of(self, layer: int):
+        """(parts, fast, biases) of `_expert_parts` and `expert_biases`, kept per layer (a decode
+        step asks for them once a layer) while the tensors' bytes are the same."""
+        hit = self._layer_parts.get(layer)
+        tensors = self.gguf.tensors
+        if hit is None or any(tensors.get(n) is not t for n, t in hit[1]):  # (a plan may swap a tensor for a copy)
+            parts, fast = self._expert_parts(layer)
+            names = [f"blk.{layer}.{p}.{k}" for p in EXPERT_PARTS for k in ("weight", "bias")]
+            hit = self._layer_parts[layer] = ((parts, fast, self.expert_biases(layer)), [(n, tensors.get(n)) for n in names])
+        return hit[0]
+
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         """The numpy backend's routed experts in one kernel call per group of pinned experts (all
         of them at once from the file; a pool's in groups of what it can pin), reading their
         bytes from the expert source; the same experts in the same order whatever the source."""
-        parts, fast = self._expert_parts(layer)
-        biases = self.expert_biases(layer)
+        parts, fast, biases = self._experts_of(layer)
         if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
             return super().experts(layer, x, ids, weights, glu)
         x = _f32(x)
@@ -212,6 +267,10 @@ class CpuBackend(NumpyBackend):
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
         arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
         for start, group, index in self.source.pinned(layer, experts):  # (int64 arrays from the file: no copy)
+            if start == 0 and len(group) == len(experts):  # all at once (the file, a pool with room): no slices
+                self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), offs, rows, rw, group, biases,
+                                 glu)
+                continue
             o = offs[start : start + len(group) + 1]
             self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), o - o[0],
                              rows[o[0] : o[-1]], rw[o[0] : o[-1]], group, biases, glu)

@@ -400,6 +400,7 @@ class EagerStep:
         self._staged: dict = {}  # recurrent layer -> its new (conv, state), written when the step completes
         self.start = cache.offset
         self.pos = np.arange(self.start, self.start + len(ids), dtype=np.int64)  # [R]
+        self.pos.flags.writeable = False  # (the cpu kernels take it as it is)
         self.tensor_names = be.gguf.tensors
 
     def embed(self, name: str) -> np.ndarray:
