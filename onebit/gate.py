@@ -42,8 +42,10 @@ class SpeedGate:
     def mean(self) -> dict:
         return self.state["mean"]
 
-    def window(self, figure: float) -> bool:
-        """A window measured in the current state; True if the gate switched state."""
+    def window(self, figure: float, hold: bool = False) -> bool:
+        """A window measured in the current state; True if the gate switched state. `hold`:
+        the caller's own measurements say the current state wins by far, so an exploration due
+        now is skipped, as if it had run and lost (the gap doubles)."""
         s, cur = self.state, self.state["on"]
         old = s["mean"][cur]
         s["mean"][cur] = figure if old is None else self.decay * old + (1 - self.decay) * figure
@@ -54,6 +56,10 @@ class SpeedGate:
             s["next"] = s["windows"] + s["gap"] - 1  # (the trial was one window of the gap)
             s["trial"] = None
             nxt = faster
+        elif s["windows"] >= s["next"] and hold:
+            s["gap"] = min(2 * s["gap"], self.cap)
+            s["next"] = s["windows"] + s["gap"]
+            nxt = cur
         elif s["windows"] >= s["next"]:
             s["trial"] = cur
             nxt = not cur

@@ -107,7 +107,7 @@ def test_prediction_switched_off_and_on_by_its_gate_is_bit_identical_to_off(back
     import onebit.moe.predict as P
 
     pattern = iter(([True] * 3 + [False] * 2) * 100)
-    monkeypatch.setattr(P.Gate, "step", lambda self, rows: next(pattern))
+    monkeypatch.setattr(P.Gate, "step", lambda self, rows, pays=None: next(pattern))
     path = shipped()
     ids = prompt(12)
     want = decode(onebit.load(path, backend=backend), ids)
@@ -466,6 +466,58 @@ def test_gate_backoff_starts_over_when_the_other_state_wins():
     assert sum(later[first_on:]) / len(later[first_on:]) > 0.8
 
 
+def test_gate_held_skips_its_trials_as_lost_ones():
+    """A caller that measures the current state winning by far holds the gate: a trial due is
+    skipped as if it had run and lost (the next comes after a doubled gap), and without the
+    hold the gate explores as before."""
+    from onebit.gate import SpeedGate
+
+    held = SpeedGate(6, 0.7, first=2, cap=32)
+    states = []
+    for w in range(100):
+        states.append(held.on)
+        held.window(1.0, hold=True)
+    assert all(states)
+    assert held.state["gap"] == 32 and held.state["trial"] is None
+    free = SpeedGate(6, 0.7, first=2, cap=32)
+    assert gate_states(free, lambda w, on: 1.0, 3) == [True, True, False]  # the trial at window 2
+
+
+def test_gate_step_holds_while_prediction_pays(monkeypatch):
+    """Gate.step asks `pays` with the window's median step once a window is full, only while
+    prediction is on; held, the first trial (after FIRST windows) does not happen."""
+    import time as time_mod
+
+    from onebit.moe.predict import Gate
+
+    clock = [0.0]
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
+    asked = []
+    for answer in (True, False):
+        g = Gate()
+        states = []
+        for _ in range(Gate.WINDOW * (Gate.FIRST + 2)):
+            states.append(g.step(1, lambda m: asked.append(m) or answer))
+            clock[0] += 2.0
+        assert all(states) == answer  # held: on throughout; not held: the trial of off came
+    assert asked and set(asked) == {2.0}
+
+
+def test_predictor_pays_when_the_ledger_prices_prediction_above_half_a_step(monkeypatch):
+    import onebit.moe.predict as P
+
+    m = onebit.load(shipped(), backend="numpy", slots=10, budget="1GiB", predict=settings_from({}, mode="block"))
+    try:
+        p = m.predictor
+        layers = list(p.ledger.level)
+        monkeypatch.setattr(p.ledger, "value", lambda layer, level: 0.1)  # seconds a step, each layer
+        assert p._pays(0.19 * len(layers)) and not p._pays(0.21 * len(layers))
+        p.ledger = None  # (no pool, no ledger: never held)
+        assert not p._pays(1e-9)
+    finally:
+        m.close()
+
+
 def test_gate_without_backoff_explores_every_explore_windows():
     """No `first` or `cap` (lookup's gate): the other state is tried once every EXPLORE windows."""
     from onebit.gate import SpeedGate
@@ -598,7 +650,7 @@ def fake_pool_predictor(monkeypatch):
     m = onebit.load(shipped(), backend="numpy")
     pool = _FakePool(range(m.cfg.n_layers))
     pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="router"), pool, m.be)
-    pred.gate.step = lambda rows: True
+    pred.gate.step = lambda rows, pays=None: True
     clock = [0.0]
     monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
     return pred, pool, clock
@@ -714,7 +766,7 @@ def test_steps_the_gate_runs_off_reach_no_ledger(monkeypatch):
     read = []
     by_layer = pool.by_layer
     pool.by_layer = type("Watched", (dict,), {"items": lambda d: read.append(1) or dict.items(d)})(by_layer)
-    pred.gate.step = lambda rows: False
+    pred.gate.step = lambda rows, pays=None: False
     pause_steps(pred, 3 * P.Ledger.PROBE, ranked, in_pool)
     # one ledger step and one read of the counters: for the step that ended as the gate
     # switched (it ran with prediction on); none for the steps that ran off
@@ -723,7 +775,7 @@ def test_steps_the_gate_runs_off_reach_no_ledger(monkeypatch):
     calls.clear()
     pause_steps(pred, 2, ranked, in_pool)
     assert led.since == since and led.demand == demand and set(led.level.values()) == {P.NONE}
-    pred.gate.step = lambda rows: True
+    pred.gate.step = lambda rows, pays=None: True
     pause_steps(pred, 1, ranked, in_pool)
     assert calls == []  # the first step back on: marked, not measured
     layer = min(led.level)

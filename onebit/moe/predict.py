@@ -40,7 +40,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -55,6 +55,7 @@ from ..pause import NO_PAUSES, PauseClient, PauseContext
 MODES = ("auto", "off", "router", "block")  # auto: block where experts stream, else off (Model resolves it)
 ENV = "ONEBIT_MOE_PREDICT"
 DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
+HOLD = 0.5  # the gate explores prediction off only while the ledger prices it at under this share of a step
 SETTLE = 2  # decode steps after a multi-row forward that the ledger does not measure
 EMA = 0.1  # weight of the newest token in the running precisions
 
@@ -206,7 +207,10 @@ class Gate(SpeedGate):
         self._t: Optional[float] = None
         self._acc: list[float] = []
 
-    def step(self, rows: int) -> bool:
+    def step(self, rows: int, pays: Optional[Callable[[float], bool]] = None) -> bool:
+        """A forward of `rows` rows starts; whether prediction runs in it. `pays(step seconds)`:
+        whether, by the ledger's measurements, prediction saves so much of a step that a trial
+        without it is not worth its cost (see Predictor._pays)."""
         now = time.perf_counter()
         if self._t is not None and rows == 1:
             self._acc.append(now - self._t)
@@ -214,7 +218,7 @@ class Gate(SpeedGate):
         if len(self._acc) >= self.WINDOW:
             m = sorted(self._acc)[len(self._acc) // 2]  # the window's median step
             self._acc = []
-            if self.window(m):
+            if self.window(m, self.on and pays is not None and pays(m)):
                 self._t = None  # the first step after a switch carries the old state's work
         return self.on
 
@@ -488,7 +492,7 @@ class Predictor(PauseClient):
         self.older.clear()
         self.forwards += 1
         now = time.perf_counter()
-        ran, self.active = self.active, self.gate.step(rows) if self.pool is not None else True
+        ran, self.active = self.active, self.gate.step(rows, self._pays) if self.pool is not None else True
         # a prompt's chunk that routes to most experts: the pool reads the next layers' ahead
         # by itself (a scan's read-ahead in ExpertPool.acquire), and predicting each of its
         # rows would only cost time
@@ -531,6 +535,17 @@ class Predictor(PauseClient):
         self._cost.clear()
         self._sent.clear()
         return self.pausing
+
+    def _pays(self, step: float) -> bool:
+        """Whether the ledger prices prediction at more than HOLD of a decode step (`step`
+        seconds): then the gate skips its trial without prediction. A trial is one window of
+        demand reads that no longer overlap compute: on the 30B-A3B shape streamed at 8 GiB,
+        2675 demand misses in 24 tokens with a trial among them against 620 without one, and
+        1.5-2.2 tok/s against 2.1-2.4 (bench/results/issue33-scale.md, fifth session)."""
+        if self.ledger is None:
+            return False
+        saved = sum(self.ledger.value(l, lv) or 0.0 for l, lv in self.ledger.level.items())
+        return saved > HOLD * step
 
     @property
     def pausing(self) -> bool:
