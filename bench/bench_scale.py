@@ -17,7 +17,10 @@ medians over rounds. What each line prints:
   MiB read per decode token, the drive's GB/s while busy, peak RSS;
 - limits: resident decode at the machine's memory bandwidth (active bytes a token / the
   measured read rate of two threads), streamed decode at what the drive and the kernels allow
-  together (max(resident step, missed bytes / measured O_DIRECT rate)), and the ratio to each.
+  together (max(resident step, missed bytes / measured O_DIRECT rate); the bytes alone when
+  no resident run was measured), and the ratio to each; "of run": a streamed run's decode
+  against the same limit at the rate its own reads ran at while the drive was busy (the drive's
+  rate moves from run to run, and reading beside the kernels it is often slower than alone).
 
 The squeeze: a helper process locks N GiB with mlock (root, or a raised RLIMIT_MEMLOCK) so
 only the rest is left, as on a smaller machine; it is released when the run ends. Never lock
@@ -270,7 +273,7 @@ def main() -> None:
         resident_step = 1 / med("onebit resident", "decode_tps")
     print()
     print(f"{'run':<44} {'prompt':>7} {'ttft':>6} {'decode':>7} {'vs llama':>8} {'hit':>6} {'pf hit':>6} "
-          f"{'stall':>7} {'read':>8} {'drive':>6} {'limit':>6} {'of lim':>6} {'RSS':>6}")
+          f"{'stall':>7} {'read':>8} {'drive':>6} {'limit':>6} {'of lim':>6} {'of run':>6} {'RSS':>6}")
     for name in runs:
         if not any("decode_tps" in x for x in runs[name]):
             print(f"{name:<44} failed: {runs[name][0].get('error')}")
@@ -278,13 +281,18 @@ def main() -> None:
         dec = med(name, "decode_tps")
         vs = dec / med(ref, "decode_tps") if ref else float("nan")
         read = med(name, "read_mib") if any("read_mib" in x for x in runs[name]) else 0.0
-        if name.startswith("onebit") and resident_step:
-            limit = 1 / max(resident_step, read * 2**20 / (mach["direct_gbs"] * 1e9))
+        of_run = float("nan")
+        if name.startswith("onebit") and read > 0:
+            limit = 1 / max(resident_step or 0.0, read * 2**20 / (mach["direct_gbs"] * 1e9))
+            if med(name, "drive_gbs") > 0:
+                of_run = dec * max(resident_step or 0.0, read * 2**20 / (med(name, "drive_gbs") * 1e9))
+        elif name.startswith("onebit") and resident_step:
+            limit = 1 / resident_step
         else:
             limit = mach["mem_gbs"] * 1e9 / active
         print(f"{name:<44} {med(name, 'prompt_tps'):7.2f} {med(name, 'ttft_s'):6.2f} {dec:7.2f} {vs:8.2f} "
               f"{med(name, 'hit_rate'):6.1%} {med(name, 'prefetch_hits'):6.1f} {med(name, 'stall_ms'):6.0f}ms "
-              f"{read:6.0f}Mi {med(name, 'drive_gbs'):6.2f} {limit:6.2f} {dec / limit:6.2f} "
+              f"{read:6.0f}Mi {med(name, 'drive_gbs'):6.2f} {limit:6.2f} {dec / limit:6.2f} {of_run:6.2f} "
               f"{med(name, 'peak_rss_gib'):6.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"machine": mach, "active_bytes": active, "runs": runs}, indent=1))
