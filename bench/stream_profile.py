@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # (after PYTHONPATH: another checkout, for a before/after pair)
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # (after PYTHONPATH: another checkout)
 
 
 def main() -> int:

@@ -246,13 +246,15 @@ class CpuBackend(NumpyBackend):
 
     def _experts_of(self, layer: int):
         """(parts, fast, biases) of `_expert_parts` and `expert_biases`, kept per layer (a decode
-        step asks for them once a layer) while the tensors' bytes are the same."""
+        step asks for them once a layer) while the file's tensors are the ones they came from (a
+        memory plan may swap a tensor for a copy)."""
         hit = self._layer_parts.get(layer)
         tensors = self.gguf.tensors
-        if hit is None or any(tensors.get(n) is not t for n, t in hit[1]):  # (a plan may swap a tensor for a copy)
+        if hit is None or any(tensors.get(n) is not t for n, t in hit[1]):
             parts, fast = self._expert_parts(layer)
             names = [f"blk.{layer}.{p}.{k}" for p in EXPERT_PARTS for k in ("weight", "bias")]
-            hit = self._layer_parts[layer] = ((parts, fast, self.expert_biases(layer)), [(n, tensors.get(n)) for n in names])
+            seen = [(n, tensors.get(n)) for n in names]
+            hit = self._layer_parts[layer] = ((parts, fast, self.expert_biases(layer)), seen)
         return hit[0]
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
