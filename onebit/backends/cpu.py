@@ -138,14 +138,10 @@ class CpuBackend(NumpyBackend):
     def linears(self, x: np.ndarray, names) -> list[np.ndarray] | None:
         """x @ W.T for two or three matrices of the same input width (q, k, v; an MLP's gate and
         up) in one parallel region, or None when one of them takes another path."""
-        key = tuple(names)
-        hit = self._fused.get(key)
-        tensors = self.gguf.tensors
-        if hit is None or any(tensors.get(n) is not t for n, t in zip(key, hit[0])):  # (see _experts_of)
-            hit = self._fused[key] = ([tensors.get(n) for n in key], self._fuse(names))
-        if hit[1] is None:
+        fused = self._kept(self._fused, tuple(names), names, lambda: self._fuse(names))
+        if fused is None:
             return None
-        w0, w1, w2, q0, q1, q2, a, b, n = hit[1]
+        w0, w1, w2, q0, q1, q2, a, b, n = fused
         out = np.empty((x.shape[0], n), np.float32)  # [R, N0 + N1 + N2]
         self.K.matmul3(out, _f32(x), w0, w1, w2, q0, q1, q2)
         return [out[:, :a], out[:, a:b], out[:, b:]][: len(names)]
@@ -244,18 +240,21 @@ class CpuBackend(NumpyBackend):
         b = super().expert_biases(layer)
         return None if b is None else [_ro32(a) for a in b]
 
-    def _experts_of(self, layer: int):
-        """(parts, fast, biases) of `_expert_parts` and `expert_biases`, kept per layer (a decode
-        step asks for them once a layer) while the file's tensors are the ones they came from (a
-        memory plan may swap a tensor for a copy)."""
-        hit = self._layer_parts.get(layer)
+    def _kept(self, store: dict, key, names, make):
+        """make(), kept in `store` under `key` while the file's tensors `names` are the objects
+        they were when it was made (a memory plan may swap a tensor for a copy): what a decode
+        step would otherwise look up again for every layer."""
         tensors = self.gguf.tensors
-        if hit is None or any(tensors.get(n) is not t for n, t in hit[1]):
-            parts, fast = self._expert_parts(layer)
-            names = [f"blk.{layer}.{p}.{k}" for p in EXPERT_PARTS for k in ("weight", "bias")]
-            seen = [(n, tensors.get(n)) for n in names]
-            hit = self._layer_parts[layer] = ((parts, fast, self.expert_biases(layer)), seen)
-        return hit[0]
+        hit = store.get(key)
+        if hit is None or any(tensors.get(n) is not t for n, t in zip(names, hit[0])):
+            hit = store[key] = ([tensors.get(n) for n in names], make())
+        return hit[1]
+
+    def _experts_of(self, layer: int):
+        """(parts, fast, biases) of `_expert_parts` and `expert_biases`, kept per layer (`_kept`)."""
+        names = [f"blk.{layer}.{p}.{k}" for p in EXPERT_PARTS for k in ("weight", "bias")]
+        return self._kept(self._layer_parts, layer, names, lambda: (*self._expert_parts(layer),
+                                                                    self.expert_biases(layer)))
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
         """The numpy backend's routed experts in one kernel call per group of pinned experts (all
@@ -269,11 +268,9 @@ class CpuBackend(NumpyBackend):
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
         arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
         for start, group, index in self.source.pinned(layer, experts):  # (int64 arrays from the file: no copy)
-            if start == 0 and len(group) == len(experts):  # all at once (the file, a pool with room): no slices
-                self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), offs, rows, rw, group, biases,
-                                 glu)
-                continue
-            o = offs[start : start + len(group) + 1]
-            self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), o - o[0],
-                             rows[o[0] : o[-1]], rw[o[0] : o[-1]], group, biases, glu)
+            routed = offs, rows, rw  # all at once (the file, a pool with room): no slices
+            if start or len(group) < len(experts):
+                o = offs[start : start + len(group) + 1]
+                routed = o - o[0], rows[o[0] : o[-1]], rw[o[0] : o[-1]]
+            self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), *routed, group, biases, glu)
         return out
