@@ -69,7 +69,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,MXFP4,IQ4_XS,F16,BF16")
+    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q8_0,Q4_0,MXFP4,IQ4_XS,F16,BF16",
+                    help="Q4_K_X16: Q4_K in the cpu backend's repacked layout (dense shapes, AVX-512 VNNI)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = ap.parse_args()
@@ -91,15 +92,19 @@ def main() -> int:
     wanted = [s for s in SHAPES if not args.shapes or any(s[0].startswith(p) for p in args.shapes.split(","))]
     for label, kind, N, Kin, *rest in wanted:
         for name in args.types.split(","):
-            qt = QTYPES_BY_NAME[name]
+            x16 = name == "Q4_K_X16"  # the cpu backend's repacked Q4_K (dense matrices, AVX-512 VNNI)
+            if x16 and (kind != "dense" or not getattr(K, "VNNI", False) or not hasattr(K, "Q4_K_X16")):
+                continue
+            qt = QTYPES_BY_NAME["Q4_K" if x16 else name]
             if Kin % qt.block_size or (kind == "experts" and N % qt.block_size):
                 continue
             if kind == "dense":
-                w = random_blocks(name, (N, Kin), rng)
+                w = random_blocks(qt.name, (N, Kin), rng)
+                w = K.repack_x16(w) if x16 else w
                 w.flags.writeable = False
                 nbytes, macs = w.nbytes, N * Kin
 
-                def run(R, w=w, N=N, Kin=Kin, t=qt.type_id):
+                def run(R, w=w, N=N, Kin=Kin, t=K.Q4_K_X16 if x16 else qt.type_id):
                     x = rng.standard_normal((R, Kin)).astype(np.float32)
                     out = np.empty((R, N), np.float32)
                     return lambda: K.matmul(out, x, w, t)

@@ -18,6 +18,7 @@ from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_posit
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
+from onebit.quants import X16_BLOCK, x16_shape
 
 from .budget import Budget, format_bytes
 
@@ -203,9 +204,13 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                                                        if t.name in expert_names])
     if backend != "numpy":
         largest = 0
+    detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
+    repacked = sum(t.n_bytes for t in resident if x16_shape(t)) if backend == "cpu" else 0
+    grown = repacked * (X16_BLOCK - 16 * 144) // (16 * 144)  # (counted where the machine lacks VNNI too)
+    if grown:
+        detail += f"; Q4_K matrices repacked for the cpu kernels: +{format_bytes(grown)}"
     items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),
-             PlanItem("resident weights", sum(by_type.values()),
-                      ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1])))]
+             PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
     items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes), _kv_detail(cfg, ctx)))
     items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
                           f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))

@@ -124,7 +124,7 @@ class Model:
                     arrays = SlotArrays(dev)
                 pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays)
                 if name != "vulkan":
-                    self._copy_resident()
+                    self._copy_resident(repacked=_repacked_by(name))
             elif name != "vulkan" and plan.fits:
                 self._map_weights()
             return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays), predict
@@ -135,18 +135,21 @@ class Model:
                 arrays.destroy()
             raise
 
-    def _copy_resident(self) -> None:
+    def _copy_resident(self, repacked=lambda t: False) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
         that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map.
         Read with pread, not copied from the map: pages touched through the map would count
-        in this process's resident memory beside the copy (a 30B-A3B: 0.96 GiB twice)."""
+        in this process's resident memory beside the copy (a 30B-A3B: 0.96 GiB twice). Not the
+        tensors the backend holds in a layout of its own (`repacked`): it copies those from the
+        map itself, and a copy here would be a second one."""
         from tqdm import tqdm
 
         from .errors import ModelFileError
         from .gguf_file import is_expert_tensor
 
         # (an expert part's bias, gpt-oss, is small and resident too)
-        resident = [t for name, t in self.gguf.tensors.items() if not is_expert_tensor(name) or name.endswith(".bias")]
+        resident = [t for name, t in self.gguf.tensors.items()
+                    if (not is_expert_tensor(name) or name.endswith(".bias")) and not repacked(t)]
         total = sum(t.n_bytes for t in resident)
         fds: dict[str, int] = {}
         try:
@@ -310,6 +313,16 @@ class Model:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
+
+
+def _repacked_by(backend: str):
+    """Which tensors backend `backend` repacks into a layout of its own (cpu: Q4_K matrices on
+    AVX-512 VNNI, cpu_kernels.repacks), or a test that is never true."""
+    if backend != "cpu":
+        return lambda t: False
+    from .backends.cpu_kernels import repacks
+
+    return repacks
 
 
 def _host_backend(gguf, pool=None):

@@ -349,3 +349,17 @@ def type_name(type_id: int) -> str:
 
 
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
+
+
+# onebit's own layout of Q4_K matrices in the cpu backend on AVX-512 VNNI (backends/cpu_kernels.py,
+# "X16"): 16 rows side by side, each 256 weights' scales decoded to bytes. X16_BLOCK bytes hold
+# 16 rows x 256 weights: their 16 x 144 bytes of blocks and 64 more (2.8%).
+X16_ROWS = 16
+X16_BLOCK = 320 + 2048
+
+
+def x16_shape(t) -> bool:
+    """Whether tensor t (a gguf_file.Tensor) has what the X16 layout takes: a [N, K] Q4_K matrix,
+    N a multiple of 16; not the token embedding, whose rows lookups read as they are."""
+    return (t.qtype == QTYPES_BY_NAME["Q4_K"].type_id and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
+            and not t.name.startswith("token_embd"))

@@ -104,6 +104,54 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     assert np.allclose(m[np.isfinite(m)], sums[np.isfinite(sums)], rtol=1e-6)
 
 
+@pytest.mark.skipif(not K.VNNI, reason="the X16 layout is AVX-512 VNNI's (elsewhere Q4_K stays in rows)")
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_q4_k_x16_products(rng, rows):
+    """Q4_K repacked 16 rows to a group: against the reference as the row kernel is (the same
+    rounded activations), and against the row kernel itself (the same sums in another order),
+    alone, serial, and in matmul3 beside a matrix in rows; 48 rows: three work chunks."""
+    qt = QTYPES_BY_NAME["Q4_K"]
+    w = random_blocks("Q4_K", (48, 512), rng)
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    packed = K.repack_x16(w)
+    assert packed.shape == (48, 2 * K.X16_BLOCK // 16) and not packed.flags.writeable
+    want = np.full((rows, 48), np.nan, np.float32)
+    K.matmul(want, x, ro(w), qt.type_id)
+    wf = qt.dequantize(w).T
+    for kernel in (K.matmul, K.matmul_serial):
+        got = np.full((rows, 48), np.nan, np.float32)
+        kernel(got, x, packed, K.Q4_K_X16)
+        close(got, rounded(x) @ wf, TOL["Q4_K"], "Q4_K_X16")
+        close(got, want, 1e-6, "Q4_K_X16 against the row kernel")
+    other = random_blocks("Q6_K", (20, 512), rng)
+    three = np.full((rows, 48 + 20 + 48), np.nan, np.float32)
+    K.matmul3(three, x, packed, ro(other), packed, K.Q4_K_X16, QTYPES_BY_NAME["Q6_K"].type_id, K.Q4_K_X16)
+    close(three[:, :48], want, 1e-6, "matmul3, first")
+    close(three[:, 68:], want, 1e-6, "matmul3, third (from column 68)")
+    close(three[:, 48:68], x @ QTYPES_BY_NAME["Q6_K"].dequantize(other).T, ACT_TOL, "matmul3, Q6_K rows")
+
+
+def test_q4_k_x16_layout_by_hand(rng):
+    """One block of 16 rows repacked, checked field by field against the Q4_K block format."""
+    if not K.VNNI:
+        pytest.skip("the X16 layout is AVX-512 VNNI's")
+    w = random_blocks("Q4_K", (16, 256), rng)
+    p = K.repack_x16(w).reshape(-1)
+    assert p.shape == (K.X16_BLOCK,)
+    for r in range(16):
+        blk = w[r]
+        assert bytes(p[2 * r : 2 * r + 2]) == bytes(blk[0:2]) and bytes(p[32 + 2 * r : 34 + 2 * r]) == bytes(blk[2:4])
+        q = blk[4:16].astype(int)
+        for s in range(8):  # ggml's get_scale_min_k4
+            sc, mn = (q[s] & 63, q[s + 4] & 63) if s < 4 else (
+                (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4), (q[s + 4] >> 4) | ((q[s] >> 6) << 4))
+            assert (p[64 + 16 * s + r], p[192 + 16 * s + r]) == (sc, mn)
+        for j in range(4):
+            for k in range(8):
+                at = 320 + 64 * (8 * j + k) + 4 * r
+                assert bytes(p[at : at + 4]) == bytes(blk[16 + 32 * j + 4 * k : 20 + 32 * j + 4 * k])
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
 def test_integer_products_keep_nan_and_inf_visible(rng, name):
     """An activation block holding inf or nan gives nan outputs (float32 products would give inf

@@ -97,6 +97,7 @@ class CpuBackend(NumpyBackend):
             sys.stderr.write(f"onebit: note: {msg}\n")
             log.info(msg)
         self._raw: dict[str, tuple] = {}
+        self._x16: dict[str, tuple] = {}
         self._small: dict[str, tuple] = {}
         self._layer_parts: dict[int, tuple] = {}
         self._fused: dict[tuple, tuple] = {}
@@ -114,6 +115,23 @@ class CpuBackend(NumpyBackend):
         if hit is None or hit[0] is not t.raw:  # a memory plan may swap the map for a copy
             hit = self._raw[name] = (t.raw, read_only(t.raw))
         return t, hit[1]
+
+    def _product_raw(self, name: str):
+        """(type id, raw bytes) of a weight matrix as the products take it: Q4_K rows repacked
+        16 to a group (cpu_kernels' X16 layout, `repacks`) from the file's map, whose pages are
+        then given back (a streamed model's load leaves these tensors mapped for this: no copy
+        beside the repacked one); else `_kernel_raw`'s."""
+        from . import cpu_kernels as K
+
+        t, raw = self._kernel_raw(name)
+        if (raw is None or not self.K.x16 or not K.repacks(t)
+                or not (isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap))):
+            return t.qtype, raw
+        hit = self._x16.get(name)
+        if hit is None or hit[0] is not t.raw:
+            hit = self._x16[name] = (t.raw, K.repack_x16(raw))
+            self.gguf.release(t)
+        return K.Q4_K_X16, hit[1]
 
     def weight(self, name: str) -> np.ndarray:
         """The numpy backend's float32 weight, read only; a small one (a norm's, a bias) decoded
@@ -150,22 +168,23 @@ class CpuBackend(NumpyBackend):
         """matmul3's arguments for `linears` of these matrices, or None (another path)."""
         if len(names) not in (2, 3):
             return None
-        got = [self._kernel_raw(n) for n in names]
+        got = [self._product_raw(n) for n in names]
         if any(raw is None or raw.ndim != 2 for _, raw in got):
             return None
         if len(got) == 2:  # a third matrix of no rows
             got.append((got[0][0], got[0][1][:0]))
-        (t0, w0), (t1, w1), (t2, w2) = got
+        (q0, w0), (q1, w1), (q2, w2) = got
         a, b = w0.shape[0], w0.shape[0] + w1.shape[0]
-        return w0, w1, w2, t0.qtype, t1.qtype, t2.qtype, a, b, b + w2.shape[0]
+        return w0, w1, w2, q0, q1, q2, a, b, b + w2.shape[0]
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        t, raw = self._kernel_raw(name)
+        qtype, raw = self._product_raw(name)
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)
+        t = self.gguf.tensor(name)
         out = np.empty((x.shape[0], t.shape[0]), np.float32)  # [R, out]
         small = x.shape[0] * raw.shape[0] * t.shape[-1] < self.K.SERIAL_WORK
-        (self.K.matmul_serial if small else self.K.matmul)(out, _f32(x), raw, t.qtype)
+        (self.K.matmul_serial if small else self.K.matmul)(out, _f32(x), raw, qtype)
         return out
 
     # -- the small ops: serial kernels (numpy's per-call overhead would cost more than the work)
