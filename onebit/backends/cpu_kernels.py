@@ -1933,7 +1933,7 @@ def routed_rows(ids, weights, n_experts):
     return experts, offs, rows, rw
 
 
-SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
+SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows, repack_q4_k_x16)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -1978,7 +1978,7 @@ def _typed(names: tuple[str, ...]) -> dict:
 # Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
-                                                            "route", "routed_rows")}
+                                                            "route", "routed_rows", "repack_q4_k_x16")}
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
@@ -2142,6 +2142,7 @@ def _warm_small():
     attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
     ids2, w2 = route(xr, 2, True)
     routed_rows(ids2, w2, 32)
+    repack_q4_k_x16(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
 
 
 def _cached(kernel) -> bool:
