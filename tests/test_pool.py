@@ -41,6 +41,9 @@ def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend
         assert m.pool is not None and m.pool.n_slots == slots
         got = decode_logits(m, prompt, 10)
         st = m.pool.stats
+        if backend == "cpu" and name == Q4K:  # its Q4_K attention in the repacked layout, streamed too
+            from onebit.backends.cpu_kernels import VNNI
+            assert bool(m.be._x16) == VNNI
         m.close()
         assert np.array_equal(got, ref), f"{name} slots={slots} policy={policy}"
         assert st.demand_misses > 0 and st.bytes_read > 0

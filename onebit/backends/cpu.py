@@ -102,6 +102,10 @@ class CpuBackend(NumpyBackend):
         self._layer_parts: dict[int, tuple] = {}
         self._fused: dict[tuple, tuple] = {}
         self._inv_freq: dict[tuple, np.ndarray] = {}
+        if self.K.x16:  # the repacked matrices made now, as llama.cpp repacks at load: not in the first prompt
+            for name, t in gguf.tensors.items():
+                if K.repacks(t):
+                    self._product_raw(name)
 
     def describe(self) -> str:
         return f"{self.threads} threads"

@@ -1324,13 +1324,13 @@ def dot16_q4_k_x16(typingctx, w, n, q, d, m, r, out, col):
     return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), _x16_codegen
 
 
-@njit(cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def repack_q4_k_x16(raw, out):
     """Q4_K rows raw (uint8 [N, K / 256 x 144], N a multiple of 16) -> out (uint8 [N, K / 256 x
     X16_BLOCK / 16]) in the X16 layout."""
     N, nb = raw.shape[0], raw.shape[1] // 144
     o = out.reshape(-1)
-    for g in range(N // X16):
+    for g in prange(N // X16):
         for i in range(nb):
             base = (g * nb + i) * X16_BLOCK
             for r in range(X16):
