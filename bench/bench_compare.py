@@ -10,7 +10,9 @@ Per file and round, in turn: `onebit bench FILE --backend cpu --prompt-tokens P 
 N tokens), the same with the checkout --other (before/after a change), and `llama-bench -m FILE
 -p P -n N -t 2 -r 1` with llama.cpp's defaults (2 threads, weight repacking on; extra flags from
 --llama-args). The table gives each one's median over the rounds, and onebit / llama.cpp.
-Never run by the tests.
+The --other checkout runs with PYTHONPATH=DIR; with onebit installed editable, `onebit.memory`
+still maps to the installed tree's `memory/` unless DIR has an `onebit/memory` link to its own
+(`ln -s ../memory DIR/onebit/memory`). Never run by the tests.
 """
 
 from __future__ import annotations
