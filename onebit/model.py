@@ -127,7 +127,10 @@ class Model:
                     self._copy_resident(repacked=_repacked_by(name))
             elif name != "vulkan" and plan.fits:
                 self._map_weights()
-            return plan, pool, open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays), predict
+            be = open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
+            if name == "cpu":
+                be.repack()
+            return plan, pool, be, predict
         except BaseException:
             if pool is not None:
                 pool.close()

@@ -131,6 +131,22 @@ def test_q4_k_x16_products(rng, rows):
     close(three[:, 48:68], x @ QTYPES_BY_NAME["Q6_K"].dequantize(other).T, ACT_TOL, "matmul3, Q6_K rows")
 
 
+def test_a_model_repacks_at_load_a_bare_backend_when_it_uses_a_matrix():
+    """onebit.load's cpu backend has its X16 matrices made before the first forward (not inside
+    the first prompt); a backend opened on its own (a device backend's predictor) repacks only
+    what it uses, when it uses it."""
+    path = fixture_path("q3moe256-Q4_K_M.gguf")
+    m = onebit.load(path, backend="cpu")
+    eligible = {n for n, t in m.gguf.tensors.items() if K.repacks(t)}
+    assert bool(eligible) == K.VNNI and set(m.be._x16) == eligible
+    bare = CpuBackend(m.gguf)
+    assert not bare._x16
+    if K.VNNI:
+        name = sorted(eligible)[0]
+        bare.linear(np.ones((1, m.gguf.tensor(name).shape[1]), np.float32), name)
+        assert set(bare._x16) == {name}
+
+
 def test_q4_k_x16_layout_by_hand(rng):
     """One block of 16 rows repacked, checked field by field against the Q4_K block format."""
     if not K.VNNI:

@@ -102,8 +102,15 @@ class CpuBackend(NumpyBackend):
         self._layer_parts: dict[int, tuple] = {}
         self._fused: dict[tuple, tuple] = {}
         self._inv_freq: dict[tuple, np.ndarray] = {}
-        if self.K.x16:  # the repacked matrices made now, as llama.cpp repacks at load: not in the first prompt
-            for name, t in gguf.tensors.items():
+
+    def repack(self) -> None:
+        """Make every repacked matrix now (`_product_raw`), as llama.cpp repacks at load: not
+        inside the first prompt. A model's own backend does at load; one that serves a device
+        backend's predictor does not, and repacks only the matrices it uses, when it uses them."""
+        from . import cpu_kernels as K
+
+        if self.K.x16:
+            for name, t in self.gguf.tensors.items():
                 if K.repacks(t):
                     self._product_raw(name)
 
