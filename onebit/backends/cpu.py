@@ -97,7 +97,7 @@ class CpuBackend(NumpyBackend):
             sys.stderr.write(f"onebit: note: {msg}\n")
             log.info(msg)
         self._raw: dict[str, tuple] = {}
-        self._x16: dict[str, tuple] = {}
+        self._products: dict[str, tuple] = {}
         self._small: dict[str, tuple] = {}
         self._layer_parts: dict[int, tuple] = {}
         self._fused: dict[tuple, tuple] = {}
@@ -109,10 +109,9 @@ class CpuBackend(NumpyBackend):
         backend's predictor does not, and repacks only the matrices it uses, when it uses them."""
         from . import cpu_kernels as K
 
-        if self.K.x16:
-            for name, t in self.gguf.tensors.items():
-                if K.repacks(t):
-                    self._product_raw(name)
+        for name, t in self.gguf.tensors.items():
+            if K.repacks(t):
+                self._product_raw(name)
 
     def describe(self) -> str:
         return f"{self.threads} threads"
@@ -128,21 +127,22 @@ class CpuBackend(NumpyBackend):
         return t, hit[1]
 
     def _product_raw(self, name: str):
-        """(type id, raw bytes) of a weight matrix as the products take it: Q4_K rows repacked
-        16 to a group (cpu_kernels' X16 layout, `repacks`) from the file's map, whose pages are
-        then given back (a streamed model's load leaves these tensors mapped for this: no copy
-        beside the repacked one); else `_kernel_raw`'s."""
+        """(tensor, type id, raw bytes) of a weight matrix as the products take it, kept per name
+        (`_kept`: a linear asks every token): Q4_K rows repacked 16 to a group (cpu_kernels' X16
+        layout, `repacks`) from the file's map, whose pages are then given back (a streamed
+        model's load leaves these tensors mapped for this: no copy beside the repacked one);
+        else `_kernel_raw`'s."""
+        return self._kept(self._products, name, [name], lambda: self._product(name))
+
+    def _product(self, name: str):
         from . import cpu_kernels as K
 
         t, raw = self._kernel_raw(name)
-        if (raw is None or not self.K.x16 or not K.repacks(t)
-                or not (isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap))):
-            return t.qtype, raw
-        hit = self._x16.get(name)
-        if hit is None or hit[0] is not t.raw:
-            hit = self._x16[name] = (t.raw, K.repack_x16(raw))
-            self.gguf.release(t)
-        return K.Q4_K_X16, hit[1]
+        if raw is None or not K.repacks(t) or not (isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)):
+            return t, t.qtype, raw
+        packed = K.repack_x16(raw)
+        self.gguf.release(t)
+        return t, K.Q4_K_X16, packed
 
     def weight(self, name: str) -> np.ndarray:
         """The numpy backend's float32 weight, read only; a small one (a norm's, a bias) decoded
@@ -179,7 +179,7 @@ class CpuBackend(NumpyBackend):
         """matmul3's arguments for `linears` of these matrices, or None (another path)."""
         if len(names) not in (2, 3):
             return None
-        got = [self._product_raw(n) for n in names]
+        got = [self._product_raw(n)[1:] for n in names]
         if any(raw is None or raw.ndim != 2 for _, raw in got):
             return None
         if len(got) == 2:  # a third matrix of no rows
@@ -189,10 +189,9 @@ class CpuBackend(NumpyBackend):
         return w0, w1, w2, q0, q1, q2, a, b, b + w2.shape[0]
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        qtype, raw = self._product_raw(name)
+        t, qtype, raw = self._product_raw(name)
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)
-        t = self.gguf.tensor(name)
         out = np.empty((x.shape[0], t.shape[0]), np.float32)  # [R, out]
         small = x.shape[0] * raw.shape[0] * t.shape[-1] < self.K.SERIAL_WORK
         (self.K.matmul_serial if small else self.K.matmul)(out, _f32(x), raw, qtype)

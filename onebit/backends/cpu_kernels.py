@@ -1999,7 +1999,6 @@ class Kernels:
         self.parts = tuple(p for p in WARM_PARTS if p in parts)
         self.SUPPORTED = frozenset(SUPPORTED) if self.everything else frozenset(
             QTYPES_BY_NAME[n].type_id for n in self.names) & SUPPORTED
-        self.x16 = VNNI and "Q4_K" in self.names  # (Q4_K products take the X16 layout: `repack_x16`)
         own = globals() if self.everything else _typed(self.names)
         for name in PRODUCTS + WARM_PARTS["small"]:
             setattr(self, name, own[name] if name in own else globals()[name])
