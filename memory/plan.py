@@ -18,7 +18,7 @@ from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_posit
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.quants import X16_BLOCK, X16_ROWS, x16_shape
+from onebit.quants import X16_BLOCK, X16_ROWS, x16_bytes, x16_experts, x16_shape
 
 from .budget import Budget, format_bytes
 
@@ -165,12 +165,17 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def size_classes(g: GGUFFile) -> list[SizeClass]:
+def size_classes(g: GGUFFile, backend: str = "numpy") -> list[SizeClass]:
+    """Experts grouped by the bytes of their parts as `backend` holds them (the cpu backend's
+    Q4_K experts in its X16 layout: `x16_experts`)."""
     per_layer: dict[int, dict[str, tuple[int, str, int]]] = {}
     for t in g.tensors.values():
         m = _EXPERT_RE.match(t.name)
         if m:
-            per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (t.n_bytes // t.shape[0], t.type_name, t.shape[0])
+            n = t.n_bytes // t.shape[0]
+            if backend == "cpu" and x16_experts(g.tensors, t):  # (counted where the machine lacks VNNI too,
+                n = x16_bytes(n)  # as the matrices are)
+            per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (n, t.type_name, t.shape[0])
     groups: dict[tuple, list[int]] = {}
     counts: dict[tuple, int] = {}
     for layer, parts in sorted(per_layer.items()):
@@ -194,7 +199,7 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     if verify_rows < 1:
         raise UsageError(f"verify rows must be >= 1, got {verify_rows}")
     predicted = parse_layers(layers, cfg.n_layers)
-    classes = size_classes(g)
+    classes = size_classes(g, backend)
     expert_names = {t for t in g.tensors if _EXPERT_RE.match(t)}
     resident = [t for t in g.tensors.values() if t.name not in expert_names]
     by_type: dict[str, int] = {}

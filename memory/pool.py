@@ -96,6 +96,7 @@ class _Source:
         self.offset = tensor.offset
         self.nbytes = tensor.n_bytes // tensor.shape[0]
         self.n_experts = tensor.shape[0]
+        self.shape = tuple(tensor.raw.shape[1:])  # one expert as the file has it: [rows, row bytes]
 
 
 class _Reader:
@@ -125,20 +126,35 @@ class _Reader:
             self._local.buf = buf
         return buf
 
-    def read_into(self, dst: np.ndarray, offset: int) -> int:
+    def read_into(self, dst: np.ndarray, offset: int, shape: Optional[tuple] = None,
+                  pack: Optional[Callable] = None) -> int:
+        """Read dst.nbytes bytes at `offset` into dst; or, with `pack`, the bytes of an array
+        of `shape` at `offset`, which pack(src, dst) writes into dst as it holds them."""
+        if pack is not None:
+            n = int(np.prod(shape))
+            buf = self._bounce(n + 2 * ALIGN)
+            if self.direct:
+                start = offset // ALIGN * ALIGN
+                end = (offset + n + ALIGN - 1) // ALIGN * ALIGN
+                got = self._pread(memoryview(buf)[: end - start], start)
+                if got is None:
+                    return self.read_into(dst, offset, shape, pack)
+            else:
+                start, end = offset, offset + n
+                got = os.preadv(self.fd, [memoryview(buf)[:n]], offset)
+                self._drop_cached(offset, n)
+            if got < offset + n - start:
+                raise StreamReadError(f"{self.path}: file ended early while reading experts (truncated?)")
+            pack(np.frombuffer(buf, np.uint8, n, offset - start).reshape(shape), dst)
+            return end - start
         n = dst.nbytes
         if self.direct:
             start = offset // ALIGN * ALIGN
             end = (offset + n + ALIGN - 1) // ALIGN * ALIGN
             buf = self._bounce(end - start)
-            view = memoryview(buf)[: end - start]
-            try:
-                got = os.preadv(self.fd, [view], start)
-            except OSError as e:
-                if e.errno == 22:  # EINVAL: this filesystem refuses O_DIRECT after all
-                    self._reopen_buffered()
-                    return self.read_into(dst, offset)
-                raise
+            got = self._pread(memoryview(buf)[: end - start], start)
+            if got is None:
+                return self.read_into(dst, offset)
             if got < offset + n - start:
                 raise StreamReadError(f"{self.path}: file ended early while reading experts (truncated?)")
             dst[...] = np.frombuffer(buf, np.uint8, n, offset - start).reshape(dst.shape)
@@ -146,11 +162,26 @@ class _Reader:
         got = os.preadv(self.fd, [memoryview(dst.reshape(-1))], offset)
         if got < n:
             raise StreamReadError(f"{self.path}: file ended early while reading experts (truncated?)")
+        self._drop_cached(offset, n)
+        return n
+
+    def _pread(self, view: memoryview, start: int) -> Optional[int]:
+        """An O_DIRECT read, or None when the filesystem refuses O_DIRECT after all (EINVAL): the
+        file is then open for buffered reads, and the caller reads again."""
+        try:
+            return os.preadv(self.fd, [view], start)
+        except OSError as e:
+            if e.errno == 22:
+                self._reopen_buffered()
+                return None
+            raise
+
+    def _drop_cached(self, offset: int, n: int) -> None:
+        """A buffered read's pages out of the page cache (it would hold a second copy)."""
         try:
             os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):
             pass
-        return n
 
     def _reopen_buffered(self) -> None:
         os.close(self.fd)
@@ -176,9 +207,11 @@ class ExpertPool:
 
     def __init__(self, gguf, classes: list[SizeClass], slots: list[int], policy: str = "global",
                  readers: Optional[int] = None, direct: bool = True,
-                 allocate: Optional[Callable[[tuple], np.ndarray]] = None):
+                 allocate: Optional[Callable[[tuple], np.ndarray]] = None, layout=None):
         """allocate(shape) -> a writable uint8 array of that shape for one part's slots (e.g. a
-        mapped device buffer a kernel reads, see vulkan.backend.SlotArrays); numpy memory if None."""
+        mapped device buffer a kernel reads, see vulkan.backend.SlotArrays); numpy memory if None.
+        layout: the backend's ExpertLayout (backends/experts.py): the parts it packs are held
+        packed in their slots, packed by the reader thread that reads them."""
         if policy not in ("global", "layer"):
             raise UsageError(f"unknown pool policy {policy!r} (global or layer)")
         if len(slots) != len(classes):
@@ -191,6 +224,9 @@ class ExpertPool:
             (layer, part): _Source(gguf.tensor(f"blk.{layer}.{part}.weight"))
             for c in classes for layer in c.layers for part in EXPERT_PARTS
         }
+        self.layout = layout
+        self.packed = {key: layout is not None and layout.packs(gguf.tensor(f"blk.{key[0]}.{key[1]}.weight"))
+                       for key in self.sources}  # (layer, part) -> held packed
         self.buffers: list[dict[str, np.ndarray]] = []
         self._views: list[list[np.ndarray]] = []  # per class: the parts' buffers, read only (arrays())
         self.slots: list[list[_Slot]] = []
@@ -201,7 +237,8 @@ class ExpertPool:
             bufs = {}
             for part in EXPERT_PARTS:
                 t = gguf.tensor(f"blk.{layer0}.{part}.weight")
-                shape = (n, *t.raw.shape[1:])  # [slots, rows, row_bytes]
+                held = layout.shape(t) if self.packed[(layer0, part)] else t.raw.shape[1:]
+                shape = (n, *held)  # [slots, rows, row_bytes]
                 bufs[part] = np.zeros(shape, np.uint8) if allocate is None else allocate(shape)
                 if bufs[part].shape != shape or bufs[part].dtype != np.uint8:
                     raise UsageError(f"slot allocator returned {bufs[part].dtype} {bufs[part].shape}, "
@@ -593,7 +630,11 @@ class ExpertPool:
                 for part in EXPERT_PARTS:
                     src = self.sources[(layer, part)]
                     dst = self.buffers[s.cls][part][s.index]
-                    n += self.readers[src.file].read_into(dst, src.offset + e * src.nbytes)
+                    at = src.offset + e * src.nbytes
+                    if self.packed[(layer, part)]:
+                        n += self.readers[src.file].read_into(dst, at, src.shape, self.layout.pack)
+                    else:
+                        n += self.readers[src.file].read_into(dst, at)
             except StreamReadError as ex:
                 err = ex
             except OSError as ex:

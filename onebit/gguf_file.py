@@ -438,10 +438,14 @@ class GGUFFile:
             tensors.append(Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path, offset=start))
         return meta, tensors
 
-    def release(self, t: Tensor) -> None:
+    def release(self, t: Tensor, uncache: bool = False) -> None:
         """Drop this process's pages of tensor `t`'s map (it has been copied elsewhere: a device
         buffer): pages read through a map count in the process's resident memory until then.
-        The page cache keeps them (not ours); a later read through the map faults them back."""
+        The page cache keeps them (not ours; a later read through the map faults them back)
+        unless `uncache`: for a copy made to be read instead of them for as long as the model
+        is loaded (a backend's repacked layout), their page cache pages go too, so they do not
+        crowd out pages still read through the map (the 30B-A3B shape resident on 24 GiB: its
+        repacked experts beside the whole file's pages would not fit)."""
         data = self._maps.get(t.file)
         m = getattr(data, "_mmap", None)
         if m is None or not hasattr(mmap, "MADV_DONTNEED"):
@@ -451,6 +455,15 @@ class GGUFFile:
             m.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
         except (OSError, ValueError):
             pass  # (advice only)
+        if uncache and hasattr(os, "posix_fadvise"):
+            try:
+                fd = os.open(t.file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, t.offset, t.n_bytes, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # (advice only)
 
     def populate(self, t: Tensor) -> bool:
         """Map every page of tensor `t` into this process now (MADV_POPULATE_READ, Linux 5.14+;

@@ -122,11 +122,13 @@ class Model:
                     from .backends.vulkan.slots import SlotArrays
 
                     arrays = SlotArrays(dev)
-                pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays)
+                pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays,
+                                  layout=_expert_layout(name, self.gguf))
                 if name != "vulkan":
                     self._copy_resident(repacked=_repacked_by(name))
             elif name != "vulkan" and plan.fits:
-                self._map_weights()
+                dense, layout = _repacked_by(name), _expert_layout(name, self.gguf)
+                self._map_weights(skip=lambda t: dense(t) or (layout is not None and layout.packs(t)))
             be = open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
             if name == "cpu":
                 be.repack()
@@ -179,7 +181,7 @@ class Model:
             for fd in fds.values():
                 os.close(fd)
 
-    def _map_weights(self) -> None:
+    def _map_weights(self, skip=lambda t: False) -> None:
         """Every weight resident on the host: map all their pages now (GGUFFile.populate), as
         llama.cpp maps a file at load. A decode step reads a few experts of each layer,
         different ones each token, scattered over the file: left to first touch, those pages
@@ -188,13 +190,14 @@ class Model:
         s, a 128-token prompt 12.0 -> 15.5 tok/s, then 32 greedy tokens 8.0 -> 8.6 tok/s. The
         token embedding is the same case: a step reads one row of it, a new one for each new
         token (same file with the page cache emptied by another program: 2.7 ms of a 94 ms
-        step waited on the drive for that row)."""
+        step waited on the drive for that row). Not the tensors `skip` names: the backend reads
+        them once into a layout of its own (it maps each as it does) and never again."""
         from tqdm import tqdm
 
         from .gguf_file import is_expert_tensor
 
         # experts first: where the system cannot, it says so at the first tensor
-        order = sorted(self.gguf.tensors.values(), key=lambda t: not is_expert_tensor(t.name))
+        order = sorted((t for t in self.gguf.tensors.values() if not skip(t)), key=lambda t: not is_expert_tensor(t.name))
         total = sum(t.n_bytes for t in order)
         with tqdm(total=total, unit="B", unit_scale=True, desc="mapping", file=sys.stderr, leave=False,
                   disable=True if total < (256 << 20) else None) as bar:
@@ -326,6 +329,17 @@ def _repacked_by(backend: str):
     from .backends.cpu_kernels import repacks
 
     return repacks
+
+
+def _expert_layout(backend: str, gguf):
+    """The ExpertLayout backend `backend` holds this file's routed experts in (the cpu backend's
+    X16 layout on AVX-512 VNNI), or None: as the file has them."""
+    if backend != "cpu":
+        return None
+    from .backends import cpu_kernels
+    from .backends.cpu import X16Experts
+
+    return X16Experts(gguf) if cpu_kernels.VNNI else None
 
 
 def _host_backend(gguf, pool=None):

@@ -363,3 +363,22 @@ def x16_shape(t) -> bool:
     N a multiple of 16; not the token embedding, whose rows lookups read as they are."""
     return (t.qtype == QTYPES_BY_NAME["Q4_K"].type_id and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
             and not t.name.startswith("token_embd"))
+
+
+def x16_expert_shape(t) -> bool:
+    """Whether tensor t holds routed experts that the X16 layout takes: [E, N, K] of Q4_K, N a
+    multiple of 16 (each expert's rows repack on their own, so a pool's slot can be filled with
+    one expert's)."""
+    return t.qtype == QTYPES_BY_NAME["Q4_K"].type_id and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
+
+
+def x16_experts(tensors: dict, t) -> bool:
+    """Whether the cpu backend's expert layout takes expert tensor t of a file whose tensors are
+    `tensors` (name -> Tensor): its shape (x16_expert_shape), in a layer without expert biases
+    (their layers may take the numpy path, which reads the file's blocks)."""
+    return x16_expert_shape(t) and f"blk.{t.name.split('.')[1]}.ffn_gate_exps.bias" not in tensors
+
+
+def x16_bytes(n_bytes: int) -> int:
+    """The bytes n_bytes of Q4_K rows take in the X16 layout."""
+    return n_bytes // (X16_ROWS * 144) * X16_BLOCK

@@ -57,13 +57,16 @@ def test_plan_bytes_match_hand_computation():
     assert next(i.bytes for i in on_numpy.items if i.component == "resident weights") == resident
     # KV: 2 layers x 256 positions x 2 kv heads x (64 + 64) x 4 bytes.
     assert items["KV cache"] == 2 * 256 * 2 * 128 * 4
-    # Experts: 256x256 matrices; Q4_K is 144 bytes per 256 weights, Q6_K 210.
-    q4k, q6k = 256 * 144, 256 * 210
+    # Experts: 256x256 matrices; Q4_K is 144 bytes per 256 weights (148 as the cpu backend holds
+    # them, 16 rows to a group as above: 256 rows), Q6_K 210.
+    q4k, q6k = 256 * 148, 256 * 210
     classes = sorted((c.expert_bytes, c.types, c.layers) for c in p.classes)
     assert classes == sorted([(3 * q4k, ("Q4_K",) * 3, (0,)), (2 * q4k + q6k, ("Q4_K", "Q4_K", "Q6_K"), (1,))])
     assert p.all_experts == 8 and p.min_slots == 4
     assert sum(p.slots) == 8 and not p.streaming  # a 1 GiB budget holds every expert
     assert items["expert slots"] == 4 * 3 * q4k + 4 * (2 * q4k + q6k)
+    in_file = sorted(c.expert_bytes for c in on_numpy.classes)
+    assert in_file == sorted([3 * 256 * 144, 2 * 256 * 144 + q6k])
     assert p.total == sum(items.values()) and p.fits
 
 

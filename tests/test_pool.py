@@ -34,16 +34,22 @@ def decode_logits(model, prompt, n):
 def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend):
     path = fixture_path(name)
     prompt = np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:12].astype(np.int64)
-    ref = decode_logits(onebit.load(path, backend=backend), prompt, 10)
+    resident = onebit.load(path, backend=backend)
+    ref = decode_logits(resident, prompt, 10)
+    if backend == "cpu" and name == Q4K:
+        from onebit.backends.cpu_kernels import Q4_K_X16, VNNI
+        assert (Q4_K_X16 in resident.be._experts_of(0)[2]) == VNNI  # (the file's experts packed at load)
     for slots in slot_counts:
         m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy, backend=backend)
         assert m.be.name == backend
         assert m.pool is not None and m.pool.n_slots == slots
         got = decode_logits(m, prompt, 10)
         st = m.pool.stats
-        if backend == "cpu" and name == Q4K:  # its Q4_K attention in the repacked layout, streamed too
+        if backend == "cpu" and name == Q4K:  # its Q4_K attention and experts in the repacked layout, streamed too
             from onebit.backends.cpu_kernels import Q4_K_X16, VNNI
             assert any(q == Q4_K_X16 for _, (_, q, _) in m.be._products.values()) == VNNI
+            assert any(m.pool.packed.values()) == VNNI
+            assert (Q4_K_X16 in m.be._experts_of(0)[2]) == VNNI
         m.close()
         assert np.array_equal(got, ref), f"{name} slots={slots} policy={policy}"
         assert st.demand_misses > 0 and st.bytes_read > 0
@@ -303,3 +309,32 @@ def test_prefetches_a_prompt_pass_did_not_use_leave_the_stream_region():
             assert len(pool.lru_stream[0]) == 20 and pool.stats.wasted_prefetches > 0
         finally:
             pool.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_pool_packs_its_slots_as_the_file_is_packed(direct):
+    """The cpu backend's X16 expert layout: a slot filled by a reader thread (one expert, packed
+    on that thread) holds the bytes the file's experts take packed at load (every thread), and
+    the slots take the bytes the cpu plan counts for them."""
+    from onebit.backends import cpu_kernels as K
+    from onebit.backends.cpu import X16Experts
+
+    if not K.VNNI:
+        pytest.skip("the X16 layout is AVX-512 VNNI's (elsewhere experts stay as in the file)")
+    g = GGUFFile(fixture_path(Q4K))
+    layout = X16Experts(g)
+    classes = size_classes(g, "cpu")
+    pool = ExpertPool(g, classes, [5, 4], layout=layout, direct=direct)
+    try:
+        assert pool.nbytes == sum(n * c.expert_bytes for n, c in zip([5, 4], classes))
+        for layer in (0, 1):
+            slots = pool.acquire(layer, [1, 3])
+            for part in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+                t = g.tensor(f"blk.{layer}.{part}.weight")
+                held = layout.pack_all(t.raw) if layout.packs(t) else t.raw
+                assert layout.packs(t) == (t.type_name == "Q4_K")
+                for e, s in zip([1, 3], slots):
+                    assert np.array_equal(pool.slot_view(layer, s, part), held[e])
+            pool.release(layer, [1, 3])
+    finally:
+        pool.close()

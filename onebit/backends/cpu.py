@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS
-from .experts import read_only
+from ..quants import X16_BLOCK, X16_ROWS, x16_experts
+from .experts import FileExperts, read_only
 from .numpy_backend import NumpyBackend
 
 log = logging.getLogger("onebit")
@@ -72,6 +73,41 @@ def _one_blas_thread() -> None:
     threadpool_limits(1, user_api="blas")
 
 
+class X16Experts:
+    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K experts in
+    cpu_kernels' X16 layout on AVX-512 VNNI (`repacks_experts`), as its products of Q4_K
+    matrices take them, in layers whose experts take the kernels' expert path (every part of
+    a type the kernels read, no biases: else the numpy path reads them as the file has them).
+    At decode a step's experts are most of its bytes. Measured (2-core VM, seventh session,
+    bench/results/issue34-kernels.md): one 30B-A3B-shape gate matrix from memory on one thread
+    14 GB/s as rows, 26 repacked; that shape's 8-expert layer 1.00-1.05 -> 0.89-0.91 ms; decode
+    steps 91-115 -> 83-85 ms (30B shape), 5.8-6.2 -> 4.9-5.1 ms (the 0.86B Q4_K_M file)."""
+
+    def __init__(self, gguf):
+        self.gguf = gguf
+
+    def packs(self, t) -> bool:
+        from . import cpu_kernels as K
+
+        tensors = self.gguf.tensors
+        names = [f"blk.{t.name.split('.')[1]}.{p}.weight" for p in EXPERT_PARTS]
+        return (K.repacks_experts(t) and x16_experts(tensors, t)
+                and all(n in tensors and tensors[n].qtype in K.SUPPORTED for n in names))
+
+    def shape(self, t) -> tuple[int, int]:
+        return t.shape[1], t.raw.shape[-1] // 144 * (X16_BLOCK // X16_ROWS)
+
+    def pack(self, src: np.ndarray, dst: np.ndarray) -> None:
+        from . import cpu_kernels as K
+
+        K.repack_q4_k_x16_serial(read_only(src), dst)
+
+    def pack_all(self, raw: np.ndarray) -> np.ndarray:
+        from . import cpu_kernels as K
+
+        return K.repack_x16(read_only(raw))
+
+
 class CpuBackend(NumpyBackend):
     name = "cpu"
 
@@ -105,13 +141,19 @@ class CpuBackend(NumpyBackend):
 
     def repack(self) -> None:
         """Make every repacked matrix now (`_product_raw`), as llama.cpp repacks at load: not
-        inside the first prompt. A model's own backend does at load; one that serves a device
-        backend's predictor does not, and repacks only the matrices it uses, when it uses them."""
+        inside the first prompt; and hold the file's experts in the X16Experts layout (a pool's
+        slots get it from the pool). A model's own backend does at load; one that serves a
+        device backend's predictor does not: it repacks only the matrices it uses, when it
+        uses them, and reads experts as its source holds them."""
         from . import cpu_kernels as K
 
         for name, t in self.gguf.tensors.items():
             if K.repacks(t):
                 self._product_raw(name)
+        if type(self.source) is FileExperts and self.source.layout is None and K.VNNI:
+            self.source = FileExperts(self.gguf, X16Experts(self.gguf))  # (a pool packs as it fills: Model gives it the layout)
+            self.source.pack()
+            self._layer_parts.clear()
 
     def describe(self) -> str:
         return f"{self.threads} threads"
@@ -141,7 +183,7 @@ class CpuBackend(NumpyBackend):
         if raw is None or not K.repacks(t) or not (isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)):
             return t, t.qtype, raw
         packed = K.repack_x16(raw)
-        self.gguf.release(t)
+        self.gguf.release(t, uncache=True)
         return t, K.Q4_K_X16, packed
 
     def weight(self, name: str) -> np.ndarray:
@@ -250,20 +292,26 @@ class CpuBackend(NumpyBackend):
         return K.routed_rows(ids, np.ascontiguousarray(weights, dtype=np.float32), int(n_experts))
 
     def _expert_parts(self, layer: int):
-        parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
-        return parts, all(t.qtype in self.K.SUPPORTED for t in parts)
+        """The layer's expert tensors, whether the kernels take them all, and their type ids as
+        the source holds them (Q4_K_X16 where its layout packs them)."""
+        from . import cpu_kernels as K
 
-    def expert_call(self, out, x, parts, raws, sel, offs, rows, rw, eids=None, biases=None, glu=None) -> None:
-        """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j); with `glu`
-        (gpt-oss), the clamped SwiGLU and the biases of experts eids[j]."""
-        g, u, d = parts
+        parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
+        layout = getattr(self.source, "layout", None)
+        qtypes = [K.Q4_K_X16 if layout is not None and layout.packs(t) else t.qtype for t in parts]
+        return parts, all(t.qtype in self.K.SUPPORTED for t in parts), qtypes
+
+    def expert_call(self, out, x, qtypes, raws, sel, offs, rows, rw, eids=None, biases=None, glu=None) -> None:
+        """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j) of type ids
+        `qtypes` (as the source holds them); with `glu` (gpt-oss), the clamped SwiGLU and the
+        biases of experts eids[j]."""
+        qg, qu, qd = qtypes
         if glu is None:
-            self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw,
-                              g.qtype, u.qtype, d.qtype)
+            self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw, qg, qu, qd)
             return
         bg, bu, bd = biases
         self.K.expert_ffn_oai(out, x, raws[0], raws[1], raws[2], sel, np.asarray(eids, np.int64), offs, rows, rw,
-                              g.qtype, u.qtype, d.qtype, bg, bu, bd, float(glu[0]), float(glu[1]))
+                              qg, qu, qd, bg, bu, bd, float(glu[0]), float(glu[1]))
 
     def expert_biases(self, layer: int):
         b = super().expert_biases(layer)
@@ -280,7 +328,7 @@ class CpuBackend(NumpyBackend):
         return hit[1]
 
     def _experts_of(self, layer: int):
-        """(parts, fast, biases) of `_expert_parts` and `expert_biases`, kept per layer (`_kept`)."""
+        """(parts, fast, qtypes, biases) of `_expert_parts` and `expert_biases`, kept per layer (`_kept`)."""
         names = [f"blk.{layer}.{p}.{k}" for p in EXPERT_PARTS for k in ("weight", "bias")]
         return self._kept(self._layer_parts, layer, names, lambda: (*self._expert_parts(layer),
                                                                     self.expert_biases(layer)))
@@ -289,7 +337,7 @@ class CpuBackend(NumpyBackend):
         """The numpy backend's routed experts in one kernel call per group of pinned experts (all
         of them at once from the file; a pool's in groups of what it can pin), reading their
         bytes from the expert source; the same experts in the same order whatever the source."""
-        parts, fast, biases = self._experts_of(layer)
+        parts, fast, qtypes, biases = self._experts_of(layer)
         if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
             return super().experts(layer, x, ids, weights, glu)
         x = _f32(x)
@@ -301,5 +349,5 @@ class CpuBackend(NumpyBackend):
             if start or len(group) < len(experts):
                 o = offs[start : start + len(group) + 1]
                 routed = o - o[0], rows[o[0] : o[-1]], rw[o[0] : o[-1]]
-            self.expert_call(out, x, parts, arrays, np.asarray(index, np.int64), *routed, group, biases, glu)
+            self.expert_call(out, x, qtypes, arrays, np.asarray(index, np.int64), *routed, group, biases, glu)
         return out

@@ -82,7 +82,7 @@ from numba.np.arrayobj import populate_array  # noqa: E402
 
 from functools import cache  # noqa: E402
 
-from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, x16_shape  # noqa: E402
+from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, x16_expert_shape, x16_shape  # noqa: E402
 from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
@@ -1324,32 +1324,49 @@ def dot16_q4_k_x16(typingctx, w, n, q, d, m, r, out, col):
     return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), _x16_codegen
 
 
+@njit(inline="always")
+def _repack_group(raw, o, w, o32, g, nb):
+    """Group g (rows 16 g .. 16 g + 15) of Q4_K rows raw (uint8 [N, nb x 144], w: the same as
+    uint32 words) into o (uint8, flat; o32: the same as words) in the X16 layout."""
+    rw = raw.shape[1] // 4  # words a row
+    for i in range(nb):
+        base = (g * nb + i) * X16_BLOCK
+        for r in range(X16):
+            src = raw[g * X16 + r, i * 144 : (i + 1) * 144]
+            o[base + 2 * r], o[base + 2 * r + 1] = src[0], src[1]
+            o[base + 32 + 2 * r], o[base + 33 + 2 * r] = src[2], src[3]
+            for s in range(8):
+                if s < 4:
+                    sc, mn = src[4 + s] & 63, src[8 + s] & 63
+                else:
+                    sc = (src[8 + s] & 15) | ((src[s] >> 6) << 4)
+                    mn = (src[8 + s] >> 4) | ((src[4 + s] >> 6) << 4)
+                o[base + 64 + 16 * s + r] = sc
+                o[base + 192 + 16 * s + r] = mn
+            at, q0 = (base + 320) // 4 + r, (g * X16 + r) * rw + i * 36 + 4  # (4 weights a word)
+            for jk in range(32):
+                o32[at + X16 * jk] = w[q0 + jk]
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def repack_q4_k_x16(raw, out):
     """Q4_K rows raw (uint8 [N, K / 256 x 144], N a multiple of 16) -> out (uint8 [N, K / 256 x
-    X16_BLOCK / 16]) in the X16 layout."""
-    N, nb = raw.shape[0], raw.shape[1] // 144
+    X16_BLOCK / 16]) in the X16 layout, on every thread."""
+    nb = raw.shape[1] // 144
     o = out.reshape(-1)
-    for g in prange(N // X16):
-        for i in range(nb):
-            base = (g * nb + i) * X16_BLOCK
-            for r in range(X16):
-                src = raw[g * X16 + r, i * 144 : (i + 1) * 144]
-                o[base + 2 * r], o[base + 2 * r + 1] = src[0], src[1]
-                o[base + 32 + 2 * r], o[base + 33 + 2 * r] = src[2], src[3]
-                for s in range(8):
-                    if s < 4:
-                        sc, mn = src[4 + s] & 63, src[8 + s] & 63
-                    else:
-                        sc = (src[8 + s] & 15) | ((src[s] >> 6) << 4)
-                        mn = (src[8 + s] >> 4) | ((src[4 + s] >> 6) << 4)
-                    o[base + 64 + 16 * s + r] = sc
-                    o[base + 192 + 16 * s + r] = mn
-                for j in range(4):
-                    for k in range(8):
-                        at = base + 320 + 64 * (8 * j + k) + 4 * r
-                        for t in range(4):
-                            o[at + t] = src[16 + 32 * j + 4 * k + t]
+    w, o32 = raw.reshape(-1).view(np.uint32), o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_group(raw, o, w, o32, g, nb)
+
+
+@njit(cache=True, nogil=True)
+def repack_q4_k_x16_serial(raw, out):
+    """`repack_q4_k_x16` on the calling thread (an expert pool's reader threads: one expert each)."""
+    nb = raw.shape[1] // 144
+    o = out.reshape(-1)
+    w, o32 = raw.reshape(-1).view(np.uint32), o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_group(raw, o, w, o32, g, nb)
 
 
 def repacks(t) -> bool:
@@ -1358,10 +1375,18 @@ def repacks(t) -> bool:
     return VNNI and x16_shape(t)
 
 
+def repacks_experts(t) -> bool:
+    """Whether the cpu backend's expert sources hold routed-expert tensor t in the X16 layout
+    (quants.x16_expert_shape, on AVX-512 VNNI): the model file's (resident) and a pool's slots
+    alike, so streamed and resident products are the same bits."""
+    return VNNI and x16_expert_shape(t)
+
+
 def repack_x16(raw: np.ndarray) -> np.ndarray:
-    """A read-only X16 copy of Q4_K rows raw [N, row bytes]."""
-    out = np.empty((raw.shape[0], raw.shape[1] // 144 * (X16_BLOCK // X16)), np.uint8)
-    repack_q4_k_x16(raw, out)
+    """A read-only X16 copy of Q4_K rows raw [..., N, row bytes] (each [N, row bytes] on its own:
+    N a multiple of 16), on every thread."""
+    out = np.empty((*raw.shape[:-1], raw.shape[-1] // 144 * (X16_BLOCK // X16)), np.uint8)
+    repack_q4_k_x16(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
     out.flags.writeable = False
     return out
 
@@ -1933,7 +1958,7 @@ def routed_rows(ids, weights, n_experts):
     return experts, offs, rows, rw
 
 
-SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows, repack_q4_k_x16)
+SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows, repack_q4_k_x16, repack_q4_k_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -1978,7 +2003,8 @@ def _typed(names: tuple[str, ...]) -> dict:
 # Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
-                                                            "route", "routed_rows", "repack_q4_k_x16")}
+                                                            "route", "routed_rows", "repack_q4_k_x16",
+                                                            "repack_q4_k_x16_serial")}
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
@@ -2142,6 +2168,7 @@ def _warm_small():
     ids2, w2 = route(xr, 2, True)
     routed_rows(ids2, w2, 32)
     repack_q4_k_x16(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
+    repack_q4_k_x16_serial(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
 
 
 def _cached(kernel) -> bool:
