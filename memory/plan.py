@@ -174,7 +174,7 @@ def size_classes(g: GGUFFile, backend: str = "numpy") -> list[SizeClass]:
         if m:
             n = t.n_bytes // t.shape[0]
             if backend == "cpu" and x16_experts(g.tensors, t):  # (counted where the machine lacks VNNI too,
-                n = x16_bytes(n)  # as the matrices are)
+                n = x16_bytes(n, t.qtype)  # as the matrices are)
             per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (n, t.type_name, t.shape[0])
     groups: dict[tuple, list[int]] = {}
     counts: dict[tuple, int] = {}

@@ -15,6 +15,7 @@ wasted prefetches, bytes read and stall time.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import mmap
@@ -97,6 +98,7 @@ class _Source:
         self.nbytes = tensor.n_bytes // tensor.shape[0]
         self.n_experts = tensor.shape[0]
         self.shape = tuple(tensor.raw.shape[1:])  # one expert as the file has it: [rows, row bytes]
+        self.pack: Optional[Callable] = None  # pack(src, dst): into a slot as the backend holds it
 
 
 class _Reader:
@@ -227,6 +229,9 @@ class ExpertPool:
         self.layout = layout
         self.packed = {key: layout is not None and layout.packs(gguf.tensor(f"blk.{key[0]}.{key[1]}.weight"))
                        for key in self.sources}  # (layer, part) -> held packed
+        for (layer, part), src in self.sources.items():
+            if self.packed[(layer, part)]:
+                src.pack = functools.partial(layout.pack, gguf.tensor(f"blk.{layer}.{part}.weight"))
         self.buffers: list[dict[str, np.ndarray]] = []
         self._views: list[list[np.ndarray]] = []  # per class: the parts' buffers, read only (arrays())
         self.slots: list[list[_Slot]] = []
@@ -632,7 +637,7 @@ class ExpertPool:
                     dst = self.buffers[s.cls][part][s.index]
                     at = src.offset + e * src.nbytes
                     if self.packed[(layer, part)]:
-                        n += self.readers[src.file].read_into(dst, at, src.shape, self.layout.pack)
+                        n += self.readers[src.file].read_into(dst, at, src.shape, src.pack)
                     else:
                         n += self.readers[src.file].read_into(dst, at)
             except StreamReadError as ex:

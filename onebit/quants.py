@@ -365,11 +365,16 @@ def x16_shape(t) -> bool:
             and not t.name.startswith("token_embd"))
 
 
+# Q6_K in the same arrangement (experts only): 16 rows x 256 weights in their own 16 x 210 bytes.
+X16_Q6_BLOCK = 16 * 210
+
+
 def x16_expert_shape(t) -> bool:
-    """Whether tensor t holds routed experts that the X16 layout takes: [E, N, K] of Q4_K, N a
-    multiple of 16 (each expert's rows repack on their own, so a pool's slot can be filled with
-    one expert's)."""
-    return t.qtype == QTYPES_BY_NAME["Q4_K"].type_id and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
+    """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K or Q6_K,
+    N a multiple of 16 (each expert's rows repack on their own, so a pool's slot can be filled
+    with one expert's)."""
+    return (t.qtype in (QTYPES_BY_NAME["Q4_K"].type_id, QTYPES_BY_NAME["Q6_K"].type_id) and len(t.shape) == 3
+            and t.shape[1] % X16_ROWS == 0)
 
 
 def x16_experts(tensors: dict, t) -> bool:
@@ -379,6 +384,8 @@ def x16_experts(tensors: dict, t) -> bool:
     return x16_expert_shape(t) and f"blk.{t.name.split('.')[1]}.ffn_gate_exps.bias" not in tensors
 
 
-def x16_bytes(n_bytes: int) -> int:
-    """The bytes n_bytes of Q4_K rows take in the X16 layout."""
+def x16_bytes(n_bytes: int, qtype: int) -> int:
+    """The bytes n_bytes of rows of type qtype (Q4_K or Q6_K) take in their X16 layout."""
+    if qtype == QTYPES_BY_NAME["Q6_K"].type_id:
+        return n_bytes
     return n_bytes // (X16_ROWS * 144) * X16_BLOCK

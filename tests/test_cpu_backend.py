@@ -169,6 +169,54 @@ def test_q4_k_x16_layout_by_hand(rng):
                 assert bytes(p[at : at + 4]) == bytes(blk[16 + 32 * j + 4 * k : 20 + 32 * j + 4 * k])
 
 
+@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_q6_k_x16_products(rng, rows):
+    """Q6_K experts' X16 layout (768 weights a row, as the 30B-A3B shape's down matrices):
+    against the reference on the same rounded activations, and against the row kernel (the same
+    sums in another order); alone, serial, and as one expert's down matrix in expert_ffn."""
+    qt = QTYPES_BY_NAME["Q6_K"]
+    w = random_blocks("Q6_K", (48, 768), rng)
+    x = rng.standard_normal((rows, 768)).astype(np.float32)
+    packed = K.repack_x16(w, qt.type_id)
+    assert packed.shape == w.shape and not packed.flags.writeable
+    want = np.full((rows, 48), np.nan, np.float32)
+    K.matmul(want, x, ro(w), qt.type_id)
+    wf = qt.dequantize(w).T
+    for kernel in (K.matmul, K.matmul_serial):
+        got = np.full((rows, 48), np.nan, np.float32)
+        kernel(got, x, packed, K.Q6_K_X16)
+        close(got, rounded(x) @ wf, TOL["Q6_K"], "Q6_K_X16")
+        close(got, want, 1e-6, "Q6_K_X16 against the row kernel")
+    serial = np.empty_like(packed)
+    K.repack_x16_serial(ro(w), serial, qt.type_id)
+    assert np.array_equal(serial, packed)
+
+
+def test_q6_k_x16_layout_by_hand(rng):
+    """A group of 16 Q6_K rows repacked: each weight rebuilt from the layout's fields (d, the
+    scale of its 16, its low 4 and high 2 bits) equals the reference dequantization."""
+    if not K.VNNI:
+        pytest.skip("the X16 layouts are AVX-512 VNNI's")
+    qt = QTYPES_BY_NAME["Q6_K"]
+    w = random_blocks("Q6_K", (16, 512), rng)
+    p = K.repack_x16(w, qt.type_id).reshape(2, K.X16_Q6_BLOCK)  # two blocks of 256
+    want = qt.dequantize(w)  # [16, 512]
+    for i in range(2):
+        blk = p[i]
+        d = blk[:32].view(np.float16).astype(np.float32)  # [16 rows]
+        sc = blk[32:288].view(np.int8).reshape(16, 16).astype(np.float32)  # [sub-block, row]
+        quants = blk[288:].reshape(16, 3, 16, 4)  # [k, (low bits, low bits, high bits), row, 4 weights]
+        for wi in range(256):
+            c, t = wi // 4, wi % 4  # weights 4 c .. 4 c + 3 hold weight wi
+            lo = quants[c % 16, (c // 16) % 2, :, t]  # c and c + 32 share a byte, as c + 16 and c + 48
+            low = lo >> 4 if c >= 32 else lo & 15
+            high = (quants[c % 16, 2, :, t] >> (2 * (c // 16))) & 3
+            u = low.astype(np.int32) | (high.astype(np.int32) << 4)
+            got = d * sc[wi // 16] * (u - 32)
+            assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=0), (i, wi)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
 def test_integer_products_keep_nan_and_inf_visible(rng, name):
     """An activation block holding inf or nan gives nan outputs (float32 products would give inf

@@ -49,7 +49,8 @@ def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend
             from onebit.backends.cpu_kernels import Q4_K_X16, VNNI
             assert any(q == Q4_K_X16 for _, (_, q, _) in m.be._products.values()) == VNNI
             assert any(m.pool.packed.values()) == VNNI
-            assert (Q4_K_X16 in m.be._experts_of(0)[2]) == VNNI
+            from onebit.backends.cpu_kernels import Q6_K_X16
+            assert (Q4_K_X16 in m.be._experts_of(0)[2]) == VNNI and (Q6_K_X16 in m.be._experts_of(1)[2]) == VNNI
         m.close()
         assert np.array_equal(got, ref), f"{name} slots={slots} policy={policy}"
         assert st.demand_misses > 0 and st.bytes_read > 0
@@ -331,8 +332,8 @@ def test_a_pool_packs_its_slots_as_the_file_is_packed(direct):
             slots = pool.acquire(layer, [1, 3])
             for part in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
                 t = g.tensor(f"blk.{layer}.{part}.weight")
-                held = layout.pack_all(t.raw) if layout.packs(t) else t.raw
-                assert layout.packs(t) == (t.type_name == "Q4_K")
+                held = layout.pack_all(t, t.raw) if layout.packs(t) else t.raw
+                assert layout.packs(t)  # (Q4_K and Q6_K: both)
                 for e, s in zip([1, 3], slots):
                     assert np.array_equal(pool.slot_view(layer, s, part), held[e])
             pool.release(layer, [1, 3])

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS
-from ..quants import X16_BLOCK, X16_ROWS, x16_experts
+from ..quants import x16_experts
 from .experts import FileExperts, read_only
 from .numpy_backend import NumpyBackend
 
@@ -74,14 +74,14 @@ def _one_blas_thread() -> None:
 
 
 class X16Experts:
-    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K experts in
-    cpu_kernels' X16 layout on AVX-512 VNNI (`repacks_experts`), as its products of Q4_K
-    matrices take them, in layers whose experts take the kernels' expert path (every part of
-    a type the kernels read, no biases: else the numpy path reads them as the file has them).
-    At decode a step's experts are most of its bytes. Measured (2-core VM, seventh session,
-    bench/results/issue34-kernels.md): one 30B-A3B-shape gate matrix from memory on one thread
-    14 GB/s as rows, 26 repacked; that shape's 8-expert layer 1.00-1.05 -> 0.89-0.91 ms; decode
-    steps 91-115 -> 83-85 ms (30B shape), 5.8-6.2 -> 4.9-5.1 ms (the 0.86B Q4_K_M file)."""
+    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K and Q6_K experts
+    in cpu_kernels' X16 layouts on AVX-512 VNNI (`repacks_experts`), in layers whose experts take
+    the kernels' expert path (every part of a type the kernels read, no biases: else the numpy
+    path reads them as the file has them). At decode a step's experts are most of its bytes.
+    Measured (2-core VM, seventh session, bench/results/issue34-kernels.md), one expert from
+    memory on one thread: the 30B-A3B shape's Q4_K gate 14 GB/s as rows, 26-28 repacked; its
+    Q6_K down (768 weights a row) 15.5-16.6 as rows, 25-27 repacked; decode steps on that
+    shape 91-127 ms -> 66-75 ms, on the 0.86B Q4_K_M file 5.8-6.2 -> 4.9-5.1 ms (Q4_K only)."""
 
     def __init__(self, gguf):
         self.gguf = gguf
@@ -95,17 +95,19 @@ class X16Experts:
                 and all(n in tensors and tensors[n].qtype in K.SUPPORTED for n in names))
 
     def shape(self, t) -> tuple[int, int]:
-        return t.shape[1], t.raw.shape[-1] // 144 * (X16_BLOCK // X16_ROWS)
-
-    def pack(self, src: np.ndarray, dst: np.ndarray) -> None:
         from . import cpu_kernels as K
 
-        K.repack_q4_k_x16_serial(read_only(src), dst)
+        return t.shape[1], K.x16_row_bytes(t.qtype, t.raw.shape[-1])
 
-    def pack_all(self, raw: np.ndarray) -> np.ndarray:
+    def pack(self, t, src: np.ndarray, dst: np.ndarray) -> None:
         from . import cpu_kernels as K
 
-        return K.repack_x16(read_only(raw))
+        K.repack_x16_serial(read_only(src), dst, t.qtype)
+
+    def pack_all(self, t, raw: np.ndarray) -> np.ndarray:
+        from . import cpu_kernels as K
+
+        return K.repack_x16(read_only(raw), t.qtype)
 
 
 class CpuBackend(NumpyBackend):
@@ -293,12 +295,12 @@ class CpuBackend(NumpyBackend):
 
     def _expert_parts(self, layer: int):
         """The layer's expert tensors, whether the kernels take them all, and their type ids as
-        the source holds them (Q4_K_X16 where its layout packs them)."""
+        the source holds them (Q4_K_X16, Q6_K_X16 where its layout packs them)."""
         from . import cpu_kernels as K
 
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         layout = getattr(self.source, "layout", None)
-        qtypes = [K.Q4_K_X16 if layout is not None and layout.packs(t) else t.qtype for t in parts]
+        qtypes = [K.x16_type(t.qtype) if layout is not None and layout.packs(t) else t.qtype for t in parts]
         return parts, all(t.qtype in self.K.SUPPORTED for t in parts), qtypes
 
     def expert_call(self, out, x, qtypes, raws, sel, offs, rows, rw, eids=None, biases=None, glu=None) -> None:

@@ -83,7 +83,7 @@ from numba.np.arrayobj import populate_array  # noqa: E402
 from functools import cache  # noqa: E402
 
 from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, x16_expert_shape, x16_shape  # noqa: E402
-from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_ROWS  # noqa: E402
+from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -1324,6 +1324,92 @@ def dot16_q4_k_x16(typingctx, w, n, q, d, m, r, out, col):
     return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), _x16_codegen
 
 
+# Q6_K experts in the same arrangement ("Q6_K_X16"; the experts' short rows: 3 blocks a row on the
+# 30B-A3B shape's down matrices, where the row kernel moved 8.5 GB/s from memory on one thread).
+# A group and block, X16_Q6_BLOCK = 16 x 210 bytes: d of the 16 rows (f16), the int8 scales
+# [sub-block of 16][row], then for k = 0..15, 192 bytes in the order the kernel reads them (three
+# vectors of 16 rows x 4 bytes; with the low and high bits apart, the kernel's three streams cost
+# it half its speed from memory): the low 4 bits of the stored values u = q + 32 (0..63) of
+# weights 4 k .. 4 k + 3 (low nibbles) and 4 (k + 32) .. (high); those of 4 (k + 16) .. and
+# 4 (k + 48) ..; then the high 2 bits of 4 k .., 4 (k + 16) .., 4 (k + 32) .., 4 (k + 48) .. in
+# bits 0-1, 2-3, 4-5, 6-7. The same bytes as the rows, so every shape stays.
+Q6_K_X16 = 256 + QTYPES_BY_NAME["Q6_K"].type_id
+Q6_Q = 32 + 256  # where the quants start
+
+
+def _x16_q6_codegen(context, builder, sig, args):
+    b = builder
+    wa = context.make_array(sig.args[0])(context, b, args[0])
+    n = args[1]
+    qa, da, ma = (context.make_array(t)(context, b, a) for t, a in zip(sig.args[2:5], args[2:5]))
+    r = args[5]
+    oa = context.make_array(sig.args[6])(context, b, args[6])
+    col = args[7]
+    rb = b.extract_value(wa.strides, 0)  # bytes a row
+    nb = b.udiv(b.mul(rb, _const(I64, X16)), _const(I64, X16_Q6_BLOCK))
+    w0 = b.gep(wa.data, [b.mul(n, rb)])
+    k_len, nblk = b.extract_value(qa.shape, 1), b.extract_value(da.shape, 1)
+    xb = b.bitcast(b.gep(qa.data, [b.mul(r, k_len)]), ir.PointerType(I8))
+    kk = b.mul(nblk, _const(I64, A))
+    lo_p, hi_p = b.gep(xb, [b.mul(kk, _const(I64, 2))]), b.gep(xb, [b.mul(kk, _const(I64, 3))])
+    xd = b.gep(da.data, [b.mul(r, nblk)])
+    xs = b.gep(ma.data, [b.add(b.mul(r, b.extract_value(ma.shape, 1)), nblk)])  # each 16 values' sum
+    V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
+    acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    zero = ir.Constant(V16I, [0] * 16)
+    nib, two = ir.Constant(V64, [15] * 64), ir.Constant(V64, [3] * 64)
+
+    def shr(v, k):
+        return b.lshr(v, ir.Constant(V64, [k] * 64)) if k else v
+
+    def spread(p, k):  # the 4 activation bytes at p + k in every lane
+        v = b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), _load(b, p, k, I32), _const(I32, 0))
+        return b.bitcast(b.shuffle_vector(v, v, ir.Constant(_vec(I32, 16), [0] * 16)), V64)
+
+    with cgutils.for_range(b, nb) as loop:
+        i = loop.index
+        blk = b.gep(w0, [b.mul(i, _const(I64, X16_Q6_BLOCK))])
+        d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
+        first = b.mul(i, _const(I64, 256))
+        for s in range(4):  # sub-blocks s, s + 4, s + 8, s + 12 (16 weights each) at once
+            sums = [zero] * 8  # per sub-block: high plane, low plane
+            for k4 in range(4):
+                k = 4 * s + k4
+                l0, l1, hv = (_load(b, blk, Q6_Q + 192 * k + 64 * v, V64) for v in range(3))
+                for idx, (lv, lsh, hsh) in enumerate(((l0, 0, 0), (l1, 0, 2), (l0, 4, 4), (l1, 4, 6))):
+                    q = b.or_(b.and_(shr(lv, lsh), nib), b.shl(b.and_(shr(hv, hsh), two), ir.Constant(V64, [4] * 64)))
+                    at = b.add(first, _const(I64, 4 * (k + 16 * idx)))
+                    sums[2 * idx] = _dpbusd(b, sums[2 * idx], q, spread(hi_p, at))
+                    sums[2 * idx + 1] = _dpbusd(b, sums[2 * idx + 1], spread(lo_p, at), q)
+            for idx in range(4):
+                sub = s + 4 * idx
+                isum = b.add(b.shl(sums[2 * idx], ir.Constant(V16I, [8] * 16)), sums[2 * idx + 1])
+                sc = b.sitofp(_load(b, blk, 32 + 16 * sub, _vec(I8, 16)), V16F)
+                at = b.add(b.mul(i, _const(I64, 8)), _const(I64, sub // 2))
+                dx = _splat(b, _load(b, xd, at, FLT, align=4), 16)
+                sx = _splat(b, _load(b, xs, b.add(b.mul(i, _const(I64, 16)), _const(I64, sub)), FLT, align=4), 16)
+                scale = b.fmul(b.fmul(d, sc), dx)
+                b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), scale, flags=FAST), flags=FAST), acc)
+                b.store(b.fadd(b.load(off), b.fmul(scale, sx)), off)
+    res = b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32.0] * 16)))
+    ob = b.gep(oa.data, [b.add(b.mul(r, b.extract_value(oa.shape, 1)), col)])
+    b.store(res, b.bitcast(ob, ir.PointerType(V16F)), align=4)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def dot16_q6_k_x16(typingctx, w, n, q, d, m, r, out, col):
+    """`dot16_q4_k_x16` for Q6_K_X16 weights."""
+    ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
+          and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.int16 and q.layout == "C"
+          and all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
+                  for a in (d, m, out)))
+    if not ok:
+        return None
+    return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), _x16_q6_codegen
+
+
 @njit(inline="always")
 def _repack_group(raw, o, w, o32, g, nb):
     """Group g (rows 16 g .. 16 g + 15) of Q4_K rows raw (uint8 [N, nb x 144], w: the same as
@@ -1369,6 +1455,52 @@ def repack_q4_k_x16_serial(raw, out):
         _repack_group(raw, o, w, o32, g, nb)
 
 
+@njit(inline="always")
+def _repack_q6_group(raw, o, g, nb):
+    """Group g of Q6_K rows raw (uint8 [N, nb x 210]) into o (uint8, flat) as Q6_K_X16."""
+    u = np.empty(256, np.uint8)
+    for i in range(nb):
+        base = (g * nb + i) * X16_Q6_BLOCK
+        for r in range(X16):
+            src = raw[g * X16 + r, i * 210 : (i + 1) * 210]
+            for h in range(2):  # ggml's dequantize_row_q6_K order
+                for l in range(32):
+                    a, c, qh = src[64 * h + l], src[64 * h + l + 32], src[128 + 32 * h + l]
+                    u[128 * h + l] = (a & 15) | ((qh & 3) << 4)
+                    u[128 * h + l + 32] = (c & 15) | (((qh >> 2) & 3) << 4)
+                    u[128 * h + l + 64] = (a >> 4) | (((qh >> 4) & 3) << 4)
+                    u[128 * h + l + 96] = (c >> 4) | (((qh >> 6) & 3) << 4)
+            o[base + 2 * r], o[base + 2 * r + 1] = src[208], src[209]
+            for t in range(16):
+                o[base + 32 + 16 * t + r] = src[192 + t]
+            for k in range(16):
+                at = base + Q6_Q + 192 * k + 4 * r
+                for t in range(4):
+                    o[at + t] = (u[4 * k + t] & 15) | ((u[4 * (k + 32) + t] & 15) << 4)
+                    o[at + 64 + t] = (u[4 * (k + 16) + t] & 15) | ((u[4 * (k + 48) + t] & 15) << 4)
+                    o[at + 128 + t] = ((u[4 * k + t] >> 4) | ((u[4 * (k + 16) + t] >> 4) << 2)
+                                       | ((u[4 * (k + 32) + t] >> 4) << 4) | ((u[4 * (k + 48) + t] >> 4) << 6))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def repack_q6_k_x16(raw, out):
+    """Q6_K rows raw (uint8 [N, K / 256 x 210], N a multiple of 16) -> out (the same shape) in the
+    Q6_K_X16 layout, on every thread."""
+    nb = raw.shape[1] // 210
+    o = out.reshape(-1)
+    for g in prange(raw.shape[0] // X16):
+        _repack_q6_group(raw, o, g, nb)
+
+
+@njit(cache=True, nogil=True)
+def repack_q6_k_x16_serial(raw, out):
+    """`repack_q6_k_x16` on the calling thread."""
+    nb = raw.shape[1] // 210
+    o = out.reshape(-1)
+    for g in range(raw.shape[0] // X16):
+        _repack_q6_group(raw, o, g, nb)
+
+
 def repacks(t) -> bool:
     """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in the X16 layout:
     quants.x16_shape, on AVX-512 VNNI (a tied output head reads the token embedding as it is)."""
@@ -1376,19 +1508,35 @@ def repacks(t) -> bool:
 
 
 def repacks_experts(t) -> bool:
-    """Whether the cpu backend's expert sources hold routed-expert tensor t in the X16 layout
-    (quants.x16_expert_shape, on AVX-512 VNNI): the model file's (resident) and a pool's slots
-    alike, so streamed and resident products are the same bits."""
+    """Whether the cpu backend's expert sources hold routed-expert tensor t in an X16 layout
+    (quants.x16_expert_shape: Q4_K or Q6_K, on AVX-512 VNNI): the model file's (resident) and a
+    pool's slots alike, so streamed and resident products are the same bits."""
     return VNNI and x16_expert_shape(t)
 
 
-def repack_x16(raw: np.ndarray) -> np.ndarray:
-    """A read-only X16 copy of Q4_K rows raw [..., N, row bytes] (each [N, row bytes] on its own:
-    N a multiple of 16), on every thread."""
-    out = np.empty((*raw.shape[:-1], raw.shape[-1] // 144 * (X16_BLOCK // X16)), np.uint8)
-    repack_q4_k_x16(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+def x16_row_bytes(qtype: int, row_bytes: int) -> int:
+    """Bytes a row of type qtype (Q4_K or Q6_K) takes in its X16 layout."""
+    return row_bytes if qtype == Q6_K_X16 - 256 else row_bytes // 144 * (X16_BLOCK // X16)
+
+
+def x16_type(qtype: int) -> int:
+    """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16)."""
+    return qtype + 256
+
+
+def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
+    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (Q4_K or Q6_K; each [N,
+    row bytes] on its own: N a multiple of 16), on every thread."""
+    out = np.empty((*raw.shape[:-1], x16_row_bytes(qtype, raw.shape[-1])), np.uint8)
+    kernel = repack_q6_k_x16 if qtype == Q6_K_X16 - 256 else repack_q4_k_x16
+    kernel(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
     out.flags.writeable = False
     return out
+
+
+def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
+    """`repack_x16` of one [N, row bytes] into out, on the calling thread."""
+    (repack_q6_k_x16_serial if qtype == Q6_K_X16 - 256 else repack_q4_k_x16_serial)(raw, out)
 
 
 @njit(cache=True, nogil=True)
@@ -1475,7 +1623,7 @@ DECODE = {n: _make_decode(n) for n in MORE_TYPES}
 
 def _tid(name: str) -> int:
     """The type id of a quant type's name, or of onebit's own repacked layout (Q4_K_X16)."""
-    return Q4_K_X16 if name == "Q4_K_X16" else QTYPES_BY_NAME[name].type_id
+    return {"Q4_K_X16": Q4_K_X16, "Q6_K_X16": Q6_K_X16}.get(name) or QTYPES_BY_NAME[name].type_id
 
 
 def _dispatch(table, args: str, doc: str, names=IR_TYPES, last="F32", extra=""):
@@ -1517,7 +1665,7 @@ _INT_ORDER = tuple(n for n in _ORDER if n in INT_TYPES)
 def _with_x16(names) -> tuple:
     """names, and the X16 layout first where Q4_K is among them and the machine has VNNI."""
     names = tuple(names)
-    return (("Q4_K_X16",) if VNNI and "Q4_K" in names else ()) + names
+    return tuple(f"{n}_X16" for n in ("Q4_K", "Q6_K") if VNNI and n in names) + names
 
 
 def _is_int(names) -> dict:
@@ -1595,8 +1743,17 @@ def _rows_x16(w, out, x, aq, ad, am, n0, n1, col):
             dot16_q4_k_x16(w, n, aq, ad, am, r, out, col + n)
 
 
+@njit(nogil=True)
+def _rows_x16_q6(w, out, x, aq, ad, am, n0, n1, col):
+    """`_rows_x16` of Q6_K_X16 weights."""
+    for n in range(n0, n1, X16):
+        for r in range(x.shape[0]):
+            dot16_q6_k_x16(w, n, aq, ad, am, r, out, col + n)
+
+
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS["Q4_K_X16"] = _rows_x16
+ROWS["Q6_K_X16"] = _rows_x16_q6
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 
@@ -1958,7 +2115,8 @@ def routed_rows(ids, weights, n_experts):
     return experts, offs, rows, rw
 
 
-SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows, repack_q4_k_x16, repack_q4_k_x16_serial)
+SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows, repack_q4_k_x16, repack_q4_k_x16_serial,
+             repack_q6_k_x16, repack_q6_k_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -2004,7 +2162,8 @@ def _typed(names: tuple[str, ...]) -> dict:
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
                                                             "route", "routed_rows", "repack_q4_k_x16",
-                                                            "repack_q4_k_x16_serial")}
+                                                            "repack_q4_k_x16_serial", "repack_q6_k_x16",
+                                                            "repack_q6_k_x16_serial")}
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
@@ -2169,6 +2328,8 @@ def _warm_small():
     routed_rows(ids2, w2, 32)
     repack_q4_k_x16(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
     repack_q4_k_x16_serial(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
+    repack_q6_k_x16(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
+    repack_q6_k_x16_serial(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
 
 
 def _cached(kernel) -> bool:

@@ -31,12 +31,12 @@ class ExpertLayout(Protocol):
     def shape(self, t) -> tuple[int, int]:
         """One expert of t as held: (rows, bytes a row)."""
 
-    def pack(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """One expert's rows src [rows, file row bytes] into dst [rows, held row bytes], on the
-        calling thread (releasing the interpreter lock)."""
+    def pack(self, t, src: np.ndarray, dst: np.ndarray) -> None:
+        """One expert of t, its rows src [rows, file row bytes], into dst [rows, held row bytes],
+        on the calling thread (releasing the interpreter lock)."""
 
-    def pack_all(self, raw: np.ndarray) -> np.ndarray:
-        """Every expert of a tensor, raw [E, rows, file row bytes] -> a read-only packed copy."""
+    def pack_all(self, t, raw: np.ndarray) -> np.ndarray:
+        """Every expert of t, raw [E, rows, file row bytes] -> a read-only packed copy."""
 
 
 class ExpertSource(Protocol):
@@ -87,7 +87,7 @@ class FileExperts:
         if self.layout is None or not self.layout.packs(t):
             return read_only(t.raw)
         self.gguf.populate(t)  # (mapped in one call rather than page by page as the packing reads)
-        packed = self.layout.pack_all(t.raw)
+        packed = self.layout.pack_all(t, t.raw)
         self.gguf.release(t, uncache=True)
         return packed
 
