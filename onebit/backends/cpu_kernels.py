@@ -1457,29 +1457,38 @@ def repack_q4_k_x16_serial(raw, out):
 
 @njit(inline="always")
 def _repack_q6_group(raw, o, g, nb):
-    """Group g of Q6_K rows raw (uint8 [N, nb x 210]) into o (uint8, flat) as Q6_K_X16."""
-    u = np.empty(256, np.uint8)
+    """Group g of Q6_K rows raw (uint8 [N, nb x 210]) into o (uint8, flat) as Q6_K_X16, 4 weights
+    a 32-bit word (one block's bytes first copied to an aligned buffer: rows of 210 bytes are not)."""
+    M4, M2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+    blk = np.empty(56, np.uint32)  # one row's block (210 bytes), word aligned
+    b8 = blk.view(np.uint8)
+    u = np.empty(64, np.uint32)  # its 256 stored values u = q + 32, 4 to a word, in weight order
+    o32 = o.view(np.uint32)
     for i in range(nb):
         base = (g * nb + i) * X16_Q6_BLOCK
         for r in range(X16):
             src = raw[g * X16 + r, i * 210 : (i + 1) * 210]
-            for h in range(2):  # ggml's dequantize_row_q6_K order
-                for l in range(32):
-                    a, c, qh = src[64 * h + l], src[64 * h + l + 32], src[128 + 32 * h + l]
-                    u[128 * h + l] = (a & 15) | ((qh & 3) << 4)
-                    u[128 * h + l + 32] = (c & 15) | (((qh >> 2) & 3) << 4)
-                    u[128 * h + l + 64] = (a >> 4) | (((qh >> 4) & 3) << 4)
-                    u[128 * h + l + 96] = (c >> 4) | (((qh >> 6) & 3) << 4)
-            o[base + 2 * r], o[base + 2 * r + 1] = src[208], src[209]
+            for q in range(52):  # (four byte loads LLVM makes one)
+                blk[q] = (np.uint32(src[4 * q]) | (np.uint32(src[4 * q + 1]) << 8) | (np.uint32(src[4 * q + 2]) << 16)
+                          | (np.uint32(src[4 * q + 3]) << 24))
+            b8[208], b8[209] = src[208], src[209]
+            for h in range(2):  # ggml's dequantize_row_q6_K order, 4 values at once
+                for l4 in range(8):
+                    a, c, qh = blk[16 * h + l4], blk[16 * h + 8 + l4], blk[32 + 8 * h + l4]
+                    u[32 * h + l4] = (a & M4) | ((qh & M2) << 4)
+                    u[32 * h + 8 + l4] = (c & M4) | (((qh >> 2) & M2) << 4)
+                    u[32 * h + 16 + l4] = ((a >> 4) & M4) | (((qh >> 4) & M2) << 4)
+                    u[32 * h + 24 + l4] = ((c >> 4) & M4) | (((qh >> 6) & M2) << 4)
+            o[base + 2 * r], o[base + 2 * r + 1] = b8[208], b8[209]
             for t in range(16):
-                o[base + 32 + 16 * t + r] = src[192 + t]
+                o[base + 32 + 16 * t + r] = b8[192 + t]
+            w0 = (base + Q6_Q) // 4 + r
             for k in range(16):
-                at = base + Q6_Q + 192 * k + 4 * r
-                for t in range(4):
-                    o[at + t] = (u[4 * k + t] & 15) | ((u[4 * (k + 32) + t] & 15) << 4)
-                    o[at + 64 + t] = (u[4 * (k + 16) + t] & 15) | ((u[4 * (k + 48) + t] & 15) << 4)
-                    o[at + 128 + t] = ((u[4 * k + t] >> 4) | ((u[4 * (k + 16) + t] >> 4) << 2)
-                                       | ((u[4 * (k + 32) + t] >> 4) << 4) | ((u[4 * (k + 48) + t] >> 4) << 6))
+                at = w0 + 48 * k
+                o32[at] = (u[k] & M4) | ((u[k + 32] & M4) << 4)
+                o32[at + 16] = (u[k + 16] & M4) | ((u[k + 48] & M4) << 4)
+                o32[at + 32] = (((u[k] >> 4) & M2) | (((u[k + 16] >> 4) & M2) << 2)
+                                | (((u[k + 32] >> 4) & M2) << 4) | (((u[k + 48] >> 4) & M2) << 6))
 
 
 @njit(parallel=True, cache=True, nogil=True)
