@@ -2124,12 +2124,12 @@ def routed_rows(ids, weights, n_experts):
     return experts, offs, rows, rw
 
 
-SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows, repack_q4_k_x16, repack_q4_k_x16_serial,
-             repack_q6_k_x16, repack_q6_k_x16_serial)
+SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
+REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
-           one_expert_oai)  # + SMALL_OPS
+           one_expert_oai)  # + SMALL_OPS, REPACKS
 
 
 # -- the kernels of a file's types -----------------------------------------------------------
@@ -2170,13 +2170,12 @@ def _typed(names: tuple[str, ...]) -> dict:
 # Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
-                                                            "route", "routed_rows", "repack_q4_k_x16",
-                                                            "repack_q4_k_x16_serial", "repack_q6_k_x16",
-                                                            "repack_q6_k_x16_serial")}
+                                                            "route", "routed_rows"),
+              "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial")}
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
-SMALL_COST, PART_COST, TYPE_COST = 3.5, 2.0, 1.6
+SMALL_COST, PART_COST, TYPE_COST, REPACK_COST = 3.5, 2.0, 1.6, 2.0
 
 
 class Kernels:
@@ -2194,7 +2193,7 @@ class Kernels:
         self.SUPPORTED = frozenset(SUPPORTED) if self.everything else frozenset(
             QTYPES_BY_NAME[n].type_id for n in self.names) & SUPPORTED
         own = globals() if self.everything else _typed(self.names)
-        for name in PRODUCTS + WARM_PARTS["small"]:
+        for name in PRODUCTS + WARM_PARTS["small"] + WARM_PARTS["repack"]:
             setattr(self, name, own[name] if name in own else globals()[name])
         self._warm = False
 
@@ -2254,7 +2253,7 @@ class Kernels:
         return time.perf_counter() - t0
 
     def _cost(self, part: str) -> float:
-        return SMALL_COST if part == "small" else PART_COST + TYPE_COST * len(self.names)
+        return {"small": SMALL_COST, "repack": REPACK_COST}.get(part, PART_COST + TYPE_COST * len(self.names))
 
     def warm_up(self) -> tuple[float, int]:
         """Load every kernel of this set now (compiling it the first time on this machine), so
@@ -2293,6 +2292,8 @@ class Kernels:
                 b = _ro(np.zeros((1, n), np.float32))
                 self.expert_ffn_oai(np.zeros((1, n), np.float32), x, h, h, h, ids, ids, offs, ids, one, t, t, t,
                                     b, b, b, 1.702, 7.0)
+            elif part == "repack":
+                _warm_repack()
             else:
                 _warm_small()
 
@@ -2303,7 +2304,9 @@ def parts_for(gguf) -> tuple[str, ...]:
     names = gguf.tensors.keys()
     experts = any("_exps.weight" in n for n in names)
     oai = any(n.endswith("ffn_gate_exps.bias") for n in names)
-    return ("dense", "fused", "small") + (("experts_oai",) if oai else ("experts",) if experts else ())
+    repack = any(repacks(t) or repacks_experts(t) for t in gguf.tensors.values())  # (the X16 layouts)
+    return (("dense", "fused", "small") + (("experts_oai",) if oai else ("experts",) if experts else ())
+            + (("repack",) if repack else ()))
 
 
 def kernels_for(gguf) -> Kernels:
@@ -2335,6 +2338,9 @@ def _warm_small():
     attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
     ids2, w2 = route(xr, 2, True)
     routed_rows(ids2, w2, 32)
+
+
+def _warm_repack():
     repack_q4_k_x16(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
     repack_q4_k_x16_serial(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
     repack_q6_k_x16(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
