@@ -69,7 +69,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q8_0,Q4_0,MXFP4,IQ4_XS,F16,BF16",
+    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q4_0,MXFP4,IQ4_XS,F16,BF16",
                     help="Q4_K_X16: Q4_K in the cpu backend's repacked layout (dense shapes, AVX-512 VNNI)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
@@ -92,32 +92,35 @@ def main() -> int:
     wanted = [s for s in SHAPES if not args.shapes or any(s[0].startswith(p) for p in args.shapes.split(","))]
     for label, kind, N, Kin, *rest in wanted:
         for name in args.types.split(","):
-            x16 = name == "Q4_K_X16"  # the cpu backend's repacked Q4_K (dense matrices, AVX-512 VNNI)
-            if x16 and (kind != "dense" or not getattr(K, "VNNI", False) or not hasattr(K, "Q4_K_X16")):
+            x16 = name.endswith("_X16")  # the cpu backend's repacked Q4_K (matrices, experts) and Q6_K (experts)
+            if x16 and (not getattr(K, "VNNI", False) or not hasattr(K, name)):
                 continue
-            qt = QTYPES_BY_NAME["Q4_K" if x16 else name]
+            qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
+            tid = getattr(K, name) if x16 else qt.type_id
             if Kin % qt.block_size or (kind == "experts" and N % qt.block_size):
                 continue
             if kind == "dense":
                 w = random_blocks(qt.name, (N, Kin), rng)
-                w = K.repack_x16(w) if x16 else w
+                w = K.repack_x16(w, qt.type_id) if x16 else w
                 w.flags.writeable = False
                 nbytes, macs = w.nbytes, N * Kin
 
-                def run(R, w=w, N=N, Kin=Kin, t=K.Q4_K_X16 if x16 else qt.type_id):
+                def run(R, w=w, N=N, Kin=Kin, t=tid):
                     x = rng.standard_normal((R, Kin)).astype(np.float32)
                     out = np.empty((R, N), np.float32)
                     return lambda: K.matmul(out, x, w, t)
             else:
                 E = rest[0]
-                gate, up = (random_blocks(name, (E, N, Kin), rng) for _ in range(2))
-                down = random_blocks(name, (E, Kin, N), rng)
+                gate, up = (random_blocks(qt.name, (E, N, Kin), rng) for _ in range(2))
+                down = random_blocks(qt.name, (E, Kin, N), rng)
+                if x16:
+                    gate, up, down = (K.repack_x16(a, qt.type_id) for a in (gate, up, down))
                 for a in (gate, up, down):
                     a.flags.writeable = False
                 nbytes = 8 * (gate[0].nbytes + up[0].nbytes + down[0].nbytes)
                 macs = 8 * 3 * N * Kin
 
-                def run(R, gate=gate, up=up, down=down, E=E, Kin=Kin, t=qt.type_id):
+                def run(R, gate=gate, up=up, down=down, E=E, Kin=Kin, t=tid):
                     x = (rng.standard_normal((R, Kin)) * 0.1).astype(np.float32)
                     ids = np.stack([rng.choice(E, 8, replace=False) for _ in range(R)])
                     wts = np.full((R, 8), 0.125, np.float32)
