@@ -131,7 +131,7 @@ class Model:
                 self._map_weights(skip=lambda t: dense(t) or (layout is not None and layout.packs(t)))
             be = open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
             if name == "cpu":
-                be.repack()
+                be.repack(experts=plan.fits)
             return plan, pool, be, predict
         except BaseException:
             if pool is not None:

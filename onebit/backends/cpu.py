@@ -141,18 +141,20 @@ class CpuBackend(NumpyBackend):
         self._fused: dict[tuple, tuple] = {}
         self._inv_freq: dict[tuple, np.ndarray] = {}
 
-    def repack(self) -> None:
+    def repack(self, experts: bool = True) -> None:
         """Make every repacked matrix now (`_product_raw`), as llama.cpp repacks at load: not
         inside the first prompt; and hold the file's experts in the X16Experts layout (a pool's
         slots get it from the pool). A model's own backend does at load; one that serves a
         device backend's predictor does not: it repacks only the matrices it uses, when it
-        uses them, and reads experts as its source holds them."""
+        uses them, and reads experts as its source holds them. Not the file's experts when
+        `experts` is false (a model loaded resident past its budget: copies of every expert
+        would take memory the file's map could at least give back)."""
         from . import cpu_kernels as K
 
         for name, t in self.gguf.tensors.items():
             if K.repacks(t):
                 self._product_raw(name)
-        if type(self.source) is FileExperts and self.source.layout is None and K.VNNI:
+        if experts and type(self.source) is FileExperts and self.source.layout is None and K.VNNI:
             self.source = FileExperts(self.gguf, X16Experts(self.gguf))  # (a pool packs as it fills: Model gives it the layout)
             self.source.pack()
             self._layer_parts.clear()

@@ -21,7 +21,7 @@ from ..gguf_file import EXPERT_PARTS
 
 class ExpertLayout(Protocol):
     """How a backend holds some routed-expert tensors other than as the file has them (the cpu
-    backend's X16 layout of Q4_K experts): every source of that backend holds them so, the
+    backend's X16 layouts of Q4_K and Q6_K experts): every source of that backend holds them so, the
     file's (packed at load) and a pool's slots (packed as each is filled), so the kernels read
     the same bytes whichever source it is."""
 
