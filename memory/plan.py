@@ -299,8 +299,11 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     prints: the same function, so they agree.
 
     - Every expert resident when that whole plan takes at most RESIDENT_SHARE of the budget
-      (the file's pages must stay in memory beside everything else); otherwise experts stream
-      through as many slots as fit (`slots` overrides the count).
+      (the file's pages must stay in memory beside everything else), the default context
+      halving for it down to MIN_CONTEXT (a 30B-A3B at Q4_K_M on 24 GiB: 4096 -> 2048, where
+      streaming 6098 of its 6144 experts decoded 9.2-10.8 tok/s against 12.2-13.0 resident,
+      bench/results/issue33-scale.md, seventh session); otherwise experts stream through as
+      many slots as fit (`slots` overrides the count).
     - `ctx` None: the default context, min(model's, DEFAULT_CONTEXT); when streaming it halves
       while the context's memory (KV cache and attention scratch) takes more than
       CONTEXT_SHARE of what the expert slots get, or while the plan does not fit, down to
@@ -330,11 +333,16 @@ def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend) -> Memo
     ctx = ctx if ctx is not None else _default_ctx(cfg)
     plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, backend=backend)
     if plan.classes:
-        everything = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=plan.all_experts,
-                               verify_rows=verify_rows, backend=backend)
-        if everything.total <= RESIDENT_SHARE * budget.bytes:
-            everything.decision = _decision(everything, None)
-            return everything
+        c = ctx
+        while True:  # every expert resident within the margin, the default context halving for it
+            everything = make_plan(g, cfg, budget, ctx=c, layers=layers, slots=plan.all_experts,
+                                   verify_rows=verify_rows, backend=backend)
+            if everything.total <= RESIDENT_SHARE * budget.bytes:
+                everything.decision = _decision(everything, ctx if c != ctx else None, "every expert stays resident")
+                return everything
+            if asked is not None or c <= min(MIN_CONTEXT, ctx):
+                break
+            c = max(c // 2, min(MIN_CONTEXT, ctx))
         if not plan.streaming:  # everything fits, but not with the margin: the slots that fit within it
             within = make_plan(g, cfg, dataclasses.replace(budget, bytes=int(RESIDENT_SHARE * budget.bytes)),
                                ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, backend=backend)
@@ -360,7 +368,7 @@ def _context_bytes(plan: MemoryPlan) -> int:
     return _item(plan.items, "KV cache")
 
 
-def _decision(plan: MemoryPlan, reduced_from: Optional[int]) -> str:
+def _decision(plan: MemoryPlan, reduced_from: Optional[int], why: str = "the experts keep their share") -> str:
     b = f"budget {format_bytes(plan.budget.bytes)} ({plan.budget.source})"
     if not plan.classes:
         what = "all weights resident"
@@ -369,8 +377,7 @@ def _decision(plan: MemoryPlan, reduced_from: Optional[int]) -> str:
     else:
         what = (f"streaming experts: {sum(plan.slots)} of {plan.all_experts} in slots "
                 f"({format_bytes(_item(plan.items, 'expert slots'))})")
-    ctx = f"context {plan.ctx}" + (f" (reduced from {reduced_from} so the experts keep their share)"
-                                   if reduced_from else "")
+    ctx = f"context {plan.ctx}" + (f" (reduced from {reduced_from} so {why})" if reduced_from else "")
     return f"{what}, {ctx}, {b}"
 
 

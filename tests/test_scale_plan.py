@@ -23,7 +23,8 @@ import onebit
 from conftest import fixture_path
 from onebit.gguf_file import GGUFFile
 from onebit.memory.budget import Budget
-from onebit.memory.plan import (CONTEXT_SHARE, DEFAULT_CONTEXT, MIN_CONTEXT, PlanError, make_plan, plan_load)
+from onebit.memory.plan import (CONTEXT_SHARE, DEFAULT_CONTEXT, MIN_CONTEXT, RESIDENT_SHARE, PlanError, make_plan,
+                                plan_load)
 from onebit.models import network_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,31 @@ def test_the_default_context_gives_way_to_expert_slots_when_streaming(big_shape)
     # and a budget that holds every expert with room: resident, the default context
     roomy = plan_load(g, cfg, Budget(2 * everything.total, "test", 1 << 40))
     assert not roomy.streaming and roomy.ctx == DEFAULT_CONTEXT
+
+
+def test_the_default_context_gives_way_to_keep_every_expert_resident(big_shape):
+    """A budget where every expert is resident within the margin at half the default context
+    but not at the default: resident, the context halved and said; asked for, the context is
+    kept and the experts stream."""
+    g = GGUFFile(big_shape)
+    cfg = network_class(g.architecture, g.path).config(g)
+    every = 2 * cfg.n_experts
+    big = Budget(1 << 40, "test", 1 << 40)
+    full, half = (make_plan(g, cfg, big, ctx=c, slots=every).total for c in (DEFAULT_CONTEXT, DEFAULT_CONTEXT // 2))
+    b = Budget(int(half / RESIDENT_SHARE) + 1, "test", 1 << 40)
+    assert full > RESIDENT_SHARE * b.bytes >= half  # (the default context misses the margin; half of it does not)
+    p = plan_load(g, cfg, b)
+    assert not p.streaming and p.ctx == DEFAULT_CONTEXT // 2 and p.total == half
+    assert p.decision.startswith("all 256 experts resident") and \
+        f"context {p.ctx} (reduced from {DEFAULT_CONTEXT} so every expert stays resident)" in p.decision
+    asked = plan_load(g, cfg, b, ctx=DEFAULT_CONTEXT)
+    assert asked.streaming and asked.ctx == DEFAULT_CONTEXT and "reduced" not in asked.decision
+    m = onebit.load(big_shape, budget=str(b.bytes), backend="cpu")  # the runtime takes the same plan
+    try:
+        assert m.pool is None and m.context_length == DEFAULT_CONTEXT // 2
+        assert f"(reduced from {DEFAULT_CONTEXT} so every expert stays resident)" in m.decision
+    finally:
+        m.close()
 
 
 def test_an_asked_for_context_that_cannot_fit_is_refused_with_the_plans_numbers(big_shape):
