@@ -154,8 +154,10 @@ class CpuBackend(NumpyBackend):
         for name, t in self.gguf.tensors.items():
             if K.repacks(t):
                 self._product_raw(name)
-        if experts and type(self.source) is FileExperts and self.source.layout is None and K.VNNI:
-            self.source = FileExperts(self.gguf, X16Experts(self.gguf))  # (a pool packs as it fills: Model gives it the layout)
+        layout = X16Experts(self.gguf)
+        if (experts and type(self.source) is FileExperts and self.source.layout is None
+                and any(n.endswith("_exps.weight") and layout.packs(t) for n, t in self.gguf.tensors.items())):
+            self.source = FileExperts(self.gguf, layout)  # (a pool packs as it fills: Model gives it the layout)
             self.source.pack()
             self._layer_parts.clear()
 
