@@ -116,13 +116,19 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
 
 
 @pytest.mark.parametrize("name,slots", [("qwen3moe-f32.gguf", 14), ("glm4moe-f32.gguf", 8), ("q3moe256-Q4_K_M.gguf", 6)])
-def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, slots):
+def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, slots, monkeypatch):
     """Once a step's experts were all hits, the next runs as one submission, its routers writing
     the slot table from the pool's (graph.py Recording.by_table); one that routes to an expert
     not pooled is refused and run again with pauses. Against the same decode with every
     streamed layer pausing: the same logits bit for bit, the same pool counts (hits, misses,
-    bytes) and the same routing trace."""
+    bytes) and the same routing trace. (No acquire counts as a scan here: a scan reads the next
+    layer ahead, and which slot a later miss evicts then depends on whether those reads have
+    finished, which the thread scheduler decides: under load the two runs' counts differed by
+    one hit.)"""
+    from onebit.memory import pool as P
     from onebit.moe.trace import TraceWriter
+
+    monkeypatch.setattr(P, "PROMPT_SHARE", 2.0)  # (more than every expert: no acquire is a scan)
 
     path = fixture_path(name)
     prompt = _prompt(path)[:8]
