@@ -18,7 +18,7 @@ from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_posit
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.quants import X16_BLOCK, X16_ROWS, x16_bytes, x16_experts, x16_shape
+from onebit.quants import QTYPES_BY_NAME, x16_bytes, x16_experts, x16_shape
 
 from .budget import Budget, format_bytes
 
@@ -31,6 +31,7 @@ RUNTIME_BYTES = 256 << 20
 RESIDENT_SHARE = 0.9  # a load holds every expert resident only when that plan takes <= 90% of the budget
 CONTEXT_SHARE = 0.25  # a default context may take at most this share of what the expert slots get ...
 MIN_CONTEXT = 1024  # ... shrinking by halves, not below this (nor below what the caller asked for)
+Q4_K = QTYPES_BY_NAME["Q4_K"].type_id
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 
 
@@ -211,7 +212,7 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         largest = 0
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
     repacked = sum(t.n_bytes for t in resident if x16_shape(t)) if backend == "cpu" else 0
-    grown = repacked * (X16_BLOCK - X16_ROWS * 144) // (X16_ROWS * 144)  # (counted where the machine lacks VNNI too)
+    grown = x16_bytes(repacked, Q4_K) - repacked  # (counted where the machine lacks VNNI too)
     if grown:
         detail += f"; Q4_K matrices repacked for the cpu kernels: +{format_bytes(grown)}"
     items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),

@@ -226,12 +226,11 @@ class ExpertPool:
             (layer, part): _Source(gguf.tensor(f"blk.{layer}.{part}.weight"))
             for c in classes for layer in c.layers for part in EXPERT_PARTS
         }
-        self.layout = layout
-        self.packed = {key: layout is not None and layout.packs(gguf.tensor(f"blk.{key[0]}.{key[1]}.weight"))
-                       for key in self.sources}  # (layer, part) -> held packed
+        self.layout = layout  # (the cpu backend reads the slots' type ids from it)
         for (layer, part), src in self.sources.items():
-            if self.packed[(layer, part)]:
-                src.pack = functools.partial(layout.pack, gguf.tensor(f"blk.{layer}.{part}.weight"))
+            t = gguf.tensor(f"blk.{layer}.{part}.weight")
+            if layout is not None and layout.packs(t):
+                src.pack = functools.partial(layout.pack, t)
         self.buffers: list[dict[str, np.ndarray]] = []
         self._views: list[list[np.ndarray]] = []  # per class: the parts' buffers, read only (arrays())
         self.slots: list[list[_Slot]] = []
@@ -242,7 +241,7 @@ class ExpertPool:
             bufs = {}
             for part in EXPERT_PARTS:
                 t = gguf.tensor(f"blk.{layer0}.{part}.weight")
-                held = layout.shape(t) if self.packed[(layer0, part)] else t.raw.shape[1:]
+                held = t.raw.shape[1:] if self.sources[(layer0, part)].pack is None else layout.shape(t)
                 shape = (n, *held)  # [slots, rows, row_bytes]
                 bufs[part] = np.zeros(shape, np.uint8) if allocate is None else allocate(shape)
                 if bufs[part].shape != shape or bufs[part].dtype != np.uint8:
@@ -467,6 +466,11 @@ class ExpertPool:
             r.close()
 
     @property
+    def packed(self) -> dict:
+        """(layer, part) -> whether its slots hold it in the backend's layout (packed as read)."""
+        return {key: src.pack is not None for key, src in self.sources.items()}
+
+    @property
     def nbytes(self) -> int:
         return sum(b.nbytes for bufs in self.buffers for b in bufs.values())
 
@@ -636,7 +640,7 @@ class ExpertPool:
                     src = self.sources[(layer, part)]
                     dst = self.buffers[s.cls][part][s.index]
                     at = src.offset + e * src.nbytes
-                    if self.packed[(layer, part)]:
+                    if src.pack is not None:
                         n += self.readers[src.file].read_into(dst, at, src.shape, src.pack)
                     else:
                         n += self.readers[src.file].read_into(dst, at)

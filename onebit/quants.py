@@ -385,7 +385,8 @@ def x16_experts(tensors: dict, t) -> bool:
 
 
 def x16_bytes(n_bytes: int, qtype: int) -> int:
-    """The bytes n_bytes of rows of type qtype (Q4_K or Q6_K) take in their X16 layout."""
+    """The bytes n_bytes of rows of type qtype (Q4_K or Q6_K) take in their X16 layout (a row's,
+    or a tensor's)."""
     if qtype == QTYPES_BY_NAME["Q6_K"].type_id:
         return n_bytes
-    return n_bytes // (X16_ROWS * 144) * X16_BLOCK
+    return n_bytes // 144 * (X16_BLOCK // X16_ROWS)

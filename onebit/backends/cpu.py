@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS
-from ..quants import x16_experts
+from ..quants import x16_bytes, x16_experts
 from .experts import FileExperts, read_only
 from .numpy_backend import NumpyBackend
 
@@ -95,9 +95,7 @@ class X16Experts:
                 and all(n in tensors and tensors[n].qtype in K.SUPPORTED for n in names))
 
     def shape(self, t) -> tuple[int, int]:
-        from . import cpu_kernels as K
-
-        return t.shape[1], K.x16_row_bytes(t.qtype, t.raw.shape[-1])
+        return t.shape[1], x16_bytes(t.raw.shape[-1], t.qtype)
 
     def pack(self, t, src: np.ndarray, dst: np.ndarray) -> None:
         from . import cpu_kernels as K

@@ -82,7 +82,7 @@ from numba.np.arrayobj import populate_array  # noqa: E402
 
 from functools import cache  # noqa: E402
 
-from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, x16_expert_shape, x16_shape  # noqa: E402
+from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, x16_bytes, x16_expert_shape, x16_shape  # noqa: E402
 from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
@@ -1254,8 +1254,11 @@ X16, X16_BLOCK = X16_ROWS, X16_BLOCK_BYTES
 Q4_K_X16 = 256 + QTYPES_BY_NAME["Q4_K"].type_id  # (a type id of onebit's own, beside GGUF's)
 
 
-def _x16_codegen(context, builder, sig, args):
-    b = builder
+def _x16_frame(context, b, sig, args, block: int):
+    """What an X16 dot's code starts from (its args as `dot16_q4_k_x16` takes them): the groups'
+    block count nb and first block w0 for weight row n, activation row r's byte planes lo_p,
+    hi_p, its block scales xd and its sums row xm, a store of the 16 results, and spread(p, k):
+    the 4 activation bytes at p + k in every lane."""
     wa = context.make_array(sig.args[0])(context, b, args[0])
     n = args[1]
     qa, da, ma = (context.make_array(t)(context, b, a) for t, a in zip(sig.args[2:5], args[2:5]))
@@ -1263,7 +1266,7 @@ def _x16_codegen(context, builder, sig, args):
     oa = context.make_array(sig.args[6])(context, b, args[6])
     col = args[7]
     rb = b.extract_value(wa.strides, 0)  # bytes a row
-    nb = b.udiv(b.mul(rb, _const(I64, X16)), _const(I64, X16_BLOCK))
+    nb = b.udiv(b.mul(rb, _const(I64, X16)), _const(I64, block))
     w0 = b.gep(wa.data, [b.mul(n, rb)])
     k_len, nblk = b.extract_value(qa.shape, 1), b.extract_value(da.shape, 1)
     xb = b.bitcast(b.gep(qa.data, [b.mul(r, k_len)]), ir.PointerType(I8))
@@ -1271,14 +1274,39 @@ def _x16_codegen(context, builder, sig, args):
     lo_p, hi_p = b.gep(xb, [b.mul(kk, _const(I64, 2))]), b.gep(xb, [b.mul(kk, _const(I64, 3))])
     xd = b.gep(da.data, [b.mul(r, nblk)])
     xm = b.gep(ma.data, [b.mul(r, b.extract_value(ma.shape, 1))])
+    V16F = _vec(FLT, 16)
+
+    def store(res):
+        ob = b.gep(oa.data, [b.add(b.mul(r, b.extract_value(oa.shape, 1)), col)])
+        b.store(res, b.bitcast(ob, ir.PointerType(V16F)), align=4)
+
+    def spread(p, k):
+        v = b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), _load(b, p, k, I32), _const(I32, 0))
+        return b.bitcast(b.shuffle_vector(v, v, ir.Constant(_vec(I32, 16), [0] * 16)), _vec(I8, 64))
+
+    return nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread
+
+
+def _x16_typer(codegen):
+    """The typing of an X16 dot intrinsic (see `dot16_q4_k_x16`) with its code `codegen`."""
+    def typer(typingctx, w, n, q, d, m, r, out, col):
+        ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
+              and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.int16 and q.layout == "C"
+              and all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
+                      for a in (d, m, out)))
+        if not ok:
+            return None
+        return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), codegen
+    return typer
+
+
+def _x16_codegen(context, builder, sig, args):
+    b = builder
+    nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, X16_BLOCK)
     V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
     acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     zero = ir.Constant(V16I, [0] * 16)
-
-    def spread(p, k):  # the 4 activation bytes at p + k in every lane
-        v = b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), _load(b, p, k, I32), _const(I32, 0))
-        return b.bitcast(b.shuffle_vector(v, v, ir.Constant(_vec(I32, 16), [0] * 16)), V64)
 
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
@@ -1305,23 +1333,13 @@ def _x16_codegen(context, builder, sig, args):
                 scale = b.fmul(b.fmul(d, sc), dx)
                 b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), scale, flags=FAST), flags=FAST), acc)
                 b.store(b.fadd(b.load(off), b.fmul(b.fmul(dmin, mn), mx)), off)
-    res = b.fsub(b.load(acc), b.load(off))
-    ob = b.gep(oa.data, [b.add(b.mul(r, b.extract_value(oa.shape, 1)), col)])
-    b.store(res, b.bitcast(ob, ir.PointerType(V16F)), align=4)
+    store(b.fsub(b.load(acc), b.load(off)))
     return context.get_dummy_value()
 
 
-@intrinsic
-def dot16_q4_k_x16(typingctx, w, n, q, d, m, r, out, col):
-    """out[r, col : col + 16] = rows n .. n + 15 of X16-packed Q4_K weights w (uint8 [N, row
-    bytes], n a multiple of 16) . activation row r of (q, d, m) = quantize_acts(x)."""
-    ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
-          and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.int16 and q.layout == "C"
-          and all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
-                  for a in (d, m, out)))
-    if not ok:
-        return None
-    return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), _x16_codegen
+dot16_q4_k_x16 = intrinsic(_x16_typer(_x16_codegen))
+dot16_q4_k_x16.__doc__ = """out[r, col : col + 16] = rows n .. n + 15 of X16-packed Q4_K weights w (uint8
+[N, row bytes], n a multiple of 16) . activation row r of (q, d, m) = quantize_acts(x)."""
 
 
 # Q6_K experts in the same arrangement ("Q6_K_X16"; the experts' short rows: 3 blocks a row on the
@@ -1339,21 +1357,8 @@ Q6_Q = 32 + 256  # where the quants start
 
 def _x16_q6_codegen(context, builder, sig, args):
     b = builder
-    wa = context.make_array(sig.args[0])(context, b, args[0])
-    n = args[1]
-    qa, da, ma = (context.make_array(t)(context, b, a) for t, a in zip(sig.args[2:5], args[2:5]))
-    r = args[5]
-    oa = context.make_array(sig.args[6])(context, b, args[6])
-    col = args[7]
-    rb = b.extract_value(wa.strides, 0)  # bytes a row
-    nb = b.udiv(b.mul(rb, _const(I64, X16)), _const(I64, X16_Q6_BLOCK))
-    w0 = b.gep(wa.data, [b.mul(n, rb)])
-    k_len, nblk = b.extract_value(qa.shape, 1), b.extract_value(da.shape, 1)
-    xb = b.bitcast(b.gep(qa.data, [b.mul(r, k_len)]), ir.PointerType(I8))
-    kk = b.mul(nblk, _const(I64, A))
-    lo_p, hi_p = b.gep(xb, [b.mul(kk, _const(I64, 2))]), b.gep(xb, [b.mul(kk, _const(I64, 3))])
-    xd = b.gep(da.data, [b.mul(r, nblk)])
-    xs = b.gep(ma.data, [b.add(b.mul(r, b.extract_value(ma.shape, 1)), nblk)])  # each 16 values' sum
+    nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, X16_Q6_BLOCK)
+    xs = b.gep(xm, [nblk])  # each 16 values' sum
     V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
     acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
@@ -1362,10 +1367,6 @@ def _x16_q6_codegen(context, builder, sig, args):
 
     def shr(v, k):
         return b.lshr(v, ir.Constant(V64, [k] * 64)) if k else v
-
-    def spread(p, k):  # the 4 activation bytes at p + k in every lane
-        v = b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), _load(b, p, k, I32), _const(I32, 0))
-        return b.bitcast(b.shuffle_vector(v, v, ir.Constant(_vec(I32, 16), [0] * 16)), V64)
 
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
@@ -1392,22 +1393,12 @@ def _x16_q6_codegen(context, builder, sig, args):
                 scale = b.fmul(b.fmul(d, sc), dx)
                 b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), scale, flags=FAST), flags=FAST), acc)
                 b.store(b.fadd(b.load(off), b.fmul(scale, sx)), off)
-    res = b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32.0] * 16)))
-    ob = b.gep(oa.data, [b.add(b.mul(r, b.extract_value(oa.shape, 1)), col)])
-    b.store(res, b.bitcast(ob, ir.PointerType(V16F)), align=4)
+    store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32.0] * 16))))
     return context.get_dummy_value()
 
 
-@intrinsic
-def dot16_q6_k_x16(typingctx, w, n, q, d, m, r, out, col):
-    """`dot16_q4_k_x16` for Q6_K_X16 weights."""
-    ok = (isinstance(w, types.Array) and w.ndim == 2 and w.dtype == types.uint8 and w.layout == "C"
-          and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.int16 and q.layout == "C"
-          and all(isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.float32 and a.layout == "C"
-                  for a in (d, m, out)))
-    if not ok:
-        return None
-    return types.none(w, types.int64, q, d, m, types.int64, out, types.int64), _x16_q6_codegen
+dot16_q6_k_x16 = intrinsic(_x16_typer(_x16_q6_codegen))
+dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 
 
 @njit(inline="always")
@@ -1523,11 +1514,6 @@ def repacks_experts(t) -> bool:
     return VNNI and x16_expert_shape(t)
 
 
-def x16_row_bytes(qtype: int, row_bytes: int) -> int:
-    """Bytes a row of type qtype (Q4_K or Q6_K) takes in its X16 layout."""
-    return row_bytes if qtype == Q6_K_X16 - 256 else row_bytes // 144 * (X16_BLOCK // X16)
-
-
 def x16_type(qtype: int) -> int:
     """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16)."""
     return qtype + 256
@@ -1536,8 +1522,8 @@ def x16_type(qtype: int) -> int:
 def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
     """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (Q4_K or Q6_K; each [N,
     row bytes] on its own: N a multiple of 16), on every thread."""
-    out = np.empty((*raw.shape[:-1], x16_row_bytes(qtype, raw.shape[-1])), np.uint8)
-    kernel = repack_q6_k_x16 if qtype == Q6_K_X16 - 256 else repack_q4_k_x16
+    out = np.empty((*raw.shape[:-1], x16_bytes(raw.shape[-1], qtype)), np.uint8)
+    kernel = repack_q6_k_x16 if x16_type(qtype) == Q6_K_X16 else repack_q4_k_x16
     kernel(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
     out.flags.writeable = False
     return out
@@ -1545,7 +1531,7 @@ def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> 
 
 def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
     """`repack_x16` of one [N, row bytes] into out, on the calling thread."""
-    (repack_q6_k_x16_serial if qtype == Q6_K_X16 - 256 else repack_q4_k_x16_serial)(raw, out)
+    (repack_q6_k_x16_serial if x16_type(qtype) == Q6_K_X16 else repack_q4_k_x16_serial)(raw, out)
 
 
 @njit(cache=True, nogil=True)
