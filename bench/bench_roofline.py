@@ -7,11 +7,14 @@ memory bandwidth, prompt GFLOP/s against its float32 matrix-product peak.
 Shapes (weight rows N x row length K): the 30B-A3B shape's attention (q 4096 x 2048, k/v 512 x
 2048, o 2048 x 4096) and its routed experts (8 of 128, gate/up 768 x 2048, down 2048 x 768, one
 `expert_ffn` call as a decode token makes), its output matrix (151936 x 2048); the 0.86B file's
-experts (8 of 64, 256 x 1024) and q (1024 x 1024); Gemma 3 270M's output (262144 x 640, Q8_0 and
-Q6_K-less: 640 is not a multiple of 256). Each in each --types type that fits the row length.
+experts (8 of 64, 256 x 1024) and q (1024 x 1024); gpt-oss-20b's experts (4 of 32, 2880 x 2880);
+Gemma 3 270M's output (262144 x 640, Q8_0 and Q6_K-less: 640 is not a multiple of 256). Each in
+each --types type that fits the row length.
 
-Decode: one activation row; GB/s = weight bytes the call reads / median time (experts: the 8
-chosen experts' bytes). Prompt: --prompt activation rows (experts: each row routed to 8 of the
+Decode: one activation row; GB/s = weight bytes the call reads / median time (experts: the k
+chosen experts' bytes; each call routes anew, one of 16 routings in turn, so the experts of one
+call are not the last call's, as a decode token's are not: on the 30B shape the same 8 experts
+each call ran from the cache). Prompt: --prompt activation rows (experts: each row routed to 8 of the
 experts at random, as a prompt chunk is); GFLOP/s = 2 x MACs / median time. Yardsticks measured
 in the same run: memory bandwidth (numpy sums over two halves of a 1 GiB array on two threads,
 best of 5) and the float32 peak (numpy's BLAS sgemm of 2048 x 2048 matrices, two threads, best
@@ -51,6 +54,7 @@ SHAPES = [  # label, kind, N, K (experts: hidden, dim, n_experts)
     ("30B output", "dense", 151936, 2048),
     ("0.86B attn q", "dense", 1024, 1024),
     ("0.86B experts 8/64", "experts", 256, 1024, 64),
+    ("gpt-oss-20b experts 4/32", "experts", 2880, 2880, 32, 4),
     ("Gemma 270M output", "dense", 262144, 640),
 ]
 
@@ -69,8 +73,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q4_0,MXFP4,IQ4_XS,F16,BF16",
-                    help="Q4_K_X16: Q4_K in the cpu backend's repacked layout (dense shapes, AVX-512 VNNI)")
+    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q4_0,Q4_0_X16,MXFP4,MXFP4_X16,IQ4_XS,"
+                    "F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout (AVX-512 VNNI; Q4_K "
+                    "matrices and experts, Q6_K, MXFP4 and Q4_0 experts)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = ap.parse_args()
@@ -92,8 +97,10 @@ def main() -> int:
     wanted = [s for s in SHAPES if not args.shapes or any(s[0].startswith(p) for p in args.shapes.split(","))]
     for label, kind, N, Kin, *rest in wanted:
         for name in args.types.split(","):
-            x16 = name.endswith("_X16")  # the cpu backend's repacked Q4_K (matrices, experts) and Q6_K (experts)
+            x16 = name.endswith("_X16")  # the cpu backend's repacked layouts
             if x16 and (not getattr(K, "VNNI", False) or not hasattr(K, name)):
+                continue
+            if x16 and kind == "dense" and name not in ("Q4_K_X16", "Q4_0_X16"):  # (the others: experts only)
                 continue
             qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
             tid = getattr(K, name) if x16 else qt.type_id
@@ -110,23 +117,28 @@ def main() -> int:
                     out = np.empty((R, N), np.float32)
                     return lambda: K.matmul(out, x, w, t)
             else:
-                E = rest[0]
+                E, k = rest[0], (rest[1:] or [8])[0]
                 gate, up = (random_blocks(qt.name, (E, N, Kin), rng) for _ in range(2))
                 down = random_blocks(qt.name, (E, Kin, N), rng)
                 if x16:
                     gate, up, down = (K.repack_x16(a, qt.type_id) for a in (gate, up, down))
                 for a in (gate, up, down):
                     a.flags.writeable = False
-                nbytes = 8 * (gate[0].nbytes + up[0].nbytes + down[0].nbytes)
-                macs = 8 * 3 * N * Kin
+                nbytes = k * (gate[0].nbytes + up[0].nbytes + down[0].nbytes)
+                macs = k * 3 * N * Kin
 
-                def run(R, gate=gate, up=up, down=down, E=E, Kin=Kin, t=tid):
+                def run(R, gate=gate, up=up, down=down, E=E, Kin=Kin, t=tid, k=k):
                     x = (rng.standard_normal((R, Kin)) * 0.1).astype(np.float32)
-                    ids = np.stack([rng.choice(E, 8, replace=False) for _ in range(R)])
-                    wts = np.full((R, 8), 0.125, np.float32)
-                    sel, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
-                    out = np.zeros_like(x)
-                    return lambda: K.expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, t, t, t)
+                    routings = []
+                    for _ in range(16):
+                        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)])
+                        routings.append(CpuBackend.routed_rows(ids, np.full((R, k), 1 / k, np.float32), E))
+                    out, turn = np.zeros_like(x), iter(range(1 << 62))
+
+                    def call():
+                        sel, offs, rows, rw = routings[next(turn) % 16]
+                        K.expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, t, t, t)
+                    return call
             td = median_time(run(1), args.runs)
             tp = median_time(run(args.prompt), max(3, args.runs // 3))
             gbs = nbytes / td / 1e9

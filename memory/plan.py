@@ -18,7 +18,7 @@ from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_posit
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.quants import QTYPES_BY_NAME, x16_bytes, x16_experts, x16_shape
+from onebit.quants import x16_bytes, x16_experts, x16_shape
 
 from .budget import Budget, format_bytes
 
@@ -31,7 +31,6 @@ RUNTIME_BYTES = 256 << 20
 RESIDENT_SHARE = 0.9  # a load holds every expert resident only when that plan takes <= 90% of the budget
 CONTEXT_SHARE = 0.25  # a default context may take at most this share of what the expert slots get ...
 MIN_CONTEXT = 1024  # ... shrinking by halves, not below this (nor below what the caller asked for)
-Q4_K = QTYPES_BY_NAME["Q4_K"].type_id
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 
 
@@ -168,13 +167,13 @@ class MemoryPlan:
 
 def size_classes(g: GGUFFile, backend: str = "numpy") -> list[SizeClass]:
     """Experts grouped by the bytes of their parts as `backend` holds them (the cpu backend's
-    Q4_K experts in its X16 layout: `x16_experts`)."""
+    experts in its X16 layouts: `x16_experts`)."""
     per_layer: dict[int, dict[str, tuple[int, str, int]]] = {}
     for t in g.tensors.values():
         m = _EXPERT_RE.match(t.name)
         if m:
             n = t.n_bytes // t.shape[0]
-            if backend == "cpu" and x16_experts(g.tensors, t):  # (counted where the machine lacks VNNI too,
+            if backend == "cpu" and x16_experts(g, t):  # (counted where the machine lacks VNNI too,
                 n = x16_bytes(n, t.qtype)  # as the matrices are)
             per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (n, t.type_name, t.shape[0])
     groups: dict[tuple, list[int]] = {}
@@ -211,10 +210,10 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     if backend != "numpy":
         largest = 0
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
-    repacked = sum(t.n_bytes for t in resident if x16_shape(t)) if backend == "cpu" else 0
-    grown = x16_bytes(repacked, Q4_K) - repacked  # (counted where the machine lacks VNNI too)
+    repacked = [t for t in resident if x16_shape(t)] if backend == "cpu" else []
+    grown = sum(x16_bytes(t.n_bytes, t.qtype) - t.n_bytes for t in repacked)  # (counted where the machine lacks VNNI too)
     if grown:
-        detail += f"; Q4_K matrices repacked for the cpu kernels: +{format_bytes(grown)}"
+        detail += f"; matrices repacked for the cpu kernels: +{format_bytes(grown)}"
     items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),
              PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
     items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes), _kv_detail(cfg, ctx)))

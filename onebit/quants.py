@@ -351,17 +351,20 @@ def type_name(type_id: int) -> str:
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
-# onebit's own layout of Q4_K matrices in the cpu backend on AVX-512 VNNI (backends/cpu_kernels.py,
-# "X16"): 16 rows side by side, each 256 weights' scales decoded to bytes. X16_BLOCK bytes hold
-# 16 rows x 256 weights: their 16 x 144 bytes of blocks and 64 more (2.8%).
+# onebit's own layouts of Q4_K and Q4_0 matrices in the cpu backend on AVX-512 VNNI
+# (backends/cpu_kernels.py, "X16"): 16 rows side by side. Q4_K's decodes each 256 weights' scales
+# to bytes: X16_BLOCK bytes hold 16 rows x 256 weights, their 16 x 144 bytes of blocks and 64 more
+# (2.8%); Q4_0's keeps its bytes.
 X16_ROWS = 16
 X16_BLOCK = 320 + 2048
+X16_MATRIX_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q4_0"))
 
 
 def x16_shape(t) -> bool:
-    """Whether tensor t (a gguf_file.Tensor) has what the X16 layout takes: a [N, K] Q4_K matrix,
-    N a multiple of 16; not the token embedding, whose rows lookups read as they are."""
-    return (t.qtype == QTYPES_BY_NAME["Q4_K"].type_id and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
+    """Whether tensor t (a gguf_file.Tensor) has what an X16 layout of matrices takes: a [N, K]
+    Q4_K or Q4_0 matrix, N a multiple of 16; not the token embedding, whose rows lookups read as
+    they are."""
+    return (t.qtype in X16_MATRIX_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
             and not t.name.startswith("token_embd"))
 
 
@@ -370,23 +373,27 @@ X16_Q6_BLOCK = 16 * 210
 
 
 def x16_expert_shape(t) -> bool:
-    """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K or Q6_K,
-    N a multiple of 16 (each expert's rows repack on their own, so a pool's slot can be filled
-    with one expert's)."""
-    return (t.qtype in (QTYPES_BY_NAME["Q4_K"].type_id, QTYPES_BY_NAME["Q6_K"].type_id) and len(t.shape) == 3
-            and t.shape[1] % X16_ROWS == 0)
+    """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K, Q6_K,
+    MXFP4 or Q4_0, N a multiple of 16 (each expert's rows repack on their own, so a pool's slot can
+    be filled with one expert's)."""
+    return (t.qtype in X16_EXPERT_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0)
 
 
-def x16_experts(tensors: dict, t) -> bool:
-    """Whether the cpu backend's expert layout takes expert tensor t of a file whose tensors are
-    `tensors` (name -> Tensor): its shape (x16_expert_shape), in a layer without expert biases
-    (their layers may take the numpy path, which reads the file's blocks)."""
-    return x16_expert_shape(t) and f"blk.{t.name.split('.')[1]}.ffn_gate_exps.bias" not in tensors
+X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0"))
+
+
+def x16_experts(gguf, t) -> bool:
+    """Whether the cpu backend's expert layout takes expert tensor t of file `gguf`: its shape
+    (x16_expert_shape), in a layer whose experts take the kernels' expert path: without expert
+    biases, or gpt-oss's (its clamped SwiGLU kernel takes them; a layer with biases elsewhere
+    takes the numpy path, which reads the file's blocks)."""
+    biased = f"blk.{t.name.split('.')[1]}.ffn_gate_exps.bias" in gguf.tensors
+    return x16_expert_shape(t) and (not biased or gguf.metadata.get("general.architecture") == "gpt-oss")
 
 
 def x16_bytes(n_bytes: int, qtype: int) -> int:
-    """The bytes n_bytes of rows of type qtype (Q4_K or Q6_K) take in their X16 layout (a row's,
-    or a tensor's)."""
-    if qtype == QTYPES_BY_NAME["Q6_K"].type_id:
+    """The bytes n_bytes of rows of type qtype (Q4_K, Q6_K, MXFP4 or Q4_0) take in their X16
+    layout (a row's, or a tensor's): Q4_K's grows by its decoded scales, the others' stay."""
+    if qtype != QTYPES_BY_NAME["Q4_K"].type_id:
         return n_bytes
     return n_bytes // 144 * (X16_BLOCK // X16_ROWS)

@@ -217,6 +217,51 @@ def test_q6_k_x16_layout_by_hand(rng):
             assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=0), (i, wi)
 
 
+@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0"])
+def test_nibble_x16_products(rng, name, rows):
+    """MXFP4's and Q4_0's X16 layout (an odd number of blocks a row, as gpt-oss's 2880): against
+    the reference on the same rounded activations and against the row kernel; serial == parallel."""
+    qt = QTYPES_BY_NAME[name]
+    w = random_blocks(name, (48, 288), rng)
+    x = rng.standard_normal((rows, 288)).astype(np.float32)
+    packed = K.repack_x16(w, qt.type_id)
+    assert packed.shape == w.shape and not packed.flags.writeable
+    want = np.full((rows, 48), np.nan, np.float32)
+    K.matmul(want, x, ro(w), qt.type_id)
+    wf = qt.dequantize(w).T
+    for kernel in (K.matmul, K.matmul_serial):
+        got = np.full((rows, 48), np.nan, np.float32)
+        kernel(got, x, packed, K.x16_type(qt.type_id))
+        close(got, rounded(x) @ wf, TOL[name], f"{name}_X16")
+        close(got, want, 1e-6, f"{name}_X16 against the row kernel")
+    serial = np.empty_like(packed)
+    K.repack_x16_serial(ro(w), serial, qt.type_id)
+    assert np.array_equal(serial, packed)
+
+
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0"])
+def test_nibble_x16_layout_by_hand(rng, name):
+    """A group of 16 rows repacked: each row's scale field where the layout puts it, and each
+    weight's nibble found again at its place in the quants."""
+    if not K.VNNI:
+        pytest.skip("the X16 layouts are AVX-512 VNNI's")
+    qt = QTYPES_BY_NAME[name]
+    ts, sb = qt.type_size, qt.type_size - 16
+    w = random_blocks(name, (16, 64), rng)  # two blocks a row
+    p = K.repack_x16(w, qt.type_id).reshape(2, 16 * ts)
+    for i in range(2):
+        blk = p[i]
+        quants = blk[16 * sb :].reshape(4, 16, 4)  # [k, row, byte]
+        for r in range(16):
+            src = w[r, i * ts : (i + 1) * ts]
+            assert bytes(blk[sb * r : sb * (r + 1)]) == bytes(src[:sb])
+            for wi in range(32):  # weight wi: byte wi % 16 of the quants, low nibble below 16
+                byte = quants[(wi % 16) // 4, r, wi % 4]
+                assert (byte >> 4 if wi >= 16 else byte & 15) == (src[sb + wi % 16] >> 4 if wi >= 16 else src[sb + wi % 16] & 15)
+
+
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
 def test_integer_products_keep_nan_and_inf_visible(rng, name):
     """An activation block holding inf or nan gives nan outputs (float32 products would give inf

@@ -229,7 +229,12 @@ def test_backend_matches_numpy(name, backend):
     want_m, got_m = onebit.load(path, backend="numpy"), onebit.load(path, backend=backend)
     assert got_m.be.name == backend
     want, got = want_m.logits(ids), got_m.logits(ids)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    # The cpu backend's MXFP4 products take int16-rounded activations, and a float-order difference
+    # upstream can move a rounding by one step: on this 2-layer file that moved the logits by 0.88x
+    # (row kernels) and 1.09x (experts repacked, X16) of 1e-4 of the largest; llama.cpp's reference
+    # (8-bit activations) is 2.3e-2 away. Float activations (vulkan, f32 files) keep 1e-4.
+    tol = 2e-4 if backend == "cpu" and "MXFP4" in name else 1e-4
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
     assert greedy_tokens(got_m, ids[:6], 8) == greedy_tokens(want_m, ids[:6], 8)
 
 

@@ -3,8 +3,10 @@
 
     python tools/make_synthetic_moe.py --like qwen3-30b-a3b -o /work/big/q3-30b-shape.gguf
     python tools/make_synthetic_moe.py --like qwen3-30b-a3b --layers 4 -o /tmp/small.gguf
+    python tools/make_synthetic_moe.py --like gpt-oss-20b -o /work/big/gptoss-20b-shape.gguf
 
-Every tensor has the published model's name, shape and quantization type (a Q4_K_M mix), so
+Every tensor has the published model's name, shape and quantization type (a Q4_K_M mix; for
+gpt-oss the published GGUF's: MXFP4 experts, Q8_0 elsewhere, with its biases and sinks), so
 the file has the real model's size, its expert layout on the drive and its bytes per token;
 its weights are random quantized blocks. No torch, no conversion: blocks of random bytes
 whose per-block scales (the f16 `d` / `dmin` fields) are set so that each matrix's
@@ -66,7 +68,11 @@ class Shape:
     eps: float = 1e-6
     # quantization types (a Q4_K_M mix as llama-quantize makes for these models)
     types: dict = field(default_factory=dict)
+    swa: int = 0  # gpt-oss: the sliding window of its alternate layers
 
+
+GPT_OSS = {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0",
+           "attn_output": "Q8_0", "ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4", "ffn_down_exps": "MXFP4"}
 
 SHAPES = {
     # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): 48 layers, hidden 2048, 32 query heads and 4 KV
@@ -82,6 +88,16 @@ SHAPES = {
                                           "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
                                           "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K",
                                           "ffn_down_exps": "Q6_K"}),
+    # gpt-oss-20b (config.json of openai/gpt-oss-20b): 24 layers, hidden 2880, 64 query heads and 8 KV
+    # heads of 64, 32 experts, top-4, intermediate 2880, vocab 201088, sliding window 128 on alternate
+    # layers, YaRN x32 over 4096 positions; types as ggml-org's gpt-oss-20b-mxfp4.gguf (file type
+    # MOSTLY_MXFP4_MOE): MXFP4 experts, Q8_0 attention, embeddings and output, F32 biases and sinks.
+    "gpt-oss-20b": Shape("gpt-oss", 24, 2880, 64, 8, 64, 32, 4, 2880, 201088, 131072, 150000.0, eps=1e-5,
+                         types=GPT_OSS, swa=128),
+    # gpt-oss-120b's layer (128 experts, top-4, the same widths) on fewer layers: 36 in the model, 8 here
+    # (13.6 GiB): how a 60 GiB model's experts stream.
+    "gpt-oss-120b-slice": Shape("gpt-oss", 8, 2880, 64, 8, 64, 128, 4, 2880, 201088, 131072, 150000.0, eps=1e-5,
+                                types=GPT_OSS, swa=128),
 }
 
 WEIGHT_STD = 0.02  # dequantized standard deviation of every matrix
@@ -116,9 +132,19 @@ class Blocks:
             done += take
             start = 0
         blocks = out.reshape(-1, ts)
-        for off, value in self._scales(qtype, std):
+        if qtype == "MXFP4":  # one e8m0 byte, 2^(e - 127) (x 1/2 for the doubled e2m1 values)
+            blocks[:, 0] = self._e8m0(std)
+        for off, value in self._scales(qtype, std) if qtype != "MXFP4" else ():
             blocks[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
         return out.reshape(*lead, n // bs * ts)
+
+    def _e8m0(self, std: float) -> int:
+        """MXFP4's block exponent byte nearest (in log) to a dequantized std of `std` (the e2m1
+        values are symmetric: the mean is zero), from 4096 pool blocks at exponent 127."""
+        sample = self.pool[: 4096 * 17].reshape(4096, 17).copy()
+        sample[:, 0] = 127
+        unit = float(gq.dequantize(sample, QT.MXFP4).std())
+        return int(np.clip(np.round(127 + np.log2(std / unit)), 1, 254))
 
     def _scales(self, qtype: str, std: float) -> list[tuple[int, float]]:
         """[(byte offset, f16 value)] of the block's scale fields, from the dequantized statistics
@@ -185,6 +211,9 @@ def tensors(s: Shape) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, float shape with the row length last, type) in file order."""
     t = s.types
     out = [("token_embd.weight", (s.vocab, s.dim), t["token_embd"])]
+    if s.arch == "gpt-oss":
+        return out + _gpt_oss_layers(s) + [("output_norm.weight", (s.dim,), "F32"),
+                                           ("output.weight", (s.vocab, s.dim), t["output"])]
     for i in range(s.n_layers):
         p = f"blk.{i}."
         out += [
@@ -202,6 +231,32 @@ def tensors(s: Shape) -> list[tuple[str, tuple[int, ...], str]]:
             (p + "ffn_down_exps.weight", (s.n_experts, s.dim, s.expert_ff), t["ffn_down_exps"]),
         ]
     out += [("output_norm.weight", (s.dim,), "F32"), ("output.weight", (s.vocab, s.dim), t["output"])]
+    return out
+
+
+def _gpt_oss_layers(s: Shape) -> list[tuple[str, tuple[int, ...], str]]:
+    """gpt-oss's layer tensors: biases on q / k / v / output, the router and every expert, a sink
+    logit per head, post_attention_norm before the experts."""
+    t, out = s.types, []
+    q, kv = s.n_heads * s.head_dim, s.n_kv * s.head_dim
+    for i in range(s.n_layers):
+        p = f"blk.{i}."
+        out += [
+            (p + "attn_norm.weight", (s.dim,), "F32"),
+            (p + "attn_q.weight", (q, s.dim), t["attn_q"]), (p + "attn_q.bias", (q,), "F32"),
+            (p + "attn_k.weight", (kv, s.dim), t["attn_k"]), (p + "attn_k.bias", (kv,), "F32"),
+            (p + "attn_v.weight", (kv, s.dim), t["attn_v"]), (p + "attn_v.bias", (kv,), "F32"),
+            (p + "attn_output.weight", (s.dim, q), t["attn_output"]), (p + "attn_output.bias", (s.dim,), "F32"),
+            (p + "attn_sinks.weight", (s.n_heads,), "F32"),
+            (p + "post_attention_norm.weight", (s.dim,), "F32"),
+            (p + "ffn_gate_inp.weight", (s.n_experts, s.dim), "F32"), (p + "ffn_gate_inp.bias", (s.n_experts,), "F32"),
+            (p + "ffn_gate_exps.weight", (s.n_experts, s.expert_ff, s.dim), t["ffn_gate_exps"]),
+            (p + "ffn_gate_exps.bias", (s.n_experts, s.expert_ff), "F32"),
+            (p + "ffn_up_exps.weight", (s.n_experts, s.expert_ff, s.dim), t["ffn_up_exps"]),
+            (p + "ffn_up_exps.bias", (s.n_experts, s.expert_ff), "F32"),
+            (p + "ffn_down_exps.weight", (s.n_experts, s.dim, s.expert_ff), t["ffn_down_exps"]),
+            (p + "ffn_down_exps.bias", (s.n_experts, s.dim), "F32"),
+        ]
     return out
 
 
@@ -245,11 +300,11 @@ def main() -> None:
     w.add_name(f"synthetic {args.like}" + (f" ({s.n_layers} layers)" if args.layers else ""))
     w.add_description(f"onebit tools/make_synthetic_moe.py --like {args.like} --seed {args.seed} --skew {args.skew}: "
                       "random weights, real shapes")
-    w.add_file_type(15)  # MOSTLY_Q4_K_M
+    w.add_file_type(38 if a == "gpt-oss" else 15)  # MOSTLY_MXFP4_MOE, MOSTLY_Q4_K_M
     w.add_uint32(f"{a}.block_count", s.n_layers)
     w.add_uint32(f"{a}.context_length", s.ctx)
     w.add_uint32(f"{a}.embedding_length", s.dim)
-    w.add_uint32(f"{a}.feed_forward_length", s.expert_ff * s.k)
+    w.add_uint32(f"{a}.feed_forward_length", s.expert_ff if a == "gpt-oss" else s.expert_ff * s.k)
     w.add_uint32(f"{a}.attention.head_count", s.n_heads)
     w.add_uint32(f"{a}.attention.head_count_kv", s.n_kv)
     w.add_uint32(f"{a}.attention.key_length", s.head_dim)
@@ -259,6 +314,11 @@ def main() -> None:
     w.add_uint32(f"{a}.expert_count", s.n_experts)
     w.add_uint32(f"{a}.expert_used_count", s.k)
     w.add_uint32(f"{a}.expert_feed_forward_length", s.expert_ff)
+    if a == "gpt-oss":
+        w.add_uint32(f"{a}.attention.sliding_window", s.swa)
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", 32.0)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
     w.add_array("tokenizer.ggml.tokens", toks)
@@ -289,6 +349,8 @@ def main() -> None:
                 data = rng.standard_normal(shape).astype(np.float32) * np.float32(ROUTER_STD / np.sqrt(s.dim))
                 if args.skew:
                     data += (args.skew * z)[:, None] * common[None, :] / np.float32(s.dim)
+            elif name.endswith((".bias", "attn_sinks.weight")):  # (gpt-oss) biases, sink logits
+                data = np.zeros(shape, np.float32)
             else:  # norms
                 data = np.ones(shape, np.float32)
         elif name == "token_embd.weight" and args.skew:

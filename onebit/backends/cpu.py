@@ -91,7 +91,7 @@ class X16Experts:
 
         tensors = self.gguf.tensors
         names = [f"blk.{t.name.split('.')[1]}.{p}.weight" for p in EXPERT_PARTS]
-        return (K.repacks_experts(t) and x16_experts(tensors, t)
+        return (K.repacks_experts(t) and x16_experts(self.gguf, t)
                 and all(n in tensors and tensors[n].qtype in K.SUPPORTED for n in names))
 
     def shape(self, t) -> tuple[int, int]:
@@ -174,8 +174,8 @@ class CpuBackend(NumpyBackend):
 
     def _product_raw(self, name: str):
         """(tensor, type id, raw bytes) of a weight matrix as the products take it, kept per name
-        (`_kept`: a linear asks every token): Q4_K rows repacked 16 to a group (cpu_kernels' X16
-        layout, `repacks`) from the file's map, whose pages are then given back (a streamed
+        (`_kept`: a linear asks every token): Q4_K and Q4_0 rows repacked 16 to a group (cpu_kernels'
+        X16 layouts, `repacks`) from the file's map, whose pages are then given back (a streamed
         model's load leaves these tensors mapped for this: no copy beside the repacked one);
         else `_kernel_raw`'s."""
         return self._kept(self._products, name, [name], lambda: self._product(name))
@@ -186,9 +186,9 @@ class CpuBackend(NumpyBackend):
         t, raw = self._kernel_raw(name)
         if raw is None or not K.repacks(t) or not (isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)):
             return t, t.qtype, raw
-        packed = K.repack_x16(raw)
+        packed = K.repack_x16(raw, t.qtype)
         self.gguf.release(t, uncache=True)
-        return t, K.Q4_K_X16, packed
+        return t, K.x16_type(t.qtype), packed
 
     def weight(self, name: str) -> np.ndarray:
         """The numpy backend's float32 weight, read only; a small one (a norm's, a bias) decoded

@@ -1401,6 +1401,106 @@ dot16_q6_k_x16 = intrinsic(_x16_typer(_x16_q6_codegen))
 dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 
 
+# MXFP4 and Q4_0 (32 weights a block: a scale, then 16 bytes whose low nibbles are weights 0-15 and
+# high nibbles 16-31) in the same arrangement ("MXFP4_X16", "Q4_0_X16"; gpt-oss's experts, Q4_0
+# files' experts). A group and block, 16 x the type's block bytes: the 16 rows' scales (MXFP4's e8m0
+# bytes, Q4_0's f16), then for k = 0..3 the 16 rows' quant bytes 4 k .. 4 k + 3 (weights 4 k ..
+# 4 k + 3 in the low nibbles, 16 + 4 k .. in the high). The weights meet the activation planes as
+# unsigned bytes, as PAIRS (MXFP4 through its table: the doubled e2m1 value + 12; Q4_0 as stored,
+# 0..15 = q + 8), and c x each block's activation sum comes off with the scales. The same bytes
+# as the rows, so every shape stays.
+NIBBLE_X16 = ("MXFP4", "Q4_0")
+X16_TYPES = ("Q4_K", "Q6_K") + NIBBLE_X16  # the types with an X16 layout
+MXFP4_X16, Q4_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
+
+
+def _nibble_x16_codegen(name: str):
+    ts = QTYPES_BY_NAME[name].type_size
+    sb = ts - 16  # scale bytes a row's block
+    c = float(PAIRS[name])
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, X16 * ts)
+        V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
+        acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+        off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+        zero = ir.Constant(V16I, [0] * 16)
+        with cgutils.for_range(b, nb) as loop:
+            i = loop.index
+            blk = b.gep(w0, [b.mul(i, _const(I64, X16 * ts))])
+            if name == "MXFP4":  # the 16 e8m0 bytes as ggml's e8m0_to_fp32_half (`_e8m0_half`), at once
+                e = b.zext(_load(b, blk, 0, _vec(I8, 16)), V16I)
+                small = b.shl(ir.Constant(V16I, [0x00200000] * 16), e)
+                big = b.shl(b.sub(e, ir.Constant(V16I, [1] * 16)), ir.Constant(V16I, [23] * 16))
+                dw = b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(V16I, [2] * 16)), small, big), V16F)
+            else:
+                dw = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
+            first = b.mul(i, _const(I64, 32))
+            hi_sum, lo_sum = zero, zero
+            for k in range(4):
+                wv = _load(b, blk, X16 * sb + 64 * k, V64)
+                lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
+                if name == "MXFP4":
+                    lo4, hi4 = _pshufb(b, MXFP4_PLUS12, lo4), _pshufb(b, MXFP4_PLUS12, hi4)
+                for h, q in enumerate((lo4, hi4)):
+                    at = b.add(first, _const(I64, 16 * h + 4 * k))
+                    hi_sum = _dpbusd(b, hi_sum, q, spread(hi_p, at))
+                    lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), q)
+            isum = b.add(b.shl(hi_sum, ir.Constant(V16I, [8] * 16)), lo_sum)
+            dx, mx = _splat(b, _load(b, xd, i, FLT, align=4), 16), _splat(b, _load(b, xm, i, FLT, align=4), 16)
+            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(dw, dx), flags=FAST), flags=FAST), acc)
+            b.store(b.fadd(b.load(off), b.fmul(dw, mx)), off)
+        store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [c] * 16))))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+dot16_mxfp4_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("MXFP4")))
+dot16_mxfp4_x16.__doc__ = """`dot16_q4_k_x16` for MXFP4_X16 weights."""
+dot16_q4_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_0")))
+dot16_q4_0_x16.__doc__ = """`dot16_q4_k_x16` for Q4_0_X16 weights."""
+
+
+@njit(inline="always")
+def _repack_nibble_group(raw, o, g, nb, ts):
+    """Group g of MXFP4 or Q4_0 rows raw (uint8 [N, nb x ts], ts: 17 or 18 bytes a block) into o
+    (uint8, flat) in their X16 layout, the quants 4 bytes (a 32-bit word) at a time."""
+    sb = ts - 16
+    o32 = o.view(np.uint32)
+    for i in range(nb):
+        base = (g * nb + i) * X16 * ts
+        for r in range(X16):
+            src = raw[g * X16 + r, i * ts : (i + 1) * ts]
+            for j in range(sb):
+                o[base + sb * r + j] = src[j]
+            w0 = (base + X16 * sb) // 4 + r
+            for k in range(4):
+                q = sb + 4 * k
+                o32[w0 + X16 * k] = (np.uint32(src[q]) | (np.uint32(src[q + 1]) << 8) | (np.uint32(src[q + 2]) << 16)
+                                     | (np.uint32(src[q + 3]) << 24))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def repack_nibble_x16(raw, out, ts):
+    """MXFP4 (ts = 17) or Q4_0 (18) rows raw (uint8 [N, K / 32 x ts], N a multiple of 16) -> out
+    (the same shape) in their X16 layout, on every thread."""
+    nb = raw.shape[1] // ts
+    o = out.reshape(-1)
+    for g in prange(raw.shape[0] // X16):
+        _repack_nibble_group(raw, o, g, nb, ts)
+
+
+@njit(cache=True, nogil=True)
+def repack_nibble_x16_serial(raw, out, ts):
+    """`repack_nibble_x16` on the calling thread."""
+    nb = raw.shape[1] // ts
+    o = out.reshape(-1)
+    for g in range(raw.shape[0] // X16):
+        _repack_nibble_group(raw, o, g, nb, ts)
+
+
 @njit(inline="always")
 def _repack_group(raw, o, w, o32, g, nb):
     """Group g (rows 16 g .. 16 g + 15) of Q4_K rows raw (uint8 [N, nb x 144], w: the same as
@@ -1515,23 +1615,36 @@ def repacks_experts(t) -> bool:
 
 
 def x16_type(qtype: int) -> int:
-    """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16)."""
+    """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16, MXFP4_X16, Q4_0_X16)."""
     return qtype + 256
 
 
+QTYPES_BY_NAME_ID = {t.type_id: n for n, t in QTYPES_BY_NAME.items()}
+
+
 def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
-    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (Q4_K or Q6_K; each [N,
+    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (Q4_K, Q6_K, MXFP4 or Q4_0; each [N,
     row bytes] on its own: N a multiple of 16), on every thread."""
     out = np.empty((*raw.shape[:-1], x16_bytes(raw.shape[-1], qtype)), np.uint8)
-    kernel = repack_q6_k_x16 if x16_type(qtype) == Q6_K_X16 else repack_q4_k_x16
-    kernel(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+    _repacker(qtype, False)(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
     out.flags.writeable = False
     return out
 
 
 def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
     """`repack_x16` of one [N, row bytes] into out, on the calling thread."""
-    (repack_q6_k_x16_serial if x16_type(qtype) == Q6_K_X16 else repack_q4_k_x16_serial)(raw, out)
+    _repacker(qtype, True)(raw, out)
+
+
+def _repacker(qtype: int, serial: bool):
+    """f(raw, out): the repack kernel of qtype's X16 layout, serial or on every thread."""
+    name = QTYPES_BY_NAME_ID[qtype]
+    if name in NIBBLE_X16:
+        kernel, ts = (repack_nibble_x16_serial if serial else repack_nibble_x16), QTYPES_BY_NAME[name].type_size
+        return lambda raw, out: kernel(raw, out, ts)
+    if name == "Q6_K":
+        return repack_q6_k_x16_serial if serial else repack_q6_k_x16
+    return repack_q4_k_x16_serial if serial else repack_q4_k_x16
 
 
 @njit(cache=True, nogil=True)
@@ -1618,7 +1731,9 @@ DECODE = {n: _make_decode(n) for n in MORE_TYPES}
 
 def _tid(name: str) -> int:
     """The type id of a quant type's name, or of onebit's own repacked layout (Q4_K_X16)."""
-    return {"Q4_K_X16": Q4_K_X16, "Q6_K_X16": Q6_K_X16}.get(name) or QTYPES_BY_NAME[name].type_id
+    if name.endswith("_X16"):
+        return x16_type(QTYPES_BY_NAME[name[:-4]].type_id)
+    return QTYPES_BY_NAME[name].type_id
 
 
 def _dispatch(table, args: str, doc: str, names=IR_TYPES, last="F32", extra=""):
@@ -1658,9 +1773,9 @@ _INT_ORDER = tuple(n for n in _ORDER if n in INT_TYPES)
 
 
 def _with_x16(names) -> tuple:
-    """names, and the X16 layout first where Q4_K is among them and the machine has VNNI."""
+    """names, and the X16 layouts first of those among them that have one, where the machine has VNNI."""
     names = tuple(names)
-    return tuple(f"{n}_X16" for n in ("Q4_K", "Q6_K") if VNNI and n in names) + names
+    return tuple(f"{n}_X16" for n in X16_TYPES if VNNI and n in names) + names
 
 
 def _is_int(names) -> dict:
@@ -1746,9 +1861,27 @@ def _rows_x16_q6(w, out, x, aq, ad, am, n0, n1, col):
             dot16_q6_k_x16(w, n, aq, ad, am, r, out, col + n)
 
 
+@njit(nogil=True)
+def _rows_x16_mxfp4(w, out, x, aq, ad, am, n0, n1, col):
+    """`_rows_x16` of MXFP4_X16 weights."""
+    for n in range(n0, n1, X16):
+        for r in range(x.shape[0]):
+            dot16_mxfp4_x16(w, n, aq, ad, am, r, out, col + n)
+
+
+@njit(nogil=True)
+def _rows_x16_q4_0(w, out, x, aq, ad, am, n0, n1, col):
+    """`_rows_x16` of Q4_0_X16 weights."""
+    for n in range(n0, n1, X16):
+        for r in range(x.shape[0]):
+            dot16_q4_0_x16(w, n, aq, ad, am, r, out, col + n)
+
+
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS["Q4_K_X16"] = _rows_x16
 ROWS["Q6_K_X16"] = _rows_x16_q6
+ROWS["MXFP4_X16"] = _rows_x16_mxfp4
+ROWS["Q4_0_X16"] = _rows_x16_q4_0
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 
@@ -2111,7 +2244,8 @@ def routed_rows(ids, weights, n_experts):
 
 
 SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
-REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial)
+REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_nibble_x16,
+           repack_nibble_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -2157,7 +2291,8 @@ def _typed(names: tuple[str, ...]) -> dict:
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
                                                             "route", "routed_rows"),
-              "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial")}
+              "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
+                         "repack_nibble_x16", "repack_nibble_x16_serial")}
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
@@ -2331,6 +2466,8 @@ def _warm_repack():
     repack_q4_k_x16_serial(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
     repack_q6_k_x16(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
     repack_q6_k_x16_serial(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
+    repack_nibble_x16(_ro(np.zeros((X16, 17), np.uint8)), np.empty((X16, 17), np.uint8), 17)
+    repack_nibble_x16_serial(_ro(np.zeros((X16, 17), np.uint8)), np.empty((X16, 17), np.uint8), 17)
 
 
 def _cached(kernel) -> bool:
