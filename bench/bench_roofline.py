@@ -100,7 +100,7 @@ def main() -> int:
             x16 = name.endswith("_X16")  # the cpu backend's repacked layouts
             if x16 and (not getattr(K, "VNNI", False) or not hasattr(K, name)):
                 continue
-            if x16 and kind == "dense" and name not in ("Q4_K_X16", "Q4_0_X16"):  # (the others: experts only)
+            if x16 and kind == "dense" and name not in ("Q4_K_X16", "Q4_0_X16", "IQ4_XS_X16"):  # (the others: experts)
                 continue
             qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
             tid = getattr(K, name) if x16 else qt.type_id

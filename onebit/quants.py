@@ -351,19 +351,19 @@ def type_name(type_id: int) -> str:
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
-# onebit's own layouts of Q4_K and Q4_0 matrices in the cpu backend on AVX-512 VNNI
+# onebit's own layouts of Q4_K, Q4_0 and IQ4_XS matrices in the cpu backend on AVX-512 VNNI
 # (backends/cpu_kernels.py, "X16"): 16 rows side by side. Q4_K's decodes each 256 weights' scales
 # to bytes: X16_BLOCK bytes hold 16 rows x 256 weights, their 16 x 144 bytes of blocks and 64 more
-# (2.8%); Q4_0's keeps its bytes.
+# (2.8%); the others keep their bytes.
 X16_ROWS = 16
 X16_BLOCK = 320 + 2048
-X16_MATRIX_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q4_0"))
+X16_MATRIX_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q4_0", "IQ4_XS"))
 
 
 def x16_shape(t) -> bool:
     """Whether tensor t (a gguf_file.Tensor) has what an X16 layout of matrices takes: a [N, K]
-    Q4_K or Q4_0 matrix, N a multiple of 16; not the token embedding, whose rows lookups read as
-    they are."""
+    Q4_K, Q4_0 or IQ4_XS matrix, N a multiple of 16; not the token embedding, whose rows lookups
+    read as they are."""
     return (t.qtype in X16_MATRIX_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
             and not t.name.startswith("token_embd"))
 
@@ -374,12 +374,12 @@ X16_Q6_BLOCK = 16 * 210
 
 def x16_expert_shape(t) -> bool:
     """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K, Q6_K,
-    MXFP4 or Q4_0, N a multiple of 16 (each expert's rows repack on their own, so a pool's slot can
+    MXFP4, Q4_0 or IQ4_XS, N a multiple of 16 (each expert's rows repack on their own, so a pool's slot can
     be filled with one expert's)."""
     return (t.qtype in X16_EXPERT_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0)
 
 
-X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0"))
+X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "IQ4_XS"))
 
 
 def x16_experts(gguf, t) -> bool:
@@ -392,7 +392,7 @@ def x16_experts(gguf, t) -> bool:
 
 
 def x16_bytes(n_bytes: int, qtype: int) -> int:
-    """The bytes n_bytes of rows of type qtype (Q4_K, Q6_K, MXFP4 or Q4_0) take in their X16
+    """The bytes n_bytes of rows of type qtype (one with an X16 layout) take in their X16
     layout (a row's, or a tensor's): Q4_K's grows by its decoded scales, the others' stay."""
     if qtype != QTYPES_BY_NAME["Q4_K"].type_id:
         return n_bytes

@@ -90,7 +90,11 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
         planes = q.view(np.uint8)[:, 192:384].astype(np.int64)
         lo, hi = planes[:, :96], planes[:, 96:]
         assert np.array_equal(256 * np.where(hi > 127, hi - 256, hi) + lo, q[:, :96])  # v = 256 hi + lo, exactly
-    q, m16, m = q[:, :96], m[:, 3:], m[:, :3]
+    if K.VNNI:  # each block's d x the sum of its high bytes (IQ4_XS_X16's correction)
+        highs = np.where(hi > 127, hi - 256, hi).reshape(3, 3, 32).sum(-1) * d.astype(np.float64)
+        ok = np.isfinite(d)
+        assert m.shape == (3, 12) and np.allclose(m[:, 9:][ok], highs[ok], rtol=1e-6) and np.isnan(m[2, 11])
+    q, m16, m = q[:, :96], m[:, 3:9], m[:, :3]
     assert np.array_equal(m16, q.reshape(3, 6, 16).sum(-1).astype(np.float32))  # each 16 values' sum (Q6_K's offset)
     b = x.astype(np.float64).reshape(3, 3, 32)
     assert np.allclose(d[:, :2].astype(np.float64) * 32767, np.abs(b).max(-1)[:, :2], rtol=1e-6)
@@ -219,13 +223,15 @@ def test_q6_k_x16_layout_by_hand(rng):
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["MXFP4", "Q4_0"])
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "IQ4_XS"])
 def test_nibble_x16_products(rng, name, rows):
-    """MXFP4's and Q4_0's X16 layout (an odd number of blocks a row, as gpt-oss's 2880): against
-    the reference on the same rounded activations and against the row kernel; serial == parallel."""
+    """MXFP4's, Q4_0's and IQ4_XS's X16 layouts (an odd number of blocks a row, as gpt-oss's 2880):
+    against the reference on the same rounded activations and against the row kernel; serial ==
+    parallel."""
     qt = QTYPES_BY_NAME[name]
-    w = random_blocks(name, (48, 288), rng)
-    x = rng.standard_normal((rows, 288)).astype(np.float32)
+    k = 768 if name == "IQ4_XS" else 288
+    w = random_blocks(name, (48, k), rng)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
     packed = K.repack_x16(w, qt.type_id)
     assert packed.shape == w.shape and not packed.flags.writeable
     want = np.full((rows, 48), np.nan, np.float32)
@@ -262,15 +268,47 @@ def test_nibble_x16_layout_by_hand(rng, name):
                 assert (byte >> 4 if wi >= 16 else byte & 15) == (src[sb + wi % 16] >> 4 if wi >= 16 else src[sb + wi % 16] & 15)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_iq4_xs_x16_layout_by_hand(rng):
+    """A group of 16 IQ4_XS rows repacked: each weight rebuilt from the layout's fields (d, the
+    6-bit scale of its 32 from the high-bit u16 and the low-nibble bytes, its quant's level)
+    equals the reference dequantization."""
+    if not K.VNNI:
+        pytest.skip("the X16 layouts are AVX-512 VNNI's")
+    from onebit.quants import iq4_values
+
+    qt = QTYPES_BY_NAME["IQ4_XS"]
+    w = random_blocks("IQ4_XS", (16, 512), rng)
+    p = K.repack_x16(w, qt.type_id).reshape(2, 16 * 136)
+    want = qt.dequantize(w)
+    levels = np.asarray(iq4_values(), np.float32)
+    for i in range(2):
+        blk = p[i]
+        d = blk[:32].view(np.float16).astype(np.float32)
+        high = blk[32:64].view(np.uint16).astype(np.int32)
+        low = blk[64:128].reshape(4, 16).astype(np.int32)  # [byte, row]
+        quants = blk[128:].reshape(8, 4, 16, 4)  # [sub-block, k, row, byte]
+        for wi in range(256):
+            j, t = wi // 32, wi % 32
+            ls = ((low[j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)
+            byte = quants[j, (t % 16) // 4, :, t % 4]
+            got = d * (ls - 32) * levels[(byte >> 4) if t >= 16 else (byte & 15)]
+            assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=0), (i, wi)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "IQ4_XS_X16", "MXFP4_X16"])
 def test_integer_products_keep_nan_and_inf_visible(rng, name):
     """An activation block holding inf or nan gives nan outputs (float32 products would give inf
-    or nan), never a finite number that hides it."""
-    w = random_blocks(name, (5, 256), rng)
+    or nan), never a finite number that hides it; the X16 layouts' too."""
+    x16 = name.endswith("_X16")
+    if x16 and not K.VNNI:
+        pytest.skip("the X16 layouts are AVX-512 VNNI's")
+    qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
+    w = random_blocks(qt.name, (16 if x16 else 5, 256), rng)
+    w, tid = (K.repack_x16(w, qt.type_id), K.x16_type(qt.type_id)) if x16 else (ro(w), qt.type_id)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     x[0, 7], x[1, 200] = np.inf, np.nan
-    out = np.zeros((2, 5), np.float32)
-    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
+    out = np.zeros((2, w.shape[0]), np.float32)
+    K.matmul(out, x, w, tid)
     assert not np.isfinite(out).any()
 
 

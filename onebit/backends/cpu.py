@@ -74,14 +74,16 @@ def _one_blas_thread() -> None:
 
 
 class X16Experts:
-    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K and Q6_K experts
-    in cpu_kernels' X16 layouts on AVX-512 VNNI (`repacks_experts`), in layers whose experts take
-    the kernels' expert path (every part of a type the kernels read, no biases: else the numpy
-    path reads them as the file has them). At decode a step's experts are most of its bytes.
-    Measured (2-core VM, seventh session, bench/results/issue34-kernels.md), one expert from
-    memory on one thread: the 30B-A3B shape's Q4_K gate 14 GB/s as rows, 26-28 repacked; its
-    Q6_K down (768 weights a row) 15.5-16.6 as rows, 25-27 repacked; decode steps on that
-    shape 91-127 ms -> 66-75 ms, on the 0.86B Q4_K_M file 5.8-6.2 -> 4.9-5.1 ms (Q4_K only)."""
+    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K, Q6_K, MXFP4, Q4_0
+    and IQ4_XS experts in cpu_kernels' X16 layouts on AVX-512 VNNI (`repacks_experts`), in layers
+    whose experts take the kernels' expert path (every part of a type the kernels read; expert
+    biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file
+    has them). At decode a step's experts are most of its bytes. Measured (2-core VM,
+    bench/results/issue34-kernels.md), one expert from memory on one thread: the 30B-A3B shape's
+    Q4_K gate 14 GB/s as rows, 26-28 repacked; its Q6_K down (768 weights a row) 15.5-16.6 as
+    rows, 25-27 repacked; decode steps on that shape 91-127 ms -> 66-75 ms, on the 0.86B Q4_K_M
+    file 5.8-6.2 -> 4.9-5.1 ms (Q4_K only). gpt-oss-20b's MXFP4 experts (4 of 32, 2880 x 2880,
+    both threads) 18-24 GB/s as rows, 29-48 repacked; its decode 0.76x -> 0.96x llama.cpp's."""
 
     def __init__(self, gguf):
         self.gguf = gguf

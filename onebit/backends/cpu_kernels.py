@@ -1403,14 +1403,16 @@ dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 
 # MXFP4 and Q4_0 (32 weights a block: a scale, then 16 bytes whose low nibbles are weights 0-15 and
 # high nibbles 16-31) in the same arrangement ("MXFP4_X16", "Q4_0_X16"; gpt-oss's experts, Q4_0
-# files' experts). A group and block, 16 x the type's block bytes: the 16 rows' scales (MXFP4's e8m0
+# files' experts and matrices). Measured (2-core VM, both threads, bench_roofline): gpt-oss-20b's
+# experts (4 of 32, 2880 x 2880) MXFP4 18-24 GB/s as rows, 29-48 repacked; prompt 114-121 ->
+# 211-217 GFLOP/s. A group and block, 16 x the type's block bytes: the 16 rows' scales (MXFP4's e8m0
 # bytes, Q4_0's f16), then for k = 0..3 the 16 rows' quant bytes 4 k .. 4 k + 3 (weights 4 k ..
 # 4 k + 3 in the low nibbles, 16 + 4 k .. in the high). The weights meet the activation planes as
 # unsigned bytes, as PAIRS (MXFP4 through its table: the doubled e2m1 value + 12; Q4_0 as stored,
 # 0..15 = q + 8), and c x each block's activation sum comes off with the scales. The same bytes
 # as the rows, so every shape stays.
 NIBBLE_X16 = ("MXFP4", "Q4_0")
-X16_TYPES = ("Q4_K", "Q6_K") + NIBBLE_X16  # the types with an X16 layout
+X16_TYPES = ("Q4_K", "Q6_K", "IQ4_XS") + NIBBLE_X16  # the types with an X16 layout
 MXFP4_X16, Q4_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
 
 
@@ -1461,6 +1463,105 @@ dot16_mxfp4_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("MXFP4")))
 dot16_mxfp4_x16.__doc__ = """`dot16_q4_k_x16` for MXFP4_X16 weights."""
 dot16_q4_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_0")))
 dot16_q4_0_x16.__doc__ = """`dot16_q4_k_x16` for Q4_0_X16 weights."""
+
+
+# IQ4_XS (256 weights a block: f16 d, the 8 sub-blocks' 6-bit scales as 2 high bits in a u16 and
+# a low nibble in 4 bytes, then 8 x 16 quant bytes, low nibbles weights 0-15 of each 32, high
+# 16-31) in the same arrangement ("IQ4_XS_X16"): a group and block, 16 x 136 bytes (the same
+# bytes): d of the 16 rows (f16), their u16 of high scale bits, the 4 bytes of low scale nibbles
+# as [byte][row], then for each sub-block j and k = 0..3 the 16 rows' quant bytes 16 j + 4 k ..
+# 16 j + 4 k + 3. A quant's level (-127..113, IQ4_NL's table) needs both byte signs: it meets the
+# signed high plane as u = level + 128 (unsigned, through vpshufb) and the unsigned low plane as
+# the signed level (u ^ 0x80), so sum level x v = 256 sum u hi + sum level lo - 32768 sum hi, the
+# last per block of 32 from `quantize_acts` (d x the sum of its high bytes).
+IQ4_XS_X16_BLOCK = 16 * 136
+IQ4_XS_X16 = 256 + QTYPES_BY_NAME["IQ4_XS"].type_id
+
+
+def _x16_iq4xs_codegen(context, builder, sig, args):
+    b = builder
+    nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, IQ4_XS_X16_BLOCK)
+    xh = b.gep(xm, [b.mul(nblk, _const(I64, 3))])  # each block's d x sum of high bytes
+    V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
+    acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    zero = ir.Constant(V16I, [0] * 16)
+    splat = lambda v: ir.Constant(V16I, [v] * 16)  # noqa: E731
+    with cgutils.for_range(b, nb) as loop:
+        i = loop.index
+        blk = b.gep(w0, [b.mul(i, _const(I64, IQ4_XS_X16_BLOCK))])
+        d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
+        high = b.zext(_load(b, blk, 32, _vec(I16, 16)), V16I)
+        with cgutils.for_range(b, _const(I64, 8)) as sub:  # (a loop, not unrolled: 8 sub-blocks' code spilled)
+            j = sub.index
+            vsplat = lambda v: b.shuffle_vector(  # noqa: E731  (an i32 in every lane)
+                b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), v, _const(I32, 0)),
+                ir.Constant(_vec(I32, 1), ir.Undefined), ir.Constant(_vec(I32, 16), [0] * 16))
+            j32 = b.trunc(j, I32)
+            low = b.zext(_load(b, b.gep(blk, [b.mul(b.lshr(j, _const(I64, 1)), _const(I64, 16))]), 64, _vec(I8, 16)), V16I)
+            low = b.and_(b.lshr(low, vsplat(b.shl(b.and_(j32, _const(I32, 1)), _const(I32, 2)))), splat(15))
+            ls = b.or_(low, b.shl(b.and_(b.lshr(high, vsplat(b.shl(j32, _const(I32, 1)))), splat(3)), splat(4)))
+            dsc = b.fmul(d, b.sitofp(b.sub(ls, splat(32)), V16F))
+            qj = b.gep(blk, [b.add(_const(I64, 128), b.mul(j, _const(I64, 256)))])
+            first = b.add(b.mul(i, _const(I64, 256)), b.mul(j, _const(I64, 32)))
+            hi_sum, lo_sum = zero, zero
+            for k in range(4):
+                wv = _load(b, qj, 64 * k, V64)
+                lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
+                for h, q in enumerate((lo4, hi4)):
+                    u = _pshufb(b, IQ4_PLUS128, q)
+                    at = b.add(first, _const(I64, 16 * h + 4 * k))
+                    hi_sum = _dpbusd(b, hi_sum, u, spread(hi_p, at))
+                    lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), b.xor(u, ir.Constant(V64, [-128] * 64)))
+            isum = b.add(b.shl(hi_sum, splat(8)), lo_sum)
+            s = b.add(b.mul(i, _const(I64, 8)), j)
+            dx, mh = _splat(b, _load(b, xd, s, FLT, align=4), 16), _splat(b, _load(b, xh, s, FLT, align=4), 16)
+            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(dsc, dx), flags=FAST), flags=FAST), acc)
+            b.store(b.fadd(b.load(off), b.fmul(dsc, mh)), off)
+    store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32768.0] * 16))))
+    return context.get_dummy_value()
+
+
+dot16_iq4_xs_x16 = intrinsic(_x16_typer(_x16_iq4xs_codegen))
+dot16_iq4_xs_x16.__doc__ = """`dot16_q4_k_x16` for IQ4_XS_X16 weights."""
+
+
+@njit(inline="always")
+def _repack_iq4xs_group(raw, o, g, nb):
+    """Group g of IQ4_XS rows raw (uint8 [N, nb x 136]) into o (uint8, flat) as IQ4_XS_X16."""
+    o32 = o.view(np.uint32)
+    for i in range(nb):
+        base = (g * nb + i) * IQ4_XS_X16_BLOCK
+        for r in range(X16):
+            src = raw[g * X16 + r, i * 136 : (i + 1) * 136]
+            o[base + 2 * r], o[base + 2 * r + 1] = src[0], src[1]
+            o[base + 32 + 2 * r], o[base + 33 + 2 * r] = src[2], src[3]
+            for t in range(4):
+                o[base + 64 + 16 * t + r] = src[4 + t]
+            w0 = (base + 128) // 4 + r
+            for jk in range(32):  # (sub-block j = jk // 4, k = jk % 4: bytes 8 + 4 jk ..)
+                q = 8 + 4 * jk
+                o32[w0 + X16 * jk] = (np.uint32(src[q]) | (np.uint32(src[q + 1]) << 8) | (np.uint32(src[q + 2]) << 16)
+                                      | (np.uint32(src[q + 3]) << 24))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def repack_iq4_xs_x16(raw, out):
+    """IQ4_XS rows raw (uint8 [N, K / 256 x 136], N a multiple of 16) -> out (the same shape) as
+    IQ4_XS_X16, on every thread."""
+    nb = raw.shape[1] // 136
+    o = out.reshape(-1)
+    for g in prange(raw.shape[0] // X16):
+        _repack_iq4xs_group(raw, o, g, nb)
+
+
+@njit(cache=True, nogil=True)
+def repack_iq4_xs_x16_serial(raw, out):
+    """`repack_iq4_xs_x16` on the calling thread."""
+    nb = raw.shape[1] // 136
+    o = out.reshape(-1)
+    for g in range(raw.shape[0] // X16):
+        _repack_iq4xs_group(raw, o, g, nb)
 
 
 @njit(inline="always")
@@ -1602,15 +1703,16 @@ def repack_q6_k_x16_serial(raw, out):
 
 
 def repacks(t) -> bool:
-    """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in the X16 layout:
-    quants.x16_shape, on AVX-512 VNNI (a tied output head reads the token embedding as it is)."""
+    """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in an X16 layout:
+    quants.x16_shape (Q4_K, Q4_0, IQ4_XS), on AVX-512 VNNI (a tied output head reads the token
+    embedding as it is)."""
     return VNNI and x16_shape(t)
 
 
 def repacks_experts(t) -> bool:
     """Whether the cpu backend's expert sources hold routed-expert tensor t in an X16 layout
-    (quants.x16_expert_shape: Q4_K or Q6_K, on AVX-512 VNNI): the model file's (resident) and a
-    pool's slots alike, so streamed and resident products are the same bits."""
+    (quants.x16_expert_shape: Q4_K, Q6_K, MXFP4, Q4_0, IQ4_XS, on AVX-512 VNNI): the model file's
+    (resident) and a pool's slots alike, so streamed and resident products are the same bits."""
     return VNNI and x16_expert_shape(t)
 
 
@@ -1644,6 +1746,8 @@ def _repacker(qtype: int, serial: bool):
         return lambda raw, out: kernel(raw, out, ts)
     if name == "Q6_K":
         return repack_q6_k_x16_serial if serial else repack_q6_k_x16
+    if name == "IQ4_XS":
+        return repack_iq4_xs_x16_serial if serial else repack_iq4_xs_x16
     return repack_q4_k_x16_serial if serial else repack_q4_k_x16
 
 
@@ -1654,13 +1758,14 @@ def quantize_acts(x):
     (its products come out nan, as float32 ones would be inf or nan). With VNNI, q is [R, 2K +
     ROW_PAD]: the int16 values, then (as bytes) every value's low byte and high byte, two planes
     of K (without, [R, K + ROW_PAD]); m
-    is [R, 3 K / 32]: the blocks' d x sum(q), then the sum of q over each 16 values."""
+    is [R, 4 K / 32]: the blocks' d x sum(q), then the sum of q over each 16 values, then (with
+    VNNI) the blocks' d x the sum of their high bytes (IQ4_XS_X16's correction, see there)."""
     R, K = x.shape
     nb = K // A
     q = np.empty((R, (2 * K if VNNI else K) + ROW_PAD), np.int16)  # [R, K] values (then, with VNNI, their byte planes)
     planes = q.view(np.uint8)  # lo = v & 255 at byte 2K + k of a row, hi = v >> 8 at 3K + k
     d = np.empty((R, nb), np.float32)
-    m = np.empty((R, 3 * nb), np.float32)  # [R, nb] scale x sum, then [R, 2 nb] each 16 values' sum (exact)
+    m = np.empty((R, 4 * nb), np.float32)  # [R, nb] scale x sum, [R, 2 nb] each 16 values' sum (exact), [R, nb]
     for r in range(R):
         for j in range(nb):
             xb = x[r, j * A : (j + 1) * A]
@@ -1673,6 +1778,7 @@ def quantize_acts(x):
                 elif v > amax:
                     amax = v
             s = 0
+            sh = 0  # (the high bytes' sum)
             if finite and amax > 0:
                 inv = np.float32(ACT_MAX) / amax
                 for t in range(A):
@@ -1681,6 +1787,7 @@ def quantize_acts(x):
                     if VNNI:
                         planes[r, 2 * K + j * A + t] = np.uint8(v & 255)
                         planes[r, 3 * K + j * A + t] = np.uint8((v >> 8) & 255)
+                        sh += v >> 8
                     s += v
                     if t == A // 2 - 1:
                         m[r, nb + 2 * j] = np.float32(s)
@@ -1694,6 +1801,7 @@ def quantize_acts(x):
                 d[r, j] = np.float32(0) if finite else np.float32(np.nan)
                 m[r, nb + 2 * j] = m[r, nb + 2 * j + 1] = np.float32(0)
             m[r, j] = d[r, j] * np.float32(s)
+            m[r, 3 * nb + j] = d[r, j] * np.float32(sh)
     return q, d, m
 
 
@@ -1870,6 +1978,14 @@ def _rows_x16_mxfp4(w, out, x, aq, ad, am, n0, n1, col):
 
 
 @njit(nogil=True)
+def _rows_x16_iq4_xs(w, out, x, aq, ad, am, n0, n1, col):
+    """`_rows_x16` of IQ4_XS_X16 weights."""
+    for n in range(n0, n1, X16):
+        for r in range(x.shape[0]):
+            dot16_iq4_xs_x16(w, n, aq, ad, am, r, out, col + n)
+
+
+@njit(nogil=True)
 def _rows_x16_q4_0(w, out, x, aq, ad, am, n0, n1, col):
     """`_rows_x16` of Q4_0_X16 weights."""
     for n in range(n0, n1, X16):
@@ -1882,6 +1998,7 @@ ROWS["Q4_K_X16"] = _rows_x16
 ROWS["Q6_K_X16"] = _rows_x16_q6
 ROWS["MXFP4_X16"] = _rows_x16_mxfp4
 ROWS["Q4_0_X16"] = _rows_x16_q4_0
+ROWS["IQ4_XS_X16"] = _rows_x16_iq4_xs
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 
@@ -2245,7 +2362,7 @@ def routed_rows(ids, weights, n_experts):
 
 SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
 REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_nibble_x16,
-           repack_nibble_x16_serial)
+           repack_nibble_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -2292,7 +2409,8 @@ WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_ro
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
                                                             "route", "routed_rows"),
               "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
-                         "repack_nibble_x16", "repack_nibble_x16_serial")}
+                         "repack_nibble_x16", "repack_nibble_x16_serial", "repack_iq4_xs_x16",
+                         "repack_iq4_xs_x16_serial")}
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
@@ -2468,6 +2586,8 @@ def _warm_repack():
     repack_q6_k_x16_serial(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
     repack_nibble_x16(_ro(np.zeros((X16, 17), np.uint8)), np.empty((X16, 17), np.uint8), 17)
     repack_nibble_x16_serial(_ro(np.zeros((X16, 17), np.uint8)), np.empty((X16, 17), np.uint8), 17)
+    repack_iq4_xs_x16(_ro(np.zeros((X16, 136), np.uint8)), np.empty((X16, 136), np.uint8))
+    repack_iq4_xs_x16_serial(_ro(np.zeros((X16, 136), np.uint8)), np.empty((X16, 136), np.uint8))
 
 
 def _cached(kernel) -> bool:
