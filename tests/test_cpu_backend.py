@@ -264,8 +264,8 @@ def test_nibble_x16_layout_by_hand(rng, name):
             src = w[r, i * ts : (i + 1) * ts]
             assert bytes(blk[sb * r : sb * (r + 1)]) == bytes(src[:sb])
             for wi in range(32):  # weight wi: byte wi % 16 of the quants, low nibble below 16
-                byte = quants[(wi % 16) // 4, r, wi % 4]
-                assert (byte >> 4 if wi >= 16 else byte & 15) == (src[sb + wi % 16] >> 4 if wi >= 16 else src[sb + wi % 16] & 15)
+                byte, want = quants[(wi % 16) // 4, r, wi % 4], src[sb + wi % 16]
+                assert (byte >> 4 if wi >= 16 else byte & 15) == (want >> 4 if wi >= 16 else want & 15)
 
 
 def test_iq4_xs_x16_layout_by_hand(rng):

@@ -1487,18 +1487,20 @@ def _x16_iq4xs_codegen(context, builder, sig, args):
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     zero = ir.Constant(V16I, [0] * 16)
     splat = lambda v: ir.Constant(V16I, [v] * 16)  # noqa: E731
+    vsplat = lambda v: b.shuffle_vector(  # noqa: E731  (an i32 value in every lane)
+        b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), v, _const(I32, 0)),
+        ir.Constant(_vec(I32, 1), ir.Undefined), ir.Constant(V16I, [0] * 16))
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
         blk = b.gep(w0, [b.mul(i, _const(I64, IQ4_XS_X16_BLOCK))])
         d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
         high = b.zext(_load(b, blk, 32, _vec(I16, 16)), V16I)
-        with cgutils.for_range(b, _const(I64, 8)) as sub:  # (a loop, not unrolled: 8 sub-blocks' code spilled)
+        # (the sub-blocks as a loop: unrolled, their code spilled registers; 28 -> 35-39 GB/s on the 30B experts)
+        with cgutils.for_range(b, _const(I64, 8)) as sub:
             j = sub.index
-            vsplat = lambda v: b.shuffle_vector(  # noqa: E731  (an i32 in every lane)
-                b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), v, _const(I32, 0)),
-                ir.Constant(_vec(I32, 1), ir.Undefined), ir.Constant(_vec(I32, 16), [0] * 16))
             j32 = b.trunc(j, I32)
-            low = b.zext(_load(b, b.gep(blk, [b.mul(b.lshr(j, _const(I64, 1)), _const(I64, 16))]), 64, _vec(I8, 16)), V16I)
+            scale_bytes = b.gep(blk, [b.mul(b.lshr(j, _const(I64, 1)), _const(I64, 16))])  # (byte j // 2 of 4)
+            low = b.zext(_load(b, scale_bytes, 64, _vec(I8, 16)), V16I)
             low = b.and_(b.lshr(low, vsplat(b.shl(b.and_(j32, _const(I32, 1)), _const(I32, 2)))), splat(15))
             ls = b.or_(low, b.shl(b.and_(b.lshr(high, vsplat(b.shl(j32, _const(I32, 1)))), splat(3)), splat(4)))
             dsc = b.fmul(d, b.sitofp(b.sub(ls, splat(32)), V16F))
