@@ -95,7 +95,7 @@ SHAPES = {
     "gpt-oss-20b": Shape("gpt-oss", 24, 2880, 64, 8, 64, 32, 4, 2880, 201088, 131072, 150000.0, eps=1e-5,
                          types=GPT_OSS, swa=128),
     # gpt-oss-120b's layer (128 experts, top-4, the same widths) on fewer layers: 36 in the model, 8 here
-    # (13.6 GiB): how a 60 GiB model's experts stream.
+    # (14.0 GiB): how a 60 GiB model's experts stream.
     "gpt-oss-120b-slice": Shape("gpt-oss", 8, 2880, 64, 8, 64, 128, 4, 2880, 201088, 131072, 150000.0, eps=1e-5,
                                 types=GPT_OSS, swa=128),
 }
