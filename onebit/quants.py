@@ -372,14 +372,14 @@ def x16_shape(t) -> bool:
 X16_Q6_BLOCK = 16 * 210
 
 
+X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "IQ4_XS"))
+
+
 def x16_expert_shape(t) -> bool:
     """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K, Q6_K,
-    MXFP4, Q4_0 or IQ4_XS, N a multiple of 16 (each expert's rows repack on their own, so a pool's slot can
-    be filled with one expert's)."""
-    return (t.qtype in X16_EXPERT_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0)
-
-
-X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "IQ4_XS"))
+    MXFP4, Q4_0 or IQ4_XS, N a multiple of 16 (each expert's rows repack on their own, so a
+    pool's slot can be filled with one expert's)."""
+    return t.qtype in X16_EXPERT_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
 
 
 def x16_experts(gguf, t) -> bool:

@@ -173,30 +173,6 @@ def test_q4_k_x16_layout_by_hand(rng):
                 assert bytes(p[at : at + 4]) == bytes(blk[16 + 32 * j + 4 * k : 20 + 32 * j + 4 * k])
 
 
-@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
-@pytest.mark.parametrize("rows", [1, 3, 9])
-def test_q6_k_x16_products(rng, rows):
-    """Q6_K experts' X16 layout (768 weights a row, as the 30B-A3B shape's down matrices):
-    against the reference on the same rounded activations, and against the row kernel (the same
-    sums in another order); alone, serial, and as one expert's down matrix in expert_ffn."""
-    qt = QTYPES_BY_NAME["Q6_K"]
-    w = random_blocks("Q6_K", (48, 768), rng)
-    x = rng.standard_normal((rows, 768)).astype(np.float32)
-    packed = K.repack_x16(w, qt.type_id)
-    assert packed.shape == w.shape and not packed.flags.writeable
-    want = np.full((rows, 48), np.nan, np.float32)
-    K.matmul(want, x, ro(w), qt.type_id)
-    wf = qt.dequantize(w).T
-    for kernel in (K.matmul, K.matmul_serial):
-        got = np.full((rows, 48), np.nan, np.float32)
-        kernel(got, x, packed, K.Q6_K_X16)
-        close(got, rounded(x) @ wf, TOL["Q6_K"], "Q6_K_X16")
-        close(got, want, 1e-6, "Q6_K_X16 against the row kernel")
-    serial = np.empty_like(packed)
-    K.repack_x16_serial(ro(w), serial, qt.type_id)
-    assert np.array_equal(serial, packed)
-
-
 def test_q6_k_x16_layout_by_hand(rng):
     """A group of 16 Q6_K rows repacked: each weight rebuilt from the layout's fields (d, the
     scale of its 16, its low 4 and high 2 bits) equals the reference dequantization."""
@@ -223,13 +199,14 @@ def test_q6_k_x16_layout_by_hand(rng):
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "IQ4_XS"])
-def test_nibble_x16_products(rng, name, rows):
-    """MXFP4's, Q4_0's and IQ4_XS's X16 layouts (an odd number of blocks a row, as gpt-oss's 2880):
+@pytest.mark.parametrize("name", ["Q6_K", "MXFP4", "Q4_0", "IQ4_XS"])
+def test_x16_layout_products(rng, name, rows):
+    """The X16 layouts of Q6_K, MXFP4, Q4_0 and IQ4_XS, an odd number of blocks a row (768 weights
+    as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
     against the reference on the same rounded activations and against the row kernel; serial ==
-    parallel."""
+    parallel repack."""
     qt = QTYPES_BY_NAME[name]
-    k = 768 if name == "IQ4_XS" else 288
+    k = 288 if qt.block_size == 32 else 768
     w = random_blocks(name, (48, k), rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     packed = K.repack_x16(w, qt.type_id)

@@ -82,7 +82,8 @@ from numba.np.arrayobj import populate_array  # noqa: E402
 
 from functools import cache  # noqa: E402
 
-from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, x16_bytes, x16_expert_shape, x16_shape  # noqa: E402
+from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, type_name, x16_bytes, x16_expert_shape  # noqa: E402
+from ..quants import x16_shape  # noqa: E402
 from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
@@ -1281,8 +1282,7 @@ def _x16_frame(context, b, sig, args, block: int):
         b.store(res, b.bitcast(ob, ir.PointerType(V16F)), align=4)
 
     def spread(p, k):
-        v = b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), _load(b, p, k, I32), _const(I32, 0))
-        return b.bitcast(b.shuffle_vector(v, v, ir.Constant(_vec(I32, 16), [0] * 16)), _vec(I8, 64))
+        return b.bitcast(_splat(b, _load(b, p, k, I32), 16), _vec(I8, 64))
 
     return nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread
 
@@ -1487,9 +1487,6 @@ def _x16_iq4xs_codegen(context, builder, sig, args):
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     zero = ir.Constant(V16I, [0] * 16)
     splat = lambda v: ir.Constant(V16I, [v] * 16)  # noqa: E731
-    vsplat = lambda v: b.shuffle_vector(  # noqa: E731  (an i32 value in every lane)
-        b.insert_element(ir.Constant(_vec(I32, 1), ir.Undefined), v, _const(I32, 0)),
-        ir.Constant(_vec(I32, 1), ir.Undefined), ir.Constant(V16I, [0] * 16))
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
         blk = b.gep(w0, [b.mul(i, _const(I64, IQ4_XS_X16_BLOCK))])
@@ -1501,8 +1498,8 @@ def _x16_iq4xs_codegen(context, builder, sig, args):
             j32 = b.trunc(j, I32)
             scale_bytes = b.gep(blk, [b.mul(b.lshr(j, _const(I64, 1)), _const(I64, 16))])  # (byte j // 2 of 4)
             low = b.zext(_load(b, scale_bytes, 64, _vec(I8, 16)), V16I)
-            low = b.and_(b.lshr(low, vsplat(b.shl(b.and_(j32, _const(I32, 1)), _const(I32, 2)))), splat(15))
-            ls = b.or_(low, b.shl(b.and_(b.lshr(high, vsplat(b.shl(j32, _const(I32, 1)))), splat(3)), splat(4)))
+            low = b.and_(b.lshr(low, _splat(b, b.shl(b.and_(j32, _const(I32, 1)), _const(I32, 2)), 16)), splat(15))
+            ls = b.or_(low, b.shl(b.and_(b.lshr(high, _splat(b, b.shl(j32, _const(I32, 1)), 16)), splat(3)), splat(4)))
             dsc = b.fmul(d, b.sitofp(b.sub(ls, splat(32)), V16F))
             qj = b.gep(blk, [b.add(_const(I64, 128), b.mul(j, _const(I64, 256)))])
             first = b.add(b.mul(i, _const(I64, 256)), b.mul(j, _const(I64, 32)))
@@ -1723,9 +1720,6 @@ def x16_type(qtype: int) -> int:
     return qtype + 256
 
 
-QTYPES_BY_NAME_ID = {t.type_id: n for n, t in QTYPES_BY_NAME.items()}
-
-
 def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
     """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (Q4_K, Q6_K, MXFP4 or Q4_0; each [N,
     row bytes] on its own: N a multiple of 16), on every thread."""
@@ -1742,7 +1736,7 @@ def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
 
 def _repacker(qtype: int, serial: bool):
     """f(raw, out): the repack kernel of qtype's X16 layout, serial or on every thread."""
-    name = QTYPES_BY_NAME_ID[qtype]
+    name = type_name(qtype)
     if name in NIBBLE_X16:
         kernel, ts = (repack_nibble_x16_serial if serial else repack_nibble_x16), QTYPES_BY_NAME[name].type_size
         return lambda raw, out: kernel(raw, out, ts)
@@ -1952,55 +1946,24 @@ def _row_loop(name: str):
     return njit(inline="always")(ns["rows"])
 
 
-@njit(nogil=True)
-def _rows_x16(w, out, x, aq, ad, am, n0, n1, col):
-    """The row loop of X16-packed Q4_K (n0, n1 multiples of 16): 16 weight rows a call, each
-    activation row in turn against them while they are in cache. Called, not inlined: inlined
-    beside the other types' loops it slowed them (Gemma 3 270M's Q5_0 gate and up products
-    88 -> 93 us)."""
-    for n in range(n0, n1, X16):
-        for r in range(x.shape[0]):
-            dot16_q4_k_x16(w, n, aq, ad, am, r, out, col + n)
-
-
-@njit(nogil=True)
-def _rows_x16_q6(w, out, x, aq, ad, am, n0, n1, col):
-    """`_rows_x16` of Q6_K_X16 weights."""
-    for n in range(n0, n1, X16):
-        for r in range(x.shape[0]):
-            dot16_q6_k_x16(w, n, aq, ad, am, r, out, col + n)
-
-
-@njit(nogil=True)
-def _rows_x16_mxfp4(w, out, x, aq, ad, am, n0, n1, col):
-    """`_rows_x16` of MXFP4_X16 weights."""
-    for n in range(n0, n1, X16):
-        for r in range(x.shape[0]):
-            dot16_mxfp4_x16(w, n, aq, ad, am, r, out, col + n)
-
-
-@njit(nogil=True)
-def _rows_x16_iq4_xs(w, out, x, aq, ad, am, n0, n1, col):
-    """`_rows_x16` of IQ4_XS_X16 weights."""
-    for n in range(n0, n1, X16):
-        for r in range(x.shape[0]):
-            dot16_iq4_xs_x16(w, n, aq, ad, am, r, out, col + n)
-
-
-@njit(nogil=True)
-def _rows_x16_q4_0(w, out, x, aq, ad, am, n0, n1, col):
-    """`_rows_x16` of Q4_0_X16 weights."""
-    for n in range(n0, n1, X16):
-        for r in range(x.shape[0]):
-            dot16_q4_0_x16(w, n, aq, ad, am, r, out, col + n)
+def _x16_rows(dot, name: str):
+    """rows(w, out, x, aq, ad, am, n0, n1, col), the row loop of an X16 layout whose dot is `dot`
+    (n0, n1 multiples of 16): 16 weight rows a call, each activation row in turn against them
+    while they are in cache. Called, not inlined: inlined beside the other types' loops it
+    slowed them (Gemma 3 270M's Q5_0 gate and up products 88 -> 93 us)."""
+    ns = {"dot": dot, "X16": X16}
+    exec("def rows(w, out, x, aq, ad, am, n0, n1, col):\n"
+         "    for n in range(n0, n1, X16):\n"
+         "        for r in range(x.shape[0]):\n"
+         "            dot(w, n, aq, ad, am, r, out, col + n)\n", ns)
+    ns["rows"].__qualname__ = ns["rows"].__name__ = f"rows_{name.lower()}"
+    return njit(nogil=True)(ns["rows"])
 
 
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
-ROWS["Q4_K_X16"] = _rows_x16
-ROWS["Q6_K_X16"] = _rows_x16_q6
-ROWS["MXFP4_X16"] = _rows_x16_mxfp4
-ROWS["Q4_0_X16"] = _rows_x16_q4_0
-ROWS["IQ4_XS_X16"] = _rows_x16_iq4_xs
+ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
+    ("Q4_K", dot16_q4_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
+    ("IQ4_XS", dot16_iq4_xs_x16))})
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 
