@@ -1525,144 +1525,148 @@ dot16_iq4_xs_x16 = intrinsic(_x16_typer(_x16_iq4xs_codegen))
 dot16_iq4_xs_x16.__doc__ = """`dot16_q4_k_x16` for IQ4_XS_X16 weights."""
 
 
+# The repacks index with unsigned 64-bit integers: a signed index makes numba test it for a
+# negative value (numpy's wraparound) at every byte, which kept LLVM from joining four byte
+# loads into one and held the MXFP4 and Q4_0 repacks to 1.7 GB/s on one thread (6.9 unsigned;
+# Q4_K 6.1 -> 9.6): a pool's reader packs each expert it reads, and a resident load packs them all.
+U = np.uint64
+
+
 @njit(inline="always")
-def _repack_iq4xs_group(raw, o, g, nb):
-    """Group g of IQ4_XS rows raw (uint8 [N, nb x 136]) into o (uint8, flat) as IQ4_XS_X16."""
-    o32 = o.view(np.uint32)
-    for i in range(nb):
-        base = (g * nb + i) * IQ4_XS_X16_BLOCK
-        for r in range(X16):
-            src = raw[g * X16 + r, i * 136 : (i + 1) * 136]
-            o[base + 2 * r], o[base + 2 * r + 1] = src[0], src[1]
-            o[base + 32 + 2 * r], o[base + 33 + 2 * r] = src[2], src[3]
+def _word(r8, q):
+    """The little-endian 32-bit word of bytes r8[q .. q + 3] (q unsigned, any alignment)."""
+    return (np.uint32(r8[q]) | (np.uint32(r8[q + U(1)]) << 8) | (np.uint32(r8[q + U(2)]) << 16)
+            | (np.uint32(r8[q + U(3)]) << 24))
+
+
+@njit(inline="always")
+def _repack_iq4xs_group(r8, rb, o, o32, g, nb):
+    """Group g (unsigned; rows 16 g .. 16 g + 15) of IQ4_XS rows r8 (uint8, flat, rb bytes a row
+    of nb blocks) into o (uint8, flat; o32: the same as words) as IQ4_XS_X16."""
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(IQ4_XS_X16_BLOCK), row + U(i) * U(136)
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s], r8[s + U(1)]
+            o[base + U(32 + 2 * r)], o[base + U(33 + 2 * r)] = r8[s + U(2)], r8[s + U(3)]
             for t in range(4):
-                o[base + 64 + 16 * t + r] = src[4 + t]
-            w0 = (base + 128) // 4 + r
+                o[base + U(64 + 16 * t + r)] = r8[s + U(4 + t)]
+            w0 = (base + U(128)) // U(4) + U(r)
             for jk in range(32):  # (sub-block j = jk // 4, k = jk % 4: bytes 8 + 4 jk ..)
-                q = 8 + 4 * jk
-                o32[w0 + X16 * jk] = (np.uint32(src[q]) | (np.uint32(src[q + 1]) << 8) | (np.uint32(src[q + 2]) << 16)
-                                      | (np.uint32(src[q + 3]) << 24))
+                o32[w0 + U(X16 * jk)] = _word(r8, s + U(8 + 4 * jk))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def repack_iq4_xs_x16(raw, out):
     """IQ4_XS rows raw (uint8 [N, K / 256 x 136], N a multiple of 16) -> out (the same shape) as
     IQ4_XS_X16, on every thread."""
-    nb = raw.shape[1] // 136
-    o = out.reshape(-1)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_iq4xs_group(raw, o, g, nb)
+        _repack_iq4xs_group(r8, rb, o, o32, U(g), rb // U(136))
 
 
 @njit(cache=True, nogil=True)
 def repack_iq4_xs_x16_serial(raw, out):
     """`repack_iq4_xs_x16` on the calling thread."""
-    nb = raw.shape[1] // 136
-    o = out.reshape(-1)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_iq4xs_group(raw, o, g, nb)
+        _repack_iq4xs_group(r8, rb, o, o32, U(g), rb // U(136))
 
 
 @njit(inline="always")
-def _repack_nibble_group(raw, o, g, nb, ts):
-    """Group g of MXFP4 or Q4_0 rows raw (uint8 [N, nb x ts], ts: 17 or 18 bytes a block) into o
-    (uint8, flat) in their X16 layout, the quants 4 bytes (a 32-bit word) at a time."""
-    sb = ts - 16
-    o32 = o.view(np.uint32)
-    for i in range(nb):
-        base = (g * nb + i) * X16 * ts
-        for r in range(X16):
-            src = raw[g * X16 + r, i * ts : (i + 1) * ts]
+def _repack_nibble_group(r8, rb, o, o32, g, ts):
+    """Group g of MXFP4 or Q4_0 rows (`_repack_iq4xs_group`'s arguments; ts: 17 or 18 bytes a
+    block) in their X16 layout, the quants 4 bytes (a 32-bit word) at a time."""
+    sb, nb = ts - U(16), rb // ts
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(X16) * ts, row + U(i) * ts
             for j in range(sb):
-                o[base + sb * r + j] = src[j]
-            w0 = (base + X16 * sb) // 4 + r
+                o[base + sb * U(r) + U(j)] = r8[s + U(j)]
+            w0 = (base + U(X16) * sb) // U(4) + U(r)
             for k in range(4):
-                q = sb + 4 * k
-                o32[w0 + X16 * k] = (np.uint32(src[q]) | (np.uint32(src[q + 1]) << 8) | (np.uint32(src[q + 2]) << 16)
-                                     | (np.uint32(src[q + 3]) << 24))
+                o32[w0 + U(X16 * k)] = _word(r8, s + sb + U(4 * k))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def repack_nibble_x16(raw, out, ts):
     """MXFP4 (ts = 17) or Q4_0 (18) rows raw (uint8 [N, K / 32 x ts], N a multiple of 16) -> out
     (the same shape) in their X16 layout, on every thread."""
-    nb = raw.shape[1] // ts
-    o = out.reshape(-1)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_nibble_group(raw, o, g, nb, ts)
+        _repack_nibble_group(r8, rb, o, o32, U(g), U(ts))
 
 
 @njit(cache=True, nogil=True)
 def repack_nibble_x16_serial(raw, out, ts):
     """`repack_nibble_x16` on the calling thread."""
-    nb = raw.shape[1] // ts
-    o = out.reshape(-1)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_nibble_group(raw, o, g, nb, ts)
+        _repack_nibble_group(r8, rb, o, o32, U(g), U(ts))
 
 
 @njit(inline="always")
-def _repack_group(raw, o, w, o32, g, nb):
-    """Group g (rows 16 g .. 16 g + 15) of Q4_K rows raw (uint8 [N, nb x 144], w: the same as
-    uint32 words) into o (uint8, flat; o32: the same as words) in the X16 layout."""
-    rw = raw.shape[1] // 4  # words a row
-    for i in range(nb):
-        base = (g * nb + i) * X16_BLOCK
-        for r in range(X16):
-            src = raw[g * X16 + r, i * 144 : (i + 1) * 144]
-            o[base + 2 * r], o[base + 2 * r + 1] = src[0], src[1]
-            o[base + 32 + 2 * r], o[base + 33 + 2 * r] = src[2], src[3]
-            for s in range(8):
-                if s < 4:
-                    sc, mn = src[4 + s] & 63, src[8 + s] & 63
+def _repack_group(r8, rb, o, o32, g, nb):
+    """Group g of Q4_K rows (`_repack_iq4xs_group`'s arguments) in the X16 layout."""
+    w = r8.view(np.uint32)  # (a row is 144 bytes a block: its quants are word aligned)
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(X16_BLOCK), row + U(i) * U(144)
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s], r8[s + U(1)]
+            o[base + U(32 + 2 * r)], o[base + U(33 + 2 * r)] = r8[s + U(2)], r8[s + U(3)]
+            for t in range(8):
+                if t < 4:
+                    sc, mn = r8[s + U(4 + t)] & 63, r8[s + U(8 + t)] & 63
                 else:
-                    sc = (src[8 + s] & 15) | ((src[s] >> 6) << 4)
-                    mn = (src[8 + s] >> 4) | ((src[4 + s] >> 6) << 4)
-                o[base + 64 + 16 * s + r] = sc
-                o[base + 192 + 16 * s + r] = mn
-            at, q0 = (base + 320) // 4 + r, (g * X16 + r) * rw + i * 36 + 4  # (4 weights a word)
+                    sc = (r8[s + U(8 + t)] & 15) | ((r8[s + U(t)] >> 6) << 4)
+                    mn = (r8[s + U(8 + t)] >> 4) | ((r8[s + U(4 + t)] >> 6) << 4)
+                o[base + U(64 + 16 * t + r)] = sc
+                o[base + U(192 + 16 * t + r)] = mn
+            at, q0 = (base + U(320)) // U(4) + U(r), (s + U(16)) // U(4)  # (4 weights a word)
             for jk in range(32):
-                o32[at + X16 * jk] = w[q0 + jk]
+                o32[at + U(X16 * jk)] = w[q0 + U(jk)]
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def repack_q4_k_x16(raw, out):
     """Q4_K rows raw (uint8 [N, K / 256 x 144], N a multiple of 16) -> out (uint8 [N, K / 256 x
     X16_BLOCK / 16]) in the X16 layout, on every thread."""
-    nb = raw.shape[1] // 144
-    o = out.reshape(-1)
-    w, o32 = raw.reshape(-1).view(np.uint32), o.view(np.uint32)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_group(raw, o, w, o32, g, nb)
+        _repack_group(r8, rb, o, o32, U(g), rb // U(144))
 
 
 @njit(cache=True, nogil=True)
 def repack_q4_k_x16_serial(raw, out):
     """`repack_q4_k_x16` on the calling thread (an expert pool's reader threads: one expert each)."""
-    nb = raw.shape[1] // 144
-    o = out.reshape(-1)
-    w, o32 = raw.reshape(-1).view(np.uint32), o.view(np.uint32)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_group(raw, o, w, o32, g, nb)
+        _repack_group(r8, rb, o, o32, U(g), rb // U(144))
 
 
 @njit(inline="always")
-def _repack_q6_group(raw, o, g, nb):
-    """Group g of Q6_K rows raw (uint8 [N, nb x 210]) into o (uint8, flat) as Q6_K_X16, 4 weights
-    a 32-bit word (one block's bytes first copied to an aligned buffer: rows of 210 bytes are not)."""
+def _repack_q6_group(r8, rb, o, o32, g, nb):
+    """Group g of Q6_K rows (`_repack_iq4xs_group`'s arguments) as Q6_K_X16, 4 weights a 32-bit
+    word (one block's bytes first copied to an aligned buffer: rows of 210 bytes are not)."""
     M4, M2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
     blk = np.empty(56, np.uint32)  # one row's block (210 bytes), word aligned
     b8 = blk.view(np.uint8)
     u = np.empty(64, np.uint32)  # its 256 stored values u = q + 32, 4 to a word, in weight order
-    o32 = o.view(np.uint32)
-    for i in range(nb):
-        base = (g * nb + i) * X16_Q6_BLOCK
-        for r in range(X16):
-            src = raw[g * X16 + r, i * 210 : (i + 1) * 210]
-            for q in range(52):  # (four byte loads LLVM makes one)
-                blk[q] = (np.uint32(src[4 * q]) | (np.uint32(src[4 * q + 1]) << 8) | (np.uint32(src[4 * q + 2]) << 16)
-                          | (np.uint32(src[4 * q + 3]) << 24))
-            b8[208], b8[209] = src[208], src[209]
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(X16_Q6_BLOCK), row + U(i) * U(210)
+            for q in range(52):
+                blk[q] = _word(r8, s + U(4 * q))
+            b8[208], b8[209] = r8[s + U(208)], r8[s + U(209)]
             for h in range(2):  # ggml's dequantize_row_q6_K order, 4 values at once
                 for l4 in range(8):
                     a, c, qh = blk[16 * h + l4], blk[16 * h + 8 + l4], blk[32 + 8 * h + l4]
@@ -1670,35 +1674,35 @@ def _repack_q6_group(raw, o, g, nb):
                     u[32 * h + 8 + l4] = (c & M4) | (((qh >> 2) & M2) << 4)
                     u[32 * h + 16 + l4] = ((a >> 4) & M4) | (((qh >> 4) & M2) << 4)
                     u[32 * h + 24 + l4] = ((c >> 4) & M4) | (((qh >> 6) & M2) << 4)
-            o[base + 2 * r], o[base + 2 * r + 1] = b8[208], b8[209]
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = b8[208], b8[209]
             for t in range(16):
-                o[base + 32 + 16 * t + r] = b8[192 + t]
-            w0 = (base + Q6_Q) // 4 + r
+                o[base + U(32 + 16 * t + r)] = b8[192 + t]
+            w0 = (base + U(Q6_Q)) // U(4) + U(r)
             for k in range(16):
-                at = w0 + 48 * k
+                at = w0 + U(48 * k)
                 o32[at] = (u[k] & M4) | ((u[k + 32] & M4) << 4)
-                o32[at + 16] = (u[k + 16] & M4) | ((u[k + 48] & M4) << 4)
-                o32[at + 32] = (((u[k] >> 4) & M2) | (((u[k + 16] >> 4) & M2) << 2)
-                                | (((u[k + 32] >> 4) & M2) << 4) | (((u[k + 48] >> 4) & M2) << 6))
+                o32[at + U(16)] = (u[k + 16] & M4) | ((u[k + 48] & M4) << 4)
+                o32[at + U(32)] = (((u[k] >> 4) & M2) | (((u[k + 16] >> 4) & M2) << 2)
+                                   | (((u[k + 32] >> 4) & M2) << 4) | (((u[k + 48] >> 4) & M2) << 6))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def repack_q6_k_x16(raw, out):
     """Q6_K rows raw (uint8 [N, K / 256 x 210], N a multiple of 16) -> out (the same shape) in the
     Q6_K_X16 layout, on every thread."""
-    nb = raw.shape[1] // 210
-    o = out.reshape(-1)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_q6_group(raw, o, g, nb)
+        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
 
 
 @njit(cache=True, nogil=True)
 def repack_q6_k_x16_serial(raw, out):
     """`repack_q6_k_x16` on the calling thread."""
-    nb = raw.shape[1] // 210
-    o = out.reshape(-1)
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_q6_group(raw, o, g, nb)
+        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
 
 
 def repacks(t) -> bool:
