@@ -55,6 +55,8 @@ SHAPES = [  # label, kind, N, K (experts: hidden, dim, n_experts)
     ("0.86B attn q", "dense", 1024, 1024),
     ("0.86B experts 8/64", "experts", 256, 1024, 64),
     ("gpt-oss-20b experts 4/32", "experts", 2880, 2880, 32, 4),
+    ("gpt-oss attn q", "dense", 4096, 2880),
+    ("gpt-oss output", "dense", 201088, 2880),
     ("Gemma 270M output", "dense", 262144, 640),
 ]
 
@@ -73,9 +75,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q4_0,Q4_0_X16,MXFP4,MXFP4_X16,IQ4_XS,"
-                    "F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout (AVX-512 VNNI; Q4_K "
-                    "matrices and experts, Q6_K, MXFP4 and Q4_0 experts)")
+    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q8_0_X16,Q4_0,Q4_0_X16,MXFP4,"
+                    "MXFP4_X16,IQ4_XS,IQ4_XS_X16,F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout "
+                    "(AVX-512 VNNI; quants.X16_MATRIX_TYPES' matrices, X16_EXPERT_TYPES' experts)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = ap.parse_args()
@@ -83,6 +85,7 @@ def main() -> int:
     from onebit.backends import cpu_kernels as K
     from onebit.backends.cpu import CpuBackend
     from onebit.backends.vulkan.reference import random_blocks
+    from onebit import quants
     from onebit.quants import QTYPES_BY_NAME
 
     bw, peak = yardsticks()
@@ -100,9 +103,9 @@ def main() -> int:
             x16 = name.endswith("_X16")  # the cpu backend's repacked layouts
             if x16 and (not getattr(K, "VNNI", False) or not hasattr(K, name)):
                 continue
-            if x16 and kind == "dense" and name not in ("Q4_K_X16", "Q4_0_X16", "IQ4_XS_X16"):  # (the others: experts)
-                continue
             qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
+            if x16 and kind == "dense" and qt.type_id not in quants.X16_MATRIX_TYPES:  # (the others: experts)
+                continue
             tid = getattr(K, name) if x16 else qt.type_id
             if Kin % qt.block_size or (kind == "experts" and N % qt.block_size):
                 continue

@@ -351,18 +351,18 @@ def type_name(type_id: int) -> str:
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
-# onebit's own layouts of Q4_K, Q4_0 and IQ4_XS matrices in the cpu backend on AVX-512 VNNI
+# onebit's own layouts of Q4_K, Q4_0, IQ4_XS and Q8_0 matrices in the cpu backend on AVX-512 VNNI
 # (backends/cpu_kernels.py, "X16"): 16 rows side by side. Q4_K's decodes each 256 weights' scales
 # to bytes: X16_BLOCK bytes hold 16 rows x 256 weights, their 16 x 144 bytes of blocks and 64 more
 # (2.8%); the others keep their bytes.
 X16_ROWS = 16
 X16_BLOCK = 320 + 2048
-X16_MATRIX_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q4_0", "IQ4_XS"))
+X16_MATRIX_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q4_0", "IQ4_XS", "Q8_0"))
 
 
 def x16_shape(t) -> bool:
     """Whether tensor t (a gguf_file.Tensor) has what an X16 layout of matrices takes: a [N, K]
-    Q4_K, Q4_0 or IQ4_XS matrix, N a multiple of 16; not the token embedding, whose rows lookups
+    Q4_K, Q4_0, IQ4_XS or Q8_0 matrix, N a multiple of 16; not the token embedding, whose rows lookups
     read as they are."""
     return (t.qtype in X16_MATRIX_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
             and not t.name.startswith("token_embd"))
@@ -372,12 +372,12 @@ def x16_shape(t) -> bool:
 X16_Q6_BLOCK = 16 * 210
 
 
-X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "IQ4_XS"))
+X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "IQ4_XS", "Q8_0"))
 
 
 def x16_expert_shape(t) -> bool:
     """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K, Q6_K,
-    MXFP4, Q4_0 or IQ4_XS, N a multiple of 16 (each expert's rows repack on their own, so a
+    MXFP4, Q4_0, IQ4_XS or Q8_0, N a multiple of 16 (each expert's rows repack on their own, so a
     pool's slot can be filled with one expert's)."""
     return t.qtype in X16_EXPERT_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
 

@@ -199,9 +199,9 @@ def test_q6_k_x16_layout_by_hand(rng):
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["Q6_K", "MXFP4", "Q4_0", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q6_K", "MXFP4", "Q4_0", "IQ4_XS", "Q8_0"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q6_K, MXFP4, Q4_0 and IQ4_XS, an odd number of blocks a row (768 weights
+    """The X16 layouts of Q6_K, MXFP4, Q4_0, IQ4_XS and Q8_0, an odd number of blocks a row (768 weights
     as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
     against the reference on the same rounded activations and against the row kernel; serial ==
     parallel repack."""
@@ -224,24 +224,28 @@ def test_x16_layout_products(rng, name, rows):
     assert np.array_equal(serial, packed)
 
 
-@pytest.mark.parametrize("name", ["MXFP4", "Q4_0"])
-def test_nibble_x16_layout_by_hand(rng, name):
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q8_0"])
+def test_plain_x16_layout_by_hand(rng, name):
     """A group of 16 rows repacked: each row's scale field where the layout puts it, and each
-    weight's nibble found again at its place in the quants."""
+    weight's quant (a nibble; Q8_0's a byte) found again at its place in the quants."""
     if not K.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME[name]
-    ts, sb = qt.type_size, qt.type_size - 16
+    qb = 32 if name == "Q8_0" else 16  # quant bytes a block
+    ts, sb = qt.type_size, qt.type_size - qb
     w = random_blocks(name, (16, 64), rng)  # two blocks a row
     p = K.repack_x16(w, qt.type_id).reshape(2, 16 * ts)
     for i in range(2):
         blk = p[i]
-        quants = blk[16 * sb :].reshape(4, 16, 4)  # [k, row, byte]
+        quants = blk[16 * sb :].reshape(qb // 4, 16, 4)  # [k, row, byte]
         for r in range(16):
             src = w[r, i * ts : (i + 1) * ts]
             assert bytes(blk[sb * r : sb * (r + 1)]) == bytes(src[:sb])
-            for wi in range(32):  # weight wi: byte wi % 16 of the quants, low nibble below 16
-                byte, want = quants[(wi % 16) // 4, r, wi % 4], src[sb + wi % 16]
+            for wi in range(32):
+                if qb == 32:  # weight wi: byte wi of the quants
+                    assert quants[wi // 4, r, wi % 4] == src[sb + wi]
+                    continue
+                byte, want = quants[(wi % 16) // 4, r, wi % 4], src[sb + wi % 16]  # low nibble below 16
                 assert (byte >> 4 if wi >= 16 else byte & 15) == (want >> 4 if wi >= 16 else want & 15)
 
 

@@ -1412,7 +1412,7 @@ dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 # 0..15 = q + 8), and c x each block's activation sum comes off with the scales. The same bytes
 # as the rows, so every shape stays.
 NIBBLE_X16 = ("MXFP4", "Q4_0")
-X16_TYPES = ("Q4_K", "Q6_K", "IQ4_XS") + NIBBLE_X16  # the types with an X16 layout
+X16_TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
 MXFP4_X16, Q4_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
 
 
@@ -1525,6 +1525,46 @@ dot16_iq4_xs_x16 = intrinsic(_x16_typer(_x16_iq4xs_codegen))
 dot16_iq4_xs_x16.__doc__ = """`dot16_q4_k_x16` for IQ4_XS_X16 weights."""
 
 
+# Q8_0 (32 weights a block: f16 d, 32 signed bytes) in the same arrangement ("Q8_0_X16"; gpt-oss's
+# attention and output head, Q8_0 files' matrices and experts): a group and block, 16 x 34 bytes
+# (the same bytes): the 16 rows' d, then for k = 0..7 the 16 rows' quant bytes 4 k .. 4 k + 3. A
+# signed quant q meets the signed high activation plane as the unsigned q + 128 (q ^ 0x80) and the
+# unsigned low plane as itself, so sum q x v = 256 sum (q + 128) hi + sum q lo - 32768 sum hi, the
+# last as IQ4_XS_X16's.
+Q8_0_X16 = 256 + QTYPES_BY_NAME["Q8_0"].type_id
+
+
+def _x16_q8_0_codegen(context, builder, sig, args):
+    b = builder
+    nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, X16 * 34)
+    xh = b.gep(xm, [b.mul(nblk, _const(I64, 3))])  # each block's d x sum of high bytes
+    V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
+    acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    zero = ir.Constant(V16I, [0] * 16)
+    with cgutils.for_range(b, nb) as loop:
+        i = loop.index
+        blk = b.gep(w0, [b.mul(i, _const(I64, X16 * 34))])
+        d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
+        first = b.mul(i, _const(I64, 32))
+        hi_sum, lo_sum = zero, zero
+        for k in range(8):
+            q = _load(b, blk, 32 + 64 * k, V64)
+            at = b.add(first, _const(I64, 4 * k))
+            hi_sum = _dpbusd(b, hi_sum, b.xor(q, ir.Constant(V64, [-128] * 64)), spread(hi_p, at))
+            lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), q)
+        isum = b.add(b.shl(hi_sum, ir.Constant(V16I, [8] * 16)), lo_sum)
+        dx, mh = _splat(b, _load(b, xd, i, FLT, align=4), 16), _splat(b, _load(b, xh, i, FLT, align=4), 16)
+        b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(d, dx), flags=FAST), flags=FAST), acc)
+        b.store(b.fadd(b.load(off), b.fmul(d, mh)), off)
+    store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32768.0] * 16))))
+    return context.get_dummy_value()
+
+
+dot16_q8_0_x16 = intrinsic(_x16_typer(_x16_q8_0_codegen))
+dot16_q8_0_x16.__doc__ = """`dot16_q4_k_x16` for Q8_0_X16 weights."""
+
+
 # The repacks index with unsigned 64-bit integers: a signed index makes numba test it for a
 # negative value (numpy's wraparound) at every byte, which kept LLVM from joining four byte
 # loads into one and held the MXFP4 and Q4_0 repacks to 1.7 GB/s on one thread (6.9 unsigned;
@@ -1576,10 +1616,10 @@ def repack_iq4_xs_x16_serial(raw, out):
 
 
 @njit(inline="always")
-def _repack_nibble_group(r8, rb, o, o32, g, ts):
-    """Group g of MXFP4 or Q4_0 rows (`_repack_iq4xs_group`'s arguments; ts: 17 or 18 bytes a
-    block) in their X16 layout, the quants 4 bytes (a 32-bit word) at a time."""
-    sb, nb = ts - U(16), rb // ts
+def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
+    """Group g of MXFP4, Q4_0 or Q8_0 rows (`_repack_iq4xs_group`'s arguments; blocks of ts bytes,
+    a scale, then qb quant bytes) in their X16 layout, the quants 4 bytes (a 32-bit word) at a time."""
+    sb, nb = ts - qb, rb // ts
     for r in range(X16):
         row = (g * U(X16) + U(r)) * rb
         for i in range(nb):
@@ -1587,27 +1627,27 @@ def _repack_nibble_group(r8, rb, o, o32, g, ts):
             for j in range(sb):
                 o[base + sb * U(r) + U(j)] = r8[s + U(j)]
             w0 = (base + U(X16) * sb) // U(4) + U(r)
-            for k in range(4):
-                o32[w0 + U(X16 * k)] = _word(r8, s + sb + U(4 * k))
+            for k in range(qb // U(4)):
+                o32[w0 + U(X16) * U(k)] = _word(r8, s + sb + U(4) * U(k))
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def repack_nibble_x16(raw, out, ts):
-    """MXFP4 (ts = 17) or Q4_0 (18) rows raw (uint8 [N, K / 32 x ts], N a multiple of 16) -> out
-    (the same shape) in their X16 layout, on every thread."""
+def repack_plain_x16(raw, out, ts, qb):
+    """MXFP4 (ts = 17, qb = 16), Q4_0 (18, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
+    N a multiple of 16) -> out (the same shape) in their X16 layout, on every thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_nibble_group(r8, rb, o, o32, U(g), U(ts))
+        _repack_plain_group(r8, rb, o, o32, U(g), U(ts), U(qb))
 
 
 @njit(cache=True, nogil=True)
-def repack_nibble_x16_serial(raw, out, ts):
-    """`repack_nibble_x16` on the calling thread."""
+def repack_plain_x16_serial(raw, out, ts, qb):
+    """`repack_plain_x16` on the calling thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_nibble_group(r8, rb, o, o32, U(g), U(ts))
+        _repack_plain_group(r8, rb, o, o32, U(g), U(ts), U(qb))
 
 
 @njit(inline="always")
@@ -1707,25 +1747,25 @@ def repack_q6_k_x16_serial(raw, out):
 
 def repacks(t) -> bool:
     """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in an X16 layout:
-    quants.x16_shape (Q4_K, Q4_0, IQ4_XS), on AVX-512 VNNI (a tied output head reads the token
+    quants.x16_shape (Q4_K, Q4_0, IQ4_XS, Q8_0), on AVX-512 VNNI (a tied output head reads the token
     embedding as it is)."""
     return VNNI and x16_shape(t)
 
 
 def repacks_experts(t) -> bool:
     """Whether the cpu backend's expert sources hold routed-expert tensor t in an X16 layout
-    (quants.x16_expert_shape: Q4_K, Q6_K, MXFP4, Q4_0, IQ4_XS, on AVX-512 VNNI): the model file's
+    (quants.x16_expert_shape: Q4_K, Q6_K, MXFP4, Q4_0, IQ4_XS, Q8_0, on AVX-512 VNNI): the model file's
     (resident) and a pool's slots alike, so streamed and resident products are the same bits."""
     return VNNI and x16_expert_shape(t)
 
 
 def x16_type(qtype: int) -> int:
-    """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16, MXFP4_X16, Q4_0_X16)."""
+    """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16, ...: X16_TYPES)."""
     return qtype + 256
 
 
 def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
-    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (Q4_K, Q6_K, MXFP4 or Q4_0; each [N,
+    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (one of X16_TYPES; each [N,
     row bytes] on its own: N a multiple of 16), on every thread."""
     out = np.empty((*raw.shape[:-1], x16_bytes(raw.shape[-1], qtype)), np.uint8)
     _repacker(qtype, False)(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
@@ -1741,9 +1781,10 @@ def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
 def _repacker(qtype: int, serial: bool):
     """f(raw, out): the repack kernel of qtype's X16 layout, serial or on every thread."""
     name = type_name(qtype)
-    if name in NIBBLE_X16:
-        kernel, ts = (repack_nibble_x16_serial if serial else repack_nibble_x16), QTYPES_BY_NAME[name].type_size
-        return lambda raw, out: kernel(raw, out, ts)
+    if name in NIBBLE_X16 or name == "Q8_0":
+        kernel, ts = (repack_plain_x16_serial if serial else repack_plain_x16), QTYPES_BY_NAME[name].type_size
+        qb = ts - (1 if name == "MXFP4" else 2)
+        return lambda raw, out: kernel(raw, out, ts, qb)
     if name == "Q6_K":
         return repack_q6_k_x16_serial if serial else repack_q6_k_x16
     if name == "IQ4_XS":
@@ -1967,7 +2008,7 @@ def _x16_rows(dot, name: str):
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
     ("Q4_K", dot16_q4_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
-    ("IQ4_XS", dot16_iq4_xs_x16))})
+    ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16))})
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 
@@ -2330,8 +2371,8 @@ def routed_rows(ids, weights, n_experts):
 
 
 SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
-REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_nibble_x16,
-           repack_nibble_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial)
+REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_plain_x16,
+           repack_plain_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -2378,8 +2419,12 @@ WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_ro
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
                                                             "route", "routed_rows"),
               "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
-                         "repack_nibble_x16", "repack_nibble_x16_serial", "repack_iq4_xs_x16",
+                         "repack_plain_x16", "repack_plain_x16_serial", "repack_iq4_xs_x16",
                          "repack_iq4_xs_x16_serial")}
+# The repack kernels of each type's X16 layout (a file's "repack" part compiles its types' only).
+REPACKS_OF = {"Q4_K": ("repack_q4_k_x16", "repack_q4_k_x16_serial"), "Q6_K": ("repack_q6_k_x16", "repack_q6_k_x16_serial"),
+              "IQ4_XS": ("repack_iq4_xs_x16", "repack_iq4_xs_x16_serial")}
+REPACKS_OF.update({n: ("repack_plain_x16", "repack_plain_x16_serial") for n in NIBBLE_X16 + ("Q8_0",)})
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
@@ -2406,8 +2451,15 @@ class Kernels:
         self._warm = False
 
     def kernels(self, parts=None) -> list:
-        """The dispatchers of `parts` (default: this set's), each once."""
-        return [getattr(self, n) for p in (parts or self.parts) for n in WARM_PARTS[p]]
+        """The dispatchers of `parts` (default: this set's), each once: of the repacks, those of
+        this set's types' layouts."""
+        return [getattr(self, n) for p in (parts or self.parts) for n in WARM_PARTS[p]
+                if p != "repack" or n in self._repacks()]
+
+    def _repacks(self) -> tuple[str, ...]:
+        """The repack kernels of this set's types' X16 layouts (REPACKS_OF)."""
+        return tuple(dict.fromkeys(k for n, ks in REPACKS_OF.items() if self.everything or n in self.names
+                                   for k in ks))
 
     def cold_parts(self) -> tuple[str, ...]:
         """The parts some kernel of which numba's disk cache lacks (none once this set is loaded)."""
@@ -2501,7 +2553,7 @@ class Kernels:
                 self.expert_ffn_oai(np.zeros((1, n), np.float32), x, h, h, h, ids, ids, offs, ids, one, t, t, t,
                                     b, b, b, 1.702, 7.0)
             elif part == "repack":
-                _warm_repack()
+                _warm_repack(self._repacks())
             else:
                 _warm_small()
 
@@ -2548,15 +2600,13 @@ def _warm_small():
     routed_rows(ids2, w2, 32)
 
 
-def _warm_repack():
-    repack_q4_k_x16(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
-    repack_q4_k_x16_serial(_ro(np.zeros((X16, 144), np.uint8)), np.empty((X16, X16_BLOCK // X16), np.uint8))
-    repack_q6_k_x16(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
-    repack_q6_k_x16_serial(_ro(np.zeros((X16, 210), np.uint8)), np.empty((X16, 210), np.uint8))
-    repack_nibble_x16(_ro(np.zeros((X16, 17), np.uint8)), np.empty((X16, 17), np.uint8), 17)
-    repack_nibble_x16_serial(_ro(np.zeros((X16, 17), np.uint8)), np.empty((X16, 17), np.uint8), 17)
-    repack_iq4_xs_x16(_ro(np.zeros((X16, 136), np.uint8)), np.empty((X16, 136), np.uint8))
-    repack_iq4_xs_x16_serial(_ro(np.zeros((X16, 136), np.uint8)), np.empty((X16, 136), np.uint8))
+def _warm_repack(kernels):
+    """Call each repack kernel named in `kernels` on one group of 16 rows."""
+    args = {"repack_q4_k_x16": (144, X16_BLOCK // X16), "repack_q6_k_x16": (210, 210), "repack_plain_x16": (17, 17, 17, 16),
+            "repack_iq4_xs_x16": (136, 136)}
+    for name in kernels:
+        row, out, *more = args[name.removesuffix("_serial")]
+        globals()[name](_ro(np.zeros((X16, row), np.uint8)), np.empty((X16, out), np.uint8), *more)
 
 
 def _cached(kernel) -> bool:
