@@ -9,6 +9,7 @@ llama.cpp). A tensor row of `n` weights takes `n // block_size * type_size` byte
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import numpy as np
@@ -386,9 +387,28 @@ def x16_experts(gguf, t) -> bool:
     """Whether the cpu backend's expert layout takes expert tensor t of file `gguf`: its shape
     (x16_expert_shape), in a layer whose experts take the kernels' expert path: without expert
     biases, or gpt-oss's (its clamped SwiGLU kernel takes them; a layer with biases elsewhere
-    takes the numpy path, which reads the file's blocks)."""
+    takes the numpy path, which reads the file's blocks); in a file that takes the layouts
+    (x16_file)."""
     biased = f"blk.{t.name.split('.')[1]}.ffn_gate_exps.bias" in gguf.tensors
-    return x16_expert_shape(t) and (not biased or gguf.metadata.get("general.architecture") == "gpt-oss")
+    return (x16_expert_shape(t) and (not biased or gguf.metadata.get("general.architecture") == "gpt-oss")
+            and x16_file(gguf))
+
+
+# A file takes the X16 layouts only from this many bytes of tensors that have one (ONEBIT_X16_FROM
+# overrides; the test suite sets 0, so its small files take them). The layouts pay where the
+# products read weights from memory; a smaller file's matrices stay in the caches, and its first
+# run on a machine would compile the layouts' kernels as well: the shipped model (5 MB, Q8_0)
+# answered first in 21.1-22.1 s with Q8_0_X16 compiled, 18.5-18.6 without (bench_first_token.py).
+X16_FROM = 64 << 20
+
+
+def x16_file(gguf) -> bool:
+    """Whether file `gguf`'s matrices and experts take the cpu backend's X16 layouts at all: its
+    tensors of an X16 shape (x16_shape, x16_expert_shape) hold X16_FROM bytes or more."""
+    got = getattr(gguf, "_x16_bytes", None)
+    if got is None:
+        got = gguf._x16_bytes = sum(t.n_bytes for t in gguf.tensors.values() if x16_shape(t) or x16_expert_shape(t))
+    return got >= int(os.environ.get("ONEBIT_X16_FROM", X16_FROM))
 
 
 def x16_bytes(n_bytes: int, qtype: int) -> int:

@@ -152,6 +152,26 @@ def test_a_model_repacks_at_load_a_bare_backend_when_it_uses_a_matrix():
         assert x16(bare) == {name}
 
 
+@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+def test_a_small_file_keeps_its_rows(monkeypatch):
+    """Under quants.X16_FROM bytes of X16-shaped tensors (the suite sets 0) a file keeps the rows as
+    they are, matrices and experts, and its kernels compile no layout (no repack part); from that
+    size it takes the layouts. The same logits either way, to the products' float order."""
+    path = fixture_path("q3moe256-Q8_0.gguf")
+    monkeypatch.delenv("ONEBIT_X16_FROM")
+    small = onebit.load(path, backend="cpu")
+    monkeypatch.setenv("ONEBIT_X16_FROM", str(os.path.getsize(path) // 2))
+    big = onebit.load(path, backend="cpu")
+    x16 = lambda be: {n for n, (_, (_, qt, _)) in be._products.items() if qt >= 256}  # noqa: E731
+    assert not small.be.x16 and "repack" not in small.be.K.parts and not x16(small.be)
+    assert small.be.source.layout is None or not any(small.be.source.layout.packs(t) for t in small.gguf.tensors.values()
+                                                     if t.name.endswith("_exps.weight"))
+    assert big.be.x16 and x16(big.be) and big.be.source.layout is not None
+    ids = [1, 2, 3, 4, 5]
+    a, b = small.logits(ids), big.logits(ids)
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+
+
 def test_q4_k_x16_layout_by_hand(rng):
     """One block of 16 rows repacked, checked field by field against the Q4_K block format."""
     if not K.VNNI:

@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_fresh_machine_compiles_only_the_files_types(tmp_path):
-    """An empty numba cache (a fresh machine) and a Q8_0 file: the backend compiles the Q8_0 +
-    F32 products, the small ops and (with VNNI) Q8_0_X16's repacks, and nothing of any other
-    type (no other layout's repack): the all-types kernels
+    """An empty numba cache (a fresh machine) and a small Q8_0 file (under quants.X16_FROM: no X16
+    layout): the backend compiles the Q8_0 + F32 products and the small ops, and nothing of any
+    other type or layout: the all-types kernels
     (which hold every type's code, Q4_K's among them) are never compiled or loaded, and the
     disk cache holds only kernels of that set. A forward then compiles nothing more (prompt,
     decode, and the streamed experts of a pool)."""
@@ -37,7 +37,7 @@ import os, numpy as np, onebit
 from onebit.backends import cpu_kernels as K
 m = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu")
 assert m.be.K.names == ("Q8_0", "F32"), m.be.K.names
-assert m.be.K.parts == ("dense", "fused", "experts", "small") + (("repack",) if K.VNNI else ()), m.be.K.parts
+assert m.be.K.parts == ("dense", "fused", "experts", "small"), m.be.K.parts
 kernels = m.be.K.kernels()
 before = [len(k.signatures) for k in kernels]
 assert all(before), [k.__name__ for k, n in zip(kernels, before) if not n]
@@ -52,12 +52,12 @@ every = [getattr(K, n) for n in K.PRODUCTS] + [K.matmul_rows, K.gate_up, K.one_e
 assert not any(k.signatures or k.stats.cache_misses or k.stats.cache_hits for k in every)
 names = sorted(f for _, _, fs in os.walk(os.environ["NUMBA_CACHE_DIR"]) for f in fs if f.endswith(".nbi"))
 small = {{k.__name__ for k in K.SMALL_OPS}} | {{"_attend", "quantize_acts"}}  # shared by every type set
-small |= set(K.REPACKS_OF["Q8_0"]) if K.VNNI else set()  # (its layout's, not another's)
 assert all("__q8_0_f32-" in f or f.split(".")[1].split("-")[0] in small for f in names), names
 assert any("expert_ffn__q8_0_f32" in f for f in names) and not any("oai__" in f for f in names), names
 print("ok")
 """
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env.pop("ONEBIT_X16_FROM", None)  # (as a user runs it: conftest's 0 would give the layouts)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     assert "compiling the cpu kernels for Q8_0, F32" in r.stderr  # said before it happens

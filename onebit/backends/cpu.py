@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from ..gguf_file import EXPERT_PARTS
-from ..quants import x16_bytes, x16_experts
+from ..quants import x16_bytes, x16_experts, x16_file
 from .experts import FileExperts, read_only
 from .numpy_backend import NumpyBackend
 
@@ -118,6 +118,7 @@ class CpuBackend(NumpyBackend):
         from . import cpu_kernels as K
 
         self.K = K.kernels_for(gguf)  # compiled for the file's quant types (or all types, if cached)
+        self.x16 = x16_file(gguf)  # (its matrices in X16 layouts where they have one: `_product`)
         self.threads = threads()
         _one_blas_thread()
         filled = 0.0
@@ -152,7 +153,7 @@ class CpuBackend(NumpyBackend):
         from . import cpu_kernels as K
 
         for name, t in self.gguf.tensors.items():
-            if K.repacks(t):
+            if self.x16 and K.repacks(t):
                 self._product_raw(name)
         layout = X16Experts(self.gguf)
         if (experts and type(self.source) is FileExperts and self.source.layout is None
@@ -176,8 +177,8 @@ class CpuBackend(NumpyBackend):
 
     def _product_raw(self, name: str):
         """(tensor, type id, raw bytes) of a weight matrix as the products take it, kept per name
-        (`_kept`: a linear asks every token): Q4_K and Q4_0 rows repacked 16 to a group (cpu_kernels'
-        X16 layouts, `repacks`) from the file's map, whose pages are then given back (a streamed
+        (`_kept`: a linear asks every token): rows of a type with an X16 layout repacked 16 to a group
+        (cpu_kernels' `repacks`, in a file that takes the layouts: quants.x16_file) from the file's map, whose pages are then given back (a streamed
         model's load leaves these tensors mapped for this: no copy beside the repacked one);
         else `_kernel_raw`'s."""
         return self._kept(self._products, name, [name], lambda: self._product(name))
@@ -186,7 +187,8 @@ class CpuBackend(NumpyBackend):
         from . import cpu_kernels as K
 
         t, raw = self._kernel_raw(name)
-        if raw is None or not K.repacks(t) or not (isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)):
+        mapped = isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)
+        if raw is None or not (self.x16 and K.repacks(t)) or not mapped:
             return t, t.qtype, raw
         packed = K.repack_x16(raw, t.qtype)
         self.gguf.release(t, uncache=True)

@@ -83,7 +83,7 @@ from numba.np.arrayobj import populate_array  # noqa: E402
 from functools import cache  # noqa: E402
 
 from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, type_name, x16_bytes, x16_expert_shape  # noqa: E402
-from ..quants import x16_shape  # noqa: E402
+from ..quants import x16_file, x16_shape  # noqa: E402
 from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
@@ -1921,16 +1921,17 @@ _IDOTS = {1: IDOT1, 2: IDOT2, 4: IDOT4, 8: IDOT8}
 _INT_ORDER = tuple(n for n in _ORDER if n in INT_TYPES)
 
 
-def _with_x16(names) -> tuple:
-    """names, and the X16 layouts first of those among them that have one, where the machine has VNNI."""
+def _with_x16(names, x16: bool = True) -> tuple:
+    """names, and (if x16) the X16 layouts first of those among them that have one, where the
+    machine has VNNI."""
     names = tuple(names)
-    return tuple(f"{n}_X16" for n in X16_TYPES if VNNI and n in names) + names
+    return tuple(f"{n}_X16" for n in X16_TYPES if x16 and VNNI and n in names) + names
 
 
-def _is_int(names) -> dict:
-    """{"is_int": is_int(qt)}: whether qt is one of the INT_TYPES among `names`, whose products
-    take x's int16 blocks (`acts`)."""
-    test = " or ".join(f"qt == {_tid(n)}" for n in _with_x16(_INT_ORDER) if n in _with_x16(names)) or "False"
+def _is_int(names, x16: bool = True) -> dict:
+    """{"is_int": is_int(qt)}: whether qt is one of the INT_TYPES among `names` (and their X16
+    layouts if x16), whose products take x's int16 blocks (`acts`)."""
+    test = " or ".join(f"qt == {_tid(n)}" for n in _with_x16(_INT_ORDER) if n in _with_x16(names, x16)) or "False"
     ns: dict = {}
     exec(f"def is_int(qt):\n    return {test}", ns)
     return {"is_int": njit(inline="always")(ns["is_int"])}
@@ -2012,10 +2013,10 @@ ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 
-def _rows_of(names) -> dict:
+def _rows_of(names, x16: bool = True) -> dict:
     """{"rows_of": rows_of(qt, w, out, x, aq, ad, am, n0, n1, col)}: ROWS[qt's type] for the
-    types `names`."""
-    return {"rows_of": _dispatch(ROWS, _RA, "The row loop of qt's type (ROWS).", _with_x16(names), names[-1])}
+    types `names` (and their X16 layouts if x16)."""
+    return {"rows_of": _dispatch(ROWS, _RA, "The row loop of qt's type (ROWS).", _with_x16(names, x16), names[-1])}
 
 
 globals().update(_is_int(IR_TYPES))
@@ -2401,14 +2402,15 @@ def _clone(kernel, env: dict, tag: str):
 
 
 @cache
-def _typed(names: tuple[str, ...]) -> dict:
-    """The products (and the helpers they call) of PRODUCTS with the dispatch cut to `names`
-    (one set of dispatchers per process: a second load of a file reuses the compiled code)."""
-    tag = "_".join(n.lower() for n in names)
+def _typed(names: tuple[str, ...], x16: bool) -> dict:
+    """The products (and the helpers they call) of PRODUCTS with the dispatch cut to `names`, and
+    their X16 layouts if x16 (one set of dispatchers per process: a second load of a file reuses
+    the compiled code)."""
+    tag = "_".join(n.lower() for n in names) + ("_x16" if x16 and VNNI else "")
     last = names[-1]
     env = {"decode_row": _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)}
-    env.update(_is_int(names))
-    env.update(_rows_of(names))
+    env.update(_is_int(names, x16))
+    env.update(_rows_of(names, x16))
     for helper in (acts, matmul_rows, gate_up, one_expert, one_expert_oai):  # (each after what it calls)
         env[helper.py_func.__name__] = _clone(helper, env, tag)
     return {name: _clone(globals()[name], env, tag) for name in PRODUCTS}
@@ -2443,9 +2445,10 @@ class Kernels:
         self.names = tuple(n for n in _ORDER if names is None or n in names) or ("F32",)
         self.everything = names is None
         self.parts = tuple(p for p in WARM_PARTS if p in parts)
+        self.x16 = "repack" in self.parts  # (a file with a tensor in an X16 layout: parts_for)
         self.SUPPORTED = frozenset(SUPPORTED) if self.everything else frozenset(
             QTYPES_BY_NAME[n].type_id for n in self.names) & SUPPORTED
-        own = globals() if self.everything else _typed(self.names)
+        own = globals() if self.everything else _typed(self.names, self.x16)
         for name in PRODUCTS + WARM_PARTS["small"] + WARM_PARTS["repack"]:
             setattr(self, name, own[name] if name in own else globals()[name])
         self._warm = False
@@ -2564,7 +2567,7 @@ def parts_for(gguf) -> tuple[str, ...]:
     names = gguf.tensors.keys()
     experts = any("_exps.weight" in n for n in names)
     oai = any(n.endswith("ffn_gate_exps.bias") for n in names)
-    repack = any(repacks(t) or repacks_experts(t) for t in gguf.tensors.values())  # (the X16 layouts)
+    repack = x16_file(gguf) and any(repacks(t) or repacks_experts(t) for t in gguf.tensors.values())  # (X16)
     return (("dense", "fused", "small") + (("experts_oai",) if oai else ("experts",) if experts else ())
             + (("repack",) if repack else ()))
 
