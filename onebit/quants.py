@@ -394,20 +394,22 @@ def x16_experts(gguf, t) -> bool:
             and x16_file(gguf))
 
 
-# A file takes the X16 layouts only from this many bytes of tensors that have one (ONEBIT_X16_FROM
-# overrides; the test suite sets 0, so its small files take them). The layouts pay where the
-# products read weights from memory; a smaller file's matrices stay in the caches, and its first
-# run on a machine would compile the layouts' kernels as well: the shipped model (5 MB, Q8_0)
-# answered first in 21.1-22.1 s with Q8_0_X16 compiled, 18.5-18.6 without (bench_first_token.py).
+# A file takes the X16 layouts only from this many bytes of tensors (ONEBIT_X16_FROM overrides;
+# the test suite sets 0, so its small files take them). The layouts pay where the products read
+# weights from memory; a smaller file's weights stay in the caches, and its first run on a
+# machine would compile the layouts' kernels as well: the shipped model (5 MB, Q8_0) answered
+# first in 21.1-22.1 s with Q8_0_X16 compiled, 18.5-18.6 without (bench_first_token.py). All of
+# the file's tensors count, not only those with a layout: Gemma 3 270M's (253 MB) that have one
+# are 10 MB, and its prompt's Q4_K products ran 35% slower as rows.
 X16_FROM = 64 << 20
 
 
 def x16_file(gguf) -> bool:
     """Whether file `gguf`'s matrices and experts take the cpu backend's X16 layouts at all: its
-    tensors of an X16 shape (x16_shape, x16_expert_shape) hold X16_FROM bytes or more."""
+    tensors hold X16_FROM bytes or more."""
     got = getattr(gguf, "_x16_bytes", None)
     if got is None:
-        got = gguf._x16_bytes = sum(t.n_bytes for t in gguf.tensors.values() if x16_shape(t) or x16_expert_shape(t))
+        got = gguf._x16_bytes = sum(t.n_bytes for t in gguf.tensors.values())
     return got >= int(os.environ.get("ONEBIT_X16_FROM", X16_FROM))
 
 

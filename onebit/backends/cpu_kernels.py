@@ -2441,11 +2441,13 @@ class Kernels:
 
     LUT, M, SERIAL_WORK = LUT, M, SERIAL_WORK
 
-    def __init__(self, names=None, parts: tuple[str, ...] = tuple(WARM_PARTS)):
+    def __init__(self, names=None, parts: tuple[str, ...] = tuple(WARM_PARTS), x16: bool | None = None):
         self.names = tuple(n for n in _ORDER if names is None or n in names) or ("F32",)
         self.everything = names is None
         self.parts = tuple(p for p in WARM_PARTS if p in parts)
-        self.x16 = "repack" in self.parts  # (a file with a tensor in an X16 layout: parts_for)
+        # the products take the X16 layouts' branches: by default where the file repacks (parts_for);
+        # `fill_cache`'s workers, each given some of the parts, are told
+        self.x16 = "repack" in self.parts if x16 is None else x16
         self.SUPPORTED = frozenset(SUPPORTED) if self.everything else frozenset(
             QTYPES_BY_NAME[n].type_id for n in self.names) & SUPPORTED
         own = globals() if self.everything else _typed(self.names, self.x16)
@@ -2494,14 +2496,15 @@ class Kernels:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         code = ("import sys; from onebit.backends import cpu_kernels as K; names = sys.argv[1]; "
-                "K.Kernels(None if names == '*' else names.split(','), tuple(sys.argv[2:])).warm_up()")
+                "K.Kernels(None if names == '*' else names.split(','), tuple(sys.argv[3:]), sys.argv[2] == 'x16')"
+                ".warm_up()")
         names = "*" if self.everything else ",".join(self.names)
         procs = []
         try:
             for g in groups[1:]:
                 try:
-                    procs.append(subprocess.Popen([sys.executable, "-c", code, names, *g], env=env,
-                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    procs.append(subprocess.Popen([sys.executable, "-c", code, names, "x16" if self.x16 else "rows", *g],
+                                                  env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.DEVNULL))
                 except OSError:  # no interpreter to start: warm_up compiles in this process instead
                     break
