@@ -1478,13 +1478,43 @@ IQ4_XS_X16_BLOCK = 16 * 136
 IQ4_XS_X16 = 256 + QTYPES_BY_NAME["IQ4_XS"].type_id
 
 
-def _x16_iq4xs_codegen(context, builder, sig, args):
-    b = builder
-    nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, IQ4_XS_X16_BLOCK)
+def _signed_frame(context, b, sig, args, block: int):
+    """`_x16_frame` for the layouts whose weights meet both activation planes signed (IQ4_XS_X16,
+    Q8_0_X16), with the blocks' d x sum of high bytes xh and the accumulators acc, off."""
+    nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, block)
     xh = b.gep(xm, [b.mul(nblk, _const(I64, 3))])  # each block's d x sum of high bytes
-    V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
+    V16F = _vec(FLT, 16)
     acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+    return nb, w0, lo_p, hi_p, xd, xh, acc, off, store, spread
+
+
+def _signed_pair(b, sums, u, at, lo_p, hi_p, spread):
+    """(hi, lo) sums plus 64 weights given as u = level + 128 (unsigned) against the 4 activation
+    bytes at `at`: u against the signed high plane, the signed level (u ^ 0x80) against the low."""
+    V64 = _vec(I8, 64)
+    hi_sum = _dpbusd(b, sums[0], u, spread(hi_p, at))
+    return hi_sum, _dpbusd(b, sums[1], spread(lo_p, at), b.xor(u, ir.Constant(V64, [-128] * 64)))
+
+
+def _signed_block(b, sums, dw, acc, off, xd, xh, s):
+    """Add a block of 32 (index s)'s (hi, lo) sums, scaled by dw (its 16 rows' scales) and the
+    activations' d, to acc; its d x sum of high bytes x dw to off (`_signed_result` takes it off)."""
+    V16F, V16I = _vec(FLT, 16), _vec(I32, 16)
+    isum = b.add(b.shl(sums[0], ir.Constant(V16I, [8] * 16)), sums[1])
+    dx, mh = _splat(b, _load(b, xd, s, FLT, align=4), 16), _splat(b, _load(b, xh, s, FLT, align=4), 16)
+    b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(dw, dx), flags=FAST), flags=FAST), acc)
+    b.store(b.fadd(b.load(off), b.fmul(dw, mh)), off)
+
+
+def _signed_result(b, store, acc, off):
+    store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(_vec(FLT, 16), [32768.0] * 16))))
+
+
+def _x16_iq4xs_codegen(context, builder, sig, args):
+    b = builder
+    nb, w0, lo_p, hi_p, xd, xh, acc, off, store, spread = _signed_frame(context, b, sig, args, IQ4_XS_X16_BLOCK)
+    V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
     zero = ir.Constant(V16I, [0] * 16)
     splat = lambda v: ir.Constant(V16I, [v] * 16)  # noqa: E731
     with cgutils.for_range(b, nb) as loop:
@@ -1503,21 +1533,15 @@ def _x16_iq4xs_codegen(context, builder, sig, args):
             dsc = b.fmul(d, b.sitofp(b.sub(ls, splat(32)), V16F))
             qj = b.gep(blk, [b.add(_const(I64, 128), b.mul(j, _const(I64, 256)))])
             first = b.add(b.mul(i, _const(I64, 256)), b.mul(j, _const(I64, 32)))
-            hi_sum, lo_sum = zero, zero
+            sums = zero, zero
             for k in range(4):
                 wv = _load(b, qj, 64 * k, V64)
                 lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
                 for h, q in enumerate((lo4, hi4)):
-                    u = _pshufb(b, IQ4_PLUS128, q)
                     at = b.add(first, _const(I64, 16 * h + 4 * k))
-                    hi_sum = _dpbusd(b, hi_sum, u, spread(hi_p, at))
-                    lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), b.xor(u, ir.Constant(V64, [-128] * 64)))
-            isum = b.add(b.shl(hi_sum, splat(8)), lo_sum)
-            s = b.add(b.mul(i, _const(I64, 8)), j)
-            dx, mh = _splat(b, _load(b, xd, s, FLT, align=4), 16), _splat(b, _load(b, xh, s, FLT, align=4), 16)
-            b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(dsc, dx), flags=FAST), flags=FAST), acc)
-            b.store(b.fadd(b.load(off), b.fmul(dsc, mh)), off)
-    store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32768.0] * 16))))
+                    sums = _signed_pair(b, sums, _pshufb(b, IQ4_PLUS128, q), at, lo_p, hi_p, spread)
+            _signed_block(b, sums, dsc, acc, off, xd, xh, b.add(b.mul(i, _const(I64, 8)), j))
+    _signed_result(b, store, acc, off)
     return context.get_dummy_value()
 
 
@@ -1536,28 +1560,20 @@ Q8_0_X16 = 256 + QTYPES_BY_NAME["Q8_0"].type_id
 
 def _x16_q8_0_codegen(context, builder, sig, args):
     b = builder
-    nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, X16 * 34)
-    xh = b.gep(xm, [b.mul(nblk, _const(I64, 3))])  # each block's d x sum of high bytes
+    nb, w0, lo_p, hi_p, xd, xh, acc, off, store, spread = _signed_frame(context, b, sig, args, X16 * 34)
     V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
-    acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-    off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     zero = ir.Constant(V16I, [0] * 16)
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
         blk = b.gep(w0, [b.mul(i, _const(I64, X16 * 34))])
         d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
         first = b.mul(i, _const(I64, 32))
-        hi_sum, lo_sum = zero, zero
+        sums = zero, zero
         for k in range(8):
-            q = _load(b, blk, 32 + 64 * k, V64)
-            at = b.add(first, _const(I64, 4 * k))
-            hi_sum = _dpbusd(b, hi_sum, b.xor(q, ir.Constant(V64, [-128] * 64)), spread(hi_p, at))
-            lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), q)
-        isum = b.add(b.shl(hi_sum, ir.Constant(V16I, [8] * 16)), lo_sum)
-        dx, mh = _splat(b, _load(b, xd, i, FLT, align=4), 16), _splat(b, _load(b, xh, i, FLT, align=4), 16)
-        b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(d, dx), flags=FAST), flags=FAST), acc)
-        b.store(b.fadd(b.load(off), b.fmul(d, mh)), off)
-    store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32768.0] * 16))))
+            u = b.xor(_load(b, blk, 32 + 64 * k, V64), ir.Constant(V64, [-128] * 64))  # q + 128
+            sums = _signed_pair(b, sums, u, b.add(first, _const(I64, 4 * k)), lo_p, hi_p, spread)
+        _signed_block(b, sums, d, acc, off, xd, xh, i)
+    _signed_result(b, store, acc, off)
     return context.get_dummy_value()
 
 
