@@ -58,6 +58,8 @@ SHAPES = [  # label, kind, N, K (experts: hidden, dim, n_experts)
     ("gpt-oss attn q", "dense", 4096, 2880),
     ("gpt-oss output", "dense", 201088, 2880),
     ("Gemma 270M output", "dense", 262144, 640),
+    ("Gemma 270M gate/up", "dense", 2048, 640),
+    ("Gemma 270M down", "dense", 640, 2048),
 ]
 
 
@@ -75,9 +77,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q8_0_X16,Q4_0,Q4_0_X16,MXFP4,"
-                    "MXFP4_X16,IQ4_XS,IQ4_XS_X16,F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout "
-                    "(AVX-512 VNNI; quants.X16_MATRIX_TYPES' matrices, X16_EXPERT_TYPES' experts)")
+    ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q8_0_X16,Q4_0,Q4_0_X16,Q5_0,"
+                    "Q5_0_X16,MXFP4,MXFP4_X16,IQ4_XS,IQ4_XS_X16,F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout "
+                    "(AVX-512 VNNI; quants.X16_TYPES)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = ap.parse_args()
@@ -104,8 +106,6 @@ def main() -> int:
             if x16 and (not getattr(K, "VNNI", False) or not hasattr(K, name)):
                 continue
             qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
-            if x16 and kind == "dense" and qt.type_id not in quants.X16_MATRIX_TYPES:  # (the others: experts)
-                continue
             tid = getattr(K, name) if x16 else qt.type_id
             if Kin % qt.block_size or (kind == "experts" and N % qt.block_size):
                 continue

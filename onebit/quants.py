@@ -352,35 +352,31 @@ def type_name(type_id: int) -> str:
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
-# onebit's own layouts of Q4_K, Q4_0, IQ4_XS and Q8_0 matrices in the cpu backend on AVX-512 VNNI
-# (backends/cpu_kernels.py, "X16"): 16 rows side by side. Q4_K's decodes each 256 weights' scales
+# onebit's own layouts in the cpu backend on AVX-512 VNNI (backends/cpu_kernels.py, "X16"): the rows
+# of a matrix, or of each routed expert, 16 side by side. Q4_K's decodes each 256 weights' scales
 # to bytes: X16_BLOCK bytes hold 16 rows x 256 weights, their 16 x 144 bytes of blocks and 64 more
-# (2.8%); the others keep their bytes.
+# (2.8%); the others keep their bytes (Q6_K's: 16 rows x 256 weights in 16 x 210 bytes). From
+# memory each moves at least its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and
+# prompts' products run 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
 X16_ROWS = 16
 X16_BLOCK = 320 + 2048
-X16_MATRIX_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q4_0", "IQ4_XS", "Q8_0"))
+X16_Q6_BLOCK = 16 * 210
+X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"))
 
 
 def x16_shape(t) -> bool:
     """Whether tensor t (a gguf_file.Tensor) has what an X16 layout of matrices takes: a [N, K]
-    Q4_K, Q4_0, IQ4_XS or Q8_0 matrix, N a multiple of 16; not the token embedding, whose rows lookups
-    read as they are."""
-    return (t.qtype in X16_MATRIX_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
+    matrix of X16_TYPES, N a multiple of 16; not the token embedding, whose rows lookups read as
+    they are."""
+    return (t.qtype in X16_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
             and not t.name.startswith("token_embd"))
 
 
-# Q6_K in the same arrangement (experts only): 16 rows x 256 weights in their own 16 x 210 bytes.
-X16_Q6_BLOCK = 16 * 210
-
-
-X16_EXPERT_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "IQ4_XS", "Q8_0"))
-
-
 def x16_expert_shape(t) -> bool:
-    """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of Q4_K, Q6_K,
-    MXFP4, Q4_0, IQ4_XS or Q8_0, N a multiple of 16 (each expert's rows repack on their own, so a
-    pool's slot can be filled with one expert's)."""
-    return t.qtype in X16_EXPERT_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
+    """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of X16_TYPES, N a
+    multiple of 16 (each expert's rows repack on their own, so a pool's slot can be filled with
+    one expert's)."""
+    return t.qtype in X16_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
 
 
 def x16_experts(gguf, t) -> bool:

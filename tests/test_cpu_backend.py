@@ -142,7 +142,7 @@ def test_a_model_repacks_at_load_a_bare_backend_when_it_uses_a_matrix():
     path = fixture_path("q3moe256-Q4_K_M.gguf")
     m = onebit.load(path, backend="cpu")
     eligible = {n for n, t in m.gguf.tensors.items() if K.repacks(t)}
-    x16 = lambda be: {n for n, (_, (_, qt, _)) in be._products.items() if qt == K.Q4_K_X16}  # noqa: E731
+    x16 = lambda be: {n for n, (_, (_, qt, _)) in be._products.items() if qt >= 256}  # noqa: E731
     assert bool(eligible) == K.VNNI and x16(m.be) == eligible
     bare = CpuBackend(m.gguf)
     assert not x16(bare)
@@ -219,9 +219,9 @@ def test_q6_k_x16_layout_by_hand(rng):
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["Q6_K", "MXFP4", "Q4_0", "IQ4_XS", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q6_K, MXFP4, Q4_0, IQ4_XS and Q8_0, an odd number of blocks a row (768 weights
+    """The X16 layouts of Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS and Q8_0, an odd number of blocks a row (768 weights
     as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
     against the reference on the same rounded activations and against the row kernel; serial ==
     parallel repack."""
@@ -244,29 +244,39 @@ def test_x16_layout_products(rng, name, rows):
     assert np.array_equal(serial, packed)
 
 
-@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q5_0", "Q8_0"])
 def test_plain_x16_layout_by_hand(rng, name):
-    """A group of 16 rows repacked: each row's scale field where the layout puts it, and each
-    weight's quant (a nibble; Q8_0's a byte) found again at its place in the quants."""
+    """A group of 16 rows repacked: each row's scale field (and Q5_0's word of fifth bits) where
+    the layout puts it, and each weight's quant (a nibble; Q8_0's a byte) found again at its
+    place in the quants; Q5_0's weights rebuilt from the layout equal the reference's."""
     if not K.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME[name]
     qb = 32 if name == "Q8_0" else 16  # quant bytes a block
     ts, sb = qt.type_size, qt.type_size - qb
+    fb = 1 if name == "MXFP4" else 2  # the scale's bytes; Q5_0's 4 bytes of fifth bits follow
     w = random_blocks(name, (16, 64), rng)  # two blocks a row
     p = K.repack_x16(w, qt.type_id).reshape(2, 16 * ts)
+    want_f = qt.dequantize(w)
     for i in range(2):
         blk = p[i]
         quants = blk[16 * sb :].reshape(qb // 4, 16, 4)  # [k, row, byte]
         for r in range(16):
             src = w[r, i * ts : (i + 1) * ts]
-            assert bytes(blk[sb * r : sb * (r + 1)]) == bytes(src[:sb])
+            assert bytes(blk[fb * r : fb * (r + 1)]) == bytes(src[:fb])
+            if sb > fb:
+                assert bytes(blk[16 * fb + 4 * r : 16 * fb + 4 * (r + 1)]) == bytes(src[fb:sb])
             for wi in range(32):
                 if qb == 32:  # weight wi: byte wi of the quants
                     assert quants[wi // 4, r, wi % 4] == src[sb + wi]
                     continue
                 byte, want = quants[(wi % 16) // 4, r, wi % 4], src[sb + wi % 16]  # low nibble below 16
-                assert (byte >> 4 if wi >= 16 else byte & 15) == (want >> 4 if wi >= 16 else want & 15)
+                nib = byte >> 4 if wi >= 16 else byte & 15
+                assert nib == (want >> 4 if wi >= 16 else want & 15)
+                if name == "Q5_0":
+                    d = blk[2 * r : 2 * r + 2].view(np.float16).astype(np.float32)[0]
+                    fifth = (int(blk[32 + 4 * r : 36 + 4 * r].view(np.uint32)[0]) >> wi) & 1
+                    assert d * ((int(nib) | (fifth << 4)) - 16) == want_f[r, 32 * i + wi], (i, r, wi)
 
 
 def test_iq4_xs_x16_layout_by_hand(rng):

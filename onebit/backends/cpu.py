@@ -75,7 +75,7 @@ def _one_blas_thread() -> None:
 
 class X16Experts:
     """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K, Q6_K, MXFP4, Q4_0,
-    IQ4_XS and Q8_0 experts in cpu_kernels' X16 layouts on AVX-512 VNNI (`repacks_experts`), in layers
+    Q5_0, IQ4_XS and Q8_0 experts in cpu_kernels' X16 layouts on AVX-512 VNNI (`repacks_experts`), in layers
     whose experts take the kernels' expert path (every part of a type the kernels read; expert
     biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file
     has them). At decode a step's experts are most of its bytes. Measured (2-core VM,

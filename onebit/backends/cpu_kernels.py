@@ -1342,8 +1342,9 @@ dot16_q4_k_x16.__doc__ = """out[r, col : col + 16] = rows n .. n + 15 of X16-pac
 [N, row bytes], n a multiple of 16) . activation row r of (q, d, m) = quantize_acts(x)."""
 
 
-# Q6_K experts in the same arrangement ("Q6_K_X16"; the experts' short rows: 3 blocks a row on the
-# 30B-A3B shape's down matrices, where the row kernel moved 8.5 GB/s from memory on one thread).
+# Q6_K in the same arrangement ("Q6_K_X16"; first for the experts' short rows: 3 blocks a row on the
+# 30B-A3B shape's down matrices, where the row kernel moved 8.5 GB/s from memory on one thread;
+# then matrices too, as Q4_K_M files' output heads, attn_v and half their ffn_down).
 # A group and block, X16_Q6_BLOCK = 16 x 210 bytes: d of the 16 rows (f16), the int8 scales
 # [sub-block of 16][row], then for k = 0..15, 192 bytes in the order the kernel reads them (three
 # vectors of 16 rows x 4 bytes; with the low and high bits apart, the kernel's three streams cost
@@ -1401,24 +1402,37 @@ dot16_q6_k_x16 = intrinsic(_x16_typer(_x16_q6_codegen))
 dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 
 
-# MXFP4 and Q4_0 (32 weights a block: a scale, then 16 bytes whose low nibbles are weights 0-15 and
-# high nibbles 16-31) in the same arrangement ("MXFP4_X16", "Q4_0_X16"; gpt-oss's experts, Q4_0
-# files' experts and matrices). Measured (2-core VM, both threads, bench_roofline): gpt-oss-20b's
-# experts (4 of 32, 2880 x 2880) MXFP4 18-24 GB/s as rows, 29-48 repacked; prompt 114-121 ->
-# 211-217 GFLOP/s. A group and block, 16 x the type's block bytes: the 16 rows' scales (MXFP4's e8m0
-# bytes, Q4_0's f16), then for k = 0..3 the 16 rows' quant bytes 4 k .. 4 k + 3 (weights 4 k ..
-# 4 k + 3 in the low nibbles, 16 + 4 k .. in the high). The weights meet the activation planes as
+# MXFP4, Q4_0 and Q5_0 (32 weights a block: a scale, Q5_0's 32 fifth bits, then 16 bytes whose low
+# nibbles are weights 0-15 and high nibbles 16-31) in the same arrangement ("MXFP4_X16",
+# "Q4_0_X16", "Q5_0_X16"; gpt-oss's experts, Q4_0 files' experts and matrices, the Q5_0 matrices
+# that Q4_K_M files hold where a row is not a multiple of 256, as Gemma 3's). Measured (2-core
+# VM, both threads, bench_roofline): gpt-oss-20b's experts (4 of 32, 2880 x 2880) MXFP4 18-24 GB/s
+# as rows, 29-48 repacked; prompt 114-121 -> 211-217 GFLOP/s. A group and block, 16 x the type's
+# block bytes: the 16 rows' scales (MXFP4's e8m0 bytes, Q4_0's and Q5_0's f16), Q5_0's 16 words
+# of fifth bits, then for k = 0..3 the 16 rows' quant bytes 4 k .. 4 k + 3 (weights 4 k .. 4 k +
+# 3 in the low nibbles, 16 + 4 k .. in the high). The weights meet the activation planes as
 # unsigned bytes, as PAIRS (MXFP4 through its table: the doubled e2m1 value + 12; Q4_0 as stored,
-# 0..15 = q + 8), and c x each block's activation sum comes off with the scales. The same bytes
-# as the rows, so every shape stays.
-NIBBLE_X16 = ("MXFP4", "Q4_0")
+# 0..15 = q + 8; Q5_0 with its fifth bit, 0..31 = q + 16), and c x each block's activation sum
+# comes off with the scales. The same bytes as the rows, so every shape stays.
+NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0")
 X16_TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
-MXFP4_X16, Q4_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
+MXFP4_X16, Q4_0_X16, Q5_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
+# FIFTH[x]: the 4 bits of x (0..15) as 0x10 in bytes 0..3 of a word (bit b -> byte b).
+FIFTH = [sum(((x >> i) & 1) << (8 * i + 4) for i in range(4)) for x in range(16)]
+
+
+def _fifths(b, qh, shift: int):
+    """<64 x i8>: in each 32-bit lane (a row), bits shift .. shift + 3 of its Q5_0 fifth bits qh
+    (<16 x i32>) as 0x10 in bytes 0..3 (vpermd on FIFTH, which reads an index's low 4 bits)."""
+    V16I = _vec(I32, 16)
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(V16I, [V16I, V16I]), "llvm.x86.avx512.permvar.si.512")
+    idx = b.lshr(qh, ir.Constant(V16I, [shift] * 16)) if shift else qh
+    return b.bitcast(b.call(fn, [ir.Constant(V16I, FIFTH), idx]), _vec(I8, 64))
 
 
 def _nibble_x16_codegen(name: str):
     ts = QTYPES_BY_NAME[name].type_size
-    sb = ts - 16  # scale bytes a row's block
+    sb = ts - 16  # scale (and fifth-bit) bytes a row's block
     c = float(PAIRS[name])
 
     def codegen(context, builder, sig, args):
@@ -1438,6 +1452,8 @@ def _nibble_x16_codegen(name: str):
                 dw = b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(V16I, [2] * 16)), small, big), V16F)
             else:
                 dw = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
+            if name == "Q5_0":
+                qh = _load(b, blk, 32, V16I)
             first = b.mul(i, _const(I64, 32))
             hi_sum, lo_sum = zero, zero
             for k in range(4):
@@ -1445,6 +1461,8 @@ def _nibble_x16_codegen(name: str):
                 lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
                 if name == "MXFP4":
                     lo4, hi4 = _pshufb(b, MXFP4_PLUS12, lo4), _pshufb(b, MXFP4_PLUS12, hi4)
+                elif name == "Q5_0":
+                    lo4, hi4 = b.or_(lo4, _fifths(b, qh, 4 * k)), b.or_(hi4, _fifths(b, qh, 16 + 4 * k))
                 for h, q in enumerate((lo4, hi4)):
                     at = b.add(first, _const(I64, 16 * h + 4 * k))
                     hi_sum = _dpbusd(b, hi_sum, q, spread(hi_p, at))
@@ -1463,6 +1481,8 @@ dot16_mxfp4_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("MXFP4")))
 dot16_mxfp4_x16.__doc__ = """`dot16_q4_k_x16` for MXFP4_X16 weights."""
 dot16_q4_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_0")))
 dot16_q4_0_x16.__doc__ = """`dot16_q4_k_x16` for Q4_0_X16 weights."""
+dot16_q5_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q5_0")))
+dot16_q5_0_x16.__doc__ = """`dot16_q4_k_x16` for Q5_0_X16 weights."""
 
 
 # IQ4_XS (256 weights a block: f16 d, the 8 sub-blocks' 6-bit scales as 2 high bits in a u16 and
@@ -1633,15 +1653,19 @@ def repack_iq4_xs_x16_serial(raw, out):
 
 @njit(inline="always")
 def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
-    """Group g of MXFP4, Q4_0 or Q8_0 rows (`_repack_iq4xs_group`'s arguments; blocks of ts bytes,
-    a scale, then qb quant bytes) in their X16 layout, the quants 4 bytes (a 32-bit word) at a time."""
+    """Group g of MXFP4, Q4_0, Q5_0 or Q8_0 rows (`_repack_iq4xs_group`'s arguments; blocks of ts
+    bytes: a scale, Q5_0's 4 bytes of fifth bits, then qb quant bytes) in their X16 layout: the 16
+    rows' scales, their fifth bits, then the quants, 4 bytes (a 32-bit word) at a time."""
     sb, nb = ts - qb, rb // ts
+    fb = min(sb, U(2))  # the scale's bytes (MXFP4's 1, the others' f16); then Q5_0's fifth bits
     for r in range(X16):
         row = (g * U(X16) + U(r)) * rb
         for i in range(nb):
             base, s = (g * nb + U(i)) * U(X16) * ts, row + U(i) * ts
-            for j in range(sb):
-                o[base + sb * U(r) + U(j)] = r8[s + U(j)]
+            for j in range(fb):
+                o[base + fb * U(r) + U(j)] = r8[s + U(j)]
+            if sb > fb:
+                o32[(base + U(X16) * fb) // U(4) + U(r)] = _word(r8, s + fb)
             w0 = (base + U(X16) * sb) // U(4) + U(r)
             for k in range(qb // U(4)):
                 o32[w0 + U(X16) * U(k)] = _word(r8, s + sb + U(4) * U(k))
@@ -1649,7 +1673,7 @@ def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
 
 @njit(parallel=True, cache=True, nogil=True)
 def repack_plain_x16(raw, out, ts, qb):
-    """MXFP4 (ts = 17, qb = 16), Q4_0 (18, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
+    """MXFP4 (ts = 17, qb = 16), Q4_0 (18, 16), Q5_0 (22, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
     N a multiple of 16) -> out (the same shape) in their X16 layout, on every thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
@@ -1762,16 +1786,16 @@ def repack_q6_k_x16_serial(raw, out):
 
 
 def repacks(t) -> bool:
-    """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in an X16 layout:
-    quants.x16_shape (Q4_K, Q4_0, IQ4_XS, Q8_0), on AVX-512 VNNI (a tied output head reads the token
-    embedding as it is)."""
+    """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in an X16 layout (in a
+    file that takes the layouts at all, quants.x16_file): quants.x16_shape (a matrix of X16_TYPES),
+    on AVX-512 VNNI (a tied output head reads the token embedding as it is)."""
     return VNNI and x16_shape(t)
 
 
 def repacks_experts(t) -> bool:
     """Whether the cpu backend's expert sources hold routed-expert tensor t in an X16 layout
-    (quants.x16_expert_shape: Q4_K, Q6_K, MXFP4, Q4_0, IQ4_XS, Q8_0, on AVX-512 VNNI): the model file's
-    (resident) and a pool's slots alike, so streamed and resident products are the same bits."""
+    (quants.x16_expert_shape: of X16_TYPES, on AVX-512 VNNI): the model file's (resident) and a
+    pool's slots alike, so streamed and resident products are the same bits."""
     return VNNI and x16_expert_shape(t)
 
 
@@ -1799,7 +1823,7 @@ def _repacker(qtype: int, serial: bool):
     name = type_name(qtype)
     if name in NIBBLE_X16 or name == "Q8_0":
         kernel, ts = (repack_plain_x16_serial if serial else repack_plain_x16), QTYPES_BY_NAME[name].type_size
-        qb = ts - (1 if name == "MXFP4" else 2)
+        qb = 32 if name == "Q8_0" else 16
         return lambda raw, out: kernel(raw, out, ts, qb)
     if name == "Q6_K":
         return repack_q6_k_x16_serial if serial else repack_q6_k_x16
@@ -2025,7 +2049,7 @@ def _x16_rows(dot, name: str):
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
     ("Q4_K", dot16_q4_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
-    ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16))})
+    ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16), ("Q5_0", dot16_q5_0_x16))})
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 

@@ -21,8 +21,8 @@ from ..gguf_file import EXPERT_PARTS
 
 class ExpertLayout(Protocol):
     """How a backend holds some routed-expert tensors other than as the file has them (the cpu
-    backend's X16 layouts of Q4_K, Q6_K, MXFP4, Q4_0, IQ4_XS and Q8_0 experts): every source of that
-    backend holds them so, the file's (packed at load) and a pool's slots (packed as each is
+    backend's X16 layouts of Q4_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS and Q8_0 experts): every source
+    of that backend holds them so, the file's (packed at load) and a pool's slots (packed as each is
     filled), so the kernels read the same bytes whichever source it is."""
 
     def packs(self, t) -> bool:
