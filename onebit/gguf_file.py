@@ -26,7 +26,7 @@ import struct
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -438,28 +438,32 @@ class GGUFFile:
             tensors.append(Tensor(name=name, qtype=type_id, shape=shape, raw=raw, file=path, offset=start))
         return meta, tensors
 
-    def release(self, t: Tensor, uncache: bool = False) -> None:
+    def release(self, t: Tensor, uncache: bool = False, lo: int = 0, hi: Optional[int] = None) -> None:
         """Drop this process's pages of tensor `t`'s map (it has been copied elsewhere: a device
         buffer): pages read through a map count in the process's resident memory until then.
         The page cache keeps them (not ours; a later read through the map faults them back)
         unless `uncache`: for a copy made to be read instead of them for as long as the model
         is loaded (a backend's repacked layout), their page cache pages go too, so they do not
         crowd out pages still read through the map (the 30B-A3B shape resident on 24 GiB: its
-        repacked experts beside the whole file's pages would not fit)."""
+        repacked experts beside the whole file's pages would not fit). lo, hi: only the tensor's
+        bytes [lo, hi) (a copy made a part at a time), the pages wholly below hi."""
         data = self._maps.get(t.file)
         m = getattr(data, "_mmap", None)
         if m is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        start = (t.offset + lo) // mmap.PAGESIZE * mmap.PAGESIZE
+        end = t.offset + t.n_bytes if hi is None or hi >= t.n_bytes else (t.offset + hi) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end <= start:
+            return
         try:
-            m.madvise(mmap.MADV_DONTNEED, start, t.offset + t.n_bytes - start)
+            m.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):
             pass  # (advice only)
         if uncache and hasattr(os, "posix_fadvise"):
             try:
                 fd = os.open(t.file, os.O_RDONLY)
                 try:
-                    os.posix_fadvise(fd, t.offset, t.n_bytes, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
             except OSError:

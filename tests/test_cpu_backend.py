@@ -153,6 +153,25 @@ def test_a_model_repacks_at_load_a_bare_backend_when_it_uses_a_matrix():
 
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+def test_a_matrix_repacks_a_part_at_a_time(monkeypatch):
+    """A matrix repacked 16 rows a part (REPACK_PART), each part's pages of the map given back as
+    it is done, is the same bytes as repacked whole; the logits are the same bits."""
+    from onebit.backends import cpu as cpu_module
+
+    path = fixture_path("q3moe256-Q4_K_M.gguf")
+    whole = onebit.load(path, backend="cpu")
+    monkeypatch.setattr(cpu_module, "REPACK_PART", 1)
+    parts = onebit.load(path, backend="cpu")
+    packed = {n: v[1] for n, v in parts.be._products.items() if v[1][1] >= 256}
+    assert packed and any(t.shape[0] > 16 for t, _, _ in packed.values())
+    for n, (t, qt, got) in packed.items():
+        assert qt == K.x16_type(t.qtype) and not got.flags.writeable
+        assert np.array_equal(got, K.repack_x16(np.asarray(t.raw), t.qtype)), n
+    ids = [1, 2, 3, 4, 5]
+    assert np.array_equal(whole.logits(ids), parts.logits(ids))
+
+
+@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 def test_a_small_file_keeps_its_rows(monkeypatch):
     """Under quants.X16_FROM bytes of X16-shaped tensors (the suite sets 0) a file keeps the rows as
     they are, matrices and experts, and its kernels compile no layout (no repack part); from that

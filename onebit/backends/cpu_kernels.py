@@ -1813,6 +1813,11 @@ def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> 
     return out
 
 
+def repack_x16_into(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
+    """`repack_x16` of one [N, row bytes] into out, on every thread."""
+    _repacker(qtype, False)(raw, out)
+
+
 def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
     """`repack_x16` of one [N, row bytes] into out, on the calling thread."""
     _repacker(qtype, True)(raw, out)
