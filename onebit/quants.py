@@ -355,13 +355,16 @@ QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 # onebit's own layouts in the cpu backend on AVX-512 VNNI (backends/cpu_kernels.py, "X16"): the rows
 # of a matrix, or of each routed expert, 16 side by side. Q4_K's decodes each 256 weights' scales
 # to bytes: X16_BLOCK bytes hold 16 rows x 256 weights, their 16 x 144 bytes of blocks and 64 more
-# (2.8%); the others keep their bytes (Q6_K's: 16 rows x 256 weights in 16 x 210 bytes). From
-# memory each moves at least its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and
-# prompts' products run 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
+# (2.8%; Q5_K's likewise, 2.3%); the others keep their bytes (Q6_K's: 16 rows x 256 weights in
+# 16 x 210 bytes). From memory each moves at least its rows' GB/s on the 2-core VM (256 MiB
+# matrices, K = 640-4096), and prompts' products run 1.2-2.2x faster (bench_roofline.py;
+# bench/results/issue34-kernels.md).
 X16_ROWS = 16
 X16_BLOCK = 320 + 2048
+X16_Q5_BLOCK = X16_BLOCK + 512  # Q5_K's: Q4_K's and the fifth bits (2.3% more than 16 x 176)
 X16_Q6_BLOCK = 16 * 210
-X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"))
+X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS",
+                                                         "Q8_0"))
 
 
 def x16_shape(t) -> bool:
@@ -411,7 +414,9 @@ def x16_file(gguf) -> bool:
 
 def x16_bytes(n_bytes: int, qtype: int) -> int:
     """The bytes n_bytes of rows of type qtype (one with an X16 layout) take in their X16
-    layout (a row's, or a tensor's): Q4_K's grows by its decoded scales, the others' stay."""
-    if qtype != QTYPES_BY_NAME["Q4_K"].type_id:
-        return n_bytes
-    return n_bytes // 144 * (X16_BLOCK // X16_ROWS)
+    layout (a row's, or a tensor's): Q4_K's and Q5_K's grow by their decoded scales, the others' stay."""
+    if qtype == QTYPES_BY_NAME["Q4_K"].type_id:
+        return n_bytes // 144 * (X16_BLOCK // X16_ROWS)
+    if qtype == QTYPES_BY_NAME["Q5_K"].type_id:
+        return n_bytes // 176 * (X16_Q5_BLOCK // X16_ROWS)
+    return n_bytes

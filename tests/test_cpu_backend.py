@@ -21,7 +21,7 @@ from onebit.backends import resolve
 from onebit.backends.cpu import CpuBackend
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.backends.vulkan.reference import random_blocks
-from onebit.quants import QTYPES, QTYPES_BY_NAME
+from onebit.quants import QTYPES, QTYPES_BY_NAME, x16_bytes
 
 TYPES = sorted(QTYPES[t].name for t in K.SUPPORTED)
 # Relative tolerance (of the largest |reference| value) per weight type. The weights decode to
@@ -212,6 +212,32 @@ def test_q4_k_x16_layout_by_hand(rng):
                 assert bytes(p[at : at + 4]) == bytes(blk[16 + 32 * j + 4 * k : 20 + 32 * j + 4 * k])
 
 
+def test_q5_k_x16_layout_by_hand(rng):
+    """Two blocks of 16 Q5_K rows repacked: each weight rebuilt from the layout's fields (d, dmin,
+    the decoded 6-bit scale and min of its 32, its nibble among the quants, its fifth bit among
+    the fifth-bit words) equals the reference dequantization."""
+    if not K.VNNI:
+        pytest.skip("the X16 layout is AVX-512 VNNI's")
+    qt = QTYPES_BY_NAME["Q5_K"]
+    w = random_blocks("Q5_K", (16, 512), rng)
+    p = K.repack_x16(w, qt.type_id).reshape(2, -1)
+    assert p.shape[1] == K.X16_Q5_BLOCK
+    want = qt.dequantize(w)
+    for i in range(2):
+        blk = p[i]
+        d, dmin = (blk[a : a + 32].view(np.float16).astype(np.float32) for a in (0, 32))
+        sc, mn = blk[64:192].reshape(8, 16).astype(np.float32), blk[192:320].reshape(8, 16).astype(np.float32)
+        first = blk[320:1344].reshape(8, 2, 16, 4)  # [k, (pair 0's quants, fifth bits), row, byte]
+        rest = blk[1344:].reshape(3, 8, 16, 4)  # [pair j - 1, k, row, byte]
+        for wi in range(256):
+            j, h, l = wi // 64, (wi % 64) // 32, wi % 32  # weight 64 j + 32 h + l
+            byte = first[l // 4, 0, :, l % 4] if j == 0 else rest[j - 1, l // 4, :, l % 4]
+            u = ((byte >> 4) if h else (byte & 15)).astype(np.int32)
+            u |= ((first[l // 4, 1, :, l % 4] >> (2 * j + h)) & 1).astype(np.int32) << 4
+            got = d * sc[2 * j + h] * u - dmin * mn[2 * j + h]
+            assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-5, atol=1e-6), (i, wi)
+
+
 def test_q6_k_x16_layout_by_hand(rng):
     """A group of 16 Q6_K rows repacked: each weight rebuilt from the layout's fields (d, the
     scale of its 16, its low 4 and high 2 bits) equals the reference dequantization."""
@@ -238,9 +264,9 @@ def test_q6_k_x16_layout_by_hand(rng):
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS and Q8_0, an odd number of blocks a row (768 weights
+    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS and Q8_0, an odd number of blocks a row (768 weights
     as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
     against the reference on the same rounded activations and against the row kernel; serial ==
     parallel repack."""
@@ -249,7 +275,7 @@ def test_x16_layout_products(rng, name, rows):
     w = random_blocks(name, (48, k), rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     packed = K.repack_x16(w, qt.type_id)
-    assert packed.shape == w.shape and not packed.flags.writeable
+    assert packed.shape == (48, x16_bytes(w.shape[1], qt.type_id)) and not packed.flags.writeable
     want = np.full((rows, 48), np.nan, np.float32)
     K.matmul(want, x, ro(w), qt.type_id)
     wf = qt.dequantize(w).T

@@ -84,7 +84,7 @@ from functools import cache  # noqa: E402
 
 from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, type_name, x16_bytes, x16_expert_shape  # noqa: E402
 from ..quants import x16_file, x16_shape  # noqa: E402
-from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
+from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q5_BLOCK, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
 FM = {"reassoc", "contract", "nsz", "arcp"}
@@ -1251,8 +1251,15 @@ IDOT8 = {n: _make_idot(n, 8) for n in INT_TYPES}
 # 4 k + 3 of sub-block 2 j in the low nibbles, of sub-block 2 j + 1 in the high), 16 rows x 4
 # bytes. A [N, K] tensor repacks into [N, K / 256 x X16_BLOCK / 16] bytes: the same rows, 2.8%
 # more bytes (the scales decoded), so the row loops' chunks of 16 rows and every shape stay.
+# Q5_K (the same block with 32 bytes of fifth bits: bit 2 j of byte l is weight 64 j + l's, bit 2 j
+# + 1 weight 64 j + 32 + l's) in the same arrangement ("Q5_K_X16"; Q5_K_M files' matrices and
+# experts): Q4_K_X16's scales, then the quants of pair j = 0 each followed by the 16 rows'
+# fifth-bit bytes 4 k .. 4 k + 3 (k = 0..7), then the quants of pairs 1..3 (X16_Q5_BLOCK bytes:
+# 2.3% more than the rows, the scales decoded). In the order the kernel first reads them: with
+# the fifth bits after all the quants it moved 15 GB/s from memory against the rows' 27-29.
 X16, X16_BLOCK = X16_ROWS, X16_BLOCK_BYTES
 Q4_K_X16 = 256 + QTYPES_BY_NAME["Q4_K"].type_id  # (a type id of onebit's own, beside GGUF's)
+Q5_K_X16 = 256 + QTYPES_BY_NAME["Q5_K"].type_id
 
 
 def _x16_frame(context, b, sig, args, block: int):
@@ -1300,9 +1307,34 @@ def _x16_typer(codegen):
     return typer
 
 
-def _x16_codegen(context, builder, sig, args):
+def _bit4(b, v, i: int):
+    """<64 x i8>: bit i of each byte of v, moved to bit 4 (0x10 or 0)."""
+    V64 = _vec(I8, 64)
+    if i < 4:
+        v = b.shl(v, ir.Constant(V64, [4 - i] * 64))
+    elif i > 4:
+        v = b.lshr(v, ir.Constant(V64, [i - 4] * 64))
+    return b.and_(v, ir.Constant(V64, [16] * 64))
+
+
+def _q5_at(j, k):
+    """Where Q5_K_X16's quant vector (pair j, 4 weights k) starts in its block (its fifth bits:
+    _q5_at(0, k) + 64). Its code's and (as _q5_at_jit) its repack's."""
+    return 320 + 128 * k if j == 0 else 1344 + 512 * (j - 1) + 64 * k
+
+
+_q5_at_jit = njit(inline="always")(_q5_at)
+
+
+def _k_x16_codegen(five: bool):
+    """The dot of Q4_K_X16 weights, or (five) of Q5_K_X16: the same with each quant's fifth bit."""
+    block = X16_Q5_BLOCK if five else X16_BLOCK
+    return lambda context, builder, sig, args: _k_x16_code(context, builder, sig, args, block, five)
+
+
+def _k_x16_code(context, builder, sig, args, block: int, five: bool):
     b = builder
-    nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, X16_BLOCK)
+    nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, block)
     V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
     acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
@@ -1310,15 +1342,18 @@ def _x16_codegen(context, builder, sig, args):
 
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
-        blk = b.gep(w0, [b.mul(i, _const(I64, X16_BLOCK))])
+        blk = b.gep(w0, [b.mul(i, _const(I64, block))])
         d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
         dmin = b.fpext(_load(b, blk, 32, _vec(HALF, 16)), V16F)
         first = b.mul(i, _const(I64, 256))
         for j in range(4):
             sums = [zero] * 4  # sub-block 2 j: high plane, low plane; 2 j + 1: the same
             for k in range(8):
-                wv = _load(b, blk, 320 + 64 * (8 * j + k), V64)
+                wv = _load(b, blk, _q5_at(j, k) if five else 320 + 64 * (8 * j + k), V64)
                 lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
+                if five:
+                    qh = _load(b, blk, _q5_at(0, k) + 64, V64)
+                    lo4, hi4 = b.or_(lo4, _bit4(b, qh, 2 * j)), b.or_(hi4, _bit4(b, qh, 2 * j + 1))
                 for h, q in enumerate((lo4, hi4)):
                     at = b.add(first, _const(I64, 64 * j + 32 * h + 4 * k))
                     sums[2 * h] = _dpbusd(b, sums[2 * h], q, spread(hi_p, at))
@@ -1337,9 +1372,11 @@ def _x16_codegen(context, builder, sig, args):
     return context.get_dummy_value()
 
 
-dot16_q4_k_x16 = intrinsic(_x16_typer(_x16_codegen))
+dot16_q4_k_x16 = intrinsic(_x16_typer(_k_x16_codegen(False)))
 dot16_q4_k_x16.__doc__ = """out[r, col : col + 16] = rows n .. n + 15 of X16-packed Q4_K weights w (uint8
 [N, row bytes], n a multiple of 16) . activation row r of (q, d, m) = quantize_acts(x)."""
+dot16_q5_k_x16 = intrinsic(_x16_typer(_k_x16_codegen(True)))
+dot16_q5_k_x16.__doc__ = """`dot16_q4_k_x16` for Q5_K_X16 weights."""
 
 
 # Q6_K in the same arrangement ("Q6_K_X16"; first for the experts' short rows: 3 blocks a row on the
@@ -1415,7 +1452,7 @@ dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 # 0..15 = q + 8; Q5_0 with its fifth bit, 0..31 = q + 16), and c x each block's activation sum
 # comes off with the scales. The same bytes as the rows, so every shape stays.
 NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0")
-X16_TYPES = ("Q4_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
+X16_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
 MXFP4_X16, Q4_0_X16, Q5_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
 # FIFTH[x]: the 4 bits of x (0..15) as 0x10 in bytes 0..3 of a word (bit b -> byte b).
 FIFTH = [sum(((x >> i) & 1) << (8 * i + 4) for i in range(4)) for x in range(16)]
@@ -1691,13 +1728,14 @@ def repack_plain_x16_serial(raw, out, ts, qb):
 
 
 @njit(inline="always")
-def _repack_group(r8, rb, o, o32, g, nb):
-    """Group g of Q4_K rows (`_repack_iq4xs_group`'s arguments) in the X16 layout."""
-    w = r8.view(np.uint32)  # (a row is 144 bytes a block: its quants are word aligned)
+def _repack_group(r8, rb, o, o32, g, nb, ts, xb):
+    """Group g of Q4_K rows (`_repack_iq4xs_group`'s arguments) in the X16 layout; of Q5_K rows
+    (ts = 176 bytes a block, xb = X16_Q5_BLOCK) in Q5_K_X16."""
+    w = r8.view(np.uint32)  # (a row is 144 or 176 bytes a block: its quants are word aligned)
     for r in range(X16):
         row = (g * U(X16) + U(r)) * rb
         for i in range(nb):
-            base, s = (g * nb + U(i)) * U(X16_BLOCK), row + U(i) * U(144)
+            base, s = (g * nb + U(i)) * xb, row + U(i) * ts
             o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s], r8[s + U(1)]
             o[base + U(32 + 2 * r)], o[base + U(33 + 2 * r)] = r8[s + U(2)], r8[s + U(3)]
             for t in range(8):
@@ -1708,9 +1746,17 @@ def _repack_group(r8, rb, o, o32, g, nb):
                     mn = (r8[s + U(8 + t)] >> 4) | ((r8[s + U(4 + t)] >> 6) << 4)
                 o[base + U(64 + 16 * t + r)] = sc
                 o[base + U(192 + 16 * t + r)] = mn
-            at, q0 = (base + U(320)) // U(4) + U(r), (s + U(16)) // U(4)  # (4 weights a word)
-            for jk in range(32):
-                o32[at + U(X16 * jk)] = w[q0 + U(jk)]
+            q0 = (s + ts - U(128)) // U(4)  # (4 weights a word)
+            if ts == U(144):
+                at = (base + U(320)) // U(4) + U(r)
+                for jk in range(32):
+                    o32[at + U(X16 * jk)] = w[q0 + U(jk)]
+            else:  # Q5_K: the quants where _q5_at says, the fifth bits after pair 0's
+                h0 = (s + U(16)) // U(4)
+                for jk in range(32):
+                    o32[(base + U(_q5_at_jit(jk // 8, jk % 8))) // U(4) + U(r)] = w[q0 + U(jk)]
+                for k in range(8):
+                    o32[(base + U(_q5_at_jit(0, k) + 64)) // U(4) + U(r)] = w[h0 + U(k)]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -1720,7 +1766,7 @@ def repack_q4_k_x16(raw, out):
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_group(r8, rb, o, o32, U(g), rb // U(144))
+        _repack_group(r8, rb, o, o32, U(g), rb // U(144), U(144), U(X16_BLOCK))
 
 
 @njit(cache=True, nogil=True)
@@ -1729,7 +1775,26 @@ def repack_q4_k_x16_serial(raw, out):
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_group(r8, rb, o, o32, U(g), rb // U(144))
+        _repack_group(r8, rb, o, o32, U(g), rb // U(144), U(144), U(X16_BLOCK))
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def repack_q5_k_x16(raw, out):
+    """Q5_K rows raw (uint8 [N, K / 256 x 176], N a multiple of 16) -> out (uint8 [N, K / 256 x
+    X16_Q5_BLOCK / 16]) in the Q5_K_X16 layout, on every thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_group(r8, rb, o, o32, U(g), rb // U(176), U(176), U(X16_Q5_BLOCK))
+
+
+@njit(cache=True, nogil=True)
+def repack_q5_k_x16_serial(raw, out):
+    """`repack_q5_k_x16` on the calling thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_group(r8, rb, o, o32, U(g), rb // U(176), U(176), U(X16_Q5_BLOCK))
 
 
 @njit(inline="always")
@@ -1834,6 +1899,8 @@ def _repacker(qtype: int, serial: bool):
         return repack_q6_k_x16_serial if serial else repack_q6_k_x16
     if name == "IQ4_XS":
         return repack_iq4_xs_x16_serial if serial else repack_iq4_xs_x16
+    if name == "Q5_K":
+        return repack_q5_k_x16_serial if serial else repack_q5_k_x16
     return repack_q4_k_x16_serial if serial else repack_q4_k_x16
 
 
@@ -2053,7 +2120,7 @@ def _x16_rows(dot, name: str):
 
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
-    ("Q4_K", dot16_q4_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
+    ("Q4_K", dot16_q4_k_x16), ("Q5_K", dot16_q5_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
     ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16), ("Q5_0", dot16_q5_0_x16))})
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
@@ -2465,11 +2532,13 @@ def _typed(names: tuple[str, ...], x16: bool) -> dict:
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
                                                             "route", "routed_rows"),
-              "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
+              "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q5_k_x16", "repack_q5_k_x16_serial",
+                         "repack_q6_k_x16", "repack_q6_k_x16_serial",
                          "repack_plain_x16", "repack_plain_x16_serial", "repack_iq4_xs_x16",
                          "repack_iq4_xs_x16_serial")}
 # The repack kernels of each type's X16 layout (a file's "repack" part compiles its types' only).
-REPACKS_OF = {"Q4_K": ("repack_q4_k_x16", "repack_q4_k_x16_serial"), "Q6_K": ("repack_q6_k_x16", "repack_q6_k_x16_serial"),
+REPACKS_OF = {"Q4_K": ("repack_q4_k_x16", "repack_q4_k_x16_serial"), "Q5_K": ("repack_q5_k_x16", "repack_q5_k_x16_serial"),
+              "Q6_K": ("repack_q6_k_x16", "repack_q6_k_x16_serial"),
               "IQ4_XS": ("repack_iq4_xs_x16", "repack_iq4_xs_x16_serial")}
 REPACKS_OF.update({n: ("repack_plain_x16", "repack_plain_x16_serial") for n in NIBBLE_X16 + ("Q8_0",)})
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
@@ -2653,7 +2722,8 @@ def _warm_small():
 
 def _warm_repack(kernels):
     """Call each repack kernel named in `kernels` on one group of 16 rows."""
-    args = {"repack_q4_k_x16": (144, X16_BLOCK // X16), "repack_q6_k_x16": (210, 210), "repack_plain_x16": (17, 17, 17, 16),
+    args = {"repack_q4_k_x16": (144, X16_BLOCK // X16), "repack_q5_k_x16": (176, X16_Q5_BLOCK // X16),
+            "repack_q6_k_x16": (210, 210), "repack_plain_x16": (17, 17, 17, 16),
             "repack_iq4_xs_x16": (136, 136)}
     for name in kernels:
         row, out, *more = args[name.removesuffix("_serial")]
