@@ -6,8 +6,10 @@
         [--json OUT.json]
 
 Per file and round, in turn: `onebit bench FILE --backend cpu --prompt-tokens P --gen-tokens N
---runs 1` (each a fresh process: load, warm-up, then one timed prompt and one timed decode of
-N tokens), the same with the checkout --other (before/after a change), and `llama-bench -m FILE
+--runs 1` (each a fresh process: load, then onebit bench's untimed warm-up run, as llama-bench's,
+then one timed prompt and one timed decode of N tokens; a checkout before the warm-up run came
+to onebit bench times its first run), the same with the checkout --other (before/after a
+change), and `llama-bench -m FILE
 -p P -n N -t 2 -r 1` with llama.cpp's defaults (2 threads, weight repacking on; extra flags from
 --llama-args). The table gives each one's median over the rounds, and onebit / llama.cpp.
 The --other checkout runs with PYTHONPATH=DIR; with onebit installed editable, `onebit.memory`

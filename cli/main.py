@@ -403,6 +403,8 @@ def bench(
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="Prompt length to time."),
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="Decode steps to time."),
     runs: int = typer.Option(3, "--runs", help="Runs; the median is reported."),
+    no_warmup: bool = typer.Option(False, "--no-warmup", help="Count the first run too (by default one run "
+                                   "first is not counted, as llama-bench's warm-up)."),
     backend: str = BACKEND,
     device: Optional[str] = DEVICE,
     ctx: Optional[int] = CTX,
@@ -435,15 +437,15 @@ def bench(
                        moe_predict_out, moe_predict_stats, moe_predict_own)
     m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
     try:
-        _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json)
+        _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, not no_warmup)
     finally:
         _finish(m, stats)
 
 
-def _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json) -> None:
+def _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, warmup: bool = True) -> None:
     from onebit.bench import run_bench
 
-    res = run_bench(m, prompt_tokens, gen_tokens, runs, lookup=lookup)
+    res = run_bench(m, prompt_tokens, gen_tokens, runs, lookup=lookup, warmup=warmup)
     if as_json:
         typer.echo(json.dumps(res, indent=2))
     else:

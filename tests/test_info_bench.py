@@ -50,3 +50,26 @@ def test_bench_json():
 def test_info_missing_file():
     r = run("info", "/no/such.gguf")
     assert r.returncode == 2 and r.stderr.startswith("onebit: error:") and "Traceback" not in r.stderr
+
+
+def test_bench_runs_one_uncounted_warmup_first(monkeypatch):
+    """run_bench times `runs` runs after one it does not count (as llama-bench's warm-up); without
+    `warmup` it times every prompt it feeds."""
+    import onebit
+    from onebit.bench import run_bench
+
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy")
+    prompts = []
+    forward = m.net.forward
+
+    def counted(ids, cache, **kw):
+        if len(ids) > 1:
+            prompts.append(len(ids))
+        return forward(ids, cache, **kw)
+
+    monkeypatch.setattr(m.net, "forward", counted)
+    res = run_bench(m, 8, 2, 2)
+    assert prompts == [8, 8, 8] and len(res["prompt_tps_runs"]) == 2 and len(res["decode_tps_runs"]) == 2
+    prompts.clear()
+    res = run_bench(m, 8, 2, 2, warmup=False)
+    assert prompts == [8, 8] and len(res["prompt_tps_runs"]) == 2
