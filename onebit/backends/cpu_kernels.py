@@ -1760,41 +1760,23 @@ def _repack_group(r8, rb, o, o32, g, nb, ts, xb):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def repack_q4_k_x16(raw, out):
-    """Q4_K rows raw (uint8 [N, K / 256 x 144], N a multiple of 16) -> out (uint8 [N, K / 256 x
-    X16_BLOCK / 16]) in the X16 layout, on every thread."""
+def repack_k_x16(raw, out, ts, xb):
+    """Q4_K rows raw (uint8 [N, K / 256 x 144], N a multiple of 16; ts = 144, xb = X16_BLOCK) or
+    Q5_K rows (ts = 176, xb = X16_Q5_BLOCK) -> out (uint8 [N, K / 256 x xb / 16]) in their X16
+    layout, on every thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_group(r8, rb, o, o32, U(g), rb // U(144), U(144), U(X16_BLOCK))
+        _repack_group(r8, rb, o, o32, U(g), rb // U(ts), U(ts), U(xb))
 
 
 @njit(cache=True, nogil=True)
-def repack_q4_k_x16_serial(raw, out):
-    """`repack_q4_k_x16` on the calling thread (an expert pool's reader threads: one expert each)."""
+def repack_k_x16_serial(raw, out, ts, xb):
+    """`repack_k_x16` on the calling thread (an expert pool's reader threads: one expert each)."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in range(raw.shape[0] // X16):
-        _repack_group(r8, rb, o, o32, U(g), rb // U(144), U(144), U(X16_BLOCK))
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def repack_q5_k_x16(raw, out):
-    """Q5_K rows raw (uint8 [N, K / 256 x 176], N a multiple of 16) -> out (uint8 [N, K / 256 x
-    X16_Q5_BLOCK / 16]) in the Q5_K_X16 layout, on every thread."""
-    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
-    o32 = o.view(np.uint32)
-    for g in prange(raw.shape[0] // X16):
-        _repack_group(r8, rb, o, o32, U(g), rb // U(176), U(176), U(X16_Q5_BLOCK))
-
-
-@njit(cache=True, nogil=True)
-def repack_q5_k_x16_serial(raw, out):
-    """`repack_q5_k_x16` on the calling thread."""
-    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
-    o32 = o.view(np.uint32)
-    for g in range(raw.shape[0] // X16):
-        _repack_group(r8, rb, o, o32, U(g), rb // U(176), U(176), U(X16_Q5_BLOCK))
+        _repack_group(r8, rb, o, o32, U(g), rb // U(ts), U(ts), U(xb))
 
 
 @njit(inline="always")
@@ -1899,9 +1881,9 @@ def _repacker(qtype: int, serial: bool):
         return repack_q6_k_x16_serial if serial else repack_q6_k_x16
     if name == "IQ4_XS":
         return repack_iq4_xs_x16_serial if serial else repack_iq4_xs_x16
-    if name == "Q5_K":
-        return repack_q5_k_x16_serial if serial else repack_q5_k_x16
-    return repack_q4_k_x16_serial if serial else repack_q4_k_x16
+    kernel = repack_k_x16_serial if serial else repack_k_x16  # Q4_K, Q5_K
+    ts, xb = (176, X16_Q5_BLOCK) if name == "Q5_K" else (144, X16_BLOCK)
+    return lambda raw, out: kernel(raw, out, ts, xb)
 
 
 @njit(cache=True, nogil=True)
@@ -2484,7 +2466,7 @@ def routed_rows(ids, weights, n_experts):
 
 
 SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
-REPACKS = (repack_q4_k_x16, repack_q4_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_plain_x16,
+REPACKS = (repack_k_x16, repack_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_plain_x16,
            repack_plain_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial)
 
 
@@ -2532,12 +2514,11 @@ def _typed(names: tuple[str, ...], x16: bool) -> dict:
 WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
               "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
                                                             "route", "routed_rows"),
-              "repack": ("repack_q4_k_x16", "repack_q4_k_x16_serial", "repack_q5_k_x16", "repack_q5_k_x16_serial",
-                         "repack_q6_k_x16", "repack_q6_k_x16_serial",
+              "repack": ("repack_k_x16", "repack_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
                          "repack_plain_x16", "repack_plain_x16_serial", "repack_iq4_xs_x16",
                          "repack_iq4_xs_x16_serial")}
 # The repack kernels of each type's X16 layout (a file's "repack" part compiles its types' only).
-REPACKS_OF = {"Q4_K": ("repack_q4_k_x16", "repack_q4_k_x16_serial"), "Q5_K": ("repack_q5_k_x16", "repack_q5_k_x16_serial"),
+REPACKS_OF = {"Q4_K": ("repack_k_x16", "repack_k_x16_serial"), "Q5_K": ("repack_k_x16", "repack_k_x16_serial"),
               "Q6_K": ("repack_q6_k_x16", "repack_q6_k_x16_serial"),
               "IQ4_XS": ("repack_iq4_xs_x16", "repack_iq4_xs_x16_serial")}
 REPACKS_OF.update({n: ("repack_plain_x16", "repack_plain_x16_serial") for n in NIBBLE_X16 + ("Q8_0",)})
@@ -2722,8 +2703,8 @@ def _warm_small():
 
 def _warm_repack(kernels):
     """Call each repack kernel named in `kernels` on one group of 16 rows."""
-    args = {"repack_q4_k_x16": (144, X16_BLOCK // X16), "repack_q5_k_x16": (176, X16_Q5_BLOCK // X16),
-            "repack_q6_k_x16": (210, 210), "repack_plain_x16": (17, 17, 17, 16),
+    args = {"repack_k_x16": (144, X16_BLOCK // X16, 144, X16_BLOCK), "repack_q6_k_x16": (210, 210),
+            "repack_plain_x16": (17, 17, 17, 16),
             "repack_iq4_xs_x16": (136, 136)}
     for name in kernels:
         row, out, *more = args[name.removesuffix("_serial")]
