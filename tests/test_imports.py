@@ -16,7 +16,7 @@ PACKAGES = {"onebit": "onebit", "cli": "onebit.cli", "memory": "onebit.memory"} 
 LAYERS = [
     ("core", ["onebit.errors", "onebit.quants", "onebit.gguf_file", "onebit.config", "onebit.cache", "onebit.pause",
               "onebit.gate", "onebit.harmony", "onebit.think", "onebit.sample", "onebit.tokenizer",
-              "onebit.chat_template", "onebit.info", "onebit.moe.trace", "onebit.moe.cachesim", "onebit.catalog",
+              "onebit.chat_template", "onebit.info", "onebit.moe.trace", "onebit.moe.cachesim", "onebit.moe.routing", "onebit.catalog",
               "onebit.structured", "onebit.toolcall"]),
     ("backends", ["onebit.backends", "onebit.nonfinite"]),
     ("memory", ["onebit.memory"]),
