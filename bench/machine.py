@@ -1,7 +1,7 @@
 """What this machine gives the engine: cores' worth under load, a drive read's wall and CPU
 time, and one Vulkan submission's cost. The figures that decide whether streamed experts can
-be read beside the compute (bench/results/issue9-predict.md) and what a pause point costs at
-least (issue8-execution-modes.md).
+be read beside the compute (bench/results/routing-prediction-2026-12-01.md) and what a pause point costs at
+least (execution-modes-2026-12-01.md).
 
 - cores: N busy processes (a counter loop for --seconds each, N = 1 and every core): the work
   they did together as a multiple of one process alone (the cores' worth the machine gives

@@ -138,7 +138,7 @@ uint field_word(uint b, uint j) {
 // reads where n field_word calls make 2n. Q6_K's units read this way measured 1.25-1.31x faster
 // on lavapipe (grouped experts and dense rows; one-row decode unchanged); Q8_0, Q4_0, Q5_0 and
 // MXFP4 measured slower or no faster, so they keep field_word
-// (bench/results/issue8-execution-modes.md).
+// (bench/results/execution-modes-2026-12-01.md).
 void field_words(uint b, uint j0, uint n, out uint w[8]) {
     const uint a = (b >> 2) + j0, sh = 8u * (b & 3u);
     uint raw[9];
@@ -300,7 +300,7 @@ const uint sizeof_block = 176u;
 // Both block sizes are whole 16-byte words, so the header and a unit's quants are read as uvec4s:
 // on lavapipe each storage read is a loop over the lanes with a bounds-checked load per
 // component, so one uvec4 read costs far less than four word reads (the decoded values are the
-// same; bench/results/issue8-execution-modes.md).
+// same; bench/results/execution-modes-2026-12-01.md).
 layout(binding = A_BINDING, std430) readonly buffer WeightU128 { uvec4 data_a128[]; };
 const uint vpb = sizeof_block / 16u;
 vec2 get_dm(uint ib, uint iu) {

@@ -30,7 +30,7 @@ WEIGHT_TYPES = tuple(re.findall(r"^struct (\w+)", (SHADER_DIR / "types.glsl").re
 REDUCE_MODES = ("subgroup", "shmem", "none")
 # Every thread-per-row mat-vec also has an `_ux` variant, x read from a uniform buffer
 # (shaders/mul_mv.comp X_UNIFORM): on lavapipe it measured 1.3-1.6x on Q2_K / Q3_K / Q4_K and
-# 1.7-2.6x on the IQ1/2/3 codebook types (bench/results/quants-vulkan-kernels.md).
+# 1.7-2.6x on the IQ1/2/3 codebook types (bench/results/vulkan-kernels-by-type-2026-12-02.md).
 X_UNIFORM_TYPES = WEIGHT_TYPES
 ELEMENTWISE_OPS = ("add", "mul", "silu", "swiglu", "geglu", "softcap", "sigmoid_mul")
 

@@ -202,7 +202,7 @@ def test_poisoned_scratch_changes_nothing():
     layer's speculative block gives the same bits over a NaN-filled and a zeroed scratch.
     (Compared at each pause rather than as a second run's hit counts: a full-suite run under
     xdist once gave a second run other counts at one layer, with or without poison; see the
-    session 15 note.)"""
+    message of commit d279c5f, 2026-12-04.)"""
     path = shipped()
     ids = prompt()
     m = onebit.load(path, predict=settings_from({}, mode="block", ahead=2), backend="cpu")

@@ -5,7 +5,7 @@ whole run, the expert pool's counters consistent. No leak was found, so to show 
 for the reason it exists, the same run (bench/soak.py's sampling and verdict, the real model)
 is repeated with a leak injected into each batch prompt: memory kept, a file left open, a
 thread left running; each must fail for its own kind and only that. The long runs (2,000
-prompts, 500 turns): bench/soak.py, bench/results/issue36-bounds.md and issue36-soak-0.9b.md."""
+prompts, 500 turns): bench/soak.py, bench/results/hostile-input-bounds-2026-12-05.md and soak-2026-12-05.md."""
 
 from __future__ import annotations
 

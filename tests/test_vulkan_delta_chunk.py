@@ -1,7 +1,7 @@
 """The chunked delta rule on Vulkan (shaders/delta_chunk.comp) inside whole hybrid models: the
 Recorder takes it for prompt chunks of >= Kernels.delta_chunk_min_rows rows. CPU devices
 (lavapipe, where these tests run) leave it off by default (measured no faster there,
-bench/results/issue12-hybrid.md), so each test turns it on and checks it really ran. The
+bench/results/hybrid-deltanet-2026-12-02.md), so each test turns it on and checks it really ran. The
 kernel against its numpy twin and the step kernel: tests/test_vulkan_hybrid_kernels.py."""
 
 from __future__ import annotations

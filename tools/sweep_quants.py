@@ -3,7 +3,7 @@
 
     nice -n 10 python tools/sweep_quants.py --llama-cpp /work/deps [--fixtures q3moe256,llama]
         [--presets Q4_K_M,IQ2_M] [--backends numpy,cpu,vulkan] [--out /tmp/sweep]
-        [--table bench/results/quant-sweep.md]
+        [--table bench/results/quant-sweep-2026-12-02.md]
 
 For each f32 fixture in tests/fixtures/manifest.json and each preset: llama-quantize the file into
 the scratch dir (with an importance matrix made by tools/make_imatrix.py where llama-quantize asks

@@ -28,7 +28,7 @@ UNITS_PER_BLOCK = {"Q1_0": 4, "Q2_K": 16, "Q3_K": 16, "Q4_K": 8, "Q5_K": 8, "Q6_
                    "IQ1_S": 8, "IQ1_M": 16, "IQ2_XXS": 8, "IQ2_XS": 16, "IQ2_S": 16, "IQ3_XXS": 8, "IQ3_S": 8,
                    "IQ4_XS": 8}
 # Rows per thread of the thread-per-row mat-vec (CPU devices) where measured faster than the
-# rule in Kernels._mv_rows gives (bench/results/quants-vulkan-kernels.md): the IQ2 types and IQ1_S
+# rule in Kernels._mv_rows gives (bench/results/vulkan-kernels-by-type-2026-12-02.md): the IQ2 types and IQ1_S
 # (whole-unit decode, shaders/dequant.glsl UNIT_QDOT), IQ3_XXS, IQ3_S, TQ1_0 (2 -> 8) and IQ1_M
 # (2 -> 4 -> 8: 1.1-1.3x over 4, its pipelines compile in ~1 s). More rows cost lavapipe compile
 # time: about 3 s per pipeline at 8 rows for IQ3_S.
@@ -258,20 +258,20 @@ class Kernels:
         self.mv_unrolled = 32
         # Products over several rows of x on a CPU device: up to this many rows per weight decode
         # (shaders/mul_mv.comp XROWS), mv_xr_nr weight rows per thread; 0 or 1: mat-vec per row.
-        # Measured on lavapipe (bench/results/issue8-execution-modes.md): 16 rows x 8 weight rows
+        # Measured on lavapipe (bench/results/execution-modes-2026-12-01.md): 16 rows x 8 weight rows
         # per thread beat 4-8 x 1-4 at 16 rows of x; pipelines compile in 2-6 s.
         self.mv_xrows = 16 if self.reduce == "none" else 0
         self.mv_xr_nr = 8
         # Routed experts are grouped per expert (mul_mv_id_xr) where each expert gets at least this
         # many slots on average (n_tokens * k / n_experts). Measured on lavapipe, Q4_K gate + down
-        # (bench/results/issue8-execution-modes.md): 64 experts top 8, 0.5 / 1.1 / 2 / 3 / 8 slots
+        # (bench/results/execution-modes-2026-12-01.md): 64 experts top 8, 0.5 / 1.1 / 2 / 3 / 8 slots
         # per expert 0.77x / 0.89x / 1.04-1.24x / 1.56x / 2.0x; 4 experts top 2, 1.5 / 2 / 3 / 4:
         # 1.13x / 1.23x / 1.68x / 1.78x.
         self.mv_id_xr_min_slots = 2
         # Grouped experts: rows of x per decode at most 8 and more weight rows per thread than the
         # dense kernel (x is a storage buffer there, each read a bounds-checked gather, so it
         # pays to serve more rows): Q4_K experts at 256 tokens 2.2x with 8 rows x 16 wide,
-        # 3.0x with 16 x 8, 3.9x with 32 x 8 (bench/results/issue8-execution-modes.md).
+        # 3.0x with 16 x 8, 3.9x with 32 x 8 (bench/results/execution-modes-2026-12-01.md).
         self.mv_id_xrows = 8
         self.mv_id_xr_nr = 16
         # The many-row kernels reading x from a storage buffer (the grouped experts, and dense where
@@ -283,7 +283,7 @@ class Kernels:
         # The dense many-row kernel: x from a uniform buffer where a chunk of rows fits one (a
         # uniform read is one load on lavapipe, a storage read a loop over the lanes), unless x
         # is shuffled: then from storage, all rows in one dispatch (lavapipe, [out x 1024] at
-        # 2-256 rows, 12 types: 1.03-1.80x; bench/results/issue8-execution-modes.md).
+        # 2-256 rows, 12 types: 1.03-1.80x; bench/results/execution-modes-2026-12-01.md).
         self.mv_xr_uniform = not self.x_shuffle
         self._scratch: list[Buffer] = []
         # Up to this many rows of x, products use mat-vec per row; beyond, the tiled mat-mat.
@@ -301,7 +301,7 @@ class Kernels:
         self.mm_id_min_slots = math.inf if dev.info.type == "cpu" else 8
         # Prompt chunks of at least this many rows take the chunked delta rule (delta_chunk.comp),
         # fewer the one-step-per-row kernel; 0: never. On lavapipe the chunked kernel measured no
-        # faster end to end (bench/results/issue12-hybrid.md), so CPU devices keep the step
+        # faster end to end (bench/results/hybrid-deltanet-2026-12-02.md), so CPU devices keep the step
         # kernel; GPUs take the numpy backend's threshold (not measured on a GPU), if the kernel's
         # shared memory fits (Vulkan guarantees only 16 KiB).
         self.delta_chunk_min_rows = 0 if dev.info.type == "cpu" or \
