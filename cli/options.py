@@ -1,5 +1,6 @@
-"""What the `onebit` commands share: their options, and loading a model from them (imported by
-main.py, serve.py and ray_batch.py; it imports none of them)."""
+"""What the `onebit` commands share: their options, the environment (read here and nowhere else
+in onebit), and loading a model from them (imported by main.py, serve.py and ray_batch.py; it
+imports none of them)."""
 
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def model_stores():
     hub = _env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE")
     hf = Path(hub) if hub else Path(_env("HF_HOME") or home / ".cache" / "huggingface") / "hub"
     ollama = Path(_env("OLLAMA_MODELS") or home / ".ollama" / "models")
-    return Stores(hf=hf, ollama=ollama, lmstudio=(home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"))
+    lmstudio = (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models")
+    return Stores(hf=hf, ollama=ollama, lmstudio=lmstudio)
 
 
 # -- the model: a positional argument or -m / --model on every command that takes one --

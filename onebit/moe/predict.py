@@ -103,7 +103,8 @@ def settings_from(**given) -> PredictSettings:
     names = [f.name for f in fields(PredictSettings)]
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise TypeError(f"settings_from: no prediction setting named {', '.join(unknown)} (settings: {', '.join(names)})")
+        raise TypeError(f"settings_from: no prediction setting named {', '.join(unknown)} "
+                        f"(settings: {', '.join(names)})")
     raw = dict.fromkeys(names)
     raw.update({k: v for k, v in given.items() if v is not None})
     out = {}
