@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -126,7 +127,8 @@ def main() -> int:
     ap.add_argument("--unrolled", type=int, default=None,
                     help="thread-per-row mat-vec: copies of the dequantizer per block (Kernels.mv_unrolled), "
                          "which sets rows per thread")
-    ap.add_argument("--device", default=None, help="index or part of the name (default: $ONEBIT_VULKAN_DEVICE / auto)")
+    ap.add_argument("--device", default=os.environ.get("ONEBIT_VULKAN_DEVICE"),
+                    help="index or part of the name (default: $ONEBIT_VULKAN_DEVICE / auto)")
     args = ap.parse_args()
 
     dev = open_device(args.device)

@@ -101,7 +101,7 @@ def recall_table(path: str, backend: str, n: int) -> None:
     print("| mode | 1 ahead | 2 ahead | 3 ahead | per layer (1 ahead) |")
     print("|---|---|---|---|---|")
     for mode, chain in (("router", False), ("block", False), ("block", True)):
-        m.set_predict(settings_from({}, mode=mode, ahead=3, chain=chain))
+        m.set_predict(settings_from(mode=mode, ahead=3, chain=chain))
         decode(m, ids, n)
         p = m.predictor
         d = {k: h / r for k, (h, r) in p.by_distance.items() if r}
@@ -138,7 +138,7 @@ def streamed_table(path: str, backend: str, fractions, n: int, reps: int, modes=
         for rep in range(reps):
             order = modes if rep % 2 == 0 else modes[::-1]
             for name, kw in order:
-                m.set_predict(settings_from({}, **kw) if kw else "off")
+                m.set_predict(settings_from(**kw) if kw else "off")
                 before = dict(m.pool.stats.__dict__)
                 toks, dt = decode(m, ids, n, cpu.setdefault(name, []))
                 m.pool.drain()
@@ -187,7 +187,7 @@ def recall_why(path: str, n: int, backend: str = "numpy") -> None:
 
     class Why(Predictor):
         def __init__(self):
-            super().__init__(m.gguf, cfg, settings_from({}, mode="block"), None, be)
+            super().__init__(m.gguf, cfg, settings_from(mode="block"), None, be)
             self.pred = {}  # target -> {variant: set}
             self.fit = {}  # layer -> [XtX, XtY]
             self.hits = {}  # target -> {variant: [hits, routed]}

@@ -95,7 +95,7 @@ class Direct:
 
         self.m = onebit.load(model_path, backend=backend, n_ctx=ctx)
         self.ban = penalties(0, 0, {t: -100 for t in self.m.tokenizer.stop_ids})
-        self.run(0, 1, 4)  # warm up (lookup decoding: 8 drafts, or $ONEBIT_LOOKUP, as `onebit serve`)
+        self.run(0, 1, 4)  # warm up (lookup decoding: 8 drafts, as `onebit serve` without $ONEBIT_LOOKUP)
 
     def run(self, offset: int, n: int, max_tokens: int) -> tuple[float, float]:
         """(requests/s, median time to first token)."""

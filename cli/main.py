@@ -12,10 +12,9 @@ import typer
 from onebit import __version__
 from onebit.errors import OnebitError, UsageError
 
-from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, PREDICT, P_AHEAD,
-                      P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN, P_MIN, P_NO_ATTN, P_OUT, P_OWN, P_STATS,
-                      SHOW_REASONING, SLOTS, STATS, TEMPLATE_KWARGS, TRACE, _check_sampling, _load, _predict,
-                      _slots, _template_kwargs, default_model_path)
+from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
+                      STATS, TEMPLATE_KWARGS, TRACE, Command, _check_sampling, _device, _load, _lookup, _model,
+                      _slots, _template_kwargs, cache_dir, default_model_path, predict_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run GGUF mixture-of-experts language models.")
@@ -57,9 +56,11 @@ def root(
 # Names the renderer sets itself (onebit.chat_template.render_chat).
 
 
-@app.command()
+@app.command(cls=Command)
+@predict_options()
 def generate(
-    model: Optional[str] = MODEL_OPT,
+    model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL_OPT,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="One prompt."),
     input: Optional[str] = typer.Option(None, "--input", "-i",
                                         help="Prompts file: JSONL ({id, prompt} or {id, messages}) or text, "
@@ -86,17 +87,7 @@ def generate(
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
     lookup: Optional[int] = LOOKUP,
-    moe_predict: Optional[str] = PREDICT,
-    moe_predict_depth: Optional[str] = P_DEPTH,
-    moe_predict_margin: Optional[str] = P_MARGIN,
-    moe_predict_min: Optional[str] = P_MIN,
-    moe_predict_layers: Optional[str] = P_LAYERS,
-    moe_predict_ahead: Optional[str] = P_AHEAD,
-    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
-    moe_predict_chain: Optional[str] = P_CHAIN,
-    moe_predict_own: Optional[str] = P_OWN,
-    moe_predict_out: Optional[str] = P_OUT,
-    moe_predict_stats: Optional[str] = P_STATS,
+    predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     ray_address: Optional[str] = typer.Option(
@@ -112,13 +103,16 @@ def generate(
              "DeepSeek-R1): keep the reasoning, as a `reasoning` "
              "field of each result (or on stderr for a streamed prompt). Default: dropped; `text` is the reply."),
     json_schema: Optional[str] = typer.Option(
-        None, "--json-schema", help="Constrain every reply to JSON matching this JSON schema file ({} for any "
-                                    "object); needs the serve extra (llguidance)."),
+        None, "--json-schema", "-j", help="Constrain every reply to JSON matching this JSON schema, given inline "
+                                          "('{}' for any object); needs the serve extra (llguidance)."),
+    json_schema_file: Optional[str] = typer.Option(
+        None, "--json-schema-file", help="As --json-schema, the schema read from this file."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
     from onebit import batch
-    from onebit.lookup import DEFAULT_DRAFTS, LookupStats, lookup_budget
+    from onebit.lookup import DEFAULT_DRAFTS, LookupStats
 
+    model, device = _model(model, model_opt), _device(device)
     if (prompt is None) == (input is None):
         raise UsageError("give exactly one of --prompt or --input")
     if on_error not in ("skip", "stop"):
@@ -133,24 +127,17 @@ def generate(
                 raise UsageError(f"{name} is not valid UTF-8 text") from None
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     template_kw = _template_kwargs(template_kwargs)
-    lookup = lookup_budget(lookup, default=0 if trace else DEFAULT_DRAFTS)
+    lookup = _lookup(lookup, default=0 if trace else DEFAULT_DRAFTS)
     lookup_stats = LookupStats() if lookup else None
-    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       moe_predict_out, moe_predict_stats, moe_predict_own)
     if any(s == "" for s in stop):
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
         raise UsageError("--input needs --output FILE.jsonl (or - for stdout) for the results")
-    schema = None
-    if json_schema is not None:
-        from onebit.structured import load_schema
-
-        schema = load_schema(json_schema)
+    schema = _json_schema(json_schema, json_schema_file)
     if ray_address is not None:
         from .ray_batch import check_ray_args
 
-        if json_schema is not None:
+        if schema is not None:
             raise UsageError("--json-schema does not go with --ray yet: run the batch on one machine")
         check_ray_args(input, model, ctx, trace, predict)
     elif workers is not None or worker_cpus != 1.0:
@@ -185,6 +172,28 @@ def generate(
     finally:
         if results is not None:
             results.close()
+
+
+def _json_schema(inline: Optional[str], file: Optional[str]) -> Optional[dict]:
+    """The schema of --json-schema JSON or --json-schema-file FILE (not both), checked before
+    any model is loaded; None without either."""
+    from onebit.structured import check_schema, load_schema
+
+    if inline is not None and file is not None:
+        raise UsageError("give the JSON schema once: --json-schema JSON or --json-schema-file FILE")
+    if file is not None:
+        return load_schema(file)
+    if inline is None:
+        return None
+    try:
+        schema = json.loads(inline)
+    except ValueError as e:
+        raise UsageError(f"--json-schema is not valid JSON ({e}); give the schema itself, such as "
+                         "'{\"type\": \"object\"}', or a file with --json-schema-file") from None
+    if not isinstance(schema, dict):
+        raise UsageError("--json-schema must be a JSON object, such as '{\"type\": \"object\"}' ('{}': any object)")
+    check_schema(schema, "--json-schema")
+    return schema
 
 
 def _json_constraint(m, schema):
@@ -273,22 +282,18 @@ def _run_batch(m, input, input_format, results, on_error, chat, system, seed, do
         typer.echo(line, err=True)
 
 
-@app.command()
+@app.command(cls=Command)
 def info(
     model: Optional[str] = MODEL_ARG,
-    device: bool = typer.Option(False, "--device", help="List the Vulkan devices instead: name, heaps, limits."),
+    model_opt: Optional[str] = MODEL_OPT,
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Describe a model: architecture, parameters, experts, types, tokenizer."""
-    if device:
-        from onebit.backends.info import device_report
-
-        typer.echo(device_report())
-        return
     from onebit.gguf_file import GGUFFile
     from onebit.info import format_info, model_info
     from onebit.models import network_class
 
+    model = _model(model, model_opt)
     path = default_model_path() if model is None else model
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
@@ -296,13 +301,24 @@ def info(
     typer.echo(json.dumps(data, indent=2) if as_json else format_info(data))
 
 
-@app.command()
+@app.command(cls=Command)
+def devices() -> None:
+    """List the Vulkan devices (name, type, heaps, limits), the CPU, and which backend auto picks
+    here; --device (or $ONEBIT_VULKAN_DEVICE) takes a device's index or part of its name."""
+    from onebit.backends.info import device_report
+
+    typer.echo(device_report(_device(None)))
+
+
+@app.command(cls=Command)
 def plan(
     model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL_OPT,
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length to plan the KV cache for (default: as a "
                                                           "load picks it: min(model's, 4096), less when streaming)."),
-    layers: str = typer.Option("", "--layers", help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9 "
-                                                    "(default: as a load does: every MoE layer when streaming)."),
+    layers: str = typer.Option("", "--moe-predict-layers", "--layers",
+                               help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9 "
+                                    "(default: as a load does: every MoE layer when streaming)."),
     slots: str = typer.Option("auto", "--slots", help="Expert slots: a number, or auto (what fits)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
@@ -319,6 +335,7 @@ def plan(
     from onebit.memory.plan import plan_load
     from onebit.models import network_class
 
+    model, device = _model(model, model_opt), _device(device)
     path = default_model_path() if model is None else model
     limits = {}
     from onebit.backends import resolve
@@ -337,9 +354,11 @@ def plan(
     raise typer.Exit(0 if p.fits else 1)
 
 
-@app.command()
+@app.command(cls=Command)
+@predict_options()
 def chat(
     model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL_OPT,
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Longest reply in tokens."),
     temperature: float = typer.Option(0.7, "--temperature", "--temp"),
@@ -357,31 +376,19 @@ def chat(
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
     lookup: Optional[int] = LOOKUP,
-    moe_predict: Optional[str] = PREDICT,
-    moe_predict_depth: Optional[str] = P_DEPTH,
-    moe_predict_margin: Optional[str] = P_MARGIN,
-    moe_predict_min: Optional[str] = P_MIN,
-    moe_predict_layers: Optional[str] = P_LAYERS,
-    moe_predict_ahead: Optional[str] = P_AHEAD,
-    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
-    moe_predict_chain: Optional[str] = P_CHAIN,
-    moe_predict_own: Optional[str] = P_OWN,
-    moe_predict_out: Optional[str] = P_OUT,
-    moe_predict_stats: Optional[str] = P_STATS,
+    predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     show_reasoning: bool = SHOW_REASONING,
 ) -> None:
     """Chat in the terminal. /help lists the commands."""
-    from onebit.lookup import DEFAULT_DRAFTS, lookup_budget
+    from onebit.lookup import DEFAULT_DRAFTS
 
     from .chat_repl import run_chat
 
+    model, device = _model(model, model_opt), _device(device)
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     template_kw = _template_kwargs(template_kwargs)
-    lookup = lookup_budget(lookup, default=0 if trace else DEFAULT_DRAFTS)
-    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       moe_predict_out, moe_predict_stats, moe_predict_own)
+    lookup = _lookup(lookup, default=0 if trace else DEFAULT_DRAFTS)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
     m.template_kwargs = template_kw
     try:
@@ -397,9 +404,11 @@ def chat(
         _finish(m, stats)
 
 
-@app.command()
+@app.command(cls=Command)
+@predict_options()
 def bench(
     model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL_OPT,
     prompt_tokens: int = typer.Option(64, "--prompt-tokens", help="Prompt length to time."),
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="Decode steps to time."),
     runs: int = typer.Option(3, "--runs", help="Runs; the median is reported."),
@@ -413,28 +422,14 @@ def bench(
     pool_policy: str = POLICY,
     stats: bool = STATS,
     lookup: Optional[int] = LOOKUP,
-    moe_predict: Optional[str] = PREDICT,
-    moe_predict_depth: Optional[str] = P_DEPTH,
-    moe_predict_margin: Optional[str] = P_MARGIN,
-    moe_predict_min: Optional[str] = P_MIN,
-    moe_predict_layers: Optional[str] = P_LAYERS,
-    moe_predict_ahead: Optional[str] = P_AHEAD,
-    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
-    moe_predict_chain: Optional[str] = P_CHAIN,
-    moe_predict_own: Optional[str] = P_OWN,
-    moe_predict_out: Optional[str] = P_OUT,
-    moe_predict_stats: Optional[str] = P_STATS,
+    predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Prompt and decode tok/s on this machine (median of runs)."""
-    from onebit.lookup import lookup_budget
-
+    model, device = _model(model, model_opt), _device(device)
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
-    lookup = lookup_budget(lookup, default=0)  # a benchmark of plain decoding unless asked
-    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       moe_predict_out, moe_predict_stats, moe_predict_own)
+    lookup = _lookup(lookup, default=0)  # a benchmark of plain decoding unless asked
     m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, not no_warmup)
@@ -458,7 +453,7 @@ def _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, warmup: bool = T
                        f"{lk['tokens_per_forward']:.2f} tokens per forward")
 
 
-@app.command("cache-sim")
+@app.command("cache-sim", cls=Command)
 def cache_sim(
     trace: str = typer.Argument(..., help="Routing trace from --trace."),
     slots: list[int] = typer.Option(..., "--slots", help="Pool size in experts (repeatable)."),
@@ -508,6 +503,9 @@ def main() -> None:
     logging.getLogger("onebit").addHandler(handler)
 
     warnings.simplefilter("ignore", RuntimeWarning)  # numeric trouble is one error from the engine instead
+    from onebit.tokenizer import set_cache_dir
+
+    set_cache_dir(cache_dir())
     from .serve import register  # `serve` and `list` (that module imports this one's options)
 
     register(app)

@@ -1,12 +1,18 @@
-"""What the `onebit` commands share: their options, and loading a model from them (imported by
-main.py, serve.py and ray_batch.py; it imports none of them)."""
+"""What the `onebit` commands share: their options, the environment (read here and nowhere else
+in onebit), and loading a model from them (imported by main.py, serve.py and ray_batch.py; it
+imports none of them)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import os
+from pathlib import Path
 from typing import Optional
 
 import typer
+import typer.core
 
 from onebit.errors import UsageError
 
@@ -71,12 +77,83 @@ def _check_ctx(path: str, ctx: int) -> None:
         raise UsageError(f"--ctx {ctx} is out of range: the model's context length is {n}")
 
 
-def _predict(mode, depth, margin, min_, layers, ahead, no_attn, chain, out, stats, own=None):
-    """Prediction settings from the flags over $ONEBIT_MOE_PREDICT*; checked before loading."""
-    from onebit.moe.predict import settings_from
+# -- the environment: read here and nowhere else; the library gets what is found as arguments --
 
-    return settings_from(None, mode=mode, depth=depth, margin=margin, min=min_, layers=layers, ahead=ahead,
-                         no_attn=no_attn, chain=chain, out=out, stats=stats, own=own)
+LOOKUP_ENV = "ONEBIT_LOOKUP"
+PREDICT_ENV = "ONEBIT_MOE_PREDICT"  # the mode; ONEBIT_MOE_PREDICT_DEPTH etc. for each setting
+DEVICE_ENV = "ONEBIT_VULKAN_DEVICE"
+CACHE_ENV = "ONEBIT_CACHE_DIR"
+
+
+def _env(name: str) -> Optional[str]:
+    """$name, or None where it is unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _lookup(flag: Optional[int], default: int) -> int:
+    """Drafts per forward: --lookup, else $ONEBIT_LOOKUP, else `default`."""
+    from onebit.lookup import lookup_budget
+
+    if flag is None:
+        text = _env(LOOKUP_ENV)
+        if text is not None:
+            try:
+                flag = int(text)
+            except ValueError:
+                raise UsageError(f"${LOOKUP_ENV} must be a whole number of drafts (0 = off), got {text!r}") from None
+    return lookup_budget(flag, default=default)
+
+
+def _device(flag: Optional[str]) -> Optional[str]:
+    """The Vulkan device asked for: --device, else $ONEBIT_VULKAN_DEVICE, else None (the best one)."""
+    return flag if flag is not None else _env(DEVICE_ENV)
+
+
+def _predict(**flags):
+    """PredictSettings from the --moe-predict* flags (PredictSettings field names), each over its
+    $ONEBIT_MOE_PREDICT* variable; checked before loading."""
+    from dataclasses import fields
+
+    from onebit.moe.predict import PredictSettings, settings_from
+
+    raw = {f.name: _env(PREDICT_ENV if f.name == "mode" else f"{PREDICT_ENV}_{f.name.upper()}")
+           for f in fields(PredictSettings)}
+    raw.update({k: v for k, v in flags.items() if v is not None})
+    return settings_from(**raw)
+
+
+def cache_dir() -> Optional[Path]:
+    """Where onebit keeps derived data: $ONEBIT_CACHE_DIR (off, 0 or none: nowhere), else
+    $XDG_CACHE_HOME/onebit, else ~/.cache/onebit."""
+    d = _env(CACHE_ENV)
+    if d is not None:
+        return None if d.lower() in ("off", "0", "none") else Path(d)
+    return Path(_env("XDG_CACHE_HOME") or Path.home() / ".cache") / "onebit"
+
+
+def model_stores():
+    """Where other tools keep GGUF files here (onebit.catalog.Stores): $HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub; $OLLAMA_MODELS, else ~/.ollama/models; LM
+    Studio's two folders in the home folder."""
+    from onebit.catalog import Stores
+
+    home = Path.home()
+    hub = _env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE")
+    hf = Path(hub) if hub else Path(_env("HF_HOME") or home / ".cache" / "huggingface") / "hub"
+    ollama = Path(_env("OLLAMA_MODELS") or home / ".ollama" / "models")
+    lmstudio = (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models")
+    return Stores(hf=hf, ollama=ollama, lmstudio=lmstudio)
+
+
+# -- the model: a positional argument or -m / --model on every command that takes one --
+
+
+def _model(arg: Optional[str], opt: Optional[str]) -> Optional[str]:
+    """The model file from the positional argument or --model (None: the shipped model)."""
+    if arg is not None and opt is not None:
+        raise UsageError(f"the model is given twice ({arg} and --model {opt}): give it once, either way")
+    return arg if arg is not None else opt
 
 
 MODEL_ARG = typer.Argument(None, help="GGUF model file (default: the small model shipped with onebit).")
@@ -111,43 +188,76 @@ TRACE = typer.Option(None, "--trace", help="Record every token's routed experts 
 CTX = typer.Option(None, "--ctx", help="Context length in tokens (default: min(model's, 4096)).")
 
 
-PREDICT = typer.Option(None, "--moe-predict", help="Routing prediction feeding the expert pool's prefetch: "
-                                                    "auto, off, router or block (default $ONEBIT_MOE_PREDICT, else "
-                                                    "auto: block when experts stream, the gate turning it off "
-                                                    "where it does not pay; off when every expert is resident).")
+PREDICT_PANEL = "Routing prediction, research settings (each also $ONEBIT_MOE_PREDICT_<NAME>)"
 
 
-P_DEPTH = typer.Option(None, "--moe-predict-depth", help="Rank this many candidates per layer (default top-k).")
+def _research(flag: str, help: str):
+    return typer.Option(None, flag, help=help, rich_help_panel=PREDICT_PANEL)
 
 
-P_MARGIN = typer.Option(None, "--moe-predict-margin", help="Read a deeper candidate only while its router logit "
-                                                          "is within this of the best.")
+# The --moe-predict options by the PredictSettings field each sets: the mode, then the research settings.
+PREDICT_OPTIONS = {
+    "mode": typer.Option(None, "--moe-predict", help="Routing prediction feeding the expert pool's prefetch: "
+                                                     "auto, off, router or block (default $ONEBIT_MOE_PREDICT, else "
+                                                     "auto: block when experts stream, the gate turning it off "
+                                                     "where it does not pay; off when every expert is resident)."),
+    "depth": _research("--moe-predict-depth", "Rank this many candidates per layer (default top-k)."),
+    "margin": _research("--moe-predict-margin", "Read a deeper candidate only while its router logit is within "
+                                                "this of the best."),
+    "min": _research("--moe-predict-min", "Always read at least this many (default top-k)."),
+    "layers": _research("--moe-predict-layers", "Layers predicted, e.g. 1,2,5-9 (default all MoE layers)."),
+    "ahead": _research("--moe-predict-ahead", "Predict this many MoE layers ahead (default 1)."),
+    "no_attn": _research("--moe-predict-no-attn", "Block mode without the mixer (0 or 1)."),
+    "chain": _research("--moe-predict-chain", "Block mode, more than one ahead: run each deeper layer's block too "
+                                              "(0 or 1; default 0: router form)."),
+    "own": _research("--moe-predict-own", "Block mode: add this many of the current layer's top experts' output "
+                                          "before predicting the next (default 1; 0: none)."),
+    "out": _research("--moe-predict-out", "Per-token predicted / actual trace (JSONL)."),
+    "stats": _research("--moe-predict-stats", "Print the per-layer prediction table at exit (0 or 1)."),
+}
 
 
-P_MIN = typer.Option(None, "--moe-predict-min", help="Always read at least this many (default top-k).")
+def predict_options(*without: str):
+    """Decorator: a command's `predict` parameter becomes the PREDICT_OPTIONS (less the fields
+    named in `without`), one option each as typer sees the command, and the command is called
+    with one PredictSettings built from them (`_predict`: over $ONEBIT_MOE_PREDICT*, checked
+    before anything loads)."""
+    names = [n for n in PREDICT_OPTIONS if n not in without]
+
+    def wrap(command):
+        sig = inspect.signature(command)
+        params = [p for p in sig.parameters.values() if p.name != "predict"]
+        params += [inspect.Parameter(f"moe_predict_{n}", inspect.Parameter.KEYWORD_ONLY, default=PREDICT_OPTIONS[n],
+                                     annotation=Optional[str]) for n in names]
+
+        @functools.wraps(command)
+        def run(**kw):
+            given = {n: kw.pop(f"moe_predict_{n}") for n in names}
+            return command(**kw, predict=_predict(**given))
+
+        run.__signature__ = sig.replace(parameters=params)
+        run.__annotations__ = {**{p.name: p.annotation for p in params}, "return": sig.return_annotation}
+        return run
+
+    return wrap
 
 
-P_LAYERS = typer.Option(None, "--moe-predict-layers", help="Layers predicted, e.g. 1,2,5-9 (default all MoE layers).")
+class Command(typer.core.TyperCommand):
+    """A command whose plain help (onebit turns typer's rich help off) lists the options of each
+    `rich_help_panel` in a section of its own, after the options a user needs first."""
 
-
-P_AHEAD = typer.Option(None, "--moe-predict-ahead", help="Predict this many MoE layers ahead (default 1).")
-
-
-P_NO_ATTN = typer.Option(None, "--moe-predict-no-attn", help="Block mode without the mixer (0 or 1).")
-
-
-P_CHAIN = typer.Option(None, "--moe-predict-chain", help="Block mode, more than one ahead: run each deeper "
-                                                         "layer's block too (0 or 1; default 0: router form).")
-
-
-P_OWN = typer.Option(None, "--moe-predict-own", help="Block mode: add this many of the current layer's top "
-                                                     "experts' output before predicting the next (default 1; 0: none).")
-
-
-P_OUT = typer.Option(None, "--moe-predict-out", help="Per-token predicted / actual trace (JSONL).")
-
-
-P_STATS = typer.Option(None, "--moe-predict-stats", help="Print the per-layer prediction table at exit (0 or 1).")
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                title = ("Arguments" if param.param_type_name == "argument"
+                         else getattr(param, "rich_help_panel", None) or "Options")
+                sections.setdefault(title, []).append(record)
+        for title, records in sections.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
 
 
 TEMPLATE_KWARGS = typer.Option(

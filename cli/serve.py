@@ -13,9 +13,9 @@ import typer
 
 from onebit.errors import UsageError
 
-from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, P_AHEAD, P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN,
-                   P_MIN, P_NO_ATTN, P_OWN, PREDICT, POLICY, SLOTS, TEMPLATE_KWARGS, _check_sampling, _load,
-                   _predict, _template_kwargs)
+from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SLOTS, TEMPLATE_KWARGS,
+                      Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs, model_stores,
+                      predict_options)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
                                                    "(loaded in its turn, one model at a time). Repeatable.")
@@ -49,8 +49,10 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+@predict_options("out", "stats")
 def serve(
     model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL_OPT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ONEBIT_API_KEY",
@@ -69,15 +71,7 @@ def serve(
     pool_policy: str = POLICY,
     device: Optional[str] = DEVICE,
     lookup: Optional[int] = LOOKUP,
-    moe_predict: Optional[str] = PREDICT,
-    moe_predict_depth: Optional[str] = P_DEPTH,
-    moe_predict_margin: Optional[str] = P_MARGIN,
-    moe_predict_min: Optional[str] = P_MIN,
-    moe_predict_layers: Optional[str] = P_LAYERS,
-    moe_predict_ahead: Optional[str] = P_AHEAD,
-    moe_predict_no_attn: Optional[str] = P_NO_ATTN,
-    moe_predict_chain: Optional[str] = P_CHAIN,
-    moe_predict_own: Optional[str] = P_OWN,
+    predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No log line per request."),
 ) -> None:
@@ -90,9 +84,10 @@ def serve(
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None
     from onebit import catalog
-    from onebit.lookup import DEFAULT_DRAFTS, lookup_budget
+    from onebit.lookup import DEFAULT_DRAFTS
     from onebit.serve import Engine, LoadOptions, Sampling
 
+    model, device = _model(model, model_opt), _device(device)
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
     for d in models_dir:
         if not os.path.isdir(d):
@@ -100,10 +95,7 @@ def serve(
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
     template_kw = _template_kwargs(template_kwargs)
-    lookup = lookup_budget(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
-    predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
-                       moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
-                       None, None, moe_predict_own)
+    lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
     sock = _listen(host, port)
     m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict)
     m.template_kwargs = template_kw
@@ -111,7 +103,7 @@ def serve(
                           budget=budget, pool_policy=pool_policy, predict=predict, template_kwargs=template_kw)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
-    found = lambda: {e.id: e.path for e in catalog.find(models_dir, usual=False)}  # noqa: E731
+    found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
     engine = Engine(m, options, sampling, lookup=lookup, catalog=found if models_dir else dict)
 
     log = logging.getLogger("onebit.serve")
@@ -158,13 +150,13 @@ def list_models(
     for d in models_dir:
         if not os.path.isdir(d):
             raise UsageError(f"--models-dir {d}: not a folder")
-    entries = catalog.find(models_dir, usual=True)
+    stores = model_stores()
+    entries = catalog.find(models_dir, stores)
     if as_json:
         typer.echo(json.dumps([e.__dict__ for e in entries], indent=2))
         return
     if not entries:
-        places = ", ".join([*models_dir, str(catalog.hf_cache()), str(catalog.ollama_dir()),
-                            *map(str, catalog.lmstudio_dirs())])
+        places = ", ".join([*models_dir, *stores.places()])
         typer.echo(f"no GGUF files found (looked in {places})")
         return
     width = max(len(e.id) for e in entries)
@@ -175,5 +167,5 @@ def list_models(
 def register(app: typer.Typer) -> None:
     """Add `serve` and `list` to the onebit app (main.py calls this: under `python -m`, main.py
     runs as __main__, so this module must not import its app)."""
-    app.command()(serve)
-    app.command("list")(list_models)
+    app.command(cls=Command)(serve)
+    app.command("list", cls=Command)(list_models)

@@ -2,8 +2,10 @@
 
 Read only: the Hugging Face hub cache (`models--ORG--NAME/snapshots/REV/*.gguf`), ollama's
 store (a manifest per `name:tag` whose model layer is a GGUF blob) and LM Studio's folder
-(`PUBLISHER/REPO/*.gguf`). Each file gets an id a request can name: its file name without
-`.gguf` for a models folder, `org/name/file` for the hub, `name:tag` for ollama.
+(`PUBLISHER/REPO/*.gguf`), at the places a `Stores` names (the `onebit` command finds them from
+HF_HUB_CACHE / HF_HOME, OLLAMA_MODELS and the home folder). Each file gets an id a request can
+name: its file name without `.gguf` for a models folder, `org/name/file` for the hub, `name:tag`
+for ollama.
 """
 
 from __future__ import annotations
@@ -13,11 +15,24 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 MAX_DEPTH = 4  # folders below a models folder that are searched
 MAX_FILES = 2000  # entries looked at per place (a huge folder is not walked to the end)
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
+
+
+@dataclass(frozen=True)
+class Stores:
+    """Where other tools keep GGUF files: the Hugging Face hub cache, ollama's models folder and
+    LM Studio's folders (None / empty: not searched)."""
+
+    hf: Optional[Path] = None
+    ollama: Optional[Path] = None
+    lmstudio: tuple[Path, ...] = ()
+
+    def places(self) -> list[str]:
+        return [str(p) for p in (self.hf, self.ollama, *self.lmstudio) if p is not None]
 
 
 @dataclass(frozen=True)
@@ -82,18 +97,9 @@ def scan_dir(folder: str) -> list[Entry]:
     return out
 
 
-def hf_cache() -> Optional[Path]:
-    env = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if env:
-        return Path(env)
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return Path(home) / "hub"
-
-
-def scan_hf(root: Optional[Path] = None) -> list[Entry]:
-    root = root or hf_cache()
+def scan_hf(root: Path) -> list[Entry]:
     out = []
-    if root is None or not root.is_dir():
+    if not root.is_dir():
         return out
     for repo in sorted(root.glob("models--*")):
         name = repo.name[len("models--"):].replace("--", "/")
@@ -103,13 +109,7 @@ def scan_hf(root: Optional[Path] = None) -> list[Entry]:
     return out
 
 
-def ollama_dir() -> Path:
-    env = os.environ.get("OLLAMA_MODELS")
-    return Path(env) if env else Path(os.path.expanduser("~")) / ".ollama" / "models"
-
-
-def scan_ollama(root: Optional[Path] = None) -> list[Entry]:
-    root = root or ollama_dir()
+def scan_ollama(root: Path) -> list[Entry]:
     manifests = root / "manifests"
     out = []
     if not manifests.is_dir():
@@ -132,28 +132,26 @@ def scan_ollama(root: Optional[Path] = None) -> list[Entry]:
     return out
 
 
-def lmstudio_dirs() -> list[Path]:
-    home = Path(os.path.expanduser("~"))
-    return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
-
-
-def scan_lmstudio(roots: Optional[list[Path]] = None) -> list[Entry]:
+def scan_lmstudio(roots: Sequence[Path]) -> list[Entry]:
     out = []
-    for root in roots or lmstudio_dirs():
+    for root in roots:
         if root.is_dir():
             for e in scan_dir(str(root)):
                 out.append(Entry(e.id, e.path, "lmstudio", e.size))
     return out
 
 
-def find(models_dirs: list[str] = (), usual: bool = True) -> list[Entry]:
-    """Every GGUF found: the given folders first, then (usual) the other tools' stores.
+def find(models_dirs: Sequence[str] = (), stores: Stores = Stores()) -> list[Entry]:
+    """Every GGUF found: the given folders first, then the other tools' `stores`.
     An id found twice keeps its first place."""
     found: list[Entry] = []
     for d in models_dirs:
         found += scan_dir(d)
-    if usual:
-        found += scan_hf() + scan_ollama() + scan_lmstudio()
+    if stores.hf is not None:
+        found += scan_hf(stores.hf)
+    if stores.ollama is not None:
+        found += scan_ollama(stores.ollama)
+    found += scan_lmstudio(stores.lmstudio)
     seen, out = set(), []
     for e in found:
         if e.id not in seen:

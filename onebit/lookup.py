@@ -16,7 +16,6 @@ never which tokens come out.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -26,21 +25,19 @@ from .gate import SpeedGate
 
 MAX_DRAFTS = 8
 NGRAM_MAX = 4
-LOOKUP_ENV = "ONEBIT_LOOKUP"
-# Drafts per forward when neither a flag nor the environment says: on, at the most drafts. The
+# Drafts per forward when the caller gives none: on, at the most drafts. The
 # draft policy verifies only what it expects to pay and its gate turns drafting off where it
 # measures slower: on every file measured (bench/results/issue10-lookup.md, session 9) open
 # prompts ran at 0.99-1.00x of plain decoding or faster, copy-heavy ones up to 1.88x.
 DEFAULT_DRAFTS = MAX_DRAFTS
 
 
-def lookup_budget(n: Optional[int | str], default: int = DEFAULT_DRAFTS) -> int:
-    """Drafts per forward from a flag or the environment: 0 (off) .. 8; larger budgets are clamped.
-    Neither given: `default` (callers pass 0 where a hook watches the forwards, since a routing
-    trace records one row per token and verify rows are rows too, and for a benchmark of plain
-    decoding)."""
+def lookup_budget(n: Optional[int], default: int = DEFAULT_DRAFTS) -> int:
+    """Drafts per forward: `n`, 0 (off) .. 8; larger budgets are clamped. None: `default`
+    (callers pass 0 where a hook watches the forwards, since a routing trace records one row per
+    token and verify rows are rows too, and for a benchmark of plain decoding)."""
     if n is None:
-        n = os.environ.get(LOOKUP_ENV, "").strip() or str(default)
+        n = default
     try:
         v = int(n)
     except (TypeError, ValueError):

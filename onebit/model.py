@@ -294,7 +294,7 @@ class Model:
         """Yield GenerationResponse pieces. `prompt` is text, token ids, or chat messages (rendered
         with the model's chat template). `lookup`: drafts (n-gram lookup in the context, 0..8)
         verified per decode forward; the output is the same as without (greedy) or has the same
-        distribution (sampling); None: $ONEBIT_LOOKUP, else 8 (0 where a hook is set).
+        distribution (sampling); None: 8 (0 where a hook is set).
         `lookup_stats`: a `LookupStats` to count them in. `processors`: logits processors
         applied after the repetition penalty (e.g. a grammar constraint, structured.py)."""
         if isinstance(prompt, str):
@@ -372,6 +372,6 @@ def load(path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = 
     or `budget`, memory is planned first and routed experts stream through a slot pool when
     fewer slots than experts fit. `predict` (a mode name or moe.predict.PredictSettings):
     routing prediction feeding the pool's prefetch queue. `device`: the Vulkan device (a name
-    or index, as `onebit info --device` lists; None: $ONEBIT_VULKAN_DEVICE, else the first)."""
+    or index, as `onebit devices` lists; None: the best usable one)."""
     return Model(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy,
                  predict=predict, device=device)

@@ -63,18 +63,23 @@ _TYPE_ATTR = {
 _A_SPECIAL = _A_UNKNOWN | _A_CONTROL  # hidden from decoded text unless asked for
 _A_PARSED = _A_CONTROL | _A_USER_DEFINED | _A_UNKNOWN  # cut out of the text before merges
 
-# SentencePiece vocabularies this large keep their merge ranking in a cache file (cache_dir()).
+# SentencePiece vocabularies this large keep their merge ranking in a cache file (set_cache_dir).
 SPM_CACHE_MIN_TOKENS = 65536
+_cache_dir: Path | None = None
+
+
+def set_cache_dir(path: str | os.PathLike | None) -> None:
+    """Keep derived data (the merge ranking of SentencePiece vocabularies of SPM_CACHE_MIN_TOKENS
+    tokens or more) in folder `path` for every Tokenizer built after this call; None, the
+    default, keeps none (the ranking is found again on each load). The `onebit` command sets
+    $ONEBIT_CACHE_DIR, else $XDG_CACHE_HOME/onebit, else ~/.cache/onebit."""
+    global _cache_dir
+    _cache_dir = None if path is None else Path(path)
 
 
 def cache_dir() -> Path | None:
-    """Where derived data is cached: $ONEBIT_CACHE_DIR, else $XDG_CACHE_HOME/onebit, else
-    ~/.cache/onebit. ONEBIT_CACHE_DIR=off turns caching off."""
-    d = os.environ.get("ONEBIT_CACHE_DIR")
-    if d:
-        return None if d.lower() in ("off", "0", "none") else Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "onebit"
+    """The folder set by `set_cache_dir`, or None."""
+    return _cache_dir
 
 
 _SPACE = "\u2581"  # SentencePiece's escaped space

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import fixture_path
+from conftest import fixture_path, run_cli
 from ggufedit import rewrite
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
@@ -131,3 +131,137 @@ def test_generate_drafts_by_default_but_not_while_tracing(tmp_path):
     assert "lookup:" not in plain.stderr and "lookup:" not in traced.stderr
     decode = [a for a in read_trace(str(trace)).accesses if a.decode]
     assert len(decode) == 23 * len({a.layer for a in decode})  # one row per decode token: no verify rows
+
+
+# -- one command line: the model, devices, prediction settings, JSON schemas --------------------
+
+MODEL_COMMANDS = {  # each command that takes a model, with what makes it stop early or run briefly
+    "generate": ["-p", "hi", "-n", "2", "--backend", "numpy", "--json"],
+    "chat": ["--ctx", "4"],  # refused once the model is loaded: the template alone fills 4 tokens
+    "info": ["--json"],
+    "plan": ["--json", "--backend", "cpu", "--budget", "1GiB"],
+    "bench": ["--prompt-tokens", "2", "--gen-tokens", "1", "--runs", "1", "--no-warmup", "--backend", "numpy"],
+    "serve": ["--port", "-1"],  # refused before anything loads: the model is resolved first
+}
+
+
+@pytest.mark.parametrize("command", sorted(MODEL_COMMANDS))
+def test_every_model_command_takes_the_model_either_way_but_not_twice(monkeypatch, capsys, command):
+    extra = MODEL_COMMANDS[command]
+    by_position = run_cli(monkeypatch, capsys, command, MODEL, *extra)
+    by_option = run_cli(monkeypatch, capsys, command, "-m", MODEL, *extra)
+    long_option = run_cli(monkeypatch, capsys, command, "--model", MODEL, *extra)
+    if command in ("info", "plan"):
+        assert by_position[:2] == by_option[:2] == long_option[:2] and MODEL in by_position[1]
+    elif command == "chat":
+        assert by_position[0] == by_option[0] == 2 and "no room to chat" in by_option[2]
+    elif command == "serve":
+        assert by_position[0] == by_option[0] == 2 and "--port" in by_option[2]
+    else:
+        assert by_position[0] == by_option[0] == long_option[0] == 0, by_option
+    code, out, err = run_cli(monkeypatch, capsys, command, MODEL, "-m", MODEL, *extra)
+    assert code == 2 and out == "" and "the model is given twice" in err, (code, out, err)
+
+
+def test_generate_output_is_the_same_for_either_way_of_naming_the_model(monkeypatch, capsys):
+    args = ["-p", "Hello", "-n", "4", "--backend", "numpy", "--json"]
+    a = run_cli(monkeypatch, capsys, "generate", MODEL, *args)
+    b = run_cli(monkeypatch, capsys, "generate", "-m", MODEL, *args)
+    assert a[0] == b[0] == 0 and json.loads(a[1])["tokens"] == json.loads(b[1])["tokens"]
+
+
+def test_devices_lists_them_and_info_describes_the_model_only(monkeypatch, capsys):
+    monkeypatch.delenv("ONEBIT_VULKAN_DEVICE", raising=False)
+    code, out, err = run_cli(monkeypatch, capsys, "devices")
+    assert code == 0 and "cpu:" in out and "--backend auto: " in out, (out, err)
+    monkeypatch.setenv("ONEBIT_VULKAN_DEVICE", "0")  # a device asked for: auto takes Vulkan
+    code, out, _ = run_cli(monkeypatch, capsys, "devices")
+    assert code == 0 and "--backend auto: vulkan (device '0' asked for)" in out
+    code, _, err = run_cli(monkeypatch, capsys, "info", "--device")
+    assert code == 2 and "No such option: --device" in err
+
+
+def test_plan_takes_moe_predict_layers_as_everywhere_and_layers_too(monkeypatch, capsys):
+    base = ["plan", MODEL, "--json", "--backend", "cpu", "--slots", "4", "--budget", "1GiB"]
+    plain = run_cli(monkeypatch, capsys, *base)
+    named = run_cli(monkeypatch, capsys, *base, "--moe-predict-layers", "1")
+    alias = run_cli(monkeypatch, capsys, *base, "--layers", "1")
+    assert named[0] == alias[0] == plain[0] == 0, named
+    assert named[1] == alias[1] and json.loads(named[1])["predicted_layers"] == [1]
+    assert json.loads(plain[1])["predicted_layers"] == [0, 1]  # as a streamed load: every MoE layer
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "serve"])
+def test_help_shows_the_research_settings_apart_and_last(monkeypatch, capsys, command):
+    code, out, _ = run_cli(monkeypatch, capsys, command, "--help")
+    assert code == 0
+    main, _, research = out.partition("\nRouting prediction, research settings")
+    assert research, out
+    assert "--moe-predict-depth" in research and "--moe-predict-depth" not in main
+    assert "--moe-predict " in main and "--backend" in main and "--backend" not in research
+    assert ("--moe-predict-out" in research) == (command != "serve")  # serve writes no per-token trace
+
+
+def test_predict_options_give_the_command_one_settings_object():
+    """predict_options turns the command's `predict` parameter into the --moe-predict options and
+    calls it with one PredictSettings: flags over $ONEBIT_MOE_PREDICT*, refused before the body runs."""
+    import typer
+    from typer.testing import CliRunner
+
+    from onebit.cli.options import Command, predict_options
+    from onebit.moe.predict import PredictSettings
+
+    got = []
+    app = typer.Typer()
+
+    @app.command(cls=Command)
+    @predict_options("out")
+    def run(n: int = typer.Option(1, "--n"), predict=None) -> None:
+        got.append((n, predict))
+
+    r = CliRunner().invoke(app, ["--n", "2", "--moe-predict", "router", "--moe-predict-ahead", "2",
+                                 "--moe-predict-no-attn", "1"], env={"ONEBIT_MOE_PREDICT_DEPTH": "5"})
+    assert r.exit_code == 0, r.output
+    assert got == [(2, PredictSettings(mode="router", ahead=2, no_attn=True, depth=5))]
+    r = CliRunner().invoke(app, ["--moe-predict-out", "x.jsonl"])
+    assert r.exit_code == 2 and "No such option" in r.output and len(got) == 1
+
+
+def test_lookup_comes_from_the_flag_over_the_environment(monkeypatch, capsys):
+    base = ["generate", MODEL, "-p", "one two one two one two one two", "-n", "12", "--backend", "numpy", "--stats"]
+    monkeypatch.setenv("ONEBIT_LOOKUP", "0")
+    code, _, err = run_cli(monkeypatch, capsys, *base)
+    assert code == 0 and "lookup:" not in err, err
+    code, _, err = run_cli(monkeypatch, capsys, *base, "--lookup", "4")
+    assert code == 0 and "lookup: drafts proposed" in err, err
+    monkeypatch.setenv("ONEBIT_LOOKUP", "many")
+    code, _, err = run_cli(monkeypatch, capsys, *base)
+    assert code == 2 and "$ONEBIT_LOOKUP must be a whole number" in err
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--json-schema", "{type: object}"], "--json-schema is not valid JSON"),
+    (["--json-schema", "[1]"], "--json-schema must be a JSON object"),
+    (["--json-schema", '{"type": "nonsense"}'], "not usable as a JSON schema"),
+    (["--json-schema", "{}", "--json-schema-file", "s.json"], "give the JSON schema once"),
+    (["--json-schema-file", "/no/such/schema.json"], "cannot read the JSON schema"),
+])
+def test_bad_json_schemas_are_refused_before_loading(monkeypatch, capsys, args, why):
+    pytest.importorskip("llguidance")
+    code, out, err = run_cli(monkeypatch, capsys, "generate", "/no/such/model.gguf", "-p", "x", *args)
+    assert code == 2 and out == "" and why in err, (code, out, err)
+
+
+def test_json_schema_inline_and_from_a_file_constrain_alike(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(schema))
+    base = ["generate", "-p", "Is the sky blue?", "-n", "40", "--backend", "numpy", "--json"]  # the shipped model
+    inline = run_cli(monkeypatch, capsys, *base, "-j", json.dumps(schema))
+    file = run_cli(monkeypatch, capsys, *base, "--json-schema-file", str(path))
+    assert inline[0] == file[0] == 0, inline
+    a, b = json.loads(inline[1]), json.loads(file[1])
+    assert a["tokens"] == b["tokens"] and a["finish_reason"] == "stop"
+    assert json.loads(a["text"]) in ({"ok": True}, {"ok": False})

@@ -622,7 +622,6 @@ def test_auto_takes_vulkan_only_on_a_gpu(monkeypatch):
     import onebit.backends as backends
     from onebit.backends.vulkan import device as vkdev
 
-    monkeypatch.delenv(vkdev.DEVICE_ENV, raising=False)
     try:
         real = vkdev.list_devices()
     except vkdev.VulkanUnavailableError:
@@ -634,9 +633,10 @@ def test_auto_takes_vulkan_only_on_a_gpu(monkeypatch):
     monkeypatch.setattr(vkdev, "list_devices", lambda: [lavapipe])
     assert backends.gpu_device() is None and resolve("auto") == "cpu"
     assert onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu").be.name == "cpu"
-    monkeypatch.setenv(vkdev.DEVICE_ENV, "0")  # a device asked for by name or index
-    assert resolve("auto") == "vulkan"
-    monkeypatch.delenv(vkdev.DEVICE_ENV)
+    assert resolve("auto", "0") == "vulkan"  # a device asked for by name or index
+    monkeypatch.setenv("ONEBIT_VULKAN_DEVICE", "0")
+    assert resolve("auto") == "cpu"  # the library reads no environment (the CLI passes it as `device`)
+    monkeypatch.delenv("ONEBIT_VULKAN_DEVICE")
     for kind in ("integrated", "discrete"):
         monkeypatch.setattr(vkdev, "list_devices", lambda: [lavapipe, dataclasses.replace(lavapipe, type=kind)])
         assert backends.gpu_device().type == kind and resolve("auto") == "vulkan"

@@ -200,7 +200,7 @@ def test_prediction_ranks_by_the_routing_rule_and_changes_nothing(backend, monke
     monkeypatch.setattr("onebit.moe.predict.Predictor", SameLayer)
     SameLayer.checked = 0
     for mode in ("router", "block"):
-        m = onebit.load(F32, backend=backend, predict=settings_from({}, mode=mode))
+        m = onebit.load(F32, backend=backend, predict=settings_from(mode=mode))
         assert isinstance(m.predictor, SameLayer)
         got = decode(m, ids)
         predictions = sum(s.predictions for s in m.predictor.stats.values())
@@ -214,7 +214,7 @@ def test_prediction_ranks_by_the_routing_rule_and_changes_nothing(backend, monke
 def test_streamed_with_prediction_equals_resident(backend):
     ids = REF["tokens"][:12].astype(np.int64)
     want = decode(onebit.load(F32, backend=backend), ids)
-    m = onebit.load(F32, backend=backend, slots=3, budget="1GiB", predict=settings_from({}, mode="block"))
+    m = onebit.load(F32, backend=backend, slots=3, budget="1GiB", predict=settings_from(mode="block"))
     try:
         got = decode(m, ids)
         st = m.pool.stats

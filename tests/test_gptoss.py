@@ -281,7 +281,7 @@ def test_prediction_is_bit_identical_and_predicts(backend, mode):
     path = fixture_path(f"{F32}.gguf")
     ids = _tokens(F32, 12)
     want = _decode(onebit.load(path, backend=backend), ids)
-    m = onebit.load(path, backend=backend, slots=3, budget="1GiB", predict=settings_from({}, mode=mode))
+    m = onebit.load(path, backend=backend, slots=3, budget="1GiB", predict=settings_from(mode=mode))
     try:
         got = _decode(m, ids)
         st = m.predictor.stats

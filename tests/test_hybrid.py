@@ -317,7 +317,7 @@ def test_block_prediction_is_bit_identical_to_off(name, backend):
     ids = ref_tokens(name, 8)
     want = decode(load(name, backend), ids)
     for kw in (dict(mode="block"), dict(mode="block", ahead=2, chain=True), dict(mode="router", ahead=2)):
-        m = onebit.load(fixture_path(f"{name}.gguf"), backend=backend, predict=settings_from({}, **kw))
+        m = onebit.load(fixture_path(f"{name}.gguf"), backend=backend, predict=settings_from(**kw))
         got = decode(m, ids)
         st = m.predictor.stats
         assert np.array_equal(got[0], want[0]) and got[1] == want[1], kw
@@ -330,10 +330,10 @@ def test_block_prediction_is_bit_identical_to_off(name, backend):
 def test_poisoned_recurrent_scratch_changes_nothing():
     name = "qwen3next-f32"
     ids = ref_tokens(name, 8)
-    m = onebit.load(fixture_path(f"{name}.gguf"), predict=settings_from({}, mode="block", ahead=2), backend="cpu")
+    m = onebit.load(fixture_path(f"{name}.gguf"), predict=settings_from(mode="block", ahead=2), backend="cpu")
     want = decode(m, ids)
     want_hits = [s.hits for s in m.predictor.stats.values()]
-    m.set_predict(settings_from({}, mode="block", ahead=2))
+    m.set_predict(settings_from(mode="block", ahead=2))
     pred = m.predictor
     assert any(isinstance(s, RecurrentCache) for s in pred.scratch.values())
     orig = pred.at_pause
@@ -364,7 +364,7 @@ def test_speculative_deltanet_step_equals_the_real_step_and_leaves_the_cache_alo
 
     m = load("qwen3next-f32")
     cfg = m.cfg
-    pred = Predictor(m.gguf, cfg, settings_from({}, mode="block"))
+    pred = Predictor(m.gguf, cfg, settings_from(mode="block"))
     cache = m.new_cache()
     m.net.forward(ref_tokens("qwen3next-f32", 8), cache)
     before = copy.deepcopy(cache)
@@ -506,7 +506,7 @@ def test_vulkan_prediction_is_bit_identical_to_off_and_streams(mode):
     ids = ref_tokens(name, 8)
     want = decode(load(name, "vulkan"), ids)
     m = onebit.load(fixture_path(f"{name}.gguf"), backend="vulkan", slots=6, budget="1GiB",
-                    predict=settings_from({}, mode=mode, ahead=2, chain=True))
+                    predict=settings_from(mode=mode, ahead=2, chain=True))
     try:
         got = decode(m, ids)
         assert np.array_equal(got[0], want[0]) and got[1] == want[1]
@@ -519,7 +519,7 @@ def test_vulkan_prediction_is_bit_identical_to_off_and_streams(mode):
     hits = []
     for backend in ("vulkan", "numpy"):
         p = onebit.load(fixture_path(f"{name}.gguf"), backend=backend,
-                        predict=settings_from({}, mode=mode, ahead=2, own=0))
+                        predict=settings_from(mode=mode, ahead=2, own=0))
         decode(p, ids)
         hits.append([(s.hits, s.predicted) for s in p.predictor.stats.values()])
         p.close()

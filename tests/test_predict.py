@@ -89,7 +89,7 @@ def test_prediction_is_bit_identical_to_off(backend):
     want_s = decode(ref, ids, temp=0.9, seed=3)
     ref.close()
     for kw in SETTINGS:
-        m = onebit.load(shipped(), backend=backend, predict=settings_from({}, **kw))
+        m = onebit.load(shipped(), backend=backend, predict=settings_from(**kw))
         got_g = decode(m, ids)
         got_s = decode(m, ids, temp=0.9, seed=3)
         st = m.predictor.stats
@@ -111,7 +111,7 @@ def test_prediction_switched_off_and_on_by_its_gate_is_bit_identical_to_off(back
     path = shipped()
     ids = prompt(12)
     want = decode(onebit.load(path, backend=backend), ids)
-    m = onebit.load(path, backend=backend, slots=10, budget="1GiB", predict=settings_from({}, mode="block", ahead=2))
+    m = onebit.load(path, backend=backend, slots=10, budget="1GiB", predict=settings_from(mode="block", ahead=2))
     try:
         ranked = []
         real = m.predictor._router
@@ -131,7 +131,7 @@ def test_streamed_with_prediction_equals_resident_bit_for_bit(backend, mode):
     ids = prompt(12)
     want = decode(onebit.load(path, backend=backend), ids)
     m = onebit.load(path, backend=backend, slots=10, budget="1GiB",
-                    predict=settings_from({}, mode=mode, ahead=2, depth=6))
+                    predict=settings_from(mode=mode, ahead=2, depth=6))
     try:
         got = decode(m, ids)
         st = m.pool.stats
@@ -175,7 +175,7 @@ def test_prediction_with_lookup_rows_is_identical_to_off(backend, monkeypatch):
     st.add(st_s)
     assert st.proposed > st.accepted > 0  # rows were verified, some rejected
     for kw in (dict(), dict(slots=10, budget="1GiB")):
-        m = onebit.load(path, backend=backend, predict=settings_from({}, mode="block", ahead=2, depth=6), **kw)
+        m = onebit.load(path, backend=backend, predict=settings_from(mode="block", ahead=2, depth=6), **kw)
         try:
             assert lookup_decode(m, ids)[0] == want_g, kw
             assert lookup_decode(m, ids, temp=0.9)[0] == want_s, kw
@@ -205,9 +205,9 @@ def test_poisoned_scratch_changes_nothing():
     message of commit d279c5f, 2026-12-04.)"""
     path = shipped()
     ids = prompt()
-    m = onebit.load(path, predict=settings_from({}, mode="block", ahead=2), backend="cpu")
+    m = onebit.load(path, predict=settings_from(mode="block", ahead=2), backend="cpu")
     want = decode(m, ids)
-    m.set_predict(settings_from({}, mode="block", ahead=2))
+    m.set_predict(settings_from(mode="block", ahead=2))
     pred = m.predictor
     orig = pred.at_pause
     blocks = []
@@ -252,7 +252,7 @@ def test_a_prompts_speculative_block_reads_no_einsum_over_an_empty_axis(monkeypa
 
     monkeypatch.setattr(np, "einsum", stale)
     m = onebit.load(shipped(), backend="numpy")
-    pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="block"))
+    pred = Predictor(m.gguf, m.cfg, settings_from(mode="block"))
     from onebit.pause import PauseContext
 
     cache = m.new_cache()
@@ -266,7 +266,7 @@ def test_speculative_block_equals_the_real_block_on_a_cache_copy():
     K/V into a copy of the cache): the scratch path computes the same thing."""
     m = onebit.load(shipped(), backend="numpy")
     cfg = m.cfg
-    pred = Predictor(m.gguf, cfg, settings_from({}, mode="block"))
+    pred = Predictor(m.gguf, cfg, settings_from(mode="block"))
     cache = m.new_cache()
     m.net.forward(prompt(), cache)
     h = np.random.default_rng(0).normal(size=(1, cfg.dim)).astype(np.float32)
@@ -290,7 +290,7 @@ def test_vulkan_predicts_what_numpy_predicts():
     traces = []
     for backend in ("numpy", "vulkan"):
         m = onebit.load(path, backend=backend)
-        cap = Capture(m.gguf, m.cfg, settings_from({}, mode="block", ahead=2))
+        cap = Capture(m.gguf, m.cfg, settings_from(mode="block", ahead=2))
         m.net.predictor = cap
         toks = decode(m, ids)[1]
         traces.append((toks, cap))
@@ -304,7 +304,7 @@ def test_vulkan_predicts_what_numpy_predicts():
 
 def test_trace_and_table_agree(tmp_path):
     out = tmp_path / "pred.jsonl"
-    m = onebit.load(shipped(), predict=settings_from({}, mode="router", ahead=2, out=str(out)), backend="cpu")
+    m = onebit.load(shipped(), predict=settings_from(mode="router", ahead=2, out=str(out)), backend="cpu")
     decode(m, prompt())
     m.close()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -327,7 +327,7 @@ def test_plan_reserves_the_predictor_scratch():
     m = onebit.load(shipped(), backend="numpy")
     cfg = m.cfg
     layers = "1,3-4"
-    pred = Predictor(m.gguf, cfg, settings_from({}, mode="block", layers=layers))
+    pred = Predictor(m.gguf, cfg, settings_from(mode="block", layers=layers))
     p = make_plan(m.gguf, cfg, Budget(1 << 30, "test", available=1 << 30), ctx=64, layers=layers)
     item = next(i for i in p.items if i.component == "predicted-layer scratch")
     kv = scratch_kv_bytes(cfg) * 3
@@ -353,24 +353,24 @@ def test_plan_reserves_the_predictor_scratch():
     assert 0 < peak - dequant <= activations // 3
 
 
-def test_settings_from_env_and_flags():
-    env = {"ONEBIT_MOE_PREDICT": "block", "ONEBIT_MOE_PREDICT_DEPTH": "6", "ONEBIT_MOE_PREDICT_MARGIN": "1.5",
-           "ONEBIT_MOE_PREDICT_MIN": "2", "ONEBIT_MOE_PREDICT_LAYERS": "1,2,5-9", "ONEBIT_MOE_PREDICT_AHEAD": "2",
-           "ONEBIT_MOE_PREDICT_NO_ATTN": "1", "ONEBIT_MOE_PREDICT_STATS": "1"}
-    s = settings_from(env)
+def test_settings_from_flags():
+    """Values as the CLI's flags and $ONEBIT_MOE_PREDICT* give them (strings), or typed."""
+    flags = dict(mode="block", depth="6", margin="1.5", min="2", layers="1,2,5-9", ahead="2", no_attn="1", stats="1")
+    s = settings_from(**flags)
     assert s == PredictSettings(mode="block", depth=6, margin=1.5, min=2, layers="1,2,5-9", ahead=2, no_attn=True,
                                 stats=True)
-    assert settings_from({"ONEBIT_MOE_PREDICT_CHAIN": "1"}).chain
-    assert settings_from(env, mode="router", ahead=3).mode == "router"
-    assert settings_from({}).mode == "auto"  # (block where experts stream, off where all are resident)
-    for bad in ({"ONEBIT_MOE_PREDICT": "sometimes"}, {"ONEBIT_MOE_PREDICT_DEPTH": "0"},
-                {"ONEBIT_MOE_PREDICT_MARGIN": "-1"}, {"ONEBIT_MOE_PREDICT_AHEAD": "x"},
-                {"ONEBIT_MOE_PREDICT_NO_ATTN": "maybe"}, {"ONEBIT_MOE_PREDICT_MIN": "5", "ONEBIT_MOE_PREDICT_DEPTH": "3"}):
+    assert settings_from(chain="1").chain and settings_from(chain=True, depth=6).depth == 6
+    assert settings_from(mode=None, depth="", ahead=None) == PredictSettings()  # None or "": the default
+    assert settings_from().mode == "auto"  # (block where experts stream, off where all are resident)
+    for bad in (dict(mode="sometimes"), dict(depth="0"), dict(margin="-1"), dict(ahead="x"), dict(no_attn="maybe"),
+                dict(min="5", depth="3")):
         with pytest.raises(UsageError):
-            settings_from(bad)
+            settings_from(**bad)
+    with pytest.raises(TypeError, match="deepth"):
+        settings_from(deepth=6)  # a misspelt setting is not silently dropped
     m = onebit.load(shipped(), backend="cpu")
     with pytest.raises(UsageError):
-        m.set_predict(settings_from({}, mode="router", layers="0-99"))
+        m.set_predict(settings_from(mode="router", layers="0-99"))
 
 
 def test_cli_bad_values_exit_2_and_stats_print(tmp_path):
@@ -506,7 +506,7 @@ def test_gate_step_holds_while_prediction_pays(monkeypatch):
 def test_predictor_pays_when_the_ledger_prices_prediction_above_half_a_step(monkeypatch):
     import onebit.moe.predict as P
 
-    m = onebit.load(shipped(), backend="numpy", slots=10, budget="1GiB", predict=settings_from({}, mode="block"))
+    m = onebit.load(shipped(), backend="numpy", slots=10, budget="1GiB", predict=settings_from(mode="block"))
     try:
         p = m.predictor
         layers = list(p.ledger.level)
@@ -649,7 +649,7 @@ def fake_pool_predictor(monkeypatch):
 
     m = onebit.load(shipped(), backend="numpy")
     pool = _FakePool(range(m.cfg.n_layers))
-    pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="router"), pool, m.be)
+    pred = Predictor(m.gguf, m.cfg, settings_from(mode="router"), pool, m.be)
     pred.gate.step = lambda rows, pays=None: True
     clock = [0.0]
     monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
@@ -845,15 +845,15 @@ def test_block_mode_with_all_of_the_layers_own_experts_predicts_the_next_layer_e
     ids = prompt()
     recall = {}
     for own in (0, m.cfg.n_experts_used):
-        m.set_predict(settings_from({}, mode="block", own=own))
+        m.set_predict(settings_from(mode="block", own=own))
         decode(m, ids)
         st = m.predictor.stats
         recall[own] = [st[l].top_hits / st[l].routed for l in st if st[l].predictions]
     assert recall[m.cfg.n_experts_used] == [1.0] * 5
     assert min(recall[0]) < 0.9
-    assert settings_from({"ONEBIT_MOE_PREDICT_OWN": "0"}).own == 0 and settings_from({}).own == 1
+    assert settings_from(own="0").own == 0 and settings_from().own == 1
     with pytest.raises(UsageError):
-        settings_from({"ONEBIT_MOE_PREDICT_OWN": "-1"})
+        settings_from(own="-1")
 
 
 def test_the_steps_after_a_prompt_do_not_feed_the_ledger(monkeypatch):
@@ -863,7 +863,7 @@ def test_the_steps_after_a_prompt_do_not_feed_the_ledger(monkeypatch):
 
     m = onebit.load(shipped(), backend="numpy")
     pool = _FakePool(range(m.cfg.n_layers))
-    pred = Predictor(m.gguf, m.cfg, settings_from({}, mode="router"), pool, m.be)
+    pred = Predictor(m.gguf, m.cfg, settings_from(mode="router"), pool, m.be)
     steps = []
     monkeypatch.setattr(pred.ledger, "step", lambda *a, **k: steps.append(pred.forwards))
     pred.begin(12)  # a prompt

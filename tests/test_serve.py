@@ -457,7 +457,7 @@ def test_generate_json_schema(tmp_path):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
     r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "generate", "-m", DEFAULT, "--backend", "numpy",
-                        "-p", "Describe a person.", "-n", "40", "--json-schema", str(schema), "--json",
+                        "-p", "Describe a person.", "-n", "40", "--json-schema-file", str(schema), "--json",
                         "--temp", "0.8", "--seed", "3"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
@@ -465,7 +465,7 @@ def test_generate_json_schema(tmp_path):
     assert rec["finish_reason"] == "stop" and set(obj) == {"name", "age"} and 0 <= obj["age"] <= 120
     schema.write_text('{"type": "nonsense"}')
     r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "generate", "-m", DEFAULT, "-p", "x",
-                        "--json-schema", str(schema)], capture_output=True, text=True, timeout=300)
+                        "--json-schema-file", str(schema)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not usable as a JSON schema" in r.stderr
 
 

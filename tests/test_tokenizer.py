@@ -296,9 +296,10 @@ def test_spm_merge_ranking_cache(name, tmp_path, monkeypatch):
     from onebit import tokenizer as tok_mod
 
     meta = read_metadata(fixture_path(name))
-    cold = Tokenizer.from_metadata(meta, name)
-    monkeypatch.setenv("ONEBIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tok_mod, "SPM_CACHE_MIN_TOKENS", 1)
+    monkeypatch.setattr(tok_mod, "_cache_dir", None)  # (restored after the test)
+    cold = Tokenizer.from_metadata(meta, name)
+    tok_mod.set_cache_dir(tmp_path)
     first = Tokenizer.from_metadata(meta, name)
     (path,) = tmp_path.glob("spm-merges-*.npy")
     warm = Tokenizer.from_metadata(meta, name)
@@ -308,7 +309,7 @@ def test_spm_merge_ranking_cache(name, tmp_path, monkeypatch):
     assert [warm.encode(s) for s in strings] == want
     path.write_bytes(b"not a numpy file")
     assert [Tokenizer.from_metadata(meta, name).encode(s) for s in strings] == want
-    monkeypatch.setenv("ONEBIT_CACHE_DIR", "off")
+    tok_mod.set_cache_dir(None)
     path.unlink()
     Tokenizer.from_metadata(meta, name)
     assert not list(tmp_path.glob("spm-merges-*"))

@@ -2,13 +2,12 @@
 
 `auto` (the default) is Vulkan on a GPU (integrated or discrete), else the fast `cpu`
 backend; a CPU-type Vulkan device (lavapipe) only when asked for: `--backend vulkan`, or a
-device named with `--device` / $ONEBIT_VULKAN_DEVICE.
+device named (`device`: the CLI's `--device`, else $ONEBIT_VULKAN_DEVICE).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 from ..errors import BackendUnavailableError, UsageError
 from .numpy_backend import NumpyBackend
@@ -56,14 +55,12 @@ def gpu_device():
 
 def resolve(name: str, device=None) -> str:
     """The concrete backend `name` stands for ("auto" -> "vulkan" where a GPU device is usable,
-    or a device was named (`device`, $ONEBIT_VULKAN_DEVICE); else "cpu")."""
+    or a device was named (`device`); else "cpu")."""
     if name not in NAMES:
         raise UsageError(f"unknown backend {name!r} (available: {', '.join(NAMES)})")
     if name != "auto":
         return name
-    from .vulkan.device import DEVICE_ENV
-
-    if device is not None or os.environ.get(DEVICE_ENV, "").strip() or gpu_device() is not None:
+    if device is not None or gpu_device() is not None:
         return "vulkan"
     return "cpu"
 

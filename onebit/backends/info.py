@@ -1,4 +1,4 @@
-"""`onebit info --device`: the Vulkan devices, the CPU, and which backend `auto` picks."""
+"""`onebit devices`: the Vulkan devices, the CPU, and which backend `auto` picks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def cpu_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-def device_report() -> str:
+def device_report(device=None) -> str:
+    """The devices, and what `auto` picks with `device` asked for (an index or part of a name; None: none)."""
     from . import resolve
     from .vulkan.device import VulkanUnavailableError, list_devices
 
@@ -25,7 +26,10 @@ def device_report() -> str:
     except VulkanUnavailableError as e:
         lines.append(f"Vulkan: unavailable ({e})\n")
     lines.append(f"cpu: {os.cpu_count()} cores, cpu backend {cpu_threads()} threads")
-    auto = resolve("auto")
-    why = "a GPU-type Vulkan device" if auto == "vulkan" else "no GPU-type Vulkan device (lavapipe only by name)"
+    auto = resolve("auto", device)
+    if auto == "cpu":
+        why = "no GPU-type Vulkan device (lavapipe only by name)"
+    else:
+        why = "a GPU-type Vulkan device" if device is None else f"device {device!r} asked for"
     lines.append(f"--backend auto: {auto} ({why})")
     return "\n".join(lines)

@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -53,7 +52,6 @@ from ..memory.pool import PROMPT_SHARE
 from ..pause import NO_PAUSES, PauseClient, PauseContext
 
 MODES = ("auto", "off", "router", "block")  # auto: block where experts stream, else off (Model resolves it)
-ENV = "ONEBIT_MOE_PREDICT"
 DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
 HOLD = 0.5  # the gate explores prediction off only while the ledger prices it at under this share of a step
 SETTLE = 2  # decode steps after a multi-row forward that the ledger does not measure
@@ -98,16 +96,16 @@ def _flag(name: str, v) -> bool:
     raise UsageError(f"{name} must be 0 or 1, got {v!r}")
 
 
-def settings_from(env=None, **given) -> PredictSettings:
-    """Settings from ONEBIT_MOE_PREDICT* in `env` (default os.environ), overridden by the
-    non-None keyword arguments (the CLI flags). Bad values: UsageError."""
-    env = os.environ if env is None else env
-    raw = {
-        "mode": env.get(ENV), "depth": env.get(ENV + "_DEPTH"), "margin": env.get(ENV + "_MARGIN"),
-        "min": env.get(ENV + "_MIN"), "layers": env.get(ENV + "_LAYERS"), "ahead": env.get(ENV + "_AHEAD"),
-        "no_attn": env.get(ENV + "_NO_ATTN"), "chain": env.get(ENV + "_CHAIN"), "out": env.get(ENV + "_OUT"), "stats": env.get(ENV + "_STATS"),
-        "own": env.get(ENV + "_OWN"),
-    }
+def settings_from(**given) -> PredictSettings:
+    """Settings from the given fields (PredictSettings names), as the CLI's flags give them
+    (strings: "6", "1.5", "1") or typed; a field None or absent keeps its default. Bad values:
+    UsageError naming the flag."""
+    names = [f.name for f in fields(PredictSettings)]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise TypeError(f"settings_from: no prediction setting named {', '.join(unknown)} "
+                        f"(settings: {', '.join(names)})")
+    raw = dict.fromkeys(names)
     raw.update({k: v for k, v in given.items() if v is not None})
     out = {}
     mode = str(raw["mode"] or "auto").strip().lower()
@@ -151,7 +149,7 @@ def as_settings(predict) -> PredictSettings:
     if predict is None:
         return PredictSettings()
     if isinstance(predict, str):
-        return settings_from({}, mode=predict)
+        return settings_from(mode=predict)
     if not isinstance(predict, PredictSettings):
         raise UsageError(f"predict must be a mode name or PredictSettings, got {predict!r}")
     return predict

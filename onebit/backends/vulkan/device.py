@@ -3,9 +3,9 @@
 Everything Vulkan goes through here, via the `vulkan` package (a cffi binding). The pieces:
 
 - `list_devices()` / `DeviceInfo`: what the machine offers (name, type, heaps, limits), for
-  `onebit info --device` and for choosing. `open_device(selector)` picks one: integrated GPU
-  first, then discrete, virtual, CPU (lavapipe); a selector (index or part of the name, or
-  $ONEBIT_VULKAN_DEVICE) overrides.
+  `onebit devices` and for choosing. `open_device(selector)` picks one: integrated GPU
+  first, then discrete, virtual, CPU (lavapipe); a selector (index or part of the name: the
+  CLI's --device, else $ONEBIT_VULKAN_DEVICE) overrides.
 - `Buffer`: one allocation. On unified-memory devices (integrated or CPU type) buffers live in
   host-visible device-local memory and stay mapped, so weights are filled from the GGUF memory
   map with one memcpy and results are read back without a staging copy. Other devices get
@@ -20,7 +20,6 @@ Everything Vulkan goes through here, via the `vulkan` package (a cffi binding). 
 from __future__ import annotations
 
 import logging
-import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ from ...errors import BackendUnavailableError, OnebitError
 
 log = logging.getLogger(__name__)
 
-DEVICE_ENV = "ONEBIT_VULKAN_DEVICE"
 PUSH_CONSTANT_BYTES = 128
 
 
@@ -837,9 +835,8 @@ class Device:
 
 
 def open_device(selector: Optional[str | int] = None) -> Device:
-    """Open the chosen device (see `choose_device`); `selector` defaults to $ONEBIT_VULKAN_DEVICE."""
-    if selector is None:
-        selector = os.environ.get(DEVICE_ENV)
+    """Open the chosen device: `selector` (an index or part of a name), else the best usable one
+    (see `choose_device`)."""
     return Device(choose_device(list_devices(), selector))
 
 
