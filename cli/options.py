@@ -173,7 +173,7 @@ SLOTS = typer.Option(None, "--slots", help="Expert slots: a number or auto; fewe
 BUDGET = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (plans memory; refuses what won't fit).")
 
 
-DEVICE = typer.Option(None, "--device", help="Vulkan device: index or name substring (see onebit info --device).")
+DEVICE = typer.Option(None, "--device", help="Vulkan device: index or name substring (see onebit devices).")
 
 
 POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: global (one LRU) or layer.")
