@@ -385,7 +385,7 @@ class ExpertPool:
         holds that expert, complete, or -1. An entry is set when an acquire has the expert
         resident and cleared when its slot is claimed for another, so a kernel may read the
         table's slots without acquiring, as long as nothing calls acquire or prefetch meanwhile
-        (the Vulkan backend's steps with no pause, vulkan/graph.py); `touch` then counts the use."""
+        (the Vulkan backend's steps with no pause, vulkan/recording.py); `touch` then counts the use."""
         with self.lock:
             table.fill(-1)
             for (layer, e), s in self.where.items():

@@ -4,7 +4,7 @@ the expert kernels.
 The pool's slot arrays (one per size class and expert part, `[n_slots, rows, row_bytes]`) are
 mapped Vulkan buffers (`SlotArrays`), so the pool's reader threads write expert bytes straight
 into device-visible memory (on unified memory: the memory the GPU reads, no copy). Every
-streamed layer is a pause point of the recorded forward (graph.py): there the host acquires
+streamed layer is a pause point of the recorded forward (recording.py): there the host acquires
 the experts the rows route to and writes the slot table (each row's slot indices, in place
 of expert ids) that the recorded expert kernels read; the next segment runs over the slot
 buffers; then the experts are released.
@@ -59,7 +59,7 @@ class SlotArrays:
 
 class SlotTable:
     """The pool's expert -> slot table ([layers, experts] int32, ExpertPool.track) in a mapped
-    device buffer: routers read it in steps that run with no pause (graph.py)."""
+    device buffer: routers read it in steps that run with no pause (recording.py)."""
 
     def __init__(self, dev: Device, pool):
         layers = max(layer for layer, _ in pool.sources) + 1
