@@ -24,7 +24,7 @@ import numpy as np
 from ...cache import SWA_ROWS
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ...pause import NO_PAUSES, Pauses
-from ..experts import FileExperts
+from ..experts import FileExperts, StreamedExperts
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
 from .kernels import SUPPORTED_TYPES, DeviceTensor, Kernels, Part, WeightStore, bound_bytes, shader_qk, split_rows
@@ -51,7 +51,7 @@ class VulkanBackend:
         self.dev = device or (slot_arrays.dev if slot_arrays is not None else default_device())
         self.source = experts if experts is not None else FileExperts(gguf)
         self.streamed_layers = frozenset(self.source.streamed_layers)
-        self.pool = experts if self.streamed_layers else None  # (the pool's own API: acquire, touch, table)
+        self.pool: Optional[StreamedExperts] = experts if self.streamed_layers else None
         self.slot_arrays = slot_arrays
         if self.pool is not None and slot_arrays is None:
             raise ValueError("a streamed Vulkan backend needs the pool's slots in device memory (SlotArrays)")
@@ -87,7 +87,7 @@ class VulkanBackend:
         if self.pool is not None:
             for layer in self.streamed_layers:
                 self.expert_tensors(layer)  # a type without a shader: refused here, at load
-            self.slot_lut = SlotTable(self.dev, self.pool)
+            self.slot_lut = SlotTable(self.dev, self.pool, gguf)
         log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20,
                  self.dev.info.name)
 
@@ -192,7 +192,7 @@ class VulkanBackend:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()  # reader threads stop before the memory they write goes away
-            self.pool.table = None
+            self.pool.untrack()
         self.runner.close()
         self.consts.close()
         self.arena.close()

@@ -29,6 +29,7 @@ from typing import Optional
 import numpy as np
 
 from ...pause import NO_PAUSES, PauseContext, Pauses
+from ..experts import StreamedExperts
 from .arena import Val
 from .device import Buffer, Fence
 from .kv import DeviceKV
@@ -115,7 +116,8 @@ class Recording:
 
     # -- replay ------------------------------------------------------------------------
 
-    def run(self, tokens: np.ndarray, start: int, pauses: Pauses = NO_PAUSES, pool=None) -> Optional[np.ndarray]:
+    def run(self, tokens: np.ndarray, start: int, pauses: Pauses = NO_PAUSES,
+            pool: Optional[StreamedExperts] = None) -> Optional[np.ndarray]:
         """Forward tokens [R] at positions start..start+R-1, the pause points served by `pauses`
         (pause.py) and the pool; returns logits (a copy), or None where a step by the slot
         table routed to an expert the pool did not hold (nothing was called or counted: the
@@ -208,7 +210,7 @@ class Recording:
         for layer, ids, logits in self.observed:
             pauses.observe(layer, ids.host().astype(np.int64), logits.host().copy())
 
-    def _at_pause(self, pp: PausePoint, pauses: Pauses, pool, seg, done: list):
+    def _at_pause(self, pp: PausePoint, pauses: Pauses, pool: Optional[StreamedExperts], seg, done: list):
         """The host's turn at a pause point: the hook, then the pool. Returns (what to release
         after the next segment, the segment to run next). done[0]: (layer, experts) the last
         segment read, which the caller releases after the next submission; released here first

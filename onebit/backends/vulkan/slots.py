@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...gguf_file import EXPERT_PARTS
+from ..experts import StreamedExperts
 from .device import Buffer, Device, VulkanUnavailableError
 from .kernels import bound_bytes
 
@@ -58,12 +60,13 @@ class SlotArrays:
 
 
 class SlotTable:
-    """The pool's expert -> slot table ([layers, experts] int32, ExpertPool.track) in a mapped
-    device buffer: routers read it in steps that run with no pause (recording.py)."""
+    """The pool's expert -> slot table ([layers, experts] int32, StreamedExperts.track) in a
+    mapped device buffer: routers read it in steps that run with no pause (recording.py)."""
 
-    def __init__(self, dev: Device, pool):
-        layers = max(layer for layer, _ in pool.sources) + 1
-        self.width = max(src.n_experts for src in pool.sources.values())  # experts per layer
+    def __init__(self, dev: Device, pool: StreamedExperts, gguf):
+        layers = max(pool.streamed_layers) + 1
+        self.width = max(gguf.tensor(f"blk.{layer}.{EXPERT_PARTS[0]}.weight").shape[0]
+                         for layer in pool.streamed_layers)  # experts per layer
         n = layers * self.width * 4
         self.buffer = dev.buffer(n, host_visible=True)
         if not self.buffer.host_visible:
