@@ -1,4 +1,4 @@
-"""Greedy decode with the device a step ahead (graph.GreedyChain) against plain steps, Vulkan.
+"""Greedy decode with the device a step ahead (chain.GreedyChain) against plain steps, Vulkan.
 
 In one process per file, two generations from the same 8-token random prompt through
 `generate_step`, alternating round by round (the VM's speed drifts between minutes): plain

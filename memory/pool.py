@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from onebit.backends.experts import read_only
+from onebit.backends.experts import StreamedExperts, read_only
 from onebit.errors import ModelFileError, OnebitError, UsageError
 
 from .plan import EXPERT_PARTS, SizeClass
@@ -196,7 +196,7 @@ class _Reader:
             self.fd = -1
 
 
-class ExpertPool:
+class ExpertPool(StreamedExperts):
     """Scans: a prompt's chunk routes to nearly every expert of every layer, so its acquires
     walk all of the file's experts in layer order, one pass a prompt. Under plain LRU each
     pass would evict what the next pass needs first and no prompt after the first would hit.
@@ -385,13 +385,18 @@ class ExpertPool:
         holds that expert, complete, or -1. An entry is set when an acquire has the expert
         resident and cleared when its slot is claimed for another, so a kernel may read the
         table's slots without acquiring, as long as nothing calls acquire or prefetch meanwhile
-        (the Vulkan backend's steps with no pause, vulkan/graph.py); `touch` then counts the use."""
+        (the Vulkan backend's steps with no pause, vulkan/recording.py); `touch` then counts the use."""
         with self.lock:
             table.fill(-1)
             for (layer, e), s in self.where.items():
                 if s.ready.is_set() and s.error is None and not s.prefetched:
                     table[layer, e] = s.index
             self.table = table
+
+    def untrack(self) -> None:
+        """Stop writing the tracked table (its memory is about to be freed)."""
+        with self.lock:
+            self.table = None
 
     def touch(self, used: Iterable[tuple[int, Iterable[int]]]) -> None:
         """Experts a step used through the tracked table, [(layer, [int expert ids])]: counted as

@@ -125,4 +125,4 @@ def test_the_check_sees_a_circle_and_an_upward_import():
     graph = {"onebit.cache": {"onebit.model"}, "onebit.model": {"onebit.cache"}}
     assert cycles(graph) == [["onebit.cache", "onebit.model"]]
     assert layer_of("onebit.model") > layer_of("onebit.cache")
-    assert layer_of("onebit.backends.vulkan.graph") == 1 and layer_of("onebit.moe.predict") == 3
+    assert layer_of("onebit.backends.vulkan.recording") == 1 and layer_of("onebit.moe.predict") == 3

@@ -8,7 +8,7 @@ import inspect
 from pathlib import Path
 
 from onebit.backends.numpy_backend import EagerStep
-from onebit.backends.vulkan.graph import Recorder
+from onebit.backends.vulkan.recorder import Recorder
 from onebit.models.blocks import StepOps
 
 MODELS = Path(__file__).resolve().parent.parent / "onebit" / "models"

@@ -59,7 +59,7 @@ def chunked(m, ids, cache, chunk: int) -> np.ndarray:
 
 def test_ring_size_facts():
     from onebit.memory.plan import PREFILL_ROWS
-    from onebit.backends.vulkan.graph import MAX_ROWS
+    from onebit.backends.vulkan.kv import MAX_ROWS
 
     assert MIN_SWA_ROWS == 1 + MAX_DRAFTS  # a verify forward's rows: rejected drafts always trim
     prefill = inspect.signature(generate_step).parameters["prefill_chunk"].default
@@ -299,7 +299,7 @@ def test_kv_bytes_equal_the_host_caches(ctx, rows):
 def test_kv_bytes_equal_the_device_caches(ctx):
     """What a new device KV storage allocates (the runner makes one per cache unless an idle one
     of at least that capacity is there to reuse)."""
-    from onebit.backends.vulkan.graph import DeviceKV
+    from onebit.backends.vulkan.kv import DeviceKV
 
     m = load("vulkan")
     for rows in (0, ROWS, SWA_ROWS):

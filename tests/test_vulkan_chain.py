@@ -1,4 +1,4 @@
-"""Greedy decoding with the device a step ahead (graph.GreedyChain): each step's tail writes the
+"""Greedy decoding with the device a step ahead (chain.GreedyChain): each step's tail writes the
 next step's token and position on the device, so the host reads a token while the device runs
 the next step. Against plain steps (`forward` per token, the host's argmax) on the same
 backend: the same tokens, the same cache afterwards (the step queued past the last token kept

@@ -1,4 +1,4 @@
-"""The recorded forward (onebit/backends/vulkan/graph.py) == the numpy reference.
+"""The recorded forward (onebit/backends/vulkan/recording.py) == the numpy reference.
 
 One schedule per architecture, run eagerly by numpy and recorded by Vulkan. Every supported
 architecture (f32 fixtures) and a few quant types: prefill and one-token steps through
@@ -18,10 +18,13 @@ import pytest
 import onebit
 from conftest import fixture_path
 from onebit.backends import BACKENDS
+from onebit.backends.vulkan import VulkanKernelError
 from onebit.backends.vulkan import backend as backend_mod
-from onebit.backends.vulkan import graph as graph_mod
+from onebit.backends.vulkan import recorder as recorder_mod
+from onebit.backends.vulkan import runner as runner_mod
 from onebit.backends.vulkan.backend import VulkanBackend
-from onebit.backends.vulkan.graph import DeviceCache, row_chunks
+from onebit.backends.vulkan.kv import DeviceCache
+from onebit.backends.vulkan.runner import row_chunks
 
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
         "llama3rope-f32", "gemma3-f32", "glm4moe-f32"]
@@ -141,7 +144,7 @@ def test_hook_pauses_the_recording_and_changes_nothing(name):
 
 
 def test_kv_growth_rerecords_and_keeps_the_cache(monkeypatch):
-    monkeypatch.setattr(graph_mod, "MIN_CAPACITY", 8)
+    monkeypatch.setattr(runner_mod, "MIN_CAPACITY", 8)
     name = "qwen3moe-f32"
     vk, ref = onebit.load(fixture_path(f"{name}.gguf"), backend="vulkan"), load(name, "numpy")
     try:
@@ -188,9 +191,9 @@ def test_a_model_the_kernels_cannot_run_falls_back_to_the_next_backend_with_a_wa
     """One fallback rule: Vulkan asked for by name but unable to record the model gives way to
     the next fastest backend (cpu), said in one line."""
     def refuse(*a, **k):
-        raise graph_mod.VulkanKernelError("kernel attn: head dims outside its limits")
+        raise VulkanKernelError("kernel attn: head dims outside its limits")
 
-    monkeypatch.setattr(graph_mod.Recorder, "attention", refuse)
+    monkeypatch.setattr(recorder_mod.Recorder, "attention", refuse)
     m = onebit.load(fixture_path("qwen3-f32.gguf"), backend="vulkan")
     assert m.be.name == "cpu"
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 
 import onebit
 from conftest import fixture_path
-from onebit.backends.vulkan.graph import _row_groups, _slot_table
+from onebit.backends.vulkan.recording import _row_groups, _slot_table
 from onebit.backends.vulkan.slots import SlotArrays
 
 N_DECODE = 8
@@ -118,7 +118,7 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
 @pytest.mark.parametrize("name,slots", [("qwen3moe-f32.gguf", 14), ("glm4moe-f32.gguf", 8), ("q3moe256-Q4_K_M.gguf", 6)])
 def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, slots, monkeypatch):
     """Once a step's experts were all hits, the next runs as one submission, its routers writing
-    the slot table from the pool's (graph.py Recording.by_table); one that routes to an expert
+    the slot table from the pool's (recording.py Recording.by_table); one that routes to an expert
     not pooled is refused and run again with pauses. Against the same decode with every
     streamed layer pausing: the same logits bit for bit, the same pool counts (hits, misses,
     bytes) and the same routing trace. (No acquire counts as a scan here: a scan reads the next

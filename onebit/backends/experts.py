@@ -11,7 +11,7 @@ output is bit-identical to resident (invariant 3).
 from __future__ import annotations
 
 import sys
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -52,6 +52,73 @@ class ExpertSource(Protocol):
         the file yields them back as given) in groups, each group's
         experts resident and pinned while the caller uses them: experts[start:start+len(group)]
         are at index[j] of `arrays(layer)`."""
+
+
+class StreamCounts(Protocol):
+    """A pool's counts that a backend reads (memory/pool.py PoolStats keeps more)."""
+
+    demand_misses: int  # experts an acquire had to read (neither resident nor being read)
+
+
+class StreamedExperts(ExpertSource, Protocol):
+    """What a backend asks of an expert source whose layers stream (`streamed_layers` not
+    empty): the expert pool (memory/pool.py ExpertPool, which subclasses this to declare it). A
+    backend whose kernels read the slots where they lie (Vulkan: mapped device buffers) pins
+    experts itself, a step's at a time, instead of through `pinned`.
+
+    Slots: the streamed layers fall into size classes (layers whose expert parts have the same
+    shapes); each class has one array per part, [n_slots, rows, row_bytes], whose slot i holds
+    one expert's part as the backend holds it (packed where `layout` packs it). An expert an
+    acquire returned a slot for stays in that slot, complete, until its release; an unpinned
+    slot may be refilled by the pool at any time.
+
+    Threads: the pool's own threads read experts into slots; every member here may be called
+    while they run. A backend calls them from one thread, the one running its forwards.
+
+    A Protocol, as ExpertSource is, so a stand-in needs no base class; the pool subclasses it
+    to declare what it implements (tests/test_streamed_experts.py checks every member's
+    signature, and that the Vulkan backend uses nothing else of the pool).
+    """
+
+    # per size class: part name (gguf_file.EXPERT_PARTS) -> the class's slot array [n_slots,
+    # rows, row_bytes], writable, as the allocator the pool was given made it (Vulkan: SlotArrays)
+    buffers: list[dict[str, np.ndarray]]
+    class_of_layer: dict[int, int]  # streamed layer -> its size class (an index into `buffers`)
+    stats: StreamCounts
+
+    def capacity(self, layer: int) -> int:
+        """How many experts of `layer` can be pinned at once: the most one acquire may ask for."""
+
+    def acquire(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """Block until every one of `experts` (distinct ids of `layer`, at most capacity(layer))
+        is resident, pin each once more and return their slots, in `experts`' order. A read that
+        failed raises the pool's error (an OnebitError) with nothing left pinned."""
+
+    def release(self, layer: int, experts: Iterable[int]) -> None:
+        """Unpin once each of `experts` of `layer` (what an acquire pinned); never waits for a read."""
+
+    def slot_view(self, layer: int, slot: int, part: str) -> np.ndarray:
+        """The bytes of `part` in slot `slot` of layer's class, [rows, row_bytes]: a view of
+        `buffers`, valid while the expert in that slot stays pinned."""
+
+    def track(self, table: np.ndarray) -> None:
+        """Keep table[layer, expert] (int32 [layers, experts], e.g. mapped device memory) = the
+        slot that holds that expert complete, or -1, until `untrack`: set when an acquire has the
+        expert resident, cleared when its slot is claimed for another. A kernel may read slots
+        through the table without acquiring them as long as nothing calls acquire or prefetch
+        meanwhile; `touch` then counts the use."""
+
+    def touch(self, used: Iterable[tuple[int, Iterable[int]]]) -> None:
+        """Experts a step used through the tracked table, [(layer, [expert ids])]: counted as
+        hits and made most recently used, as an acquire and release of them would. An expert the
+        table does not hold raises RuntimeError (the kernel read a slot the pool did not vouch for)."""
+
+    def untrack(self) -> None:
+        """Stop writing the tracked table (its memory is about to be freed)."""
+
+    def close(self) -> None:
+        """Stop the pool's threads (they write into the slot arrays: a backend closes the pool
+        before it frees their memory); acquire fails after this."""
 
 
 def read_only(a: np.ndarray) -> np.ndarray:

@@ -2,9 +2,12 @@
 
 `device` is the Vulkan layer, `kernels` runs the compiled shaders in `spv/` (built from
 `shaders/` at the repository root), `reference` holds their numpy twins, and `backend` is
-`VulkanBackend`, the same interface as `NumpyBackend`; `graph` records a forward of R rows
-(decode, verify rows, prompt chunks) into command buffers replayed per forward, cut at the
-pause points that need the host; `slots` holds a streaming pool's slots in device memory.
+`VulkanBackend`, the same interface as `NumpyBackend`. A forward of R rows (decode, verify
+rows, prompt chunks) is recorded into command buffers replayed per forward, cut at the pause
+points that need the host: `recorder` records the schedule's ops over `arena` values,
+`recording` holds and replays the result, `chain` replays a greedy decode a step ahead,
+`runner` picks the recording a forward replays, and `kv` holds the KV cache in device memory;
+`slots` holds a streaming pool's slots in device memory.
 """
 
 from .device import (

@@ -1,4 +1,4 @@
-"""`VulkanBackend`: a model's schedule recorded into command buffers (graph.py) and replayed.
+"""`VulkanBackend`: a model's schedule recorded into command buffers (recording.py) and replayed.
 
 Weights are uploaded once, at load, in their quantized layout (one memcpy per tensor from the
 GGUF memory map on unified memory). A weight whose type has no shader (or whose rows are not
@@ -8,7 +8,7 @@ refused at load with `VulkanUnavailableError`, which `onebit.load` turns into it
 fallback rule (the next backend, said in one line).
 
 Every forward (decode, verify rows, prefill chunks) replays a recording specialised on its
-row count; the KV cache lives in device memory (graph.DeviceKV). The routed experts come from
+row count; the KV cache lives in device memory (kv.DeviceKV). The routed experts come from
 the backend's expert source: uploaded from the file, or a pool's slots in device memory
 (slots.py), acquired at the recording's pause points, where the pause clients are served too
 (onebit/pause.py).
@@ -24,7 +24,7 @@ import numpy as np
 from ...cache import SWA_ROWS
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ...pause import NO_PAUSES, Pauses
-from ..experts import FileExperts
+from ..experts import FileExperts, StreamedExperts
 from ..numpy_backend import dequantize
 from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
 from .kernels import SUPPORTED_TYPES, DeviceTensor, Kernels, Part, WeightStore, bound_bytes, shader_qk, split_rows
@@ -44,13 +44,14 @@ class VulkanBackend:
         """`experts`: the expert source (backends/experts.py); an ExpertPool whose slots are
         `slot_arrays` (mapped device buffers, slots.py) streams its layers' experts; None:
         every expert is uploaded from the file."""
-        from .graph import Arena, GraphRunner
+        from .arena import Arena
+        from .runner import GraphRunner
 
         self.gguf = gguf
         self.dev = device or (slot_arrays.dev if slot_arrays is not None else default_device())
         self.source = experts if experts is not None else FileExperts(gguf)
         self.streamed_layers = frozenset(self.source.streamed_layers)
-        self.pool = experts if self.streamed_layers else None  # (the pool's own API: acquire, touch, table)
+        self.pool: Optional[StreamedExperts] = experts if self.streamed_layers else None
         self.slot_arrays = slot_arrays
         if self.pool is not None and slot_arrays is None:
             raise ValueError("a streamed Vulkan backend needs the pool's slots in device memory (SlotArrays)")
@@ -86,7 +87,7 @@ class VulkanBackend:
         if self.pool is not None:
             for layer in self.streamed_layers:
                 self.expert_tensors(layer)  # a type without a shader: refused here, at load
-            self.slot_lut = SlotTable(self.dev, self.pool)
+            self.slot_lut = SlotTable(self.dev, self.pool, gguf)
         log.info("vulkan: %d tensors, %.1f MiB of weights on %s", len(names), self.weight_bytes / 2**20,
                  self.dev.info.name)
 
@@ -156,7 +157,7 @@ class VulkanBackend:
         try:
             self.runner._recording(model, cache.storage, 1, True, self.streamed_layers)
             if self.pool is not None and self.streamed_layers and not cfg.recurrent_layers:
-                self.runner._recording(model, cache.storage, 1, True, frozenset(), by_table=True)  # (graph.py)
+                self.runner._recording(model, cache.storage, 1, True, frozenset(), by_table=True)  # (recording.py)
         except VulkanKernelError as e:
             raise VulkanUnavailableError(f"{self.gguf.path}: the Vulkan kernels cannot run this model ({e})") from e
         finally:
@@ -172,7 +173,7 @@ class VulkanBackend:
         return self.runner.forward(model, ids, cache, pauses, last_only)
 
     def greedy_chain(self, model, cache, limit=None):
-        """Greedy decoding a step ahead on the device (graph.GreedyChain), where a step needs
+        """Greedy decoding a step ahead on the device (chain.GreedyChain), where a step needs
         nothing of the host but its token; else None. The model asks only without a predictor."""
         return self.runner.greedy_chain(model, cache, limit)
 
@@ -191,7 +192,7 @@ class VulkanBackend:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()  # reader threads stop before the memory they write goes away
-            self.pool.table = None
+            self.pool.untrack()
         self.runner.close()
         self.consts.close()
         self.arena.close()

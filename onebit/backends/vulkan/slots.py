@@ -4,7 +4,7 @@ the expert kernels.
 The pool's slot arrays (one per size class and expert part, `[n_slots, rows, row_bytes]`) are
 mapped Vulkan buffers (`SlotArrays`), so the pool's reader threads write expert bytes straight
 into device-visible memory (on unified memory: the memory the GPU reads, no copy). Every
-streamed layer is a pause point of the recorded forward (graph.py): there the host acquires
+streamed layer is a pause point of the recorded forward (recording.py): there the host acquires
 the experts the rows route to and writes the slot table (each row's slot indices, in place
 of expert ids) that the recorded expert kernels read; the next segment runs over the slot
 buffers; then the experts are released.
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...gguf_file import EXPERT_PARTS
+from ..experts import StreamedExperts
 from .device import Buffer, Device, VulkanUnavailableError
 from .kernels import bound_bytes
 
@@ -58,12 +60,13 @@ class SlotArrays:
 
 
 class SlotTable:
-    """The pool's expert -> slot table ([layers, experts] int32, ExpertPool.track) in a mapped
-    device buffer: routers read it in steps that run with no pause (graph.py)."""
+    """The pool's expert -> slot table ([layers, experts] int32, StreamedExperts.track) in a
+    mapped device buffer: routers read it in steps that run with no pause (recording.py)."""
 
-    def __init__(self, dev: Device, pool):
-        layers = max(layer for layer, _ in pool.sources) + 1
-        self.width = max(src.n_experts for src in pool.sources.values())  # experts per layer
+    def __init__(self, dev: Device, pool: StreamedExperts, gguf):
+        layers = max(pool.streamed_layers) + 1
+        self.width = max(gguf.tensor(f"blk.{layer}.{EXPERT_PARTS[0]}.weight").shape[0]
+                         for layer in pool.streamed_layers)  # experts per layer
         n = layers * self.width * 4
         self.buffer = dev.buffer(n, host_visible=True)
         if not self.buffer.host_visible:
