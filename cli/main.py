@@ -14,8 +14,8 @@ from onebit.errors import OnebitError, UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, PREDICT, P_AHEAD,
                       P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN, P_MIN, P_NO_ATTN, P_OUT, P_OWN, P_STATS,
-                      SHOW_REASONING, SLOTS, STATS, TEMPLATE_KWARGS, TRACE, _check_sampling, _load, _predict,
-                      _slots, _template_kwargs, default_model_path)
+                      SHOW_REASONING, SLOTS, STATS, TEMPLATE_KWARGS, THREADS, TRACE, _check_sampling, _load, _predict,
+                      _template_kwargs, default_model_path, load_spec)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run GGUF mixture-of-experts language models.")
@@ -85,6 +85,7 @@ def generate(
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     moe_predict: Optional[str] = PREDICT,
     moe_predict_depth: Optional[str] = P_DEPTH,
@@ -167,13 +168,11 @@ def generate(
             gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, show_reasoning=show_reasoning)
             generate_on_ray(ray_address, workers, worker_cpus, stats, input, input_format, results, on_error, done,
-                            dict(path=model, backend=backend, ctx=ctx, slots=_slots(slots), budget=budget,
-                                 pool_policy=pool_policy, device=device, predict=predict,
-                                 template_kwargs=template_kw),
+                            load_spec(model, backend, ctx, slots, budget, pool_policy, device, predict, threads,
+                                      template_kw),
                             dict(raw=raw, system=system, seed=seed, gen=gen))
             return
-        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
-        m.template_kwargs = template_kw
+        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw)
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -320,19 +319,14 @@ def plan(
     from onebit.models import network_class
 
     path = default_model_path() if model is None else model
-    limits = {}
-    from onebit.backends import resolve
+    from onebit.backends import backend_class, resolve
 
-    name = resolve(backend, device)
-    if name == "vulkan":
-        from onebit.memory.budget import vulkan_limits
-
-        limits = vulkan_limits(device)
-    b = detect_budget(budget, reserve, **limits)
+    cls = backend_class(resolve(backend, device))
+    b = detect_budget(budget, reserve, **cls.device_limits(device))
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
-                  verify_rows=verify_rows, backend=name, predict_when_streaming=not layers)
+                  verify_rows=verify_rows, policy=cls.memory_policy(g), predict_when_streaming=not layers)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 
@@ -356,6 +350,7 @@ def chat(
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     moe_predict: Optional[str] = PREDICT,
     moe_predict_depth: Optional[str] = P_DEPTH,
@@ -382,8 +377,7 @@ def chat(
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        moe_predict_out, moe_predict_stats, moe_predict_own)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
-    m.template_kwargs = template_kw
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))
@@ -407,6 +401,7 @@ def bench(
                                    "first is not counted, as llama-bench's warm-up)."),
     backend: str = BACKEND,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     ctx: Optional[int] = CTX,
     slots: Optional[str] = SLOTS,
     budget: Optional[str] = BUDGET,
@@ -435,7 +430,7 @@ def bench(
     predict = _predict(moe_predict, moe_predict_depth, moe_predict_margin, moe_predict_min,
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        moe_predict_out, moe_predict_stats, moe_predict_own)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict, threads=threads)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, not no_warmup)
     finally:

@@ -14,7 +14,7 @@ import typer
 from onebit.errors import UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, P_AHEAD, P_CHAIN, P_DEPTH, P_LAYERS, P_MARGIN,
-                   P_MIN, P_NO_ATTN, P_OWN, PREDICT, POLICY, SLOTS, TEMPLATE_KWARGS, _check_sampling, _load,
+                   P_MIN, P_NO_ATTN, P_OWN, PREDICT, POLICY, SLOTS, TEMPLATE_KWARGS, THREADS, _check_sampling, _load,
                    _predict, _template_kwargs)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
@@ -68,6 +68,7 @@ def serve(
     budget: Optional[str] = BUDGET,
     pool_policy: str = POLICY,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     moe_predict: Optional[str] = PREDICT,
     moe_predict_depth: Optional[str] = P_DEPTH,
@@ -91,7 +92,7 @@ def serve(
             from None
     from onebit import catalog
     from onebit.lookup import DEFAULT_DRAFTS, lookup_budget
-    from onebit.serve import Engine, LoadOptions, Sampling
+    from onebit.serve import Engine, Sampling
 
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
     for d in models_dir:
@@ -105,14 +106,11 @@ def serve(
                        moe_predict_layers, moe_predict_ahead, moe_predict_no_attn, moe_predict_chain,
                        None, None, moe_predict_own)
     sock = _listen(host, port)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict)
-    m.template_kwargs = template_kw
-    options = LoadOptions(backend=backend, ctx=ctx, slots=slots if slots in (None, "auto") else int(slots),
-                          budget=budget, pool_policy=pool_policy, predict=predict, template_kwargs=template_kw)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
     found = lambda: {e.id: e.path for e in catalog.find(models_dir, usual=False)}  # noqa: E731
-    engine = Engine(m, options, sampling, lookup=lookup, catalog=found if models_dir else dict)
+    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict)  # (switches load as m.spec)
 
     log = logging.getLogger("onebit.serve")
     handler = logging.StreamHandler(sys.stderr)
