@@ -191,6 +191,34 @@ def test_a_small_file_keeps_its_rows():
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
 
 
+@pytest.mark.parametrize("repack_from", [None, 0])
+def test_a_streamed_file_holds_what_its_plan_counts(repack_from):
+    """One decision (X16Policy.packs) for the loader, the plan and the backend. A small file
+    streamed through a pool (by default under X16_FROM: its matrices as rows; with repack_from=0
+    in X16 layouts on AVX-512 VNNI) holds each non-expert tensor once, repacked by the backend
+    or copied by the loader, none left to be read through the file's map, and the plan's
+    resident weights are exactly those bytes."""
+    path = fixture_path("q3moe256-Q4_K_M.gguf")
+    m = onebit.load(path, backend="cpu", slots=4, budget="1GiB", predict="off", repack_from=repack_from)
+    try:
+        assert m.pool is not None
+        packed = {n: raw for n, (_, (t, qt, raw)) in m.be._products.items() if qt >= 256}
+        assert set(packed) == {n for n, t in m.gguf.tensors.items() if m.be.policy.packs(t)}
+        assert bool(packed) == (K.VNNI and repack_from == 0)
+        held = 0
+        for n, t in m.gguf.tensors.items():
+            if n.endswith("_exps.weight"):
+                continue  # (in the pool's slots)
+            if n in packed:
+                held += packed[n].nbytes
+            else:
+                assert not isinstance(t.raw, np.memmap) and not isinstance(t.raw.base, np.memmap), n
+                held += t.raw.nbytes
+        assert held == next(i.bytes for i in m.plan.items if i.component == "resident weights")
+    finally:
+        m.close()
+
+
 def test_q4_k_x16_layout_by_hand(rng):
     """One block of 16 rows repacked, checked field by field against the Q4_K block format."""
     if not K.VNNI:

@@ -409,7 +409,7 @@ class CpuBackend(NumpyBackend):
         from . import cpu_kernels as K
 
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
-        layout = getattr(self.source, "layout", None)
+        layout = self.source.layout  # (ExpertSource: None, or the layout it holds packed)
         qtypes = [K.x16_type(t.qtype) if layout is not None and layout.packs(t) else t.qtype for t in parts]
         return parts, all(t.qtype in self.K.SUPPORTED for t in parts), qtypes
 
