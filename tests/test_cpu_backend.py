@@ -710,3 +710,25 @@ def test_others_running_counts_a_busy_process():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_the_threads_asked_for_hold_in_every_thread_that_runs_the_kernels():
+    """A LoadSpec's `threads` (-t/--threads) sets numba's thread count, which is the calling
+    thread's own: the backend sets it in each thread that runs its kernels (serve's worker, not
+    only the thread that loaded). More than numba's pool has is refused."""
+    import threading
+
+    import numba
+
+    from onebit.cli.options import load_spec
+    from onebit.errors import UsageError
+
+    assert load_spec(None, "cpu", threads=1).threads == 1
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu", threads=1)
+    seen = []
+    worker = threading.Thread(target=lambda: (m.logits([1, 2, 3]), seen.append(numba.get_num_threads())))
+    worker.start()
+    worker.join()
+    assert m.be.threads == 1 and seen == [1]
+    with pytest.raises(UsageError, match="--threads"):
+        onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu", threads=numba.config.NUMBA_NUM_THREADS + 1)
