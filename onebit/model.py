@@ -263,8 +263,7 @@ class Model:
             return
         self.closed = True
         if self.net.predictor is not None:
-            self.net.predictor.close()
-            self.net.predictor = None
+            self.net.predictor.close()  # (its stats and table stay readable)
         self._free_parts()
 
     def _free_parts(self) -> None:
