@@ -75,11 +75,6 @@ def host_backend(gguf, experts=None, threads=None, repack_from=None) -> Backend:
         return NumpyBackend.open(gguf, experts)
 
 
-def device_info(be):
-    """The device a backend computes on (a Vulkan device's `DeviceInfo`), or None for the host."""
-    return None if be.runs_on_host else be.dev.info
-
-
 def describe(be) -> str:
     """A backend in a few words, for `onebit bench` and logs: its name and threads or device."""
     return be.describe()
