@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q8_0_X16,Q4_0,Q4_0_X16,Q5_0,"
                     "Q5_0_X16,MXFP4,MXFP4_X16,IQ4_XS,IQ4_XS_X16,F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout "
-                    "(AVX-512 VNNI; quants.X16_TYPES)")
+                    "(AVX-512 VNNI; backends/cpu.py X16_TYPES)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = ap.parse_args()

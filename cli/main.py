@@ -13,8 +13,8 @@ from onebit import __version__
 from onebit.errors import OnebitError, UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
-                      STATS, TEMPLATE_KWARGS, TRACE, Command, _check_sampling, _device, _load, _lookup, _model,
-                      _slots, _template_kwargs, cache_dir, default_model_path, predict_options)
+                      STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
+                      _model, _slots, _template_kwargs, cache_dir, default_model_path, load_spec, predict_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run GGUF mixture-of-experts language models.")
@@ -86,6 +86,7 @@ def generate(
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
@@ -154,13 +155,11 @@ def generate(
             gen = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                        repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, show_reasoning=show_reasoning)
             generate_on_ray(ray_address, workers, worker_cpus, stats, input, input_format, results, on_error, done,
-                            dict(path=model, backend=backend, ctx=ctx, slots=_slots(slots), budget=budget,
-                                 pool_policy=pool_policy, device=device, predict=predict,
-                                 template_kwargs=template_kw),
+                            load_spec(model, backend, ctx, slots, budget, pool_policy, device, predict, threads,
+                                      template_kw),
                             dict(raw=raw, system=system, seed=seed, gen=gen))
             return
-        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
-        m.template_kwargs = template_kw
+        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw)
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -337,19 +336,14 @@ def plan(
 
     model, device = _model(model, model_opt), _device(device)
     path = default_model_path() if model is None else model
-    limits = {}
-    from onebit.backends import resolve
+    from onebit.backends import backend_class, resolve
 
-    name = resolve(backend, device)
-    if name == "vulkan":
-        from onebit.memory.budget import vulkan_limits
-
-        limits = vulkan_limits(device)
-    b = detect_budget(budget, reserve, **limits)
+    cls = backend_class(resolve(backend, device))
+    b = detect_budget(budget, reserve, **cls.device_limits(device))
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
-                  verify_rows=verify_rows, backend=name, predict_when_streaming=not layers)
+                  verify_rows=verify_rows, policy=cls.memory_policy(g), predict_when_streaming=not layers)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 
@@ -375,6 +369,7 @@ def chat(
     stats: bool = STATS,
     trace: Optional[str] = TRACE,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
@@ -389,8 +384,7 @@ def chat(
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=0 if trace else DEFAULT_DRAFTS)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict)
-    m.template_kwargs = template_kw
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))
@@ -416,6 +410,7 @@ def bench(
                                    "first is not counted, as llama-bench's warm-up)."),
     backend: str = BACKEND,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     ctx: Optional[int] = CTX,
     slots: Optional[str] = SLOTS,
     budget: Optional[str] = BUDGET,
@@ -430,7 +425,7 @@ def bench(
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
     lookup = _lookup(lookup, default=0)  # a benchmark of plain decoding unless asked
-    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict, threads=threads)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, not no_warmup)
     finally:

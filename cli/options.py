@@ -18,28 +18,36 @@ from onebit.errors import UsageError
 
 
 def default_model_path() -> str:
-    from importlib.resources import files
+    from onebit.model import shipped_model_path
 
-    return str(files("onebit") / "data" / "default.gguf")
+    return shipped_model_path()
 
 
 LOUD_BYTES = 1 << 30  # a resident load of a file this large says what the plan chose (smaller ones stay quiet)
 
 
+def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
+              budget: Optional[str] = None, policy: str = "global", device: Optional[str] = None, predict=None,
+              threads: Optional[int] = None, template_kwargs: Optional[dict] = None):
+    """The LoadSpec of a command's load flags, checked before anything is loaded."""
+    from onebit.model import LoadSpec
+
+    spec = LoadSpec(path=model, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget, pool_policy=policy,
+                    device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}))
+    if ctx is not None:
+        _check_ctx(spec.model_path(), ctx)
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    return spec
+
+
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
-          device: Optional[str] = None, predict=None):
+          device: Optional[str] = None, predict=None, threads: Optional[int] = None,
+          template_kwargs: Optional[dict] = None):
     import onebit
 
-    path = default_model_path() if model is None else model
-    if ctx is not None:
-        _check_ctx(path, ctx)
-    if device is not None and backend == "vulkan":  # a device asked for by name or index: no fallback
-        from onebit.backends.vulkan.device import choose_device, list_devices
-
-        choose_device(list_devices(), device)
-    m = onebit.load(path, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget,
-                    pool_policy=policy, predict=predict, device=device)
+    m = onebit.load(load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs))
     if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES:
         import sys
 
@@ -174,6 +182,9 @@ BUDGET = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (plans m
 
 
 DEVICE = typer.Option(None, "--device", help="Vulkan device: index or name substring (see onebit devices).")
+
+
+THREADS = typer.Option(None, "--threads", "-t", help="Threads of the cpu backend's kernels (default: every core).")
 
 
 POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: global (one LRU) or layer.")

@@ -29,15 +29,17 @@ def check_ray_args(input: Optional[str], model: Optional[str], ctx: Optional[int
 
 
 def generate_on_ray(address: str, workers: Optional[int], worker_cpus: float, stats: bool, input: str,
-                    input_format: str, results, on_error: str, done: set[str], load: dict, work: dict) -> None:
+                    input_format: str, results, on_error: str, done: set[str], spec, work: dict) -> None:
+    """The batch on Ray, every worker loading the model as `spec` (a LoadSpec) says."""
+    import dataclasses
+
     from tqdm import tqdm
 
     from onebit import batch, cluster
     from onebit.gguf_file import GGUFFile
 
-    if load["path"] is not None:
-        load["path"] = os.path.abspath(load["path"])
-    spec = cluster.LoadSpec(**load)
+    if spec.path is not None:  # (a worker's working directory is Ray's)
+        spec = dataclasses.replace(spec, path=os.path.abspath(spec.path))
     path = spec.model_path()
     GGUFFile(path)  # a file the driver cannot read is refused here, before a cluster starts
     reference = cluster.Fingerprint.of(path)

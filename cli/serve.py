@@ -14,8 +14,8 @@ import typer
 from onebit.errors import UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SLOTS, TEMPLATE_KWARGS,
-                      Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs, model_stores,
-                      predict_options)
+                      THREADS, Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs,
+                      model_stores, predict_options)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
                                                    "(loaded in its turn, one model at a time). Repeatable.")
@@ -70,6 +70,7 @@ def serve(
     budget: Optional[str] = BUDGET,
     pool_policy: str = POLICY,
     device: Optional[str] = DEVICE,
+    threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
@@ -85,7 +86,7 @@ def serve(
             from None
     from onebit import catalog
     from onebit.lookup import DEFAULT_DRAFTS
-    from onebit.serve import Engine, LoadOptions, Sampling
+    from onebit.serve import Engine, Sampling
 
     model, device = _model(model, model_opt), _device(device)
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
@@ -97,14 +98,11 @@ def serve(
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
     sock = _listen(host, port)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict)
-    m.template_kwargs = template_kw
-    options = LoadOptions(backend=backend, ctx=ctx, slots=slots if slots in (None, "auto") else int(slots),
-                          budget=budget, pool_policy=pool_policy, predict=predict, template_kwargs=template_kw)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
     found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
-    engine = Engine(m, options, sampling, lookup=lookup, catalog=found if models_dir else dict)
+    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict)  # (switches load as m.spec)
 
     log = logging.getLogger("onebit.serve")
     handler = logging.StreamHandler(sys.stderr)

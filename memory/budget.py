@@ -90,14 +90,3 @@ def detect_budget(override: Optional[str | int] = None, reserve: Optional[str | 
         candidates["Vulkan device heap"] = device_heap
     source = min(candidates, key=candidates.get)
     return Budget(candidates[source], source, available, cg, device_heap, res, max_allocation, max_storage_range)
-
-
-def vulkan_limits(selector: Optional[str] = None) -> dict:
-    """The chosen Vulkan device's memory: its largest device-local heap (the heap budget where
-    the driver reports no live budget), largest allocation and largest storage-buffer binding."""
-    from onebit.backends.vulkan.device import choose_device, list_devices
-
-    d = choose_device(list_devices(), selector)
-    heaps = [h.size for h in d.heaps if h.device_local] or [h.size for h in d.heaps]
-    return {"device_heap": max(heaps), "max_allocation": d.max_memory_allocation_size,
-            "max_storage_range": d.max_storage_buffer_range}

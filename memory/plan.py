@@ -12,13 +12,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from onebit.backends.numpy_backend import NumpyBackend
+from onebit.backends.base import Backend, MemoryPolicy
 from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_positions, recurrent_state_bytes,
                           scratch_kv_bytes, scratch_state_bytes)
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.gguf_file import EXPERT_PARTS, GGUFFile
-from onebit.quants import x16_bytes, x16_experts, x16_shape
 
 from .budget import Budget, format_bytes
 
@@ -165,16 +164,15 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def size_classes(g: GGUFFile, backend: str = "numpy") -> list[SizeClass]:
-    """Experts grouped by the bytes of their parts as `backend` holds them (the cpu backend's
-    experts in its X16 layouts: `x16_experts`)."""
+def size_classes(g: GGUFFile, policy: Optional[MemoryPolicy] = None) -> list[SizeClass]:
+    """Experts grouped by the bytes of their parts as a backend holds them (`policy`, its
+    backends.base.MemoryPolicy for this file; None: as the file has them)."""
+    policy = policy if policy is not None else MemoryPolicy(Backend, g)
     per_layer: dict[int, dict[str, tuple[int, str, int]]] = {}
     for t in g.tensors.values():
         m = _EXPERT_RE.match(t.name)
         if m:
-            n = t.n_bytes // t.shape[0]
-            if backend == "cpu" and x16_experts(g, t):  # (counted where the machine lacks VNNI too,
-                n = x16_bytes(n, t.qtype)  # as the matrices are)
+            n = policy.held_bytes(t) // t.shape[0]
             per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = (n, t.type_name, t.shape[0])
     groups: dict[tuple, list[int]] = {}
     counts: dict[tuple, int] = {}
@@ -189,46 +187,42 @@ def size_classes(g: GGUFFile, backend: str = "numpy") -> list[SizeClass]:
 
 def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
               slots: str | int = "auto", verify_rows: int = 8, kv_elem_bytes: int = 4,
-              backend: str = "cpu") -> MemoryPlan:
-    """The plan at one context and slot count. `backend`: the numpy reference dequantizes a
-    whole matrix per use (its scratch holds the largest one as float32); the kernels of cpu and
-    Vulkan read the quantized blocks in place."""
+              policy: Optional[MemoryPolicy] = None) -> MemoryPlan:
+    """The plan at one context and slot count. `policy`: the backend's answers for this file
+    (`Backend.memory_policy`: the bytes it holds for each tensor, its scratch, whether it runs on
+    the host); None: the file's tensors as they are, read in place on the host."""
+    policy = policy if policy is not None else MemoryPolicy(Backend, g)
     ctx = cfg.context_length if ctx is None else ctx
     if ctx < 1 or ctx > cfg.context_length:
         raise UsageError(f"--ctx {ctx} is out of range: the model supports 1-{cfg.context_length}")
     if verify_rows < 1:
         raise UsageError(f"verify rows must be >= 1, got {verify_rows}")
     predicted = parse_layers(layers, cfg.n_layers)
-    classes = size_classes(g, backend)
+    classes = size_classes(g, policy)
     expert_names = {t for t in g.tensors if _EXPERT_RE.match(t)}
     resident = [t for t in g.tensors.values() if t.name not in expert_names]
     by_type: dict[str, int] = {}
     for t in resident:
         by_type[t.type_name] = by_type.get(t.type_name, 0) + t.n_bytes
-    largest = max([t.n_elements for t in resident] + [t.n_elements // t.shape[0] for t in g.tensors.values()
-                                                       if t.name in expert_names])
-    if backend != "numpy":
-        largest = 0
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]))
-    repacked = [t for t in resident if x16_shape(t)] if backend == "cpu" else []
-    grown = sum(x16_bytes(t.n_bytes, t.qtype) - t.n_bytes for t in repacked)  # (counted where the machine lacks VNNI too)
+    grown = sum(policy.held_bytes(t) - t.n_bytes for t in resident)  # (layouts of the backend's own)
     if grown:
-        detail += f"; matrices repacked for the cpu kernels: +{format_bytes(grown)}"
+        detail += f"; matrices repacked for the {policy.backend.name} kernels: +{format_bytes(grown)}"
     items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),
              PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
     items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes), _kv_detail(cfg, ctx)))
-    items.append(PlanItem("compute scratch", NumpyBackend.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx, largest),
-                          f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
+    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx)
+                          + policy.decoded_bytes(), f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
-    per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0) + scratch_kv_bytes(cfg)
+    per_pred = policy.scratch_bytes(cfg, 1, ctx) + scratch_kv_bytes(cfg)
     pred_bytes = per_pred * len(predicted)
     if cfg.recurrent_layers:  # a DeltaNet layer's scratch is a copy of its state, not one row's K/V
-        per_pred = NumpyBackend.scratch_bytes(cfg, 1, ctx, 0)
+        per_pred = policy.scratch_bytes(cfg, 1, ctx)
         pred_bytes = sum(per_pred + scratch_state_bytes(cfg, l) for l in predicted)
         per_pred = pred_bytes // max(len(predicted), 1)
     items.append(PlanItem("predicted-layer scratch", pred_bytes,
                           f"{len(predicted)} layer(s) x {format_bytes(per_pred)}" if predicted else "no --layers"))
-    if backend == "vulkan" and predicted:
+    if not policy.backend.runs_on_host and predicted:
         # the predictor runs on the host beside a device backend: the cpu kernels' runtime, and
         # the weights it reads through the file's map (each predicted layer's mixer and router,
         # its FFN norm), resident pages of this process (measured on the 30B-A3B shape at 8 GiB:
@@ -237,7 +231,7 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                    and ("ffn" not in t.name or t.name.endswith(("ffn_gate_inp.weight", "ffn_norm.weight"))))
         items.append(PlanItem("predictor on the host", RUNTIME_BYTES + host,
                               f"cpu kernels' runtime + {format_bytes(host)} of weights read through the map"))
-    items.append(PlanItem("verify scratch", NumpyBackend.scratch_bytes(cfg, verify_rows, ctx, 0, all_logits=True),
+    items.append(PlanItem("verify scratch", policy.scratch_bytes(cfg, verify_rows, ctx, all_logits=True),
                           f"{verify_rows} rows"))
     if cfg.recurrent_layers:  # constant per sequence, whatever its length
         state = recurrent_state_bytes(cfg)
@@ -293,7 +287,7 @@ def _item(items: list[PlanItem], component: str) -> int:
 
 
 def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
-              slots: str | int | None = None, verify_rows: int = 8, backend: str = "cpu",
+              slots: str | int | None = None, verify_rows: int = 8, policy: Optional[MemoryPolicy] = None,
               predict_when_streaming: bool = False) -> MemoryPlan:
     """The plan a load follows (`onebit.load`, chat, generate, bench, serve) and `onebit plan`
     prints: the same function, so they agree.
@@ -314,29 +308,30 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     - `ctx` given: kept as asked; a plan that cannot fit it is refused by the caller (PlanError).
     - `predict_when_streaming`: routing prediction is on when the plan streams (a load's
       default): a streamed plan reserves every MoE layer's prediction scratch.
+    - `policy`: the backend's memory policy for this file, as for make_plan.
     `decision` says what was chosen in one line.
     """
-    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend)
+    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy)
     if predict_when_streaming and plan.streaming and not layers:
         every = ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
-        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, backend)
+        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy)
     return plan
 
 
-def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend) -> MemoryPlan:
+def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy) -> MemoryPlan:
     if slots is not None and slots != "auto":
         plan = make_plan(g, cfg, budget, ctx=ctx if ctx is not None else _default_ctx(cfg), layers=layers,
-                         slots=slots, verify_rows=verify_rows, backend=backend)
+                         slots=slots, verify_rows=verify_rows, policy=policy)
         plan.decision = _decision(plan, None)
         return plan
     asked = ctx
     ctx = ctx if ctx is not None else _default_ctx(cfg)
-    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, backend=backend)
+    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy)
     if plan.classes:
         c = ctx
         while True:  # every expert resident within the margin, the default context halving for it
             everything = make_plan(g, cfg, budget, ctx=c, layers=layers, slots=plan.all_experts,
-                                   verify_rows=verify_rows, backend=backend)
+                                   verify_rows=verify_rows, policy=policy)
             if everything.total <= RESIDENT_SHARE * budget.bytes:
                 everything.decision = _decision(everything, ctx if c != ctx else None, "every expert stays resident")
                 return everything
@@ -345,14 +340,14 @@ def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, backend) -> Memo
             c = max(c // 2, min(MIN_CONTEXT, ctx))
         if not plan.streaming:  # everything fits, but not with the margin: the slots that fit within it
             within = make_plan(g, cfg, dataclasses.replace(budget, bytes=int(RESIDENT_SHARE * budget.bytes)),
-                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, backend=backend)
+                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy)
             plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=max(sum(within.slots), within.min_slots),
-                             verify_rows=verify_rows, backend=backend)
+                             verify_rows=verify_rows, policy=policy)
     first = ctx
     while asked is None and ctx > min(MIN_CONTEXT, first) and plan.streaming and (
             not plan.fits or _context_bytes(plan) > CONTEXT_SHARE * _item(plan.items, "expert slots")):
         smaller = make_plan(g, cfg, budget, ctx=max(ctx // 2, min(MIN_CONTEXT, first)), layers=layers, slots="auto",
-                            verify_rows=verify_rows, backend=backend)
+                            verify_rows=verify_rows, policy=policy)
         ctx, plan = smaller.ctx, smaller
     plan.decision = _decision(plan, first if ctx != first else None)
     return plan

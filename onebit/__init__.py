@@ -5,13 +5,19 @@ from .errors import OnebitError
 __version__ = "0.1.0"
 
 
-def load(path, backend: str = "auto", n_ctx=None, slots=None, budget=None, pool_policy: str = "global",
-         predict=None, device=None):
-    """Open a GGUF model; see `onebit.model.load`."""
+def load(model=None, **overrides):
+    """Open a GGUF model: a path or a LoadSpec, and LoadSpec fields as keywords; see `onebit.model.load`."""
     from .model import load as _load
 
-    return _load(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy,
-                 predict=predict, device=device)
+    return _load(model, **overrides)
 
 
-__all__ = ["load", "OnebitError", "__version__"]
+def __getattr__(name: str):
+    if name in ("LoadSpec", "Model"):  # (imported when asked: `import onebit` stays light)
+        from . import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module 'onebit' has no attribute {name!r}")
+
+
+__all__ = ["load", "LoadSpec", "Model", "OnebitError", "__version__"]

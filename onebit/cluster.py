@@ -15,6 +15,7 @@ a run starts.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from . import batch
 from .errors import OnebitError, UsageError
+from .model import LoadSpec
 
 INSTALL_HINT = ("--ray needs Ray, an optional extra of onebit: pip install 'onebit[cluster]' "
                 "(in a source checkout: pip install -e '.[cluster]')")
@@ -101,44 +103,6 @@ def _sampled_spans(size: int) -> list[tuple[int, int]]:
     return spans
 
 
-def shipped_model_path() -> str:
-    from importlib.resources import files
-
-    return str(files("onebit") / "data" / "default.gguf")
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """How a worker loads the model: the load flags of a single `onebit generate` run. `path`
-    None is the model shipped with onebit on the worker's node; a path must be absolute (a
-    worker's working directory is Ray's, not the driver's)."""
-
-    path: Optional[str] = None
-    backend: str = "auto"
-    ctx: Optional[int] = None
-    slots: Optional[int | str] = None
-    budget: Optional[str] = None
-    pool_policy: str = "global"
-    device: Optional[str] = None
-    predict: Any = None  # onebit.moe.predict.PredictSettings
-    template_kwargs: dict = field(default_factory=dict)
-
-    def model_path(self) -> str:
-        return self.path if self.path is not None else shipped_model_path()
-
-    def load(self):
-        import onebit
-
-        if self.device is not None and self.backend == "vulkan":  # asked for by name or index: no fallback
-            from .backends.vulkan.device import choose_device, list_devices
-
-            choose_device(list_devices(), self.device)
-        m = onebit.load(self.model_path(), backend=self.backend, n_ctx=self.ctx, slots=self.slots, budget=self.budget,
-                        pool_policy=self.pool_policy, predict=self.predict, device=self.device)
-        m.template_kwargs = dict(self.template_kwargs)
-        return m
-
-
 @dataclass(frozen=True)
 class Work:
     """What to do with each prompt: `batch.generate_one`'s arguments (gen: max_tokens,
@@ -167,8 +131,7 @@ class BatchWorker:
     model once, then runs the prompts the driver sends, one at a time, in the order sent.
     Failures a user can cause come back as {"error", "exit_code"}, not as exceptions."""
 
-    def __init__(self, spec: LoadSpec, work: Work, threads: int):
-        _set_threads(threads)
+    def __init__(self, spec: LoadSpec, work: Work):
         self.spec, self.work = spec, work
         self.model = None
         self.lookup_stats = None
@@ -178,11 +141,8 @@ class BatchWorker:
     def where(self) -> dict[str, Any]:
         import ray
 
-        from .backends.info import cpu_threads  # (numba's config: starting its threads here would read
-        # the OpenMP settings before the cpu backend sets them)
-
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
-                "host": socket.gethostname(), "pid": os.getpid(), "threads": cpu_threads()}
+                "host": socket.gethostname(), "pid": os.getpid(), "threads": self.spec.threads}
 
     def fingerprint(self) -> Fingerprint | str:
         path = self.spec.model_path()
@@ -199,7 +159,9 @@ class BatchWorker:
         log = logging.getLogger("onebit")
         log.addHandler(collect)
         try:
-            self.model = self.spec.load()
+            from .model import load
+
+            self.model = load(self.spec)
         except OnebitError as e:
             return {"error": str(e), "exit_code": e.exit_code}
         finally:
@@ -230,16 +192,6 @@ class BatchWorker:
         else:
             lines.append(f"experts streaming through {m.pool.n_slots} slots: " + m.pool.stats.line(m.net.rows_run))
         return lines
-
-
-def _set_threads(n: int) -> None:
-    """The cpu backend's kernel threads in this worker. numba reads NUMBA_NUM_THREADS when it is
-    first imported, which a fresh Ray worker has not done yet. (Not numba.set_num_threads: that
-    starts numba's threads before the cpu backend has set OMP_WAIT_POLICY, and spinning OpenMP
-    threads made a 2-thread worker 20x slower on a loaded machine; for the same reason a worker's
-    threads sleep between regions: workers share the node's cores.)"""
-    os.environ["NUMBA_NUM_THREADS"] = str(n)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # -- the driver ---------------------------------------------------------------------------
@@ -348,9 +300,11 @@ class RayBatch:
         if n * self.worker_cpus > cpus:
             raise UsageError(f"{n} worker(s) of {self.worker_cpus:g} CPU(s) need {n * self.worker_cpus:g} CPUs; the Ray "
                              f"cluster has {cpus:g} (use fewer --workers or a smaller --worker-cpus)")
-        threads = max(1, int(self.worker_cpus))
+        # each worker's cpu backend runs as many threads as it claims CPUs (-t sets them instead)
+        spec = self.spec if self.spec.threads is not None else dataclasses.replace(
+            self.spec, threads=max(1, int(self.worker_cpus)))
         actor = ray.remote(BatchWorker).options(num_cpus=self.worker_cpus, max_restarts=0, scheduling_strategy="SPREAD")
-        self.workers = [Worker(i + 1, actor.remote(self.spec, self.work, threads)) for i in range(n)]
+        self.workers = [Worker(i + 1, actor.remote(spec, self.work)) for i in range(n)]
         checks = self._gather("start", [(w, w.actor.where.remote()) for w in self.workers])
         for w, where in zip(self.workers, checks):
             w.where = where

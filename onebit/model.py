@@ -6,11 +6,12 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .backends import fallback_order, open_backend, resolve
+from .backends import backend_class, fallback_order, host_backend, resolve
 from .errors import BackendUnavailableError, UsageError
 from .generate import GenerationResponse, stream_generate
 from .gguf_file import GGUFFile
@@ -23,44 +24,77 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("onebit")
 
 
+def shipped_model_path() -> str:
+    """The small model shipped with onebit (what a load without a path opens)."""
+    from importlib.resources import files
+
+    return str(files("onebit") / "data" / "default.gguf")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """How to load a model, defined once: `onebit.load` takes one (or a path and these fields as
+    keywords), the CLI builds one from its flags, serve loads every model a request switches to
+    with the one it started with, and each Ray worker loads with the driver's."""
+
+    path: Optional[str] = None  # the GGUF file (None: the model shipped with onebit)
+    backend: str = "auto"  # auto (Vulkan on a GPU, else cpu), vulkan, cpu, or numpy (the reference)
+    n_ctx: Optional[int] = None  # None: as the memory plan picks it (min(model's, 4096), less when streaming)
+    slots: Optional[int | str] = None  # expert slots, a number or "auto"; with `budget`: memory is planned first
+    budget: Optional[str | int] = None  # e.g. "12GiB" (None: detected)
+    pool_policy: str = "global"  # expert pool eviction: global (one LRU) or layer
+    device: Optional[str | int] = None  # the Vulkan device, an index or part of its name (None: the default)
+    predict: Any = None  # routing prediction: a mode name or moe.predict.PredictSettings (None: auto)
+    threads: Optional[int] = None  # the cpu backend's kernel threads (None: every core)
+    # files of at least this many bytes take the backend's own weight layouts (the cpu backend's
+    # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
+    repack_from: Optional[int] = None
+    template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
+
+    def model_path(self) -> str:
+        return self.path if self.path is not None else shipped_model_path()
+
+
 class Model:
     """The facade a user loads: tokenizer, chat template, memory plan, backend and network
-    (`self.net`, the architecture's schedule over the backend) in one place."""
+    (`self.net`, the architecture's schedule over the backend) in one place. It owns the file,
+    the expert pool and its slots, the backend and the predictor, and `close` frees them in the
+    reverse order (also as a context manager: `with onebit.load(...) as m:`)."""
 
-    def __init__(self, path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = None,
-                 slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
-                 predict=None, device: Optional[str | int] = None):
-        self.path = str(path)
-        self.gguf = GGUFFile(path)
+    def __init__(self, spec: LoadSpec):
+        self.spec = spec
+        self.path = spec.model_path()
+        self.gguf = GGUFFile(self.path)
         cls = network_class(self.gguf.architecture, self.path)
         cfg = cls.config(self.gguf)
-        if n_ctx is not None and n_ctx < 1:
-            raise UsageError(f"context length must be >= 1, got {n_ctx}")
+        if spec.n_ctx is not None and spec.n_ctx < 1:
+            raise UsageError(f"context length must be >= 1, got {spec.n_ctx}")
+        if spec.threads is not None and spec.threads < 1:
+            raise UsageError(f"threads must be >= 1, got {spec.threads}")
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
-        self.template_kwargs: dict = {}  # extra chat-template variables, e.g. {"enable_thinking": False}
+        self.template_kwargs: dict = dict(spec.template_kwargs)  # extra chat-template variables
         from .memory.guard import MemoryGuard
 
         self.guard = MemoryGuard()  # checked every generated token
-        self.backend_asked = backend
+        self.closed = False
         # The load path: file -> config -> plan -> expert source -> backend -> network. One
         # fallback rule: a backend that cannot run here (or cannot run this model) gives way to
-        # the next fastest that can, said in one line.
-        order = fallback_order(resolve(backend, device))
+        # the next fastest that can, said in one line; a device asked for by name must exist.
+        order = fallback_order(resolve(spec.backend, spec.device))
+        if spec.device is not None:
+            backend_class(order[0]).find_device(spec.device)
         for i, name in enumerate(order):
             try:
                 with np.errstate(all="ignore"):  # weights dequantized at load: NaN / inf show up as an error later
-                    self.plan, self.pool, self.be, predict = self._open(name, cfg, n_ctx, slots, budget,
-                                                                        pool_policy, predict, device)
+                    self.plan, self.pool, self.slot_memory, self.be, predict = self._open(backend_class(name), cfg)
                     self.context_length = self.plan.ctx
                     # a streamed plan allocates its KV cache up front, as planned (a resident
                     # load grows it as the context fills, so a short chat holds little)
-                    held = self.pool is not None or slots is not None or budget is not None
+                    held = self.pool is not None or spec.slots is not None or spec.budget is not None
                     try:
                         self.net = cls(self.gguf, self.be, cfg, self.context_length if held else 0)
                     except BaseException:
-                        self.be.close()
-                        if self.pool is not None:
-                            self.pool.close()
+                        self._free_parts()
                         raise
                 break
             except BackendUnavailableError as e:
@@ -70,7 +104,6 @@ class Model:
                 log.info("backend %s unavailable, using %s: %s", name, order[i + 1], e)  # (stderr has it already)
         self.decision = self.plan.decision  # one line: resident or streamed, the context, the budget
         self.cfg = self.net.cfg
-        self.predictor = None
         if predict.on:
             self.set_predict(predict)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
@@ -80,73 +113,64 @@ class Model:
         # what `chat` renders with when the file has no template
         self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
 
-    def _open(self, name: str, cfg, n_ctx, slots, budget, policy, predict, device):
-        """(plan, pool, backend, prediction settings) for backend `name`; prediction "auto"
+    def _open(self, backend, cfg):
+        """(plan, pool, the pool's slot memory, backend, prediction settings) for backend class
+        `backend`, which answers for itself (backends/base.py): its device, the budget's limits
+        there, how it holds this file's tensors, where a pool's slots live. Prediction "auto"
         resolves to block where experts stream (its gate turns it off where it does not pay)
-        and off where every expert is resident. Memory is planned on every load, against
-        the detected budget or the one given (memory.plan.plan_load: the same plan `onebit
-        plan` prints): routed experts stream through a pool when they do not all fit with
-        margin, the pool's slots in device memory on Vulkan. A plan that does not fit is
-        refused when a budget, slots or a context were asked for; with none of them the load
-        goes ahead with what the plan chose (the most it can) and says so in one line."""
+        and off where every expert is resident. Memory is planned on every load, against the
+        detected budget or the one given (memory.plan.plan_load: the same plan `onebit plan`
+        prints): routed experts stream through a pool when they do not all fit with margin. A
+        plan that does not fit is refused when a budget, slots or a context were asked for; with
+        none of them the load goes ahead with what the plan chose (the most it can) and says so
+        in one line."""
         from .memory.budget import detect_budget
         from .memory.plan import PlanError, plan_load
         from .memory.pool import ExpertPool
-
-        dev = limits = None
-        if name == "vulkan":
-            from .backends.vulkan.device import default_device
-            from .memory.budget import vulkan_limits
-
-            dev = default_device(device)  # (a device that cannot open: VulkanUnavailableError)
-            limits = vulkan_limits(device)
         from .moe.predict import as_settings
 
-        predict = as_settings(predict)
+        spec = self.spec
+        dev = backend.open_device(spec.device)
+        policy = backend.memory_policy(self.gguf, spec.repack_from)
+        predict = as_settings(spec.predict)
         auto = predict.mode == "auto"
-        b = detect_budget(budget, **(limits or {}))
-        plan = plan_load(self.gguf, cfg, b, ctx=n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
-                         slots=slots, backend=name, predict_when_streaming=auto)
+        b = detect_budget(spec.budget, **backend.device_limits(spec.device))
+        plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
+                         slots=spec.slots, policy=policy, predict_when_streaming=auto)
         if auto:
             predict = dataclasses.replace(predict, mode="block" if plan.streaming else "off")
         if not plan.fits:
-            if slots is not None or budget is not None or n_ctx is not None:
+            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None:
                 raise PlanError(plan)
             sys.stderr.write(f"onebit: warning: {self.path} does not fit the memory budget (needs at least "
                              f"{_gib(plan.total)} GiB, {_gib(plan.budget.bytes)} GiB left): loading anyway, "
                              "expect paging; see `onebit plan`\n")
-        pool = arrays = None
+        pool = slots = be = None
         try:
             if plan.streaming:
-                if name == "vulkan":  # slots in mapped device buffers the expert kernels read
-                    from .backends.vulkan.slots import SlotArrays
-
-                    arrays = SlotArrays(dev)
-                pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=policy, allocate=arrays,
-                                  layout=_expert_layout(name, self.gguf))
-                if name != "vulkan":
-                    self._copy_resident(repacked=_repacked_by(name))
-            elif name != "vulkan" and plan.fits:
-                dense, layout = _repacked_by(name), _expert_layout(name, self.gguf)
-                self._map_weights(skip=lambda t: dense(t) or (layout is not None and layout.packs(t)))
-            be = open_backend(name, self.gguf, experts=pool, device=dev, slot_arrays=arrays)
-            if name == "cpu":
-                be.repack(experts=plan.fits)
-            return plan, pool, be, predict
+                slots = backend.slot_allocator(dev)
+                pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=spec.pool_policy, allocate=slots,
+                                  layout=policy.experts)
+                if backend.reads_map:
+                    self._copy_resident(skip=policy.packs)
+            elif backend.reads_map and plan.fits:
+                experts = policy.experts
+                self._map_weights(skip=lambda t: policy.packs(t) or (experts is not None and experts.packs(t)))
+            be = backend.open(self.gguf, experts=pool, device=dev, slot_arrays=slots, policy=policy,
+                              threads=spec.threads)
+            be.repack(experts=plan.fits)
+            return plan, pool, slots, be, predict
         except BaseException:
-            if pool is not None:
-                pool.close()
-            if arrays is not None:
-                arrays.destroy()
+            _free(be, pool, slots)
             raise
 
-    def _copy_resident(self, repacked=lambda t: False) -> None:
+    def _copy_resident(self, skip=lambda t: False) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
         that shrinks or fails under us gives a read error from the pool, not a SIGBUS from the map.
         Read with pread, not copied from the map: pages touched through the map would count
         in this process's resident memory beside the copy (a 30B-A3B: 0.96 GiB twice). Not the
-        tensors the backend holds in a layout of its own (`repacked`): it copies those from the
-        map itself, and a copy here would be a second one."""
+        tensors the backend holds in a layout of its own (`skip`: its memory policy's `packs`):
+        it copies those from the map itself, and a copy here would be a second one."""
         from tqdm import tqdm
 
         from .errors import ModelFileError
@@ -154,7 +178,7 @@ class Model:
 
         # (an expert part's bias, gpt-oss, is small and resident too)
         resident = [t for name, t in self.gguf.tensors.items()
-                    if (not is_expert_tensor(name) or name.endswith(".bias")) and not repacked(t)]
+                    if (not is_expert_tensor(name) or name.endswith(".bias")) and not skip(t)]
         total = sum(t.n_bytes for t in resident)
         fds: dict[str, int] = {}
         try:
@@ -206,39 +230,50 @@ class Model:
                     return  # (this system cannot: first touch it is)
                 bar.update(t.n_bytes)
 
+    @property
+    def predictor(self):
+        """The routing predictor (moe.predict.Predictor) the network runs at its pause points, or None."""
+        return self.net.predictor
+
     def set_predict(self, settings) -> None:
         """Routing prediction at every MoE pause point (a moe.predict.PredictSettings, or a mode
         name: off, router, block), feeding the expert pool's prefetch queue when streaming."""
         from .moe.predict import Predictor, as_settings
 
         settings = as_settings(settings)
-        if self.predictor is not None:
-            self.predictor.close()
-        self.predictor = None
+        if self.net.predictor is not None:
+            self.net.predictor.close()
+        self.net.predictor = None
         if settings.on:
             if not any(self.cfg.layer_is_moe(i) for i in range(self.cfg.n_layers)):
                 raise UsageError(f"{self.path}: routing prediction needs a mixture-of-experts model")
-            from .backends import device_info
-
-            on_host = self.be.runs_on_host
-            host = self.be if on_host else _host_backend(self.gguf, self.pool)
-            # a device backend's pool slots are device memory the host maps: read by the host's
-            # expert ops only where that memory is the host's own (unified: an APU, a CPU device;
-            # on a discrete GPU such reads are uncached, far slower than the prediction is worth)
-            info = device_info(self.be)
-            own_ok = on_host or self.pool is None or bool(info and info.unified)
-            # the host's ranking overlaps the device's compute, except on a CPU device (lavapipe),
-            # whose compute runs on the same cores: there the ledger charges it, as on a host backend
-            overlapped = not on_host and not (info is not None and info.type == "cpu")
-            self.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host, overlapped=overlapped,
-                                       own_ok=own_ok)
-        self.net.predictor = self.predictor
+            be = self.be
+            host = be if be.runs_on_host else host_backend(self.gguf, self.pool, self.spec.threads,
+                                                            self.spec.repack_from)
+            # the host's expert ops read a pool's slots only where the backend says that is cheap
+            # (a device backend's slots: only in memory the host owns too)
+            own_ok = self.pool is None or be.host_reads_slots
+            self.net.predictor = Predictor(self.gguf, self.cfg, settings, self.pool, host,
+                                           overlapped=be.overlaps_host, own_ok=own_ok)
 
     def close(self) -> None:
-        if self.predictor is not None:
-            self.predictor.close()
-        if self.pool is not None:
-            self.pool.close()
+        """Free what the model holds, the reverse of its making: the predictor, the backend (its
+        device memory), the expert pool (its reader threads stop), the pool's slots. Once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.net.predictor is not None:
+            self.net.predictor.close()  # (its stats and table stay readable)
+        self._free_parts()
+
+    def _free_parts(self) -> None:
+        _free(self.be, self.pool, self.slot_memory)
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- text -------------------------------------------------------------------------
 
@@ -321,35 +356,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def _repacked_by(backend: str):
-    """Which tensors backend `backend` repacks into a layout of its own (cpu: Q4_K matrices on
-    AVX-512 VNNI, cpu_kernels.repacks), or a test that is never true."""
-    if backend != "cpu":
-        return lambda t: False
-    from .backends.cpu_kernels import repacks
-
-    return repacks
-
-
-def _expert_layout(backend: str, gguf):
-    """The ExpertLayout backend `backend` holds this file's routed experts in (the cpu backend's
-    X16 layout on AVX-512 VNNI), or None: as the file has them."""
-    if backend != "cpu":
-        return None
-    from .backends import cpu_kernels
-    from .backends.cpu import X16Experts
-
-    return X16Experts(gguf) if cpu_kernels.VNNI else None
-
-
-def _host_backend(gguf, pool=None):
-    """Host ops for a device backend's predictor: the cpu backend's kernels (no float32 copy of
-    a weight, unlike numpy's reference ops), or numpy's where the cpu backend cannot run; with
-    a pool, routed experts from its slots (acquired, as the layer itself acquires them)."""
-    try:
-        return open_backend("cpu", gguf, experts=pool)
-    except BackendUnavailableError:
-        return open_backend("numpy", gguf, experts=pool)
+def _free(be, pool, slots) -> None:
+    """Close a backend, then its expert pool (reader threads stop before the memory they write
+    goes), then free the pool's slot memory; each of them may be None."""
+    if be is not None:
+        be.close()
+    if pool is not None:
+        pool.close()
+    if slots is not None:
+        slots.destroy()
 
 
 def _predicted_layers(cfg, predict) -> str:
@@ -364,14 +379,13 @@ def _predicted_layers(cfg, predict) -> str:
     return ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
 
 
-def load(path: str | os.PathLike, backend: str = "auto", n_ctx: Optional[int] = None,
-         slots: Optional[int | str] = None, budget: Optional[str | int] = None, pool_policy: str = "global",
-         predict=None, device: Optional[str | int] = None) -> Model:
-    """Open a GGUF model (memory-mapped) on the given backend (auto: Vulkan on a GPU, else cpu;
-    numpy is the reference). With `slots` (a number or "auto")
-    or `budget`, memory is planned first and routed experts stream through a slot pool when
-    fewer slots than experts fit. `predict` (a mode name or moe.predict.PredictSettings):
-    routing prediction feeding the pool's prefetch queue. `device`: the Vulkan device (a name
-    or index, as `onebit devices` lists; None: the best usable one)."""
-    return Model(path, backend=backend, n_ctx=n_ctx, slots=slots, budget=budget, pool_policy=pool_policy,
-                 predict=predict, device=device)
+def load(model: LoadSpec | str | os.PathLike | None = None, **overrides) -> Model:
+    """Open a GGUF model: `model` is a LoadSpec, or a path (None: the model shipped with onebit),
+    and `overrides` are LoadSpec fields, e.g. `load("m.gguf", backend="cpu", n_ctx=2048)`. The
+    backend: auto is Vulkan on a GPU, else cpu; numpy is the reference. With `slots` (a number or
+    "auto") or `budget`, memory is planned first and routed experts stream through a slot pool
+    when fewer slots than experts fit. `predict` (a mode name or moe.predict.PredictSettings):
+    routing prediction feeding the pool's prefetch queue. `device`: the Vulkan device (a name or
+    index, as `onebit devices` lists; None: the best usable one)."""
+    spec = model if isinstance(model, LoadSpec) else LoadSpec(path=None if model is None else os.fspath(model))
+    return Model(dataclasses.replace(spec, **overrides))

@@ -9,7 +9,6 @@ llama.cpp). A tensor row of `n` weights takes `n // block_size * type_size` byte
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import numpy as np
@@ -352,64 +351,15 @@ def type_name(type_id: int) -> str:
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
-# onebit's own layouts in the cpu backend on AVX-512 VNNI (backends/cpu_kernels.py, "X16"): the rows
-# of a matrix, or of each routed expert, 16 side by side. Q4_K's decodes each 256 weights' scales
-# to bytes: X16_BLOCK bytes hold 16 rows x 256 weights, their 16 x 144 bytes of blocks and 64 more
-# (2.8%; Q5_K's likewise, 2.3%); the others keep their bytes (Q6_K's: 16 rows x 256 weights in
-# 16 x 210 bytes). From memory each moves at least its rows' GB/s on the 2-core VM (256 MiB
-# matrices, K = 640-4096), and prompts' products run 1.2-2.2x faster (bench_roofline.py;
-# bench/results/issue34-kernels.md).
+# The bytes of the cpu backend's X16 layouts (backends/cpu_kernels.py; which tensors take them:
+# backends/cpu.py, X16Policy): the rows of a matrix, or of each routed expert, 16 side by side.
+# Q4_K's decodes each 256 weights' scales to bytes: X16_BLOCK bytes hold 16 rows x 256 weights,
+# their 16 x 144 bytes of blocks and 64 more (2.8%; Q5_K's likewise, 2.3%); the others keep their
+# bytes (Q6_K's: 16 rows x 256 weights in 16 x 210 bytes).
 X16_ROWS = 16
 X16_BLOCK = 320 + 2048
 X16_Q5_BLOCK = X16_BLOCK + 512  # Q5_K's: Q4_K's and the fifth bits (2.3% more than 16 x 176)
 X16_Q6_BLOCK = 16 * 210
-X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS",
-                                                         "Q8_0"))
-
-
-def x16_shape(t) -> bool:
-    """Whether tensor t (a gguf_file.Tensor) has what an X16 layout of matrices takes: a [N, K]
-    matrix of X16_TYPES, N a multiple of 16; not the token embedding, whose rows lookups read as
-    they are."""
-    return (t.qtype in X16_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
-            and not t.name.startswith("token_embd"))
-
-
-def x16_expert_shape(t) -> bool:
-    """Whether tensor t holds routed experts that an X16 layout takes: [E, N, K] of X16_TYPES, N a
-    multiple of 16 (each expert's rows repack on their own, so a pool's slot can be filled with
-    one expert's)."""
-    return t.qtype in X16_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0
-
-
-def x16_experts(gguf, t) -> bool:
-    """Whether the cpu backend's expert layout takes expert tensor t of file `gguf`: its shape
-    (x16_expert_shape), in a layer whose experts take the kernels' expert path: without expert
-    biases, or gpt-oss's (its clamped SwiGLU kernel takes them; a layer with biases elsewhere
-    takes the numpy path, which reads the file's blocks); in a file that takes the layouts
-    (x16_file)."""
-    biased = f"blk.{t.name.split('.')[1]}.ffn_gate_exps.bias" in gguf.tensors
-    return (x16_expert_shape(t) and (not biased or gguf.metadata.get("general.architecture") == "gpt-oss")
-            and x16_file(gguf))
-
-
-# A file takes the X16 layouts only from this many bytes of tensors (ONEBIT_X16_FROM overrides;
-# the test suite sets 0, so its small files take them). The layouts pay where the products read
-# weights from memory; a smaller file's weights stay in the caches, and its first run on a
-# machine would compile the layouts' kernels as well: the shipped model (5 MB, Q8_0) answered
-# first in 21.1-22.1 s with Q8_0_X16 compiled, 18.5-18.6 without (bench_first_token.py). All of
-# the file's tensors count, not only those with a layout: Gemma 3 270M's (253 MB) that have one
-# are 10 MB, and its prompt's Q4_K products ran 35% slower as rows.
-X16_FROM = 64 << 20
-
-
-def x16_file(gguf) -> bool:
-    """Whether file `gguf`'s matrices and experts take the cpu backend's X16 layouts at all: its
-    tensors hold X16_FROM bytes or more."""
-    got = getattr(gguf, "_x16_bytes", None)
-    if got is None:
-        got = gguf._x16_bytes = sum(t.n_bytes for t in gguf.tensors.values())
-    return got >= int(os.environ.get("ONEBIT_X16_FROM", X16_FROM))
 
 
 def x16_bytes(n_bytes: int, qtype: int) -> int:

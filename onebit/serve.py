@@ -43,18 +43,6 @@ class ApiError(OnebitError):
 
 
 @dataclass
-class LoadOptions:
-    """How the serve command loaded its model: a model picked by a request loads the same way."""
-    backend: str = "auto"
-    ctx: Optional[int] = None
-    slots: Optional[int | str] = None
-    budget: Optional[str] = None
-    pool_policy: str = "global"
-    predict: Any = None
-    template_kwargs: dict = field(default_factory=dict)
-
-
-@dataclass
 class Sampling:
     temperature: float = 0.7
     top_p: float = 0.95
@@ -206,12 +194,13 @@ class ReplySplitter:
 class Engine:
     """The loaded model, its KV cache, and the worker thread that runs requests in turn."""
 
-    def __init__(self, model, options: LoadOptions, sampling: Sampling, lookup: int = 0,
-                 catalog: Callable[[], dict[str, str]] = dict):
+    def __init__(self, model, sampling: Sampling, lookup: int = 0, catalog: Callable[[], dict[str, str]] = dict):
+        """`model`: the one served at start; a model a request picks loads with its LoadSpec
+        (`model.spec`: backend, device, context, budget, threads, ... as the command gave them)."""
         self.model = model
         self.model_id = model_id(model.path)
         self.vocab_size = model.cfg.vocab_size
-        self.options = options
+        self.spec = model.spec
         self.sampling = sampling
         self.lookup = lookup
         self.found = catalog  # id -> path of the GGUF files (a models folder) a request may pick
@@ -322,24 +311,19 @@ class Engine:
             raise ApiError(f"The model '{name}' does not exist", 404, code="model_not_found", param="model")
         import onebit
 
-        o = self.options
         old_path = self.model.path
         log.info("loading %s (%s) in place of %s", name, path, self.model_id)
         self.model.close()
         self.model = None
         self.cached = []
         try:
-            self.model = onebit.load(path, backend=o.backend, n_ctx=o.ctx, slots=o.slots, budget=o.budget,
-                                     pool_policy=o.pool_policy, predict=o.predict)
+            self.model = onebit.load(self.spec, path=path)
         except OnebitError as e:
             log.error("cannot load %s: %s; loading %s again", path, e, old_path)
-            self.model = onebit.load(old_path, backend=o.backend, n_ctx=o.ctx, slots=o.slots, budget=o.budget,
-                                     pool_policy=o.pool_policy, predict=o.predict)
-            self.model.template_kwargs = dict(o.template_kwargs)
+            self.model = onebit.load(self.spec, path=old_path)
             self.cache = self.model.new_cache()
             raise ApiError(f"the model '{name}' could not be loaded: {e}", 400, code="model_load_failed",
                            param="model") from None
-        self.model.template_kwargs = dict(o.template_kwargs)
         self.model_id = name
         self.vocab_size = self.model.cfg.vocab_size
         self.cache = self.model.new_cache()
@@ -476,4 +460,4 @@ def now() -> int:
     return int(time.time())
 
 
-__all__ = ["ApiError", "Engine", "LoadOptions", "Sampling", "Work", "Delta", "Done", "model_id", "new_id"]
+__all__ = ["ApiError", "Engine", "Sampling", "Work", "Delta", "Done", "model_id", "new_id"]

@@ -7,7 +7,6 @@ from pathlib import Path
 # parallel regions rather than spin (cpu_kernels._wait_policy decides by the load average, which
 # lags behind two workers that start together).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("ONEBIT_X16_FROM", "0")  # the fixtures are small: the X16 layouts anyway (quants.X16_FROM)
 
 import numpy as np
 import pytest

@@ -22,6 +22,7 @@ from onebit.backends.cpu import CpuBackend
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.backends.vulkan.reference import random_blocks
 from onebit.quants import QTYPES, QTYPES_BY_NAME, x16_bytes
+from onebit.backends.cpu import X16_FROM
 
 TYPES = sorted(QTYPES[t].name for t in K.SUPPORTED)
 # Relative tolerance (of the largest |reference| value) per weight type. The weights decode to
@@ -140,11 +141,11 @@ def test_a_model_repacks_at_load_a_bare_backend_when_it_uses_a_matrix():
     the first prompt); a backend opened on its own (a device backend's predictor) repacks only
     what it uses, when it uses it."""
     path = fixture_path("q3moe256-Q4_K_M.gguf")
-    m = onebit.load(path, backend="cpu")
-    eligible = {n for n, t in m.gguf.tensors.items() if K.repacks(t)}
+    m = onebit.load(path, backend="cpu", repack_from=0)  # (a small file: the layouts asked for)
+    eligible = {n for n, t in m.gguf.tensors.items() if m.be.policy.packs(t)}
     x16 = lambda be: {n for n, (_, (_, qt, _)) in be._products.items() if qt >= 256}  # noqa: E731
     assert bool(eligible) == K.VNNI and x16(m.be) == eligible
-    bare = CpuBackend(m.gguf)
+    bare = CpuBackend(m.gguf, policy=CpuBackend.memory_policy(m.gguf, repack_from=0))
     assert not x16(bare)
     if K.VNNI:
         name = sorted(eligible)[0]
@@ -159,9 +160,9 @@ def test_a_matrix_repacks_a_part_at_a_time(monkeypatch):
     from onebit.backends import cpu as cpu_module
 
     path = fixture_path("q3moe256-Q4_K_M.gguf")
-    whole = onebit.load(path, backend="cpu")
+    whole = onebit.load(path, backend="cpu", repack_from=0)
     monkeypatch.setattr(cpu_module, "REPACK_PART", 1)
-    parts = onebit.load(path, backend="cpu")
+    parts = onebit.load(path, backend="cpu", repack_from=0)
     packed = {n: v[1] for n, v in parts.be._products.items() if v[1][1] >= 256}
     assert packed and any(t.shape[0] > 16 for t, _, _ in packed.values())
     for n, (t, qt, got) in packed.items():
@@ -172,23 +173,50 @@ def test_a_matrix_repacks_a_part_at_a_time(monkeypatch):
 
 
 @pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
-def test_a_small_file_keeps_its_rows(monkeypatch):
-    """Under quants.X16_FROM bytes of X16-shaped tensors (the suite sets 0) a file keeps the rows as
-    they are, matrices and experts, and its kernels compile no layout (no repack part); from that
-    size it takes the layouts. The same logits either way, to the products' float order."""
+def test_a_small_file_keeps_its_rows():
+    """Under X16_FROM bytes of tensors (a load's default) a file keeps the rows as they are,
+    matrices and experts, and its kernels compile no layout (no repack part); from the size
+    `repack_from` gives it takes the layouts. The same logits either way, to the products'
+    float order."""
     path = fixture_path("q3moe256-Q8_0.gguf")
-    monkeypatch.delenv("ONEBIT_X16_FROM")
+    assert os.path.getsize(path) < X16_FROM
     small = onebit.load(path, backend="cpu")
-    monkeypatch.setenv("ONEBIT_X16_FROM", str(os.path.getsize(path) // 2))
-    big = onebit.load(path, backend="cpu")
+    big = onebit.load(path, backend="cpu", repack_from=os.path.getsize(path) // 2)
     x16 = lambda be: {n for n, (_, (_, qt, _)) in be._products.items() if qt >= 256}  # noqa: E731
-    assert not small.be.x16 and "repack" not in small.be.K.parts and not x16(small.be)
-    assert small.be.source.layout is None or not any(small.be.source.layout.packs(t) for t in small.gguf.tensors.values()
-                                                     if t.name.endswith("_exps.weight"))
-    assert big.be.x16 and x16(big.be) and big.be.source.layout is not None
+    assert not small.be.policy.repacks and "repack" not in small.be.K.parts and not x16(small.be)
+    assert small.be.source.layout is None and small.be.policy.experts is None
+    assert big.be.policy.repacks and x16(big.be) and big.be.source.layout is not None
     ids = [1, 2, 3, 4, 5]
     a, b = small.logits(ids), big.logits(ids)
     assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("repack_from", [None, 0])
+def test_a_streamed_file_holds_what_its_plan_counts(repack_from):
+    """One decision (X16Policy.packs) for the loader, the plan and the backend. A small file
+    streamed through a pool (by default under X16_FROM: its matrices as rows; with repack_from=0
+    in X16 layouts on AVX-512 VNNI) holds each non-expert tensor once, repacked by the backend
+    or copied by the loader, none left to be read through the file's map, and the plan's
+    resident weights are exactly those bytes."""
+    path = fixture_path("q3moe256-Q4_K_M.gguf")
+    m = onebit.load(path, backend="cpu", slots=4, budget="1GiB", predict="off", repack_from=repack_from)
+    try:
+        assert m.pool is not None
+        packed = {n: raw for n, (_, (t, qt, raw)) in m.be._products.items() if qt >= 256}
+        assert set(packed) == {n for n, t in m.gguf.tensors.items() if m.be.policy.packs(t)}
+        assert bool(packed) == (K.VNNI and repack_from == 0)
+        held = 0
+        for n, t in m.gguf.tensors.items():
+            if n.endswith("_exps.weight"):
+                continue  # (in the pool's slots)
+            if n in packed:
+                held += packed[n].nbytes
+            else:
+                assert not isinstance(t.raw, np.memmap) and not isinstance(t.raw.base, np.memmap), n
+                held += t.raw.nbytes
+        assert held == next(i.bytes for i in m.plan.items if i.component == "resident weights")
+    finally:
+        m.close()
 
 
 def test_q4_k_x16_layout_by_hand(rng):
@@ -682,3 +710,25 @@ def test_others_running_counts_a_busy_process():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_the_threads_asked_for_hold_in_every_thread_that_runs_the_kernels():
+    """A LoadSpec's `threads` (-t/--threads) sets numba's thread count, which is the calling
+    thread's own: the backend sets it in each thread that runs its kernels (serve's worker, not
+    only the thread that loaded). More than numba's pool has is refused."""
+    import threading
+
+    import numba
+
+    from onebit.cli.options import load_spec
+    from onebit.errors import UsageError
+
+    assert load_spec(None, "cpu", threads=1).threads == 1
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu", threads=1)
+    seen = []
+    worker = threading.Thread(target=lambda: (m.logits([1, 2, 3]), seen.append(numba.get_num_threads())))
+    worker.start()
+    worker.join()
+    assert m.be.threads == 1 and seen == [1]
+    with pytest.raises(UsageError, match="--threads"):
+        onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu", threads=numba.config.NUMBA_NUM_THREADS + 1)

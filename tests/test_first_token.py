@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_fresh_machine_compiles_only_the_files_types(tmp_path):
-    """An empty numba cache (a fresh machine) and a small Q8_0 file (under quants.X16_FROM: no X16
-    layout): the backend compiles the Q8_0 + F32 products and the small ops, and nothing of any
+    """An empty numba cache (a fresh machine) and a small Q8_0 file (under the cpu backend's
+    X16_FROM: no X16 layout): the backend compiles the Q8_0 + F32 products and the small ops, and nothing of any
     other type or layout: the all-types kernels
     (which hold every type's code, Q4_K's among them) are never compiled or loaded, and the
     disk cache holds only kernels of that set. A forward then compiles nothing more (prompt,
@@ -57,7 +57,6 @@ assert any("expert_ffn__q8_0_f32" in f for f in names) and not any("oai__" in f 
 print("ok")
 """
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    env.pop("ONEBIT_X16_FROM", None)  # (as a user runs it: conftest's 0 would give the layouts)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     assert "compiling the cpu kernels for Q8_0, F32" in r.stderr  # said before it happens
@@ -122,14 +121,16 @@ def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path):
     cached (this test suite's machine: conftest compiled them). A tensor of a type outside
     the set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
     m = GGUFFile(fixture_path("q3moe256-Q4_K_M.gguf"))
-    k = K.kernels_for(m)
+    k = K.kernels_for(m, CpuBackend.memory_policy(m, repack_from=0).repacks)  # (its layouts asked for)
     assert k.everything and k.SUPPORTED == K.SUPPORTED  # all-types: cached by conftest, own set not
     own = K.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
     assert own.names == ("Q4_K", "Q6_K", "F32") and QTYPES_BY_NAME["Q8_0"].type_id not in own.SUPPORTED
     code = f"""
 from onebit.gguf_file import GGUFFile
 from onebit.backends import cpu_kernels as K
-k = K.kernels_for(GGUFFile({str(fixture_path("q3moe256-Q4_K_M.gguf"))!r}))
+from onebit.backends.cpu import CpuBackend
+g = GGUFFile({str(fixture_path("q3moe256-Q4_K_M.gguf"))!r})
+k = K.kernels_for(g, CpuBackend.memory_policy(g, repack_from=0).repacks)
 print(k.everything, k.names, k.cold_parts())
 """
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))

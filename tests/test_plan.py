@@ -10,6 +10,9 @@ import gguf
 import pytest
 
 from conftest import fixture_path
+from onebit.backends import cpu_kernels
+from onebit.backends.cpu import CpuBackend
+from onebit.backends.numpy_backend import NumpyBackend
 from onebit.errors import UsageError
 from onebit.gguf_file import GGUFFile
 from onebit.memory.budget import Budget, parse_size
@@ -40,9 +43,12 @@ def test_parse_layers_and_sizes():
             parse_size(bad)
 
 
+@pytest.mark.skipif(not cpu_kernels.VNNI, reason="the cpu backend's X16 layouts are AVX-512 VNNI's")
 def test_plan_bytes_match_hand_computation():
     g, cfg = load(Q4K)
-    p = make_plan(g, cfg, budget(1 << 30), ctx=256, layers="0-1", verify_rows=8)
+    # (the layouts asked for on this small file: by default a file under X16_FROM keeps its rows)
+    p = make_plan(g, cfg, budget(1 << 30), ctx=256, layers="0-1", verify_rows=8,
+                  policy=CpuBackend.memory_policy(g, repack_from=0))
     items = {i.component: i.bytes for i in p.items}
     # Resident = every tensor but the expert parts, sized by gguf's own reader.
     r = gguf.GGUFReader(str(fixture_path(Q4K)))
@@ -53,8 +59,12 @@ def test_plan_bytes_match_hand_computation():
                    and len(t.shape) == 2 and int(t.shape[1]) % 16 == 0 and not t.name.startswith("token_embd"))
     assert repacked > 0
     assert items["resident weights"] == resident + repacked * 64 // (16 * 144)
-    on_numpy = make_plan(g, cfg, budget(1 << 30), ctx=256, layers="0-1", verify_rows=8, backend="numpy")
+    on_numpy = make_plan(g, cfg, budget(1 << 30), ctx=256, layers="0-1", verify_rows=8,
+                         policy=NumpyBackend.memory_policy(g))
     assert next(i.bytes for i in on_numpy.items if i.component == "resident weights") == resident
+    by_default = make_plan(g, cfg, budget(1 << 30), ctx=256, layers="0-1", verify_rows=8,
+                           policy=CpuBackend.memory_policy(g))  # (under X16_FROM: as the file has them)
+    assert next(i.bytes for i in by_default.items if i.component == "resident weights") == resident
     # KV: 2 layers x 256 positions x 2 kv heads x (64 + 64) x 4 bytes.
     assert items["KV cache"] == 2 * 256 * 2 * 128 * 4
     # Experts: 256x256 matrices; Q4_K is 144 bytes per 256 weights (148 as the cpu backend holds

@@ -34,13 +34,13 @@ def decode_logits(model, prompt, n):
 def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend):
     path = fixture_path(name)
     prompt = np.load(str(path).replace(".gguf", ".ref.npz"))["tokens"][:12].astype(np.int64)
-    resident = onebit.load(path, backend=backend)
+    resident = onebit.load(path, backend=backend, repack_from=0)  # (cpu: the X16 layouts on these small files too)
     ref = decode_logits(resident, prompt, 10)
     if backend == "cpu" and name == Q4K:
         from onebit.backends.cpu_kernels import Q4_K_X16, VNNI
         assert (Q4_K_X16 in resident.be._experts_of(0)[2]) == VNNI  # (the file's experts packed at load)
     for slots in slot_counts:
-        m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy, backend=backend)
+        m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy, backend=backend, repack_from=0)
         assert m.be.name == backend
         assert m.pool is not None and m.pool.n_slots == slots
         got = decode_logits(m, prompt, 10)
@@ -318,13 +318,14 @@ def test_a_pool_packs_its_slots_as_the_file_is_packed(direct):
     on that thread) holds the bytes the file's experts take packed at load (every thread), and
     the slots take the bytes the cpu plan counts for them."""
     from onebit.backends import cpu_kernels as K
-    from onebit.backends.cpu import X16Experts
+    from onebit.backends.cpu import CpuBackend
 
     if not K.VNNI:
         pytest.skip("the X16 layout is AVX-512 VNNI's (elsewhere experts stay as in the file)")
     g = GGUFFile(fixture_path(Q4K))
-    layout = X16Experts(g)
-    classes = size_classes(g, "cpu")
+    policy = CpuBackend.memory_policy(g, repack_from=0)
+    layout = policy.experts
+    classes = size_classes(g, policy)
     pool = ExpertPool(g, classes, [5, 4], layout=layout, direct=direct)
     try:
         assert pool.nbytes == sum(n * c.expert_bytes for n, c in zip([5, 4], classes))

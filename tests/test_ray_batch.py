@@ -22,10 +22,11 @@ import pytest
 
 from conftest import run_cli
 from onebit import cluster
+from onebit.model import shipped_model_path
 
 ray = pytest.importorskip("ray", reason="the cluster extra (ray) is not installed")
 
-MODEL = cluster.shipped_model_path()
+MODEL = shipped_model_path()
 N = 40
 TIMINGS = {"prompt_seconds", "generation_seconds", "prompt_tps", "generation_tps"}
 

@@ -21,6 +21,7 @@ import pytest
 
 import onebit
 from conftest import fixture_path
+from onebit.backends.cpu import CpuBackend
 from onebit.gguf_file import GGUFFile
 from onebit.memory.budget import Budget
 from onebit.memory.plan import (CONTEXT_SHARE, DEFAULT_CONTEXT, MIN_CONTEXT, RESIDENT_SHARE, PlanError, make_plan,
@@ -94,12 +95,14 @@ def test_prediction_is_on_by_default_where_experts_stream_and_off_where_all_are_
 def test_the_default_context_gives_way_to_expert_slots_when_streaming(big_shape):
     g = GGUFFile(big_shape)
     cfg = network_class(g.architecture, g.path).config(g)
+    cpu = CpuBackend.memory_policy(g)  # (as the cpu backend holds it, which the loads below run)
     assert cfg.context_length > DEFAULT_CONTEXT  # (40960, as the 30B-A3B)
-    everything = make_plan(g, cfg, Budget(1 << 40, "test", 1 << 40), ctx=DEFAULT_CONTEXT, slots=2 * cfg.n_experts)
+    everything = make_plan(g, cfg, Budget(1 << 40, "test", 1 << 40), ctx=DEFAULT_CONTEXT, slots=2 * cfg.n_experts,
+                           policy=cpu)
     kv_default = next(i.bytes for i in everything.items if i.component == "KV cache")
     # a budget that holds the default context's KV cache but leaves the slots only twice its size
     b = Budget(everything.total - everything.items[-1].bytes + 2 * kv_default, "test", 1 << 40)
-    p = plan_load(g, cfg, b)
+    p = plan_load(g, cfg, b, policy=cpu)
     assert p.fits and p.streaming
     assert MIN_CONTEXT <= p.ctx < DEFAULT_CONTEXT
     kv = next(i.bytes for i in p.items if i.component == "KV cache")
@@ -107,10 +110,10 @@ def test_the_default_context_gives_way_to_expert_slots_when_streaming(big_shape)
     assert kv <= CONTEXT_SHARE * slots or p.ctx == MIN_CONTEXT
     assert f"context {p.ctx} (reduced from {DEFAULT_CONTEXT}" in p.decision
     # the same budget with the context asked for: kept as asked, fewer slots
-    asked = plan_load(g, cfg, b, ctx=DEFAULT_CONTEXT)
+    asked = plan_load(g, cfg, b, ctx=DEFAULT_CONTEXT, policy=cpu)
     assert asked.ctx == DEFAULT_CONTEXT and sum(asked.slots) < sum(p.slots) and "reduced" not in asked.decision
     # and a budget that holds every expert with room: resident, the default context
-    roomy = plan_load(g, cfg, Budget(2 * everything.total, "test", 1 << 40))
+    roomy = plan_load(g, cfg, Budget(2 * everything.total, "test", 1 << 40), policy=cpu)
     assert not roomy.streaming and roomy.ctx == DEFAULT_CONTEXT
 
 
@@ -120,16 +123,18 @@ def test_the_default_context_gives_way_to_keep_every_expert_resident(big_shape):
     kept and the experts stream."""
     g = GGUFFile(big_shape)
     cfg = network_class(g.architecture, g.path).config(g)
+    cpu = CpuBackend.memory_policy(g)  # (as the cpu backend holds it, which the loads below run)
     every = 2 * cfg.n_experts
     big = Budget(1 << 40, "test", 1 << 40)
-    full, half = (make_plan(g, cfg, big, ctx=c, slots=every).total for c in (DEFAULT_CONTEXT, DEFAULT_CONTEXT // 2))
+    full, half = (make_plan(g, cfg, big, ctx=c, slots=every, policy=cpu).total
+                  for c in (DEFAULT_CONTEXT, DEFAULT_CONTEXT // 2))
     b = Budget(int(half / RESIDENT_SHARE) + 1, "test", 1 << 40)
     assert full > RESIDENT_SHARE * b.bytes >= half  # (the default context misses the margin; half of it does not)
-    p = plan_load(g, cfg, b)
+    p = plan_load(g, cfg, b, policy=cpu)
     assert not p.streaming and p.ctx == DEFAULT_CONTEXT // 2 and p.total == half
     assert p.decision.startswith("all 256 experts resident") and \
         f"context {p.ctx} (reduced from {DEFAULT_CONTEXT} so every expert stays resident)" in p.decision
-    asked = plan_load(g, cfg, b, ctx=DEFAULT_CONTEXT)
+    asked = plan_load(g, cfg, b, ctx=DEFAULT_CONTEXT, policy=cpu)
     assert asked.streaming and asked.ctx == DEFAULT_CONTEXT and "reduced" not in asked.decision
     m = onebit.load(big_shape, budget=str(b.bytes), backend="cpu")  # the runtime takes the same plan
     try:

@@ -155,6 +155,6 @@ def test_streamed_experts_through_the_tiled_kernel_match_numpy(name, slots):
             got = decode_logits(m, prompt, 6)
         assert spy.calls > 0 and m.pool.stats.demand_misses > 0
     finally:
-        m.be.close()
+        m.close()
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOL * np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).all()

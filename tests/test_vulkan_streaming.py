@@ -35,7 +35,7 @@ def resident_logits(name):
         m = onebit.load(path, backend="vulkan")
         assert type(m.be).__name__ == "VulkanBackend"
         _resident[name] = decode_logits(m, _prompt(path), N_DECODE)
-        m.be.close()
+        m.close()
     return _resident[name]
 
 
@@ -54,7 +54,7 @@ def test_streamed_vulkan_equals_resident_bit_for_bit(name, slot_counts, policy):
             got = decode_logits(m, _prompt(path), N_DECODE)
             st = m.pool.stats
         finally:
-            m.be.close()
+            m.close()
         assert np.array_equal(got, ref), f"{name} slots={slots} policy={policy}"
         assert st.demand_misses > 0 and st.bytes_read > 0
 
@@ -109,7 +109,7 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
         monkeypatch.setattr(m.pool, "acquire", lambda layer, e: (events.append(f"acquire {layer}"), acquire(layer, e))[1])
         m.net.forward(np.array([3]), cache)
     finally:
-        m.be.close()
+        m.close()
     want = ["submit", "acquire 0", "submit", "acquire 1", "submit", "release 0", "release 1"] if deferred else \
         ["submit", "acquire 0", "submit", "release 0", "acquire 1", "submit", "release 1"]
     assert events == want
@@ -153,7 +153,7 @@ def test_steps_whose_experts_are_all_pooled_run_without_pausing(tmp_path, name, 
             runs[lookup] = (np.concatenate(out), (st.hits, st.demand_misses, st.bytes_read, st.acquires), submits,
                             open(trace).read(), (r.table_steps, r.table_steps_refused))
         finally:
-            m.be.close()
+            m.close()
     (got, counts, submits, text, (tried, refused)), (want, want_counts, paused, want_text, none) = runs[True], runs[False]
     assert np.array_equal(got, want)
     assert counts == want_counts and text == want_text and none == (0, 0)
@@ -179,7 +179,7 @@ def test_a_hook_that_acts_is_called_at_every_streamed_layer():
             logits = m.net.forward(np.array([int(logits[-1].argmax())]), cache, hook=lambda l, i, g: calls.append(l))
         assert m.be.runner.table_steps == 0
     finally:
-        m.be.close()
+        m.close()
     assert calls == [0, 1] * 2 * N_DECODE
 
 

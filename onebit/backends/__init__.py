@@ -10,31 +10,16 @@ from __future__ import annotations
 import logging
 
 from ..errors import BackendUnavailableError, UsageError
+from .base import Backend
+from .cpu import CpuBackend
 from .numpy_backend import NumpyBackend
+from .vulkan.backend import VulkanBackend
 
 log = logging.getLogger("onebit")
 
-
-def _vulkan(gguf, experts=None, device=None, slot_arrays=None):
-    from .vulkan.backend import VulkanBackend
-
-    return VulkanBackend(gguf, experts, device, slot_arrays)
-
-
-def _cpu(gguf, experts=None, device=None, slot_arrays=None):
-    try:
-        from .cpu import CpuBackend
-    except ImportError as e:  # numba missing or broken
-        raise BackendUnavailableError(f"the cpu backend cannot run here ({e})") from e
-    return CpuBackend(gguf, experts)
-
-
-def _numpy(gguf, experts=None, device=None, slot_arrays=None):
-    return NumpyBackend(gguf, experts)
-
-
-# Fastest first: a backend that cannot run gives way to the next (onebit.load).
-BACKENDS = {"vulkan": _vulkan, "cpu": _cpu, "numpy": _numpy}
+# Fastest first: a backend that cannot run gives way to the next (onebit.load). Each class answers
+# for itself (backends/base.py): the loader and the planner ask it, never name it.
+BACKENDS: dict[str, type[Backend]] = {"vulkan": VulkanBackend, "cpu": CpuBackend, "numpy": NumpyBackend}
 NAMES = ("auto", *BACKENDS)
 
 
@@ -71,16 +56,20 @@ def fallback_order(name: str) -> list[str]:
     return names[names.index(name):]
 
 
-def open_backend(name: str, gguf, experts=None, device=None, slot_arrays=None):
-    """Backend `name` over `gguf` with its expert source (`experts`: a pool, or None for the
-    file), on `device` (Vulkan; None: the default one). No fallback here: a backend that
-    cannot run raises BackendUnavailableError, which `onebit.load` handles."""
-    return BACKENDS[name](gguf, experts, device, slot_arrays)
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend `name` (one of BACKENDS: `resolve` names one)."""
+    return BACKENDS[name]
 
 
-def device_info(be):
-    """The device a backend computes on (a Vulkan device's `DeviceInfo`), or None for the host."""
-    return None if be.runs_on_host else be.dev.info
+def host_backend(gguf, experts=None, threads=None, repack_from=None) -> Backend:
+    """Host ops for a device backend's predictor: the cpu backend's kernels (no float32 copy of
+    a weight, unlike numpy's reference ops), or numpy's where the cpu backend cannot run; with
+    a pool (`experts`), routed experts from its slots (acquired, as the layer itself acquires
+    them). It repacks nothing at load: only the matrices it uses, when it uses them."""
+    try:
+        return CpuBackend.open(gguf, experts, policy=CpuBackend.memory_policy(gguf, repack_from), threads=threads)
+    except BackendUnavailableError:
+        return NumpyBackend.open(gguf, experts)
 
 
 def describe(be) -> str:

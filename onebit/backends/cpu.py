@@ -14,11 +14,15 @@ import functools
 import logging
 import math
 import sys
+import threading
+from typing import Optional
 
 import numpy as np
 
+from ..errors import BackendUnavailableError, UsageError
 from ..gguf_file import EXPERT_PARTS
-from ..quants import x16_bytes, x16_experts, x16_file
+from ..quants import QTYPES_BY_NAME, X16_ROWS, x16_bytes
+from .base import MemoryPolicy
 from .experts import FileExperts, read_only
 from .numpy_backend import NumpyBackend
 
@@ -65,6 +69,15 @@ def threads() -> int:
     return numba.get_num_threads()
 
 
+def _kernels():
+    """The cpu_kernels module, or BackendUnavailableError where numba is missing or broken."""
+    try:
+        from . import cpu_kernels
+    except ImportError as e:
+        raise BackendUnavailableError(f"the cpu backend cannot run here ({e})") from e
+    return cpu_kernels
+
+
 @functools.cache  # (once a process: the limit holds for every backend opened after)
 def _one_blas_thread() -> None:
     """numpy's BLAS (a prompt's attention products, the predictor's routers) to one thread: its
@@ -77,9 +90,69 @@ def _one_blas_thread() -> None:
     threadpool_limits(1, user_api="blas")
 
 
+# onebit's own layouts on AVX-512 VNNI (cpu_kernels, "X16"): the rows of a matrix, or of each
+# routed expert, 16 side by side (quants.x16_bytes: their bytes). From memory each moves at least
+# its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and prompts' products run
+# 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
+X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS",
+                                                         "Q8_0"))
+# A file takes the X16 layouts only from this many bytes of tensors (a load's `repack_from`
+# setting overrides it). The layouts pay where the products read weights from memory; a smaller
+# file's weights stay in the caches, and its first run on a machine would compile the layouts'
+# kernels as well: the shipped model (5 MB, Q8_0) answered first in 21.1-22.1 s with Q8_0_X16
+# compiled, 18.5-18.6 without (bench_first_token.py). All of the file's tensors count, not only
+# those with a layout: Gemma 3 270M's (253 MB) that have one are 10 MB, and its prompt's Q4_K
+# products ran 35% slower as rows.
+X16_FROM = 64 << 20
+
+
+class X16Policy(MemoryPolicy):
+    """The cpu backend's memory: on AVX-512 VNNI, in a file of X16_FROM bytes or more (or
+    `repack_from`), the matrices and routed experts of X16_TYPES in the X16 layouts, Q4_K's and
+    Q5_K's grown by their decoded scales (quants.x16_bytes). `packs` (matrices) and
+    `packs_experts` are the one decision: the plan counts, the loader leaves to the backend, the
+    backend repacks and its expert layout holds what they say."""
+
+    def __init__(self, backend, gguf, repack_from: Optional[int] = None):
+        super().__init__(backend, gguf)
+        tensors = gguf.tensors.values()
+        limit = X16_FROM if repack_from is None else repack_from
+        self.on = sum(t.n_bytes for t in tensors) >= limit and _kernels().VNNI  # (a small file: no kernels imported)
+        self.experts = X16Experts(self) if any(self.packs_experts(t) for t in tensors) else None
+
+    def packs(self, t) -> bool:
+        """Whether matrix t (a gguf_file.Tensor) is held in an X16 layout: [N, K] of X16_TYPES, N a
+        multiple of 16; not the token embedding, whose rows lookups read as they are (a tied output
+        head reads it as it is too)."""
+        return (self.on and t.qtype in X16_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
+                and not t.name.startswith("token_embd"))
+
+    def packs_experts(self, t) -> bool:
+        """Whether routed-expert tensor t ([E, N, K]) is held in an X16 layout, each expert's rows on
+        their own (a pool's slot is filled with one expert's): of X16_TYPES, N a multiple of 16, in
+        a layer whose experts take the kernels' expert path (every part of a type the kernels read;
+        expert biases only in gpt-oss, whose clamped SwiGLU kernel takes them: a layer with biases
+        elsewhere takes the numpy path, which reads the file's blocks)."""
+        if not (self.on and t.qtype in X16_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0):
+            return False
+        tensors, layer = self.gguf.tensors, t.name.split(".")[1]
+        biased = f"blk.{layer}.ffn_gate_exps.bias" in tensors
+        names = [f"blk.{layer}.{p}.weight" for p in EXPERT_PARTS]
+        return ((not biased or self.gguf.metadata.get("general.architecture") == "gpt-oss")
+                and all(n in tensors and tensors[n].qtype in _kernels().SUPPORTED for n in names))
+
+    def held_bytes(self, t) -> int:
+        return x16_bytes(t.n_bytes, t.qtype) if self.packs(t) or self.packs_experts(t) else t.n_bytes
+
+    @property
+    def repacks(self) -> bool:
+        """Whether any of the file's tensors is held in an X16 layout."""
+        return self.experts is not None or any(self.packs(t) for t in self.gguf.tensors.values())
+
+
 class X16Experts:
     """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K, Q6_K, MXFP4, Q4_0,
-    Q5_0, IQ4_XS and Q8_0 experts in cpu_kernels' X16 layouts on AVX-512 VNNI (`repacks_experts`), in layers
+    Q5_0, IQ4_XS and Q8_0 experts in cpu_kernels' X16 layouts on AVX-512 VNNI, in layers
     whose experts take the kernels' expert path (every part of a type the kernels read; expert
     biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file
     has them). At decode a step's experts are most of its bytes. Measured (2-core VM,
@@ -87,18 +160,14 @@ class X16Experts:
     Q4_K gate 14 GB/s as rows, 26-28 repacked; its Q6_K down (768 weights a row) 15.5-16.6 as
     rows, 25-27 repacked; decode steps on that shape 91-127 ms -> 66-75 ms, on the 0.86B Q4_K_M
     file 5.8-6.2 -> 4.9-5.1 ms (Q4_K only). gpt-oss-20b's MXFP4 experts (4 of 32, 2880 x 2880,
-    both threads) 18-24 GB/s as rows, 29-48 repacked; its decode 0.76x -> 0.96x llama.cpp's."""
+    both threads) 18-24 GB/s as rows, 29-48 repacked; its decode 0.76x -> 0.96x llama.cpp's.
+    Which tensors: `X16Policy.packs_experts`."""
 
-    def __init__(self, gguf):
-        self.gguf = gguf
+    def __init__(self, policy: X16Policy):
+        self.policy = policy
 
     def packs(self, t) -> bool:
-        from . import cpu_kernels as K
-
-        tensors = self.gguf.tensors
-        names = [f"blk.{t.name.split('.')[1]}.{p}.weight" for p in EXPERT_PARTS]
-        return (K.repacks_experts(t) and x16_experts(self.gguf, t)
-                and all(n in tensors and tensors[n].qtype in K.SUPPORTED for n in names))
+        return self.policy.packs_experts(t)
 
     def shape(self, t) -> tuple[int, int]:
         return t.shape[1], x16_bytes(t.raw.shape[-1], t.qtype)
@@ -116,14 +185,22 @@ class X16Experts:
 
 class CpuBackend(NumpyBackend):
     name = "cpu"
+    reference = False  # (the numpy backend's schedule, its own kernels)
 
-    def __init__(self, gguf, experts=None):
+    def __init__(self, gguf, experts=None, policy: Optional[X16Policy] = None, threads: Optional[int] = None):
+        """`policy`: the tensors it holds in X16 layouts (default: `memory_policy`'s); `threads`:
+        the kernels' threads (default: numba's, every core)."""
         super().__init__(gguf, experts)
-        from . import cpu_kernels as K
+        K = _kernels()
+        import numba
 
-        self.K = K.kernels_for(gguf)  # compiled for the file's quant types (or all types, if cached)
-        self.x16 = x16_file(gguf)  # (its matrices in X16 layouts where they have one: `_product`)
-        self.threads = threads()
+        if threads is not None and not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
+            raise UsageError(f"--threads {threads}: the cpu backend runs 1 to {numba.config.NUMBA_NUM_THREADS} "
+                             "threads here (numba's thread pool: $NUMBA_NUM_THREADS, else every core)")
+        self.policy = policy if policy is not None else self.memory_policy(gguf)
+        self.K = K.kernels_for(gguf, self.policy.repacks)  # compiled for the file's quant types (or all, if cached)
+        self._asked_threads, self._threads_set = threads, set()
+        self.threads = threads if threads is not None else numba.get_num_threads()
         _one_blas_thread()
         filled = 0.0
         if self.K.cache_is_cold():  # the first run of these types on this machine: say so before it starts
@@ -146,6 +223,23 @@ class CpuBackend(NumpyBackend):
         self._fused: dict[tuple, tuple] = {}
         self._inv_freq: dict[tuple, np.ndarray] = {}
 
+    @classmethod
+    def memory_policy(cls, gguf, repack_from: Optional[int] = None) -> X16Policy:
+        return X16Policy(cls, gguf, repack_from)
+
+    @classmethod
+    def open(cls, gguf, experts=None, device=None, slot_arrays=None, policy=None, threads=None) -> "CpuBackend":
+        return cls(gguf, experts, policy, threads)
+
+    def _threads_here(self) -> None:
+        """numba's thread count belongs to the calling thread: set the asked one in each thread
+        that runs these kernels (serve runs them in its worker thread, not the loading one)."""
+        if self._asked_threads is not None and threading.get_ident() not in self._threads_set:
+            import numba
+
+            numba.set_num_threads(self._asked_threads)
+            self._threads_set.add(threading.get_ident())
+
     def repack(self, experts: bool = True) -> None:
         """Make every repacked matrix now (`_product_raw`), as llama.cpp repacks at load: not
         inside the first prompt; and hold the file's experts in the X16Experts layout (a pool's
@@ -154,14 +248,12 @@ class CpuBackend(NumpyBackend):
         uses them, and reads experts as its source holds them. Not the file's experts when
         `experts` is false (a model loaded resident past its budget: copies of every expert
         would take memory the file's map could at least give back)."""
-        from . import cpu_kernels as K
-
+        self._threads_here()
         for name, t in self.gguf.tensors.items():
-            if self.x16 and K.repacks(t):
+            if self.policy.packs(t):
                 self._product_raw(name)
-        layout = X16Experts(self.gguf)
-        if (experts and type(self.source) is FileExperts and self.source.layout is None
-                and any(n.endswith("_exps.weight") and layout.packs(t) for n, t in self.gguf.tensors.items())):
+        layout = self.policy.experts
+        if experts and layout is not None and type(self.source) is FileExperts and self.source.layout is None:
             self.source = FileExperts(self.gguf, layout)  # (a pool packs as it fills: Model gives it the layout)
             self.source.pack()
             self._layer_parts.clear()
@@ -182,7 +274,7 @@ class CpuBackend(NumpyBackend):
     def _product_raw(self, name: str):
         """(tensor, type id, raw bytes) of a weight matrix as the products take it, kept per name
         (`_kept`: a linear asks every token): rows of a type with an X16 layout repacked 16 to a group
-        (cpu_kernels' `repacks`, in a file that takes the layouts: quants.x16_file) from the file's map, whose pages are then given back (a streamed
+        (where the policy `packs` it) from the file's map, whose pages are then given back (a streamed
         model's load leaves these tensors mapped for this: no copy beside the repacked one);
         else `_kernel_raw`'s."""
         return self._kept(self._products, name, [name], lambda: self._product(name))
@@ -192,7 +284,7 @@ class CpuBackend(NumpyBackend):
 
         t, raw = self._kernel_raw(name)
         mapped = isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)
-        if raw is None or not (self.x16 and K.repacks(t)) or not mapped:
+        if raw is None or not self.policy.packs(t) or not mapped:
             return t, t.qtype, raw
         packed = np.empty((raw.shape[0], x16_bytes(raw.shape[1], t.qtype)), np.uint8)
         rows = max(16, REPACK_PART // raw.shape[1] // 16 * 16)
@@ -219,6 +311,7 @@ class CpuBackend(NumpyBackend):
         t, raw = self._kernel_raw(name)
         if raw is None:
             return super().embed(name, ids)
+        self._threads_here()
         out = np.empty((len(ids), t.shape[-1]), np.float32)  # [R, dim]
         self.K.get_rows(out, raw, np.asarray(ids, dtype=np.int64), t.qtype, self.K.LUT, self.K.M)
         return out
@@ -229,6 +322,7 @@ class CpuBackend(NumpyBackend):
         fused = self._kept(self._fused, tuple(names), names, lambda: self._fuse(names))
         if fused is None:
             return None
+        self._threads_here()
         w0, w1, w2, q0, q1, q2, a, b, n = fused
         out = np.empty((x.shape[0], n), np.float32)  # [R, N0 + N1 + N2]
         self.K.matmul3(out, _f32(x), w0, w1, w2, q0, q1, q2)
@@ -251,6 +345,7 @@ class CpuBackend(NumpyBackend):
         t, qtype, raw = self._product_raw(name)
         if raw is None or raw.ndim != 2:
             return super().linear(x, name)
+        self._threads_here()
         out = np.empty((x.shape[0], t.shape[0]), np.float32)  # [R, out]
         small = x.shape[0] * raw.shape[0] * t.shape[-1] < self.K.SERIAL_WORK
         (self.K.matmul_serial if small else self.K.matmul)(out, _f32(x), raw, qtype)
@@ -314,7 +409,7 @@ class CpuBackend(NumpyBackend):
         from . import cpu_kernels as K
 
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
-        layout = getattr(self.source, "layout", None)
+        layout = self.source.layout  # (ExpertSource: None, or the layout it holds packed)
         qtypes = [K.x16_type(t.qtype) if layout is not None and layout.packs(t) else t.qtype for t in parts]
         return parts, all(t.qtype in self.K.SUPPORTED for t in parts), qtypes
 
@@ -357,6 +452,7 @@ class CpuBackend(NumpyBackend):
         parts, fast, qtypes, biases = self._experts_of(layer)
         if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
             return super().experts(layer, x, ids, weights, glu)
+        self._threads_here()
         x = _f32(x)
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])

@@ -82,8 +82,7 @@ from numba.np.arrayobj import populate_array  # noqa: E402
 
 from functools import cache  # noqa: E402
 
-from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, type_name, x16_bytes, x16_expert_shape  # noqa: E402
-from ..quants import x16_file, x16_shape  # noqa: E402
+from ..quants import IQ1_DELTA, QTYPES_BY_NAME, iq4_values, iq_grid, type_name, x16_bytes  # noqa: E402
 from ..quants import X16_BLOCK as X16_BLOCK_BYTES, X16_Q5_BLOCK, X16_Q6_BLOCK, X16_ROWS  # noqa: E402
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
@@ -1832,20 +1831,6 @@ def repack_q6_k_x16_serial(raw, out):
         _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
 
 
-def repacks(t) -> bool:
-    """Whether the cpu backend's products take tensor t (a gguf_file.Tensor) in an X16 layout (in a
-    file that takes the layouts at all, quants.x16_file): quants.x16_shape (a matrix of X16_TYPES),
-    on AVX-512 VNNI (a tied output head reads the token embedding as it is)."""
-    return VNNI and x16_shape(t)
-
-
-def repacks_experts(t) -> bool:
-    """Whether the cpu backend's expert sources hold routed-expert tensor t in an X16 layout
-    (quants.x16_expert_shape: of X16_TYPES, on AVX-512 VNNI): the model file's (resident) and a
-    pool's slots alike, so streamed and resident products are the same bits."""
-    return VNNI and x16_expert_shape(t)
-
-
 def x16_type(qtype: int) -> int:
     """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16, ...: X16_TYPES)."""
     return qtype + 256
@@ -2659,23 +2644,23 @@ class Kernels:
                 _warm_small()
 
 
-def parts_for(gguf) -> tuple[str, ...]:
+def parts_for(gguf, repack: bool) -> tuple[str, ...]:
     """The WARM_PARTS a forward of this file calls (gpt-oss's experts, with their biases, only
-    the clamped-SwiGLU kernel)."""
+    the clamped-SwiGLU kernel); `repack`: whether the backend holds some of its tensors in X16
+    layouts (its memory policy says, cpu.X16Policy)."""
     names = gguf.tensors.keys()
     experts = any("_exps.weight" in n for n in names)
     oai = any(n.endswith("ffn_gate_exps.bias") for n in names)
-    repack = x16_file(gguf) and any(repacks(t) or repacks_experts(t) for t in gguf.tensors.values())  # (X16)
     return (("dense", "fused", "small") + (("experts_oai",) if oai else ("experts",) if experts else ())
             + (("repack",) if repack else ()))
 
 
-def kernels_for(gguf) -> Kernels:
+def kernels_for(gguf, repack: bool) -> Kernels:
     """The kernels for this file: those of its own quant types when numba's disk cache holds
     them or when it holds no all-types set either (a fresh machine compiles only what the file
     needs); else the all-types kernels (a machine that compiled them, such as the test suite's)."""
     names = {t.type_name for t in gguf.tensors.values() if len(t.shape) > 1 and t.qtype in SUPPORTED}
-    parts = parts_for(gguf)
+    parts = parts_for(gguf, repack)
     own = Kernels(names, parts)
     if own.cache_is_cold():
         every = Kernels(None, parts)

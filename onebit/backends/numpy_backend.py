@@ -16,11 +16,8 @@ from ..cache import SWA_ROWS, Cache, make_cache
 from ..gguf_file import EXPERT_PARTS, GGUFFile, Tensor
 from ..pause import NO_PAUSES, PauseContext, Pauses
 from ..quants import QTYPES
+from .base import DELTA_CHUNK, SCORE_TILE, Backend, MemoryPolicy
 from .experts import ExpertSource, FileExperts
-
-# A prompt's attention scores hold at most this many elements at once (query rows in tiles):
-# 16 MiB of float32 per array, whatever the context, so the plan's scratch does not grow with it.
-SCORE_TILE = 1 << 22
 
 
 def dequantize(t: Tensor, index=None) -> np.ndarray:
@@ -29,16 +26,27 @@ def dequantize(t: Tensor, index=None) -> np.ndarray:
     return QTYPES[t.qtype].dequantize(raw)
 
 
-class NumpyBackend:
+class DequantizingPolicy(MemoryPolicy):
+    """The numpy reference's memory: the file's tensors as they are, and a float32 copy of the
+    largest matrix (or one expert's) while a product uses it."""
+
+    def decoded_bytes(self) -> int:
+        experts = tuple(f".{p}.weight" for p in EXPERT_PARTS)
+        return 4 * max([t.n_elements // t.shape[0] if t.name.endswith(experts) else t.n_elements
+                        for t in self.gguf.tensors.values()], default=0)
+
+
+class NumpyBackend(Backend):
     name = "numpy"
+    reference = True
 
     def __init__(self, gguf: GGUFFile, experts: Optional[ExpertSource] = None):
         self.gguf = gguf
         self.source = experts if experts is not None else FileExperts(gguf)  # where routed experts' bytes are
 
-    runs_on_host = True
-    reads_map = True  # a forward reads the model file's memory map at any time
-    threads = None  # compute threads where the backend sets them (cpu)
+    @classmethod
+    def memory_policy(cls, gguf, repack_from: Optional[int] = None) -> MemoryPolicy:
+        return DequantizingPolicy(cls, gguf)
 
     def close(self) -> None:
         """Nothing to free: weights stay in the file's memory map."""
@@ -73,24 +81,6 @@ class NumpyBackend:
             # (a sum is non-finite if any logit is, and one reduction costs less than isfinite's
             # array and its all(); a finite sum that overflows is told apart by the full check)
             return logits, math.isfinite(float(logits.sum())) or bool(np.isfinite(logits).all())
-
-    # -- memory -------------------------------------------------------------------------
-
-    @staticmethod
-    def scratch_bytes(cfg, rows: int, n_ctx: int, largest_matrix: int, all_logits: bool = False) -> int:
-        """Peak transient bytes of one forward over `rows` rows: activations, attention scores
-        over n_ctx keys, the dequantized copy of the largest matrix (`largest_matrix` elements:
-        weights are dequantized per use), and logits."""
-        H, Hkv, D, Dv = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v
-        ffn = max(cfg.hidden_dim, cfg.expert_hidden_dim * max(cfg.n_experts_used, 1), cfg.shared_expert_hidden_dim)
-        act = rows * (4 * cfg.dim + H * D + 2 * Hkv * (D + Dv) + H * Dv + 3 * ffn + cfg.n_experts)
-        scores = 3 * max(min(H * rows * n_ctx, SCORE_TILE), H * n_ctx)  # scores, mask select, probabilities
-        logits = (rows if all_logits else 1) * cfg.vocab_size
-        if cfg.recurrent_layers:  # a DeltaNet layer: conv in/out, q/k/v per value head, z, and the
-            Hv, Ds = cfg.ssm_time_step_rank, cfg.ssm_state_size  # state twice (old, new), the
-            n = min(rows, DELTA_CHUNK)  # chunked form's [Hv, n, n] matrices
-            act += rows * (3 * cfg.ssm_conv_channels + 5 * Hv * Ds) + 2 * Hv * Ds * Ds + 4 * Hv * n * n
-        return 4 * (act + scores + logits + largest_matrix)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -386,7 +376,6 @@ class NumpyBackend:
         out[rows] += y * weights[rows, slot][:, None]  # [n, dim]
 
 
-DELTA_CHUNK = 64  # rows per block of the chunked delta rule (as transformers and llama.cpp)
 DELTA_CHUNK_MIN_ROWS = 16  # fewer rows (decode, verify rows) take the one-step-per-row form
 
 

@@ -119,7 +119,7 @@ class TransformerLM:
         backend = self.be.name
         if where is None:
             where = ("a numpy re-run of the same step is finite: a numerics problem of the "
-                     f"{backend} backend (try --backend numpy)") if backend != "numpy" else \
+                     f"{backend} backend (try --backend numpy)") if not self.be.reference else \
                 "but a re-run of the step found no op that made them"
         return NonFiniteError(f"{self.gguf.path}: the forward pass produced non-finite logits (NaN/inf) on the "
                               f"{backend} backend, {where}")

@@ -24,20 +24,60 @@ import numpy as np
 from ...cache import SWA_ROWS
 from ...gguf_file import EXPERT_PARTS, GGUFFile
 from ...pause import NO_PAUSES, Pauses
+from ..base import Backend
 from ..experts import FileExperts, StreamedExperts
 from ..numpy_backend import dequantize
-from .device import Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, default_device
+from .device import (Buffer, Device, Slice, VulkanKernelError, VulkanUnavailableError, choose_device, default_device,
+                     list_devices)
 from .kernels import SUPPORTED_TYPES, DeviceTensor, Kernels, Part, WeightStore, bound_bytes, shader_qk, split_rows
 from .slots import SlotArrays, SlotTable
 
 log = logging.getLogger(__name__)
 
 
-class VulkanBackend:
+class VulkanBackend(Backend):
     name = "vulkan"
     runs_on_host = False
-    threads = None
     reads_map = False  # the model file is read at load, to record a new shape (gguf.reads counts those) and by a pool
+
+    @property
+    def overlaps_host(self) -> bool:
+        """The host's work overlaps the device's compute, except on a CPU device (lavapipe), whose
+        compute runs on the same cores."""
+        return self.dev.info.type != "cpu"
+
+    @property
+    def host_reads_slots(self) -> bool:
+        """Slots are device memory the host maps: read by the host only where that memory is the
+        host's own (unified: an APU, a CPU device; on a discrete GPU such reads are uncached, far
+        slower than a prediction is worth)."""
+        return self.dev.info.unified
+
+    @classmethod
+    def find_device(cls, selector) -> None:
+        if selector is not None:
+            choose_device(list_devices(), selector)  # (VulkanUnavailableError: no such device, or unusable)
+
+    @classmethod
+    def open_device(cls, selector) -> Device:
+        return default_device(selector)  # (a device that cannot open: VulkanUnavailableError)
+
+    @classmethod
+    def device_limits(cls, selector) -> dict:
+        """The device's memory: its largest device-local heap (the heap budget where the driver
+        reports no live budget), largest allocation and largest storage-buffer binding."""
+        d = choose_device(list_devices(), selector)
+        heaps = [h.size for h in d.heaps if h.device_local] or [h.size for h in d.heaps]
+        return {"device_heap": max(heaps), "max_allocation": d.max_memory_allocation_size,
+                "max_storage_range": d.max_storage_buffer_range}
+
+    @classmethod
+    def slot_allocator(cls, device: Device) -> SlotArrays:
+        return SlotArrays(device)  # slots in mapped device buffers the expert kernels read
+
+    @classmethod
+    def open(cls, gguf, experts=None, device=None, slot_arrays=None, policy=None, threads=None) -> "VulkanBackend":
+        return cls(gguf, experts, device, slot_arrays)
 
     def __init__(self, gguf: GGUFFile, experts=None, device: Optional[Device] = None,
                  slot_arrays: Optional[SlotArrays] = None):
@@ -83,6 +123,7 @@ class VulkanBackend:
         self.arena = Arena(self.dev)
         self.runner = GraphRunner(self)
         self.recordings = 0  # every recording made (tests check replays do not re-record)
+        self.closed = False
         self.slot_lut = None
         if self.pool is not None:
             for layer in self.streamed_layers:
@@ -190,17 +231,19 @@ class VulkanBackend:
         return w
 
     def close(self) -> None:
+        """Free the device memory it allocated: weights, recordings, KV storage, the slot table.
+        Not the expert pool nor its slots (`slot_arrays`): their owner (the Model) frees them after."""
+        if self.closed:
+            return
+        self.closed = True
         if self.pool is not None:
-            self.pool.close()  # reader threads stop before the memory they write goes away
-            self.pool.untrack()
+            self.pool.untrack()  # (the pool writes no more into the table freed below)
         self.runner.close()
         self.consts.close()
         self.arena.close()
         for b in self._store.buffers:
             b.destroy()
         self.tensors = {}
-        if self.slot_arrays is not None:
-            self.slot_arrays.destroy()
         if self.slot_lut is not None:
             self.slot_lut.destroy()
             self.slot_lut = None

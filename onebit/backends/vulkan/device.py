@@ -754,6 +754,16 @@ class Device:
     def buffer(self, size: int, host_visible: bool = True) -> Buffer:
         return Buffer(self, size, host_visible)
 
+    @property
+    def live_buffers(self) -> int:
+        """Buffers allocated on this device and not yet destroyed."""
+        return len(self._buffers)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers alive on this device."""
+        return sum(b.size for b in self._buffers)
+
     def upload(self, array: np.ndarray) -> Buffer:
         buf = Buffer(self, np.asarray(array).nbytes, host_visible=True)
         buf.write(np.asarray(array))
