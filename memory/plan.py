@@ -296,14 +296,14 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
       (the file's pages must stay in memory beside everything else), the default context
       halving for it down to MIN_CONTEXT (a 30B-A3B at Q4_K_M on 24 GiB: 4096 -> 2048, where
       streaming 6098 of its 6144 experts decoded 9.2-10.8 tok/s against 12.2-13.0 resident,
-      bench/results/issue33-scale.md, seventh session); otherwise experts stream through as
+      bench/results/larger-than-memory-2026-12-05.md, 2026-12-05 at 31d7b3c); otherwise experts stream through as
       many slots as fit (`slots` overrides the count).
     - `ctx` None: the default context, min(model's, DEFAULT_CONTEXT); when streaming it halves
       while the context's memory (KV cache and attention scratch) takes more than
       CONTEXT_SHARE of what the expert slots get, or while the plan does not fit, down to
       MIN_CONTEXT. Why: a slot holds one expert of 2-12 MiB, a context of 4096 tokens costs a
       30B-A3B 768 MiB of f32 KV, about 260 slots; the hit rate of routing with little reuse
-      grows with the share of experts in slots (bench/results/issue33-scale.md has the
+      grows with the share of experts in slots (bench/results/larger-than-memory-2026-12-05.md has the
       cache-sim figures), so context past what a user asked for is paid in decode speed.
     - `ctx` given: kept as asked; a plan that cannot fit it is refused by the caller (PlanError).
     - `predict_when_streaming`: routing prediction is on when the plan streams (a load's

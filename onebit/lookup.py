@@ -27,7 +27,7 @@ MAX_DRAFTS = 8
 NGRAM_MAX = 4
 # Drafts per forward when the caller gives none: on, at the most drafts. The
 # draft policy verifies only what it expects to pay and its gate turns drafting off where it
-# measures slower: on every file measured (bench/results/issue10-lookup.md, session 9) open
+# measures slower: on every file measured (bench/results/lookup-decoding-2026-12-01.md, 2026-12-02 at cbcf0c7) open
 # prompts ran at 0.99-1.00x of plain decoding or faster, copy-heavy ones up to 1.88x.
 DEFAULT_DRAFTS = MAX_DRAFTS
 

@@ -539,7 +539,7 @@ class Predictor(PauseClient):
         seconds): then the gate skips its trial without prediction. A trial is one window of
         demand reads that no longer overlap compute: on the 30B-A3B shape streamed at 8 GiB,
         2675 demand misses in 24 tokens with a trial among them against 620 without one, and
-        1.5-2.2 tok/s against 2.1-2.4 (bench/results/issue33-scale.md, fifth session)."""
+        1.5-2.2 tok/s against 2.1-2.4 (bench/results/larger-than-memory-2026-12-05.md, 2026-12-05: 367bf5a against 3c6fbdb)."""
         if self.ledger is None:
             return False
         saved = sum(self.ledger.value(l, lv) or 0.0 for l, lv in self.ledger.level.items())
