@@ -17,10 +17,10 @@ import sys
 
 import numpy as np
 
-from ..gguf_file import EXPERT_PARTS
-from ..quants import x16_bytes, x16_experts, x16_file
-from .experts import FileExperts, read_only
-from .numpy_backend import NumpyBackend
+from ...gguf_file import EXPERT_PARTS
+from ...quants import x16_bytes, x16_experts, x16_file
+from ..experts import FileExperts, read_only
+from ..numpy_backend import NumpyBackend
 
 log = logging.getLogger("onebit")
 
@@ -93,7 +93,7 @@ class X16Experts:
         self.gguf = gguf
 
     def packs(self, t) -> bool:
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         tensors = self.gguf.tensors
         names = [f"blk.{t.name.split('.')[1]}.{p}.weight" for p in EXPERT_PARTS]
@@ -104,12 +104,12 @@ class X16Experts:
         return t.shape[1], x16_bytes(t.raw.shape[-1], t.qtype)
 
     def pack(self, t, src: np.ndarray, dst: np.ndarray) -> None:
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         K.repack_x16_serial(read_only(src), dst, t.qtype)
 
     def pack_all(self, t, raw: np.ndarray) -> np.ndarray:
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         return K.repack_x16(read_only(raw), t.qtype)
 
@@ -119,7 +119,7 @@ class CpuBackend(NumpyBackend):
 
     def __init__(self, gguf, experts=None):
         super().__init__(gguf, experts)
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         self.K = K.kernels_for(gguf)  # compiled for the file's quant types (or all types, if cached)
         self.x16 = x16_file(gguf)  # (its matrices in X16 layouts where they have one: `_product`)
@@ -154,7 +154,7 @@ class CpuBackend(NumpyBackend):
         uses them, and reads experts as its source holds them. Not the file's experts when
         `experts` is false (a model loaded resident past its budget: copies of every expert
         would take memory the file's map could at least give back)."""
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         for name, t in self.gguf.tensors.items():
             if self.x16 and K.repacks(t):
@@ -188,7 +188,7 @@ class CpuBackend(NumpyBackend):
         return self._kept(self._products, name, [name], lambda: self._product(name))
 
     def _product(self, name: str):
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         t, raw = self._kernel_raw(name)
         mapped = isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)
@@ -303,7 +303,7 @@ class CpuBackend(NumpyBackend):
     def routed_rows(ids: np.ndarray, weights: np.ndarray, n_experts: int):
         """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
         experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]])."""
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return K.routed_rows(ids, np.ascontiguousarray(weights, dtype=np.float32), int(n_experts))
@@ -311,7 +311,7 @@ class CpuBackend(NumpyBackend):
     def _expert_parts(self, layer: int):
         """The layer's expert tensors, whether the kernels take them all, and their type ids as
         the source holds them (Q4_K_X16, Q6_K_X16 where its layout packs them)."""
-        from . import cpu_kernels as K
+        from .. import cpu_kernels as K
 
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         layout = getattr(self.source, "layout", None)
