@@ -326,7 +326,7 @@ def _repacked_by(backend: str):
     AVX-512 VNNI, cpu_kernels.repacks), or a test that is never true."""
     if backend != "cpu":
         return lambda t: False
-    from .backends.cpu_kernels import repacks
+    from .backends.cpu import repacks
 
     return repacks
 
@@ -336,10 +336,9 @@ def _expert_layout(backend: str, gguf):
     X16 layout on AVX-512 VNNI), or None: as the file has them."""
     if backend != "cpu":
         return None
-    from .backends import cpu_kernels
-    from .backends.cpu import X16Experts
+    from .backends.cpu import VNNI, X16Experts
 
-    return X16Experts(gguf) if cpu_kernels.VNNI else None
+    return X16Experts(gguf) if VNNI else None
 
 
 def _host_backend(gguf, pool=None):

@@ -4,8 +4,8 @@ import os
 from pathlib import Path
 
 # The suite runs two processes on two cores (pytest -n 2): their kernel threads sleep between
-# parallel regions rather than spin (cpu_kernels._wait_policy decides by the load average, which
-# lags behind two workers that start together).
+# parallel regions rather than spin (backends/cpu/threads.wait_policy decides by the load average,
+# which lags behind two workers that start together).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("ONEBIT_X16_FROM", "0")  # the fixtures are small: the X16 layouts anyway (quants.X16_FROM)
 
@@ -23,9 +23,9 @@ def pytest_configure(config):
     (or a plain pytest run) did it."""
     if hasattr(config, "workerinput"):
         return
-    from onebit.backends import cpu_kernels
+    from onebit.backends.cpu import kernel_sets
 
-    cpu_kernels.fill_cache()  # (a part that fails here is compiled again, and reported, by its tests)
+    kernel_sets.fill_cache()  # (a part that fails here is compiled again, and reported, by its tests)
 
 
 FAST_TIER = Path(__file__).parent / "fast_tier.txt"  # node ids of the fast tier (tools/pick_fast_tier.py)

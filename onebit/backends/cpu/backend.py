@@ -1,7 +1,7 @@
 """The cpu backend: the numpy backend's schedule, with its ops in numba kernels.
 
-Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in
-`cpu_kernels`, reading the quantized blocks where they lie (file map or pool slot); the q, k
+Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in the
+package's products (products.py), reading the quantized blocks where they lie (file map or pool slot); the q, k
 and v projections of one input run in one parallel region (the schedule's `linears` op).
 The small ops (norms, rope, decode attention, routing) run in serial kernels, where numpy's
 per-call overhead would cost more than the work (sigmoid routing, glm4moe's, is still numpy's). A tensor whose type the kernels do not decode takes the numpy
@@ -21,6 +21,7 @@ from ...gguf_file import EXPERT_PARTS
 from ...quants import x16_bytes, x16_experts, x16_file
 from ..experts import FileExperts, read_only
 from ..numpy_backend import NumpyBackend
+from .threads import wait_policy
 
 log = logging.getLogger("onebit")
 
@@ -93,7 +94,7 @@ class X16Experts:
         self.gguf = gguf
 
     def packs(self, t) -> bool:
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         tensors = self.gguf.tensors
         names = [f"blk.{t.name.split('.')[1]}.{p}.weight" for p in EXPERT_PARTS]
@@ -104,12 +105,12 @@ class X16Experts:
         return t.shape[1], x16_bytes(t.raw.shape[-1], t.qtype)
 
     def pack(self, t, src: np.ndarray, dst: np.ndarray) -> None:
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         K.repack_x16_serial(read_only(src), dst, t.qtype)
 
     def pack_all(self, t, raw: np.ndarray) -> np.ndarray:
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         return K.repack_x16(read_only(raw), t.qtype)
 
@@ -118,8 +119,9 @@ class CpuBackend(NumpyBackend):
     name = "cpu"
 
     def __init__(self, gguf, experts=None):
+        wait_policy()  # (before numba starts its worker threads: threads() below, or a first parallel region)
         super().__init__(gguf, experts)
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         self.K = K.kernels_for(gguf)  # compiled for the file's quant types (or all types, if cached)
         self.x16 = x16_file(gguf)  # (its matrices in X16 layouts where they have one: `_product`)
@@ -154,7 +156,7 @@ class CpuBackend(NumpyBackend):
         uses them, and reads experts as its source holds them. Not the file's experts when
         `experts` is false (a model loaded resident past its budget: copies of every expert
         would take memory the file's map could at least give back)."""
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         for name, t in self.gguf.tensors.items():
             if self.x16 and K.repacks(t):
@@ -188,7 +190,7 @@ class CpuBackend(NumpyBackend):
         return self._kept(self._products, name, [name], lambda: self._product(name))
 
     def _product(self, name: str):
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         t, raw = self._kernel_raw(name)
         mapped = isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)
@@ -303,7 +305,7 @@ class CpuBackend(NumpyBackend):
     def routed_rows(ids: np.ndarray, weights: np.ndarray, n_experts: int):
         """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
         experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]])."""
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return K.routed_rows(ids, np.ascontiguousarray(weights, dtype=np.float32), int(n_experts))
@@ -311,7 +313,7 @@ class CpuBackend(NumpyBackend):
     def _expert_parts(self, layer: int):
         """The layer's expert tensors, whether the kernels take them all, and their type ids as
         the source holds them (Q4_K_X16, Q6_K_X16 where its layout packs them)."""
-        from .. import cpu_kernels as K
+        from .. import cpu as K
 
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         layout = getattr(self.source, "layout", None)
