@@ -22,6 +22,10 @@ from onebit.backends.numpy_backend import NumpyBackend
 from onebit.backends.vulkan.reference import random_blocks
 from onebit.quants import QTYPES, QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, x16_bytes
 
+# The tests of single kernels call the all-types kernels; the cache_is_cold test and the
+# subprocess ones expect them cached.
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
 TYPES = sorted(QTYPES[t].name for t in base.SUPPORTED)
 # Relative tolerance (of the largest |reference| value) per weight type. The weights decode to
 # the reference's float32 values (up to one rounding of scale * quant, or a fused multiply-add).
@@ -464,7 +468,7 @@ def test_no_compile_in_a_forward_pass():
 import numpy as np, onebit
 for name in ("qwen3moe-f32", "q3moe256-Q4_K_M", "qwen2moe-f32"):
     m = onebit.load({str(fixture_path("qwen3moe-f32.gguf").parent)!r} + "/" + name + ".gguf", backend="cpu")
-    kernels = m.be.K.kernels()  # (the all-types kernels here: conftest compiled them)
+    kernels = m.be.K.kernels()  # (the all-types kernels here: cpu_kernels compiled them)
     before = [len(k.signatures) for k in kernels]
     cache = m.new_cache()
     m.net.forward(np.arange(1, 12), cache)
@@ -486,7 +490,7 @@ print("ok")
 
 def test_cache_is_cold_only_without_a_disk_cache(tmp_path):
     """The first-run compile (and its notice) happens exactly when numba's disk cache lacks a
-    kernel: an empty cache dir is cold; this machine's cache, filled by conftest, is not."""
+    kernel: an empty cache dir is cold; this machine's cache, filled by the cpu_kernels fixture, is not."""
     import subprocess
     import sys
 

@@ -68,7 +68,7 @@ def ro(a):
     return a
 
 
-def test_kernels_of_some_types_give_the_all_types_bits():
+def test_kernels_of_some_types_give_the_all_types_bits(cpu_kernels):
     """Kernels(("Q8_0", "IQ4_NL")): a plain type (its dot inlined) and a codebook type (an
     outlined dot, an IR decoder): get_rows, matmul (1, 3 and 9 rows), matmul3 mixing the two,
     and the expert FFN give exactly the all-types kernels' bits."""
@@ -115,14 +115,14 @@ def test_kernels_of_some_types_give_the_all_types_bits():
             assert a.tobytes() == b.tobytes(), (name, i)
 
 
-def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path):
+def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path, cpu_kernels):
     """The choice, from what the disk cache holds: the file's own set when cached or when the
     all-types kernels are not (a fresh machine); the all-types kernels when only they are
-    cached (this test suite's machine: conftest compiled them). A tensor of a type outside
+    cached (this test suite's machine: the cpu_kernels fixture compiled them). A tensor of a type outside
     the set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
     m = GGUFFile(fixture_path("q3moe256-Q4_K_M.gguf"))
     k = kernel_sets.kernels_for(m)
-    assert k.everything and k.SUPPORTED == base.SUPPORTED  # all-types: cached by conftest, own set not
+    assert k.everything and k.SUPPORTED == base.SUPPORTED  # all-types: cached by cpu_kernels, own set not
     own = kernel_sets.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
     assert own.names == ("Q4_K", "Q6_K", "F32") and QTYPES_BY_NAME["Q8_0"].type_id not in own.SUPPORTED
     code = f"""

@@ -26,6 +26,7 @@ from onebit import cluster
 ray = pytest.importorskip("ray", reason="the cluster extra (ray) is not installed")
 
 MODEL = cluster.shipped_model_path()
+pytestmark = pytest.mark.kernels_of(MODEL)  # (for its workers)
 N = 40
 TIMINGS = {"prompt_seconds", "generation_seconds", "prompt_tps", "generation_tps"}
 

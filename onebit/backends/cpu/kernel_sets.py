@@ -2,11 +2,12 @@
 the products cloned with the type dispatch cut to the file's quant types (`_clone`, `_typed`),
 or the all-types kernels when only they are in numba's disk cache; the small ops and repacks,
 which every file shares. `Kernels.fill_cache` compiles a cold set into the disk cache, its parts
-side by side in worker processes (one process of a machine at a time: a lock file in the cache
-directory), and `warm_up` loads every kernel before the first forward."""
+side by side in worker processes (a set by one process of a machine at a time: a lock file in
+the cache directory), and `warm_up` loads every kernel before the first forward."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types as pytypes
 from functools import cache
@@ -134,9 +135,18 @@ class Kernels:
         return bool(self.cold_parts())
 
     def fill_cache(self) -> float:
-        """Compile the cold parts into numba's disk cache, side by side: groups of parts balanced
-        by their cost (`_cost`), one per core; this process compiles the first group, worker
-        processes the others. Returns the seconds spent."""
+        """Compile the cold parts into numba's disk cache (`_fill`), one process of a machine at a
+        time (`_compile_lock`): a second that finds the set cold meanwhile (another `onebit` on a
+        file of the same types, a worker of `pytest -n`) waits, then compiles what is still cold.
+        Returns the seconds spent compiling."""
+        if not self.cold_parts():
+            return 0.0
+        with self._compile_lock():
+            return self._fill()
+
+    def _fill(self) -> float:
+        """Compile the cold parts side by side: groups of parts balanced by their cost (`_cost`),
+        one per core; this process compiles the first group, worker processes the others."""
         import subprocess
         import sys
         import time
@@ -175,6 +185,27 @@ class Kernels:
                     p.kill()
                     p.wait()
         return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _compile_lock(self):
+        """Held while this process fills the disk cache with this set: an exclusive lock (flock)
+        on a file of the set's own in numba's cache directory, so that two processes never compile
+        the same set side by side (each fill already takes every core). Another set's compile does
+        not wait for it (a `onebit` process beside a long all-types fill). Released when the file
+        closes, also if the process dies. No lock where there is no flock or no writable directory."""
+        tag = "all" if self.everything else "_".join(n.lower() for n in self.names) + ("_x16" if self.x16 else "")
+        try:
+            import fcntl
+
+            where = self.kernels()[0]._cache.cache_path
+            os.makedirs(where, exist_ok=True)
+            f = open(os.path.join(where, f"onebit-compile-{tag}.lock"), "a")
+        except (ImportError, AttributeError, OSError):
+            yield
+            return
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
 
     def _cost(self, part: str) -> float:
         return {"small": SMALL_COST, "repack": REPACK_COST}.get(part, PART_COST + TYPE_COST * len(self.names))
