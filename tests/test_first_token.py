@@ -115,14 +115,18 @@ def test_kernels_of_some_types_give_the_all_types_bits(cpu_kernels):
             assert a.tobytes() == b.tobytes(), (name, i)
 
 
-def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path, cpu_kernels):
+def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path, monkeypatch):
     """The choice, from what the disk cache holds: the file's own set when cached or when the
     all-types kernels are not (a fresh machine); the all-types kernels when only they are
-    cached (this test suite's machine: the cpu_kernels fixture compiled them). A tensor of a type outside
-    the set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
+    cached (here a cache that holds the all-types kernels and no set of the file's own: whether
+    this machine's holds one depends on which tests ran first). A tensor of a type outside the
+    set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
     m = GGUFFile(fixture_path("q3moe256-Q4_K_M.gguf"))
-    k = kernel_sets.kernels_for(m)
-    assert k.everything and k.SUPPORTED == base.SUPPORTED  # all-types: cached by cpu_kernels, own set not
+    every = {id(k) for k in kernel_sets.EVERY.kernels()}
+    with monkeypatch.context() as mp:
+        mp.setattr(kernel_sets, "_cached", lambda kernel: id(kernel) in every)
+        k = kernel_sets.kernels_for(m)
+    assert k.everything and k.SUPPORTED == base.SUPPORTED
     own = kernel_sets.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
     assert own.names == ("Q4_K", "Q6_K", "F32") and QTYPES_BY_NAME["Q8_0"].type_id not in own.SUPPORTED
     code = f"""
