@@ -161,9 +161,9 @@ class Kernels:
             g = load.index(min(load))
             groups[g].append(p)
             load[g] += self._cost(p)
-        root = str(Path(os.path.abspath(__file__)).parents[3])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        code = ("import sys; from onebit.backends.cpu.kernel_sets import Kernels; names = sys.argv[1]; "
+        root = str(Path(os.path.abspath(__file__)).parents[3])  # (this tree's onebit, first on the worker's path)
+        code = (f"import sys; sys.path.insert(0, {root!r}); from onebit.backends.cpu.kernel_sets import Kernels; "
+                "names = sys.argv[1]; "
                 "Kernels(None if names == '*' else names.split(','), tuple(sys.argv[3:]), sys.argv[2] == 'x16')"
                 ".warm_up()")
         names = "*" if self.everything else ",".join(self.names)
@@ -172,7 +172,7 @@ class Kernels:
             for g in groups[1:]:
                 try:
                     procs.append(subprocess.Popen([sys.executable, "-c", code, names, "x16" if self.x16 else "rows", *g],
-                                                  env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.DEVNULL))
                 except OSError:  # no interpreter to start: warm_up compiles in this process instead
                     break
