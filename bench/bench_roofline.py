@@ -84,8 +84,8 @@ def main() -> int:
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     args = ap.parse_args()
     sys.path.insert(0, str(args.root))
-    from onebit.backends import cpu_kernels as K
-    from onebit.backends.cpu import CpuBackend
+    from onebit.backends.cpu import CpuBackend, int_dots, products, repack
+    from onebit.backends.cpu import x16 as layouts
     from onebit.backends.vulkan.reference import random_blocks
     from onebit import quants
     from onebit.quants import QTYPES_BY_NAME
@@ -103,28 +103,28 @@ def main() -> int:
     for label, kind, N, Kin, *rest in wanted:
         for name in args.types.split(","):
             x16 = name.endswith("_X16")  # the cpu backend's repacked layouts
-            if x16 and (not getattr(K, "VNNI", False) or not hasattr(K, name)):
+            if x16 and (not int_dots.VNNI or not hasattr(layouts, name)):
                 continue
             qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
-            tid = getattr(K, name) if x16 else qt.type_id
+            tid = getattr(layouts, name) if x16 else qt.type_id
             if Kin % qt.block_size or (kind == "experts" and N % qt.block_size):
                 continue
             if kind == "dense":
                 w = random_blocks(qt.name, (N, Kin), rng)
-                w = K.repack_x16(w, qt.type_id) if x16 else w
+                w = repack.repack_x16(w, qt.type_id) if x16 else w
                 w.flags.writeable = False
                 nbytes, macs = w.nbytes, N * Kin
 
                 def run(R, w=w, N=N, Kin=Kin, t=tid):
                     x = rng.standard_normal((R, Kin)).astype(np.float32)
                     out = np.empty((R, N), np.float32)
-                    return lambda: K.matmul(out, x, w, t)
+                    return lambda: products.matmul(out, x, w, t)
             else:
                 E, k = rest[0], (rest[1:] or [8])[0]
                 gate, up = (random_blocks(qt.name, (E, N, Kin), rng) for _ in range(2))
                 down = random_blocks(qt.name, (E, Kin, N), rng)
                 if x16:
-                    gate, up, down = (K.repack_x16(a, qt.type_id) for a in (gate, up, down))
+                    gate, up, down = (repack.repack_x16(a, qt.type_id) for a in (gate, up, down))
                 for a in (gate, up, down):
                     a.flags.writeable = False
                 nbytes = k * (gate[0].nbytes + up[0].nbytes + down[0].nbytes)
@@ -140,7 +140,7 @@ def main() -> int:
 
                     def call():
                         sel, offs, rows, rw = routings[next(turn) % 16]
-                        K.expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, t, t, t)
+                        products.expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, t, t, t)
                     return call
             td = median_time(run(1), args.runs)
             tp = median_time(run(args.prompt), max(3, args.runs // 3))

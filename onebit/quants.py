@@ -351,8 +351,8 @@ def type_name(type_id: int) -> str:
 QTYPES_BY_NAME = {cls.name: cls for cls in QTYPES.values()}
 
 
-# The bytes of the cpu backend's X16 layouts (backends/cpu_kernels.py; which tensors take them:
-# backends/cpu.py, X16Policy): the rows of a matrix, or of each routed expert, 16 side by side.
+# The bytes of the cpu backend's X16 layouts (backends/cpu/x16.py; which tensors take them:
+# backends/cpu/backend.py, X16Policy): the rows of a matrix, or of each routed expert, 16 side by side.
 # Q4_K's decodes each 256 weights' scales to bytes: X16_BLOCK bytes hold 16 rows x 256 weights,
 # their 16 x 144 bytes of blocks and 64 more (2.8%; Q5_K's likewise, 2.3%); the others keep their
 # bytes (Q6_K's: 16 rows x 256 weights in 16 x 210 bytes).

@@ -4,9 +4,11 @@ import os
 from pathlib import Path
 
 # The suite runs two processes on two cores (pytest -n 2): their kernel threads sleep between
-# parallel regions rather than spin (cpu_kernels._wait_policy decides by the load average, which
-# lags behind two workers that start together).
+# parallel regions rather than spin (backends/cpu/threads.wait_policy decides by the load average,
+# which lags behind two workers that start together).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import functools
 
 import numpy as np
 import pytest
@@ -15,16 +17,42 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def pytest_configure(config):
-    """Fill the cpu backend's on-disk kernel cache before any test runs, the parts side by side
-    (a cold compile is about 3 minutes of one core). Without it every xdist worker, and every
-    `onebit` subprocess a test starts meanwhile, compiled the same kernels side by side, and a
-    subprocess test ran past its timeout on a fresh machine. Workers skip this: the controller
-    (or a plain pytest run) did it."""
-    if hasattr(config, "workerinput"):
-        return
-    from onebit.backends import cpu_kernels
+    config.addinivalue_line("markers", "kernels_of(*paths): the test starts processes that run these model files "
+                            "on the cpu backend; their kernels are compiled before it (_kernels_of_files)")
 
-    cpu_kernels.fill_cache()  # (a part that fails here is compiled again, and reported, by its tests)
+
+@pytest.fixture(scope="session")
+def cpu_kernels():
+    """The cpu backend's all-types kernels (backends/cpu: products, small ops, repacks), which the
+    tests of single kernels call, compiled into numba's disk cache before the first such test:
+    the parts side by side (a cold compile is minutes of one core), then loaded. Without it each
+    test compiled what it called on its own core, and under pytest -n both workers compiled the
+    same kernels side by side. A worker that finds another filling the cache waits for it
+    (Kernels.fill_cache's lock) and loads what it compiled. Nothing compiles before a test asks."""
+    from onebit.backends.cpu import kernel_sets
+
+    kernel_sets.fill_cache()  # (a part that fails here is compiled again, and reported, by its tests)
+    return kernel_sets.EVERY
+
+
+@functools.cache
+def _fill_kernels_of(path: str) -> None:
+    from onebit.backends.cpu import CpuBackend, kernel_sets
+    from onebit.gguf_file import GGUFFile
+
+    g = GGUFFile(path)
+    kernel_sets.kernels_for(g, CpuBackend.memory_policy(g).repacks).fill_cache()
+
+
+@pytest.fixture(autouse=True)
+def _kernels_of_files(request):
+    """For a test marked kernels_of(path, ..): the kernels the cpu backend takes for those files
+    (kernels_for: the file's own types, or the all-types kernels once cached), compiled here
+    before the test, so that the `onebit` processes it starts load them rather than compile them
+    within the test's timeout. Once per file and worker."""
+    for mark in request.node.iter_markers("kernels_of"):
+        for path in mark.args:
+            _fill_kernels_of(str(path))
 
 
 FAST_TIER = Path(__file__).parent / "fast_tier.txt"  # node ids of the fast tier (tools/pick_fast_tier.py)

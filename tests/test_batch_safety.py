@@ -21,6 +21,7 @@ from onebit import batch
 from onebit.errors import UsageError
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
+pytestmark = pytest.mark.kernels_of(MODEL)  # (for its `onebit` processes)
 
 
 

@@ -79,6 +79,7 @@ def test_chat_session_in_tmux():
         t.kill()
 
 
+@pytest.mark.kernels_of(fixture_path("qwen3moe-f32.gguf"))  # (for the `onebit chat` it starts)
 def test_chat_ctrl_c_twice_at_prompt_exits():
     t = Term([sys.executable, "-m", "onebit.cli.main", "chat", str(fixture_path("qwen3moe-f32.gguf"))])
     try:

@@ -12,6 +12,7 @@ from conftest import fixture_path, run_cli
 from ggufedit import rewrite
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
+pytestmark = pytest.mark.kernels_of(MODEL)  # (for its `onebit` processes)
 
 
 def onebit(*args, input=None):

@@ -10,6 +10,7 @@ import pytest
 from conftest import fixture_path, run_cli
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
+pytestmark = pytest.mark.kernels_of(MODEL)  # (for its `onebit` processes)
 
 
 

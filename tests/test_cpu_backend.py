@@ -16,19 +16,22 @@ import pytest
 
 import onebit
 from conftest import fixture_path, greedy_tokens
-from onebit.backends import cpu_kernels as K
-from onebit.backends import resolve
-from onebit.backends.cpu import CpuBackend
+from onebit.backends import cpu, resolve
+from onebit.backends.cpu import CpuBackend, base, int_dots, kernel_sets, products, repack, small_ops, threads, x16
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.backends.vulkan.reference import random_blocks
-from onebit.quants import QTYPES, QTYPES_BY_NAME, x16_bytes
-from onebit.backends.cpu import X16_FROM
+from onebit.quants import QTYPES, QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, x16_bytes
+from onebit.backends.cpu.backend import X16_FROM
 
-TYPES = sorted(QTYPES[t].name for t in K.SUPPORTED)
+# The tests of single kernels call the all-types kernels; the cache_is_cold test and the
+# subprocess ones expect them cached.
+pytestmark = pytest.mark.usefixtures("cpu_kernels")
+
+TYPES = sorted(QTYPES[t].name for t in base.SUPPORTED)
 # Relative tolerance (of the largest |reference| value) per weight type. The weights decode to
 # the reference's float32 values (up to one rounding of scale * quant, or a fused multiply-add).
 # Float-path types keep float32 activations, so what differs is the order of float32 sums. The
-# integer-path types (K.INT_TYPES) dot against activations rounded to int16 per block of 32: to
+# integer-path types (int_dots.INT_TYPES) dot against activations rounded to int16 per block of 32: to
 # the same bound against that rounding (`rounded`, written again here), and to ACT_TOL against
 # the float32 activations (measured: 2-5.5e-5 of the largest value, products and expert FFNs).
 TOL = {t: 2e-5 for t in TYPES}
@@ -61,9 +64,9 @@ def test_matmul(rng, name, rows):
     w = random_blocks(name, (37, n_in(name)), rng)  # 37 rows: not a multiple of the work chunk
     x = rng.standard_normal((rows, n_in(name))).astype(np.float32)
     out = np.full((rows, 37), np.nan, np.float32)
-    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
+    products.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
     wf = QTYPES_BY_NAME[name].dequantize(w).T
-    if name in K.INT_TYPES:
+    if name in int_dots.INT_TYPES:
         close(out, rounded(x) @ wf, TOL[name], name)
         close(out, x @ wf, ACT_TOL, name)
     else:
@@ -71,7 +74,7 @@ def test_matmul(rng, name, rows):
 
 
 def rounded(x: np.ndarray) -> np.ndarray:
-    """x as the integer products see it (cpu_kernels.quantize_acts' rule): per block of 32,
+    """x as the integer products see it (int_dots.quantize_acts' rule): per block of 32,
     d = max|x| / 32767 and x -> round(x / d) * d, in float64."""
     b = x.astype(np.float64).reshape(*x.shape[:-1], -1, 32)
     d = np.abs(b).max(axis=-1, keepdims=True) / 32767
@@ -85,13 +88,13 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     x = rng.standard_normal((3, 96)).astype(np.float32) * np.float32(7)
     x[1, 32:64] = 0
     x[2, 64] = np.inf
-    q, d, m = K.quantize_acts(x)
-    assert q.shape == (3, (192 if K.VNNI else 96) + K.ROW_PAD)
-    if K.VNNI:  # the byte planes after the 96 values: low bytes, then high bytes
+    q, d, m = int_dots.quantize_acts(x)
+    assert q.shape == (3, (192 if int_dots.VNNI else 96) + int_dots.ROW_PAD)
+    if int_dots.VNNI:  # the byte planes after the 96 values: low bytes, then high bytes
         planes = q.view(np.uint8)[:, 192:384].astype(np.int64)
         lo, hi = planes[:, :96], planes[:, 96:]
         assert np.array_equal(256 * np.where(hi > 127, hi - 256, hi) + lo, q[:, :96])  # v = 256 hi + lo, exactly
-    if K.VNNI:  # each block's d x the sum of its high bytes (IQ4_XS_X16's correction)
+    if int_dots.VNNI:  # each block's d x the sum of its high bytes (IQ4_XS_X16's correction)
         highs = np.where(hi > 127, hi - 256, hi).reshape(3, 3, 32).sum(-1) * d.astype(np.float64)
         ok = np.isfinite(d)
         assert m.shape == (3, 12) and np.allclose(m[:, 9:][ok], highs[ok], rtol=1e-6) and np.isnan(m[2, 11])
@@ -109,7 +112,7 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     assert np.allclose(m[np.isfinite(m)], sums[np.isfinite(sums)], rtol=1e-6)
 
 
-@pytest.mark.skipif(not K.VNNI, reason="the X16 layout is AVX-512 VNNI's (elsewhere Q4_K stays in rows)")
+@pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layout is AVX-512 VNNI's (elsewhere Q4_K stays in rows)")
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_q4_k_x16_products(rng, rows):
     """Q4_K repacked 16 rows to a group: against the reference as the row kernel is (the same
@@ -118,19 +121,19 @@ def test_q4_k_x16_products(rng, rows):
     qt = QTYPES_BY_NAME["Q4_K"]
     w = random_blocks("Q4_K", (48, 512), rng)
     x = rng.standard_normal((rows, 512)).astype(np.float32)
-    packed = K.repack_x16(w)
-    assert packed.shape == (48, 2 * K.X16_BLOCK // 16) and not packed.flags.writeable
+    packed = repack.repack_x16(w)
+    assert packed.shape == (48, 2 * x16.X16_BLOCK // 16) and not packed.flags.writeable
     want = np.full((rows, 48), np.nan, np.float32)
-    K.matmul(want, x, ro(w), qt.type_id)
+    products.matmul(want, x, ro(w), qt.type_id)
     wf = qt.dequantize(w).T
-    for kernel in (K.matmul, K.matmul_serial):
+    for kernel in (products.matmul, products.matmul_serial):
         got = np.full((rows, 48), np.nan, np.float32)
-        kernel(got, x, packed, K.Q4_K_X16)
+        kernel(got, x, packed, x16.Q4_K_X16)
         close(got, rounded(x) @ wf, TOL["Q4_K"], "Q4_K_X16")
         close(got, want, 1e-6, "Q4_K_X16 against the row kernel")
     other = random_blocks("Q6_K", (20, 512), rng)
     three = np.full((rows, 48 + 20 + 48), np.nan, np.float32)
-    K.matmul3(three, x, packed, ro(other), packed, K.Q4_K_X16, QTYPES_BY_NAME["Q6_K"].type_id, K.Q4_K_X16)
+    products.matmul3(three, x, packed, ro(other), packed, x16.Q4_K_X16, QTYPES_BY_NAME["Q6_K"].type_id, x16.Q4_K_X16)
     close(three[:, :48], want, 1e-6, "matmul3, first")
     close(three[:, 68:], want, 1e-6, "matmul3, third (from column 68)")
     close(three[:, 48:68], x @ QTYPES_BY_NAME["Q6_K"].dequantize(other).T, ACT_TOL, "matmul3, Q6_K rows")
@@ -144,20 +147,20 @@ def test_a_model_repacks_at_load_a_bare_backend_when_it_uses_a_matrix():
     m = onebit.load(path, backend="cpu", repack_from=0)  # (a small file: the layouts asked for)
     eligible = {n for n, t in m.gguf.tensors.items() if m.be.policy.packs(t)}
     x16 = lambda be: {n for n, (_, (_, qt, _)) in be._products.items() if qt >= 256}  # noqa: E731
-    assert bool(eligible) == K.VNNI and x16(m.be) == eligible
+    assert bool(eligible) == int_dots.VNNI and x16(m.be) == eligible
     bare = CpuBackend(m.gguf, policy=CpuBackend.memory_policy(m.gguf, repack_from=0))
     assert not x16(bare)
-    if K.VNNI:
+    if int_dots.VNNI:
         name = sorted(eligible)[0]
         bare.linear(np.ones((1, m.gguf.tensor(name).shape[1]), np.float32), name)
         assert x16(bare) == {name}
 
 
-@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+@pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 def test_a_matrix_repacks_a_part_at_a_time(monkeypatch):
     """A matrix repacked 16 rows a part (REPACK_PART), each part's pages of the map given back as
     it is done, is the same bytes as repacked whole; the logits are the same bits."""
-    from onebit.backends import cpu as cpu_module
+    from onebit.backends.cpu import backend as cpu_module
 
     path = fixture_path("q3moe256-Q4_K_M.gguf")
     whole = onebit.load(path, backend="cpu", repack_from=0)
@@ -166,13 +169,13 @@ def test_a_matrix_repacks_a_part_at_a_time(monkeypatch):
     packed = {n: v[1] for n, v in parts.be._products.items() if v[1][1] >= 256}
     assert packed and any(t.shape[0] > 16 for t, _, _ in packed.values())
     for n, (t, qt, got) in packed.items():
-        assert qt == K.x16_type(t.qtype) and not got.flags.writeable
-        assert np.array_equal(got, K.repack_x16(np.asarray(t.raw), t.qtype)), n
+        assert qt == repack.x16_type(t.qtype) and not got.flags.writeable
+        assert np.array_equal(got, repack.repack_x16(np.asarray(t.raw), t.qtype)), n
     ids = [1, 2, 3, 4, 5]
     assert np.array_equal(whole.logits(ids), parts.logits(ids))
 
 
-@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+@pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 def test_a_small_file_keeps_its_rows():
     """Under X16_FROM bytes of tensors (a load's default) a file keeps the rows as they are,
     matrices and experts, and its kernels compile no layout (no repack part); from the size
@@ -204,7 +207,7 @@ def test_a_streamed_file_holds_what_its_plan_counts(repack_from):
         assert m.pool is not None
         packed = {n: raw for n, (_, (t, qt, raw)) in m.be._products.items() if qt >= 256}
         assert set(packed) == {n for n, t in m.gguf.tensors.items() if m.be.policy.packs(t)}
-        assert bool(packed) == (K.VNNI and repack_from == 0)
+        assert bool(packed) == (int_dots.VNNI and repack_from == 0)
         held = 0
         for n, t in m.gguf.tensors.items():
             if n.endswith("_exps.weight"):
@@ -221,11 +224,11 @@ def test_a_streamed_file_holds_what_its_plan_counts(repack_from):
 
 def test_q4_k_x16_layout_by_hand(rng):
     """One block of 16 rows repacked, checked field by field against the Q4_K block format."""
-    if not K.VNNI:
+    if not int_dots.VNNI:
         pytest.skip("the X16 layout is AVX-512 VNNI's")
     w = random_blocks("Q4_K", (16, 256), rng)
-    p = K.repack_x16(w).reshape(-1)
-    assert p.shape == (K.X16_BLOCK,)
+    p = repack.repack_x16(w).reshape(-1)
+    assert p.shape == (x16.X16_BLOCK,)
     for r in range(16):
         blk = w[r]
         assert bytes(p[2 * r : 2 * r + 2]) == bytes(blk[0:2]) and bytes(p[32 + 2 * r : 34 + 2 * r]) == bytes(blk[2:4])
@@ -244,12 +247,12 @@ def test_q5_k_x16_layout_by_hand(rng):
     """Two blocks of 16 Q5_K rows repacked: each weight rebuilt from the layout's fields (d, dmin,
     the decoded 6-bit scale and min of its 32, its nibble among the quants, its fifth bit among
     the fifth-bit words) equals the reference dequantization."""
-    if not K.VNNI:
+    if not int_dots.VNNI:
         pytest.skip("the X16 layout is AVX-512 VNNI's")
     qt = QTYPES_BY_NAME["Q5_K"]
     w = random_blocks("Q5_K", (16, 512), rng)
-    p = K.repack_x16(w, qt.type_id).reshape(2, -1)
-    assert p.shape[1] == K.X16_Q5_BLOCK
+    p = repack.repack_x16(w, qt.type_id).reshape(2, -1)
+    assert p.shape[1] == X16_Q5_BLOCK
     want = qt.dequantize(w)
     for i in range(2):
         blk = p[i]
@@ -269,11 +272,11 @@ def test_q5_k_x16_layout_by_hand(rng):
 def test_q6_k_x16_layout_by_hand(rng):
     """A group of 16 Q6_K rows repacked: each weight rebuilt from the layout's fields (d, the
     scale of its 16, its low 4 and high 2 bits) equals the reference dequantization."""
-    if not K.VNNI:
+    if not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME["Q6_K"]
     w = random_blocks("Q6_K", (16, 512), rng)
-    p = K.repack_x16(w, qt.type_id).reshape(2, K.X16_Q6_BLOCK)  # two blocks of 256
+    p = repack.repack_x16(w, qt.type_id).reshape(2, X16_Q6_BLOCK)  # two blocks of 256
     want = qt.dequantize(w)  # [16, 512]
     for i in range(2):
         blk = p[i]
@@ -290,7 +293,7 @@ def test_q6_k_x16_layout_by_hand(rng):
             assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=0), (i, wi)
 
 
-@pytest.mark.skipif(not K.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+@pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
 @pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"])
 def test_x16_layout_products(rng, name, rows):
@@ -302,18 +305,18 @@ def test_x16_layout_products(rng, name, rows):
     k = 288 if qt.block_size == 32 else 768
     w = random_blocks(name, (48, k), rng)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    packed = K.repack_x16(w, qt.type_id)
+    packed = repack.repack_x16(w, qt.type_id)
     assert packed.shape == (48, x16_bytes(w.shape[1], qt.type_id)) and not packed.flags.writeable
     want = np.full((rows, 48), np.nan, np.float32)
-    K.matmul(want, x, ro(w), qt.type_id)
+    products.matmul(want, x, ro(w), qt.type_id)
     wf = qt.dequantize(w).T
-    for kernel in (K.matmul, K.matmul_serial):
+    for kernel in (products.matmul, products.matmul_serial):
         got = np.full((rows, 48), np.nan, np.float32)
-        kernel(got, x, packed, K.x16_type(qt.type_id))
+        kernel(got, x, packed, repack.x16_type(qt.type_id))
         close(got, rounded(x) @ wf, TOL[name], f"{name}_X16")
         close(got, want, 1e-6, f"{name}_X16 against the row kernel")
     serial = np.empty_like(packed)
-    K.repack_x16_serial(ro(w), serial, qt.type_id)
+    repack.repack_x16_serial(ro(w), serial, qt.type_id)
     assert np.array_equal(serial, packed)
 
 
@@ -322,14 +325,14 @@ def test_plain_x16_layout_by_hand(rng, name):
     """A group of 16 rows repacked: each row's scale field (and Q5_0's word of fifth bits) where
     the layout puts it, and each weight's quant (a nibble; Q8_0's a byte) found again at its
     place in the quants; Q5_0's weights rebuilt from the layout equal the reference's."""
-    if not K.VNNI:
+    if not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME[name]
     qb = 32 if name == "Q8_0" else 16  # quant bytes a block
     ts, sb = qt.type_size, qt.type_size - qb
     fb = 1 if name == "MXFP4" else 2  # the scale's bytes; Q5_0's 4 bytes of fifth bits follow
     w = random_blocks(name, (16, 64), rng)  # two blocks a row
-    p = K.repack_x16(w, qt.type_id).reshape(2, 16 * ts)
+    p = repack.repack_x16(w, qt.type_id).reshape(2, 16 * ts)
     want_f = qt.dequantize(w)
     for i in range(2):
         blk = p[i]
@@ -356,13 +359,13 @@ def test_iq4_xs_x16_layout_by_hand(rng):
     """A group of 16 IQ4_XS rows repacked: each weight rebuilt from the layout's fields (d, the
     6-bit scale of its 32 from the high-bit u16 and the low-nibble bytes, its quant's level)
     equals the reference dequantization."""
-    if not K.VNNI:
+    if not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     from onebit.quants import iq4_values
 
     qt = QTYPES_BY_NAME["IQ4_XS"]
     w = random_blocks("IQ4_XS", (16, 512), rng)
-    p = K.repack_x16(w, qt.type_id).reshape(2, 16 * 136)
+    p = repack.repack_x16(w, qt.type_id).reshape(2, 16 * 136)
     want = qt.dequantize(w)
     levels = np.asarray(iq4_values(), np.float32)
     for i in range(2):
@@ -384,15 +387,15 @@ def test_integer_products_keep_nan_and_inf_visible(rng, name):
     """An activation block holding inf or nan gives nan outputs (float32 products would give inf
     or nan), never a finite number that hides it; the X16 layouts' too."""
     x16 = name.endswith("_X16")
-    if x16 and not K.VNNI:
+    if x16 and not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME[name.removesuffix("_X16")]
     w = random_blocks(qt.name, (16 if x16 else 5, 256), rng)
-    w, tid = (K.repack_x16(w, qt.type_id), K.x16_type(qt.type_id)) if x16 else (ro(w), qt.type_id)
+    w, tid = (repack.repack_x16(w, qt.type_id), repack.x16_type(qt.type_id)) if x16 else (ro(w), qt.type_id)
     x = rng.standard_normal((2, 256)).astype(np.float32)
     x[0, 7], x[1, 200] = np.inf, np.nan
     out = np.zeros((2, w.shape[0]), np.float32)
-    K.matmul(out, x, w, tid)
+    products.matmul(out, x, w, tid)
     assert not np.isfinite(out).any()
 
 
@@ -403,7 +406,7 @@ def test_matmul_float_rows_with_a_tail(rng, name, rows):
     w = random_blocks(name, (19, 101), rng)
     x = rng.standard_normal((rows, 101)).astype(np.float32)
     out = np.full((rows, 19), np.nan, np.float32)
-    K.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
+    products.matmul(out, x, ro(w), QTYPES_BY_NAME[name].type_id)
     close(out, x @ QTYPES_BY_NAME[name].dequantize(w).T, TOL[name], name)
 
 
@@ -416,16 +419,16 @@ def test_rows_of_one_call_and_fused_projections_give_the_same_bits(rng):
     R = 15  # one group of 8, one of 4, one of 2, one row
     x = rng.standard_normal((R, 512)).astype(np.float32)
     fused = np.full((R, sum(w.shape[0] for w in ws)), np.nan, np.float32)
-    K.matmul3(fused, x, *ws, *qts)
+    products.matmul3(fused, x, *ws, *qts)
     col = 0
     for w, qt in zip(ws, qts):
         whole = np.full((R, w.shape[0]), np.nan, np.float32)
-        K.matmul(whole, x, w, qt)
+        products.matmul(whole, x, w, qt)
         assert np.array_equal(fused[:, col : col + w.shape[0]], whole)
         col += w.shape[0]
         for r in range(R):
             one = np.full((1, w.shape[0]), np.nan, np.float32)
-            K.matmul_serial(one, x[r : r + 1], w, qt)
+            products.matmul_serial(one, x[r : r + 1], w, qt)
             assert np.array_equal(one[0], whole[r])
 
 
@@ -435,7 +438,7 @@ def test_small_ops_match_numpy(rng):
     x = rng.standard_normal((3, 64)).astype(np.float32)
     w = rng.standard_normal(64).astype(np.float32)
     out = np.full_like(x, np.nan)
-    K.rms_norm(out, x, w, 1e-6)
+    small_ops.rms_norm(out, x, w, 1e-6)
     close(out, be.rms_norm(x, w, 1e-6), 1e-6)
 
     pos = np.array([0, 5, 17], np.int64)
@@ -443,7 +446,7 @@ def test_small_ops_match_numpy(rng):
     for neox in (True, False):
         inv = 1e4 ** (-np.arange(0, 12, 2, dtype=np.float64) / 12)  # n_rot 12 of 16 dims
         got = np.full_like(q, np.nan)
-        K.rope(got, q, pos, inv, 1.0, neox)
+        small_ops.rope(got, q, pos, inv, 1.0, neox)
         close(got, be.rope(q, pos, 12, 1e4, neox), 1e-6)
 
     S, Hkv = 18, 2
@@ -451,9 +454,9 @@ def test_small_ops_match_numpy(rng):
     v = rng.standard_normal((S, Hkv, 8)).astype(np.float32)
     for window in (0, 4):
         got = np.full((3, 4, 8), np.nan, np.float32)
-        K.attention(got, q, k, v, pos, window, 0.25)  # 1 / sqrt(16)
+        small_ops.attention(got, q, k, v, pos, window, 0.25)  # 1 / sqrt(16)
         close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window), 1e-5)
-        K.attention(got, q, k, v, pos, window, 0.1)  # a model's own scale (Gemma's query_pre_attn_scalar)
+        small_ops.attention(got, q, k, v, pos, window, 0.1)  # a model's own scale (Gemma's query_pre_attn_scalar)
         close(got.reshape(3, -1), be.attention(be, q, k, v, pos, window, 0.1), 1e-5)
     # a sliding-window ring: position p in row p % S, rows past S wrapped over the oldest
     kl = rng.standard_normal((31, Hkv, 16)).astype(np.float32)
@@ -463,18 +466,18 @@ def test_small_ops_match_numpy(rng):
     kr[ring], vr[ring] = kl[31 - S :], vl[31 - S :]
     late = np.array([20, 25, 30], np.int64)
     got = np.full((3, 4, 8), np.nan, np.float32)
-    K.attention(got, q, kr, vr, late, 4, 0.25)
+    small_ops.attention(got, q, kr, vr, late, 4, 0.25)
     close(got.reshape(3, -1), be.attention(be, q, kl, vl, late, 4), 1e-5)
 
     logits = rng.standard_normal((5, 12)).astype(np.float32)
     logits[0, 3] = logits[0, 7]  # a tie: the lower id first, as numpy's stable argsort
     for norm in (True, False):
-        ids, wts = K.route(logits, 4, norm)
+        ids, wts = small_ops.route(logits, 4, norm)
         want_ids, want_w = be.route(be, logits, 4, norm)
         assert np.array_equal(ids, want_ids)
         close(wts, want_w, 1e-6)
 
-    experts, offs, rows, rw = K.routed_rows(want_ids, want_w, 12)
+    experts, offs, rows, rw = small_ops.routed_rows(want_ids, want_w, 12)
     flat = want_ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
     assert np.array_equal(experts, np.unique(flat))
@@ -493,7 +496,7 @@ def test_no_compile_in_a_forward_pass():
 import numpy as np, onebit
 for name in ("qwen3moe-f32", "q3moe256-Q4_K_M", "qwen2moe-f32"):
     m = onebit.load({str(fixture_path("qwen3moe-f32.gguf").parent)!r} + "/" + name + ".gguf", backend="cpu")
-    kernels = m.be.K.kernels()  # (the all-types kernels here: conftest compiled them)
+    kernels = m.be.K.kernels()  # (the all-types kernels here: cpu_kernels compiled them)
     before = [len(k.signatures) for k in kernels]
     cache = m.new_cache()
     m.net.forward(np.arange(1, 12), cache)
@@ -515,11 +518,11 @@ print("ok")
 
 def test_cache_is_cold_only_without_a_disk_cache(tmp_path):
     """The first-run compile (and its notice) happens exactly when numba's disk cache lacks a
-    kernel: an empty cache dir is cold; this machine's cache, filled by conftest, is not."""
+    kernel: an empty cache dir is cold; this machine's cache, filled by the cpu_kernels fixture, is not."""
     import subprocess
     import sys
 
-    code = "from onebit.backends import cpu_kernels as K; print(K.cache_is_cold())"
+    code = "from onebit.backends.cpu import kernel_sets; print(kernel_sets.cache_is_cold())"
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     cold = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env)
@@ -532,7 +535,7 @@ def test_get_rows(rng, name):
     w = random_blocks(name, (20, n_in(name)), rng)
     ids = np.array([3, 0, 19, 3], np.int64)
     out = np.full((4, n_in(name)), np.nan, np.float32)
-    K.get_rows(out, ro(w), ids, QTYPES_BY_NAME[name].type_id, K.LUT, K.M)
+    products.get_rows(out, ro(w), ids, QTYPES_BY_NAME[name].type_id, base.LUT, base.M)
     want = QTYPES_BY_NAME[name].dequantize(w[ids])
     close(out, want, 1e-6, name)  # one rounding of scale * quant at most
 
@@ -558,14 +561,14 @@ def test_expert_ffn_matches_numpy(rng, name):
     experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
     got = np.zeros_like(x)
     qt = Part.qtype
-    K.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt)
-    close(got, want, ACT_TOL if name in K.INT_TYPES else TOL[name], name)
+    products.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt)
+    close(got, want, ACT_TOL if name in int_dots.INT_TYPES else TOL[name], name)
 
     # Split into groups of experts (a streaming pool with few slots): the same bits.
     split = np.zeros_like(x)
     for a, b in ((0, 2), (2, len(experts))):
         o = offs[a : b + 1]
-        K.expert_ffn(split, x, ro(gate), ro(up), ro(down), experts[a:b], o - o[0], rows[o[0] : o[-1]],
+        products.expert_ffn(split, x, ro(gate), ro(up), ro(down), experts[a:b], o - o[0], rows[o[0] : o[-1]],
                      rw[o[0] : o[-1]], qt, qt, qt)
     assert np.array_equal(split, got)
 
@@ -596,9 +599,9 @@ def test_expert_ffn_oai_matches_numpy(rng, name):
     experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
     got = np.zeros_like(x)
     qt = Part.qtype
-    K.expert_ffn_oai(got, x, ro(gate), ro(up), ro(down), experts, experts.copy(), offs, rows, rw, qt, qt, qt,
+    products.expert_ffn_oai(got, x, ro(gate), ro(up), ro(down), experts, experts.copy(), offs, rows, rw, qt, qt, qt,
                      *[ro(b) for b in biases], *glu)
-    close(got, want, ACT_TOL if name in K.INT_TYPES else TOL[name], name)
+    close(got, want, ACT_TOL if name in int_dots.INT_TYPES else TOL[name], name)
 
 
 ARCH = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "llama-f32", "mixtral-f32", "qwen2-f32", "qwen3-f32",
@@ -622,7 +625,7 @@ def test_cpu_matches_numpy(name):
 
 def test_every_quant_type_has_a_kernel(capsys):
     """No type of onebit.quants takes the numpy path: a file mixing five types says nothing."""
-    assert set(QTYPES) <= K.SUPPORTED
+    assert set(QTYPES) <= base.SUPPORTED
     m = onebit.load(fixture_path("q3moe256-IQ1_M.gguf"), backend="cpu")
     assert len({t.qtype for t in m.gguf.tensors.values()}) >= 5
     m.logits([1, 2, 3])
@@ -632,7 +635,9 @@ def test_every_quant_type_has_a_kernel(capsys):
 def test_a_type_without_a_kernel_falls_back_and_says_so_once(capsys, monkeypatch):
     """The numpy path for a type the kernels do not claim (a type added to onebit.quants
     before its kernel): said once at load, and the logits still match numpy's."""
-    monkeypatch.setattr(K, "SUPPORTED", K.SUPPORTED - {QTYPES_BY_NAME["Q1_0"].type_id})
+    fewer = base.SUPPORTED - {QTYPES_BY_NAME["Q1_0"].type_id}
+    for where in (cpu, kernel_sets):  # (what the backend reads, and what the kernel sets read)
+        monkeypatch.setattr(where, "SUPPORTED", fewer)
     path = fixture_path("q3moe256-Q1_0.gguf")
     m = onebit.load(path, backend="cpu")
     err = capsys.readouterr().err
@@ -684,16 +689,48 @@ def test_kernel_threads_spin_only_on_an_idle_machine(monkeypatch, others, want):
             raise OSError("no load figures")
         return others
 
-    monkeypatch.setattr(K, "_others_running", running)
-    K._wait_policy()
+    monkeypatch.setattr(threads, "_others_running", running)
+    threads.wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == want
     assert ("GOMP_SPINCOUNT" in os.environ) == (want == "ACTIVE")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(K, "_others_running", lambda: 0.0)
-    K._wait_policy()
+    monkeypatch.setattr(threads, "_others_running", lambda: 0.0)
+    threads.wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
 
+
+
+def test_importing_onebit_sets_no_thread_environment():
+    """Importing any onebit module (the cpu kernels among them) writes no OMP_*, GOMP_* or NUMBA_*
+    variable: the wait policy is set when a cpu backend opens (`wait_policy`), not at import."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, os, pkgutil, onebit
+before = dict(os.environ)
+for m in pkgutil.walk_packages(onebit.__path__, "onebit."):
+    importlib.import_module(m.name)
+print(sorted(k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k)))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "NUMBA_NUM_THREADS"))}
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-3000:])
+
+
+def test_the_backend_sets_the_wait_policy_before_numba_starts_its_threads(monkeypatch):
+    """OpenMP reads OMP_WAIT_POLICY once, when numba starts its threads (numba.get_num_threads,
+    a first parallel region): the backend sets the policy when it opens, before it asks for them."""
+    from onebit.backends.cpu import backend
+    from onebit.gguf_file import GGUFFile
+
+    calls, count = [], backend.threads
+    monkeypatch.setattr(backend, "wait_policy", lambda: calls.append("wait_policy"))
+    monkeypatch.setattr(backend, "threads", lambda: calls.append("threads") or count())
+    CpuBackend(GGUFFile(fixture_path("qwen3-f32.gguf")))
+    assert calls == ["wait_policy", "threads"]
 
 def test_others_running_counts_a_busy_process():
     """The count the wait policy reads: a busy process beside this one shows (on Linux)."""
@@ -706,7 +743,7 @@ def test_others_running_counts_a_busy_process():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        assert K._others_running() >= 0.6
+        assert threads._others_running() >= 0.6
     finally:
         busy.kill()
         busy.wait()

@@ -18,6 +18,7 @@ from onebit.errors import ModelFileChangedError
 
 SRC = fixture_path("qwen3moe-f32.gguf")
 SMALLER = fixture_path("qwen3-f32.gguf")
+pytestmark = pytest.mark.kernels_of(SRC, SMALLER)  # (for its `onebit` processes)
 
 # Runs the CLI with the backends' forward wrapped so that, once the first result is in the output
 # file, the model file is changed: just before a forward ("during": its reads hit the changed

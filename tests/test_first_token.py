@@ -1,7 +1,7 @@
 """The first use of the cpu backend on a fresh machine compiles only what the file needs.
 
 The products (matmul, matmul3, get_rows, the expert FFNs) are compiled for the file's quant
-types (`cpu_kernels.Kernels`): the all-types kernels' source with the type dispatch cut, which
+types (`kernel_sets.Kernels`): the all-types kernels' source with the type dispatch cut, which
 must give the all-types kernels' bits. Compile cost is judged by what numba compiled and
 cached (dispatcher signatures, cache files), never by time.
 """
@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from conftest import fixture_path
-from onebit.backends import cpu_kernels as K
-from onebit.backends.cpu import CpuBackend
+from onebit.backends.cpu import CpuBackend, base, int_dots, kernel_sets, products
 from onebit.backends.vulkan.reference import random_blocks
 from onebit.gguf_file import GGUFFile
 from onebit.quants import QTYPES_BY_NAME
@@ -34,7 +33,7 @@ def test_a_fresh_machine_compiles_only_the_files_types(tmp_path):
     decode, and the streamed experts of a pool)."""
     code = f"""
 import os, numpy as np, onebit
-from onebit.backends import cpu_kernels as K
+from onebit.backends.cpu import kernel_sets, products
 m = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu")
 assert m.be.K.names == ("Q8_0", "F32"), m.be.K.names
 assert m.be.K.parts == ("dense", "fused", "experts", "small"), m.be.K.parts
@@ -48,10 +47,10 @@ for t in range(3):
 s = onebit.load({str(fixture_path("q3moe256-Q8_0.gguf"))!r}, backend="cpu", slots=4)
 s.logits([1, 2, 3])
 assert before == [len(k.signatures) for k in kernels], "a forward compiled"
-every = [getattr(K, n) for n in K.PRODUCTS] + [K.matmul_rows, K.gate_up, K.one_expert, K.one_expert_oai]
+every = [getattr(products, n) for n in kernel_sets.PRODUCTS + ("matmul_rows", "gate_up", "one_expert", "one_expert_oai")]
 assert not any(k.signatures or k.stats.cache_misses or k.stats.cache_hits for k in every)
 names = sorted(f for _, _, fs in os.walk(os.environ["NUMBA_CACHE_DIR"]) for f in fs if f.endswith(".nbi"))
-small = {{k.__name__ for k in K.SMALL_OPS}} | {{"_attend", "quantize_acts"}}  # shared by every type set
+small = {{k.__name__ for k in kernel_sets.SMALL_OPS}} | {{"_attend", "quantize_acts"}}  # shared by every type set
 assert all("__q8_0_f32-" in f or f.split(".")[1].split("-")[0] in small for f in names), names
 assert any("expert_ffn__q8_0_f32" in f for f in names) and not any("oai__" in f for f in names), names
 print("ok")
@@ -68,13 +67,13 @@ def ro(a):
     return a
 
 
-def test_kernels_of_some_types_give_the_all_types_bits():
+def test_kernels_of_some_types_give_the_all_types_bits(cpu_kernels):
     """Kernels(("Q8_0", "IQ4_NL")): a plain type (its dot inlined) and a codebook type (an
     outlined dot, an IR decoder): get_rows, matmul (1, 3 and 9 rows), matmul3 mixing the two,
     and the expert FFN give exactly the all-types kernels' bits."""
-    k = K.Kernels(("Q8_0", "IQ4_NL"))
+    k = kernel_sets.Kernels(("Q8_0", "IQ4_NL"))
     assert k.names == ("Q8_0", "IQ4_NL") and k.SUPPORTED == {QTYPES_BY_NAME[n].type_id for n in k.names}
-    assert K.Kernels({"IQ4_NL", "Q8_0"}).matmul is k.matmul  # one set of dispatchers per process
+    assert kernel_sets.Kernels({"IQ4_NL", "Q8_0"}).matmul is k.matmul  # one set of dispatchers per process
     rng = np.random.default_rng(34)
     for name in k.names:
         qt = QTYPES_BY_NAME[name].type_id
@@ -82,20 +81,20 @@ def test_kernels_of_some_types_give_the_all_types_bits():
         w = ro(random_blocks(name, (40, n), rng))
         ids = np.array([3, 0, 39, 3], np.int64)
         pairs = []
-        for kern in (k, K):
+        for kern in (k, products):
             out = np.full((4, n), np.nan, np.float32)
-            kern.get_rows(out, w, ids, qt, K.LUT, K.M)
+            kern.get_rows(out, w, ids, qt, base.LUT, base.M)
             pairs.append([out])
         for R in (1, 3, 9):
             x = rng.standard_normal((R, n)).astype(np.float32)
-            for got, kern in zip(pairs, (k, K)):
+            for got, kern in zip(pairs, (k, products)):
                 out = np.full((R, 40), np.nan, np.float32)
                 kern.matmul(out, x, w, qt)
                 got.append(out)
         other = [o for o in k.names if o != name][0]
         w2 = ro(random_blocks(other, (24, n), rng))
         x = rng.standard_normal((5, n)).astype(np.float32)
-        for got, kern in zip(pairs, (k, K)):
+        for got, kern in zip(pairs, (k, products)):
             out = np.full((5, 104), np.nan, np.float32)
             kern.matmul3(out, x, w, w2, w, qt, QTYPES_BY_NAME[other].type_id, qt)
             got.append(out)
@@ -104,7 +103,7 @@ def test_kernels_of_some_types_give_the_all_types_bits():
         x = rng.standard_normal((R, n)).astype(np.float32)
         chosen = np.stack([rng.choice(E, top, replace=False) for _ in range(R)])
         experts, offs, rows, rw = CpuBackend.routed_rows(chosen, rng.random((R, top)).astype(np.float32), E)
-        for got, kern in zip(pairs, (k, K)):
+        for got, kern in zip(pairs, (k, products)):
             out = np.zeros_like(x)
             with np.errstate(over="ignore"):
                 kern.expert_ffn(out, x, gate, up, down, experts, offs, rows, rw, qt, qt, qt)
@@ -115,25 +114,29 @@ def test_kernels_of_some_types_give_the_all_types_bits():
             assert a.tobytes() == b.tobytes(), (name, i)
 
 
-def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path):
+def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path, monkeypatch):
     """The choice, from what the disk cache holds: the file's own set when cached or when the
     all-types kernels are not (a fresh machine); the all-types kernels when only they are
-    cached (this test suite's machine: conftest compiled them). A tensor of a type outside
-    the set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
+    cached (here a cache that holds the all-types kernels and no set of the file's own: whether
+    this machine's holds one depends on which tests ran first). A tensor of a type outside the
+    set is not SUPPORTED by it (it would take the numpy path, never another type's code)."""
     m = GGUFFile(fixture_path("q3moe256-Q4_K_M.gguf"))
-    k = K.kernels_for(m, CpuBackend.memory_policy(m, repack_from=0).repacks)  # (its layouts asked for)
-    assert k.everything and k.SUPPORTED == K.SUPPORTED  # all-types: cached by conftest, own set not
-    own = K.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
+    every = {id(k) for k in kernel_sets.EVERY.kernels()}
+    repacks = CpuBackend.memory_policy(m, repack_from=0).repacks  # (its layouts asked for)
+    with monkeypatch.context() as mp:
+        mp.setattr(kernel_sets, "_cached", lambda kernel: id(kernel) in every)
+        k = kernel_sets.kernels_for(m, repacks)
+    assert k.everything and k.SUPPORTED == base.SUPPORTED
+    own = kernel_sets.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
     assert own.names == ("Q4_K", "Q6_K", "F32") and QTYPES_BY_NAME["Q8_0"].type_id not in own.SUPPORTED
     code = f"""
 from onebit.gguf_file import GGUFFile
-from onebit.backends import cpu_kernels as K
-from onebit.backends.cpu import CpuBackend
+from onebit.backends.cpu import CpuBackend, kernel_sets
 g = GGUFFile({str(fixture_path("q3moe256-Q4_K_M.gguf"))!r})
-k = K.kernels_for(g, CpuBackend.memory_policy(g, repack_from=0).repacks)
+k = kernel_sets.kernels_for(g, CpuBackend.memory_policy(g, repack_from=0).repacks)
 print(k.everything, k.names, k.cold_parts())
 """
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    repack = ", 'repack'" if K.VNNI else ""  # (its Q4_K and Q6_K repacked on AVX-512 VNNI: their repack kernels)
+    repack = ", 'repack'" if int_dots.VNNI else ""  # (its Q4_K and Q6_K repacked on AVX-512 VNNI: their repack kernels)
     assert r.stdout.split("\n")[0] == f"False ('Q4_K', 'Q6_K', 'F32') ('dense', 'fused', 'experts', 'small'{repack})", r

@@ -171,7 +171,7 @@ def vk_ops():
 def test_attention_sinks(vk_ops, S, R, window, reduce):
     """numpy's sinks against plain loops; the Vulkan kernel (both reductions) and the cpu kernel
     against numpy. A sink larger than every score is included (it dominates the denominator)."""
-    from onebit.backends import cpu_kernels as K
+    from onebit.backends.cpu import small_ops
 
     rng = np.random.default_rng(S * 10 + R)
     H, Hkv, D = 8, 2, 32
@@ -185,7 +185,7 @@ def test_attention_sinks(vk_ops, S, R, window, reduce):
     np.testing.assert_allclose(want, _attention_by_loops(q, k, v, pos, window, 0.2, sinks), rtol=0, atol=1e-5)
     np.testing.assert_allclose(vk_ops[reduce].attention(q, k, v, pos, window, 0.2, sinks), want, rtol=0, atol=2e-5)
     got = np.empty((R, H, D), np.float32)
-    K.attention_sinks(got, q, k, v, pos.astype(np.int64), window, 0.2, sinks)
+    small_ops.attention_sinks(got, q, k, v, pos.astype(np.int64), window, 0.2, sinks)
     np.testing.assert_allclose(got.reshape(R, -1), want, rtol=0, atol=2e-5)
     # without sinks the kernel is what it was
     np.testing.assert_allclose(vk_ops[reduce].attention(q, k, v, pos, window, 0.2),

@@ -130,7 +130,7 @@ def test_cpu_equals_numpy_greedy(name):
     tokens = ref_tokens(name)
     m, ref = load(name, "cpu"), load(name)
     a, b = m.net.forward(tokens, m.new_cache()), ref.net.forward(tokens, ref.new_cache())
-    # Q8_0's products take int16-rounded activations on the cpu backend (cpu_kernels.INT_TYPES):
+    # Q8_0's products take int16-rounded activations on the cpu backend (cpu/int_dots.py's INT_TYPES):
     # this random hybrid model amplifies that rounding to 5.0e-4 of the largest logit (cosine
     # 0.9999997); the float32 files keep the float32 bar.
     tol = 1e-3 if name.endswith("Q8_0") else 2e-5

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import gguf
+import pytest
 
 from conftest import fixture_path
 
@@ -37,6 +38,7 @@ def test_info_types_of_a_quantized_file():
     assert set(info["types"]) == {"Q4_K", "Q6_K", "F32"}
 
 
+@pytest.mark.kernels_of(fixture_path("qwen3moe-f32.gguf"))  # (for the `onebit bench` it starts)
 def test_bench_json():
     r = run("bench", str(fixture_path("qwen3moe-f32.gguf")), "--prompt-tokens", "16", "--gen-tokens", "4",
             "--runs", "2", "--json")

@@ -10,7 +10,7 @@ import gguf
 import pytest
 
 from conftest import fixture_path
-from onebit.backends import cpu_kernels
+from onebit.backends.cpu import int_dots
 from onebit.backends.cpu import CpuBackend
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.errors import UsageError
@@ -43,7 +43,7 @@ def test_parse_layers_and_sizes():
             parse_size(bad)
 
 
-@pytest.mark.skipif(not cpu_kernels.VNNI, reason="the cpu backend's X16 layouts are AVX-512 VNNI's")
+@pytest.mark.skipif(not int_dots.VNNI, reason="the cpu backend's X16 layouts are AVX-512 VNNI's")
 def test_plan_bytes_match_hand_computation():
     g, cfg = load(Q4K)
     # (the layouts asked for on this small file: by default a file under X16_FROM keeps its rows)

@@ -37,7 +37,8 @@ def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend
     resident = onebit.load(path, backend=backend, repack_from=0)  # (cpu: the X16 layouts on these small files too)
     ref = decode_logits(resident, prompt, 10)
     if backend == "cpu" and name == Q4K:
-        from onebit.backends.cpu_kernels import Q4_K_X16, VNNI
+        from onebit.backends.cpu.int_dots import VNNI
+        from onebit.backends.cpu.x16 import Q4_K_X16
         assert (Q4_K_X16 in resident.be._experts_of(0)[2]) == VNNI  # (the file's experts packed at load)
     for slots in slot_counts:
         m = onebit.load(path, slots=slots, budget="1GiB", pool_policy=policy, backend=backend, repack_from=0)
@@ -46,10 +47,11 @@ def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend
         got = decode_logits(m, prompt, 10)
         st = m.pool.stats
         if backend == "cpu" and name == Q4K:  # its Q4_K attention and experts in the repacked layout, streamed too
-            from onebit.backends.cpu_kernels import Q4_K_X16, VNNI
+            from onebit.backends.cpu.int_dots import VNNI
+            from onebit.backends.cpu.x16 import Q4_K_X16
             assert any(q == Q4_K_X16 for _, (_, q, _) in m.be._products.values()) == VNNI
             assert any(m.pool.packed.values()) == VNNI
-            from onebit.backends.cpu_kernels import Q6_K_X16
+            from onebit.backends.cpu.x16 import Q6_K_X16
             assert (Q4_K_X16 in m.be._experts_of(0)[2]) == VNNI and (Q6_K_X16 in m.be._experts_of(1)[2]) == VNNI
         m.close()
         assert np.array_equal(got, ref), f"{name} slots={slots} policy={policy}"
@@ -317,10 +319,9 @@ def test_a_pool_packs_its_slots_as_the_file_is_packed(direct):
     """The cpu backend's X16 expert layout: a slot filled by a reader thread (one expert, packed
     on that thread) holds the bytes the file's experts take packed at load (every thread), and
     the slots take the bytes the cpu plan counts for them."""
-    from onebit.backends import cpu_kernels as K
-    from onebit.backends.cpu import CpuBackend
+    from onebit.backends.cpu import CpuBackend, int_dots
 
-    if not K.VNNI:
+    if not int_dots.VNNI:
         pytest.skip("the X16 layout is AVX-512 VNNI's (elsewhere experts stay as in the file)")
     g = GGUFFile(fixture_path(Q4K))
     policy = CpuBackend.memory_policy(g, repack_from=0)

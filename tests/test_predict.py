@@ -373,6 +373,7 @@ def test_settings_from_flags():
         m.set_predict(settings_from(mode="router", layers="0-99"))
 
 
+@pytest.mark.kernels_of(shipped())  # (for the `onebit generate` it starts)
 def test_cli_bad_values_exit_2_and_stats_print(tmp_path):
     base = [sys.executable, "-m", "onebit.cli.main", "generate", "-m", str(shipped()),
             "-p", "hi", "-n", "4", "--raw"]

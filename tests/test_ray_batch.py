@@ -27,6 +27,7 @@ from onebit.model import shipped_model_path
 ray = pytest.importorskip("ray", reason="the cluster extra (ray) is not installed")
 
 MODEL = shipped_model_path()
+pytestmark = pytest.mark.kernels_of(MODEL)  # (for its workers)
 N = 40
 TIMINGS = {"prompt_seconds", "generation_seconds", "prompt_tps", "generation_tps"}
 

@@ -8,9 +8,9 @@ rows), matmul_serial, matmul3 (two types of the set) and the expert FFNs (plain 
 each called once through `Kernels(set)` and once through the all-types kernels; every output
 must be equal bit for bit ('*' as a set: this file's all-types kernels themselves).
 
-With --old PATH (a cpu_kernels.py of another revision, e.g. `git show
-main:onebit/backends/cpu_kernels.py > /tmp/old_kernels.py`), the all-types kernels of that
-file are the reference instead (loaded as onebit.backends._old_kernels), and the small ops
+With --old PATH (the single-module cpu kernels of a revision before onebit/backends/cpu/, e.g.
+`git show a6d698d:onebit/backends/cpu_kernels.py > /tmp/old_kernels.py`), the all-types kernels of
+that file are the reference instead (loaded as onebit.backends._old_kernels), and the small ops
 are compared with that file's too. Minutes of compile on a cold cache (the all-types kernels
 are compiled unless cached): run under nice. Prints one line per set and type, exits 1 on
 any difference.
@@ -27,12 +27,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from onebit.backends import cpu_kernels as K  # noqa: E402
+from onebit.backends.cpu import base, kernel_sets  # noqa: E402
 from onebit.backends.vulkan.reference import random_blocks  # noqa: E402
 from onebit.quants import QTYPES_BY_NAME  # noqa: E402
 
 PLAIN = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K")
-SETS = (("Q8_0", "F32"), PLAIN, K.MORE_TYPES + ("F32",))
+SETS = (("Q8_0", "F32"), PLAIN, base.MORE_TYPES + ("F32",))
 
 
 def ro(a):
@@ -59,7 +59,7 @@ def outputs(k, name: str, other: str, rng_seed: int) -> list[np.ndarray]:
     got = []
     ids = np.array([3, 0, 39, 3], np.int64)
     out = np.full((4, n), np.nan, np.float32)
-    k.get_rows(out, w, ids, qt, K.LUT, K.M)
+    k.get_rows(out, w, ids, qt, base.LUT, base.M)
     got.append(out)
     for R in (1, 2, 3, 4, 5, 8, 13):
         x = rng.standard_normal((R, n)).astype(np.float32)
@@ -82,7 +82,7 @@ def outputs(k, name: str, other: str, rng_seed: int) -> list[np.ndarray]:
     x = rng.standard_normal((R, n)).astype(np.float32)
     ids = np.stack([rng.choice(E, kk, replace=False) for _ in range(R)])
     wts = rng.random((R, kk)).astype(np.float32)
-    experts, offs, rows, rw = K.routed_rows(ids, wts, E)
+    experts, offs, rows, rw = kernel_sets.EVERY.routed_rows(ids, wts, E)
     with np.errstate(over="ignore"):
         out = np.zeros_like(x)
         k.expert_ffn(out, x, gate, up, down, experts, offs, rows, rw, qt, qt, qt)
@@ -119,19 +119,20 @@ def small_outputs(mod, seed: int = 7) -> list[np.ndarray]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", help="a cpu_kernels.py of another revision: its all-types kernels are the reference")
+    ap.add_argument("--old", help="a cpu_kernels.py of a revision before onebit/backends/cpu/: its all-types kernels "
+                    "are the reference")
     ap.add_argument("--sets", nargs="*", help="comma-separated type sets, '*' for the all-types kernels "
                     "(default: Q8_0,F32; the plain types; MORE_TYPES + F32)")
     args = ap.parse_args()
-    ref = load_old(args.old) if args.old else K
+    ref = load_old(args.old) if args.old else kernel_sets.EVERY
     sets = [tuple(s.split(",")) for s in args.sets] if args.sets else SETS
     bad = 0
     if args.old:
-        same = all(a.tobytes() == b.tobytes() for a, b in zip(small_outputs(K), small_outputs(ref)))
+        same = all(a.tobytes() == b.tobytes() for a, b in zip(small_outputs(kernel_sets.EVERY), small_outputs(ref)))
         bad += not same
         print(f"{'small ops (rms_norm, rope, attention, route, routed_rows)':69s} {'same bits' if same else 'DIFFER'}")
     for names in sets:
-        k = K.Kernels(None if names == ("*",) else names)
+        k = kernel_sets.Kernels(None if names == ("*",) else names)
         for i, name in enumerate(k.names):
             other = k.names[(i + 1) % len(k.names)]
             mine, want = outputs(k, name, other, i), outputs(ref, name, other, i)

@@ -1,7 +1,7 @@
 """The cpu backend: the numpy backend's schedule, with its ops in numba kernels.
 
-Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in
-`cpu_kernels`, reading the quantized blocks where they lie (file map or pool slot); the q, k
+Mat-vec / mat-mat (`linear`), get_rows (`embed`) and the routed experts run in the
+package's products (products.py), reading the quantized blocks where they lie (file map or pool slot); the q, k
 and v projections of one input run in one parallel region (the schedule's `linears` op).
 The small ops (norms, rope, decode attention, routing) run in serial kernels, where numpy's
 per-call overhead would cost more than the work (sigmoid routing, glm4moe's, is still numpy's). A tensor whose type the kernels do not decode takes the numpy
@@ -19,12 +19,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, UsageError
-from ..gguf_file import EXPERT_PARTS
-from ..quants import QTYPES_BY_NAME, X16_ROWS, x16_bytes
-from .base import MemoryPolicy
-from .experts import FileExperts, read_only
-from .numpy_backend import NumpyBackend
+from ...errors import BackendUnavailableError, UsageError
+from ...gguf_file import EXPERT_PARTS
+from ...quants import QTYPES_BY_NAME, X16_ROWS, x16_bytes
+from ..base import MemoryPolicy
+from ..experts import FileExperts, read_only
+from ..numpy_backend import NumpyBackend
+from .threads import wait_policy
 
 log = logging.getLogger("onebit")
 
@@ -70,12 +71,13 @@ def threads() -> int:
 
 
 def _kernels():
-    """The cpu_kernels module, or BackendUnavailableError where numba is missing or broken."""
+    """The kernels (the package's `kernels` module), or BackendUnavailableError where numba is
+    missing or broken."""
     try:
-        from . import cpu_kernels
+        from . import kernels
     except ImportError as e:
         raise BackendUnavailableError(f"the cpu backend cannot run here ({e})") from e
-    return cpu_kernels
+    return kernels
 
 
 @functools.cache  # (once a process: the limit holds for every backend opened after)
@@ -90,7 +92,7 @@ def _one_blas_thread() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-# onebit's own layouts on AVX-512 VNNI (cpu_kernels, "X16"): the rows of a matrix, or of each
+# onebit's own layouts on AVX-512 VNNI (x16.py, "X16"): the rows of a matrix, or of each
 # routed expert, 16 side by side (quants.x16_bytes: their bytes). From memory each moves at least
 # its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and prompts' products run
 # 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
@@ -152,7 +154,7 @@ class X16Policy(MemoryPolicy):
 
 class X16Experts:
     """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K, Q6_K, MXFP4, Q4_0,
-    Q5_0, IQ4_XS and Q8_0 experts in cpu_kernels' X16 layouts on AVX-512 VNNI, in layers
+    Q5_0, IQ4_XS and Q8_0 experts in the kernels' X16 layouts on AVX-512 VNNI, in layers
     whose experts take the kernels' expert path (every part of a type the kernels read; expert
     biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file
     has them). At decode a step's experts are most of its bytes. Measured (2-core VM,
@@ -173,13 +175,11 @@ class X16Experts:
         return t.shape[1], x16_bytes(t.raw.shape[-1], t.qtype)
 
     def pack(self, t, src: np.ndarray, dst: np.ndarray) -> None:
-        from . import cpu_kernels as K
-
+        K = _kernels()
         K.repack_x16_serial(read_only(src), dst, t.qtype)
 
     def pack_all(self, t, raw: np.ndarray) -> np.ndarray:
-        from . import cpu_kernels as K
-
+        K = _kernels()
         return K.repack_x16(read_only(raw), t.qtype)
 
 
@@ -190,6 +190,7 @@ class CpuBackend(NumpyBackend):
     def __init__(self, gguf, experts=None, policy: Optional[X16Policy] = None, threads: Optional[int] = None):
         """`policy`: the tensors it holds in X16 layouts (default: `memory_policy`'s); `threads`:
         the kernels' threads (default: numba's, every core)."""
+        wait_policy()  # (before numba starts its worker threads: a first parallel region, or get_num_threads)
         super().__init__(gguf, experts)
         K = _kernels()
         import numba
@@ -280,8 +281,7 @@ class CpuBackend(NumpyBackend):
         return self._kept(self._products, name, [name], lambda: self._product(name))
 
     def _product(self, name: str):
-        from . import cpu_kernels as K
-
+        K = _kernels()
         t, raw = self._kernel_raw(name)
         mapped = isinstance(t.raw, np.memmap) or isinstance(t.raw.base, np.memmap)
         if raw is None or not self.policy.packs(t) or not mapped:
@@ -398,16 +398,14 @@ class CpuBackend(NumpyBackend):
     def routed_rows(ids: np.ndarray, weights: np.ndarray, n_experts: int):
         """The experts chosen (ascending) and, per expert, the rows it serves and their weights:
         experts [n], offs [n+1], rows [R*k], rw [R*k] (expert j serves rows[offs[j]:offs[j+1]])."""
-        from . import cpu_kernels as K
-
+        K = _kernels()
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         return K.routed_rows(ids, np.ascontiguousarray(weights, dtype=np.float32), int(n_experts))
 
     def _expert_parts(self, layer: int):
         """The layer's expert tensors, whether the kernels take them all, and their type ids as
         the source holds them (Q4_K_X16, Q6_K_X16 where its layout packs them)."""
-        from . import cpu_kernels as K
-
+        K = _kernels()
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         layout = self.source.layout  # (ExpertSource: None, or the layout it holds packed)
         qtypes = [K.x16_type(t.qtype) if layout is not None and layout.packs(t) else t.qtype for t in parts]

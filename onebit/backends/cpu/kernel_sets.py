@@ -1,0 +1,332 @@
+"""The kernels one backend calls, and their compile. `kernels_for(file, repack)` gives a `Kernels` set:
+the products cloned with the type dispatch cut to the file's quant types (`_clone`, `_typed`),
+or the all-types kernels when only they are in numba's disk cache; the small ops and repacks,
+which every file shares. `Kernels.fill_cache` compiles a cold set into the disk cache, its parts
+side by side in worker processes (a set by one process of a machine at a time: a lock file in
+the cache directory), and `warm_up` loads every kernel before the first forward."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types as pytypes
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from ...quants import QTYPES_BY_NAME
+from .base import LUT, M, SUPPORTED, cached
+from .ir_blocks import W
+from .decode import _row_decoders
+from .int_dots import VNNI
+from .x16 import NIBBLE_X16, X16, X16_BLOCK
+from .repack import (repack_iq4_xs_x16, repack_iq4_xs_x16_serial, repack_k_x16, repack_k_x16_serial, repack_plain_x16,
+                     repack_plain_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial)
+from .rows import _ORDER, _dispatch, _is_int, _rows_of
+from .products import (SERIAL_WORK, acts, expert_ffn, expert_ffn_oai, gate_up, get_rows, matmul, matmul3, matmul_rows,
+                       matmul_serial, one_expert, one_expert_oai)
+from .small_ops import attention, attention_sinks, rms_norm, rope, route, routed_rows
+
+
+SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
+REPACKS = (repack_k_x16, repack_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_plain_x16,
+           repack_plain_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial)
+
+
+KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
+           one_expert_oai)  # + SMALL_OPS, REPACKS
+
+
+# -- the kernels of a file's types -----------------------------------------------------------
+# A cold compile of the products for every type took 84-127 s on the 2-core VM (each product
+# holds every type's dot code); for one file's two types (the shipped model: Q8_0, F32), with
+# the small ops, about 13 s of CPU. So a backend takes the products compiled for its file's
+# types: the same source, with the dot products' and decode_row's `if qt == ...` chains cut to
+# those types, each type's code the all-types kernel's bit for bit (tests/test_first_token.py;
+# every type: tools/check_kernel_bits.py).
+
+PRODUCTS = ("matmul", "matmul_serial", "matmul3", "get_rows", "expert_ffn", "expert_ffn_oai")
+
+
+def _clone(kernel, env: dict, tag: str):
+    """`kernel`'s code compiled against its module's globals with `env` over them, cached on disk
+    under its own name (`<name>__<tag>`: numba's index is by module, name and line)."""
+    py = kernel.py_func
+    f = pytypes.FunctionType(py.__code__, dict(py.__globals__, **env), py.__name__, py.__defaults__, py.__closure__)
+    f.__qualname__ = f"{py.__qualname__}__{tag}"
+    f.__doc__ = py.__doc__
+    return cached(**{k: v for k, v in kernel.targetoptions.items() if k != "nopython"})(f)
+
+
+@cache
+def _typed(names: tuple[str, ...], x16: bool) -> dict:
+    """The products (and the helpers they call) of PRODUCTS with the dispatch cut to `names`, and
+    their X16 layouts if x16 (one set of dispatchers per process: a second load of a file reuses
+    the compiled code)."""
+    tag = "_".join(n.lower() for n in names) + ("_x16" if x16 and VNNI else "")
+    last = names[-1]
+    env = {"decode_row": _dispatch(_row_decoders(), "out, lut, m", f"decode_row of {tag}.", names, last)}
+    env.update(_is_int(names, x16))
+    env.update(_rows_of(names, x16))
+    for helper in (acts, matmul_rows, gate_up, one_expert, one_expert_oai):  # (each after what it calls)
+        env[helper.py_func.__name__] = _clone(helper, env, tag)
+    return {name: _clone(globals()[name], env, tag) for name in PRODUCTS}
+
+
+# Groups of kernels, each compiled by one process when the disk cache is cold (`fill_cache`).
+WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_rows"), "experts": ("expert_ffn",),
+              "experts_oai": ("expert_ffn_oai",), "small": ("rms_norm", "rope", "attention", "attention_sinks",
+                                                            "route", "routed_rows"),
+              "repack": ("repack_k_x16", "repack_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
+                         "repack_plain_x16", "repack_plain_x16_serial", "repack_iq4_xs_x16",
+                         "repack_iq4_xs_x16_serial")}
+# The repack kernels of each type's X16 layout (a file's "repack" part compiles its types' only).
+REPACKS_OF = {"Q4_K": ("repack_k_x16", "repack_k_x16_serial"), "Q5_K": ("repack_k_x16", "repack_k_x16_serial"),
+              "Q6_K": ("repack_q6_k_x16", "repack_q6_k_x16_serial"),
+              "IQ4_XS": ("repack_iq4_xs_x16", "repack_iq4_xs_x16_serial")}
+REPACKS_OF.update({n: ("repack_plain_x16", "repack_plain_x16_serial") for n in NIBBLE_X16 + ("Q8_0",)})
+# What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
+# were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
+# 32-45), 3.5 for the small ops whatever the types.
+SMALL_COST, PART_COST, TYPE_COST, REPACK_COST = 3.5, 2.0, 1.6, 2.0
+
+
+class Kernels:
+    """The kernels one backend calls: the products compiled for `names` (quant type names; None:
+    every type, the all-types kernels of products.py) and the small ops, which every file shares. `parts`
+    (of WARM_PARTS) are what `warm_up` loads and `fill_cache` compiles: a file without experts
+    needs no expert kernel."""
+
+    LUT, M, SERIAL_WORK = LUT, M, SERIAL_WORK
+
+    def __init__(self, names=None, parts: tuple[str, ...] = tuple(WARM_PARTS), x16: bool | None = None):
+        self.names = tuple(n for n in _ORDER if names is None or n in names) or ("F32",)
+        self.everything = names is None
+        self.parts = tuple(p for p in WARM_PARTS if p in parts)
+        # the products take the X16 layouts' branches: by default where the file repacks (parts_for);
+        # `fill_cache`'s workers, each given some of the parts, are told
+        self.x16 = "repack" in self.parts if x16 is None else x16
+        self.SUPPORTED = frozenset(SUPPORTED) if self.everything else frozenset(
+            QTYPES_BY_NAME[n].type_id for n in self.names) & SUPPORTED
+        own = globals() if self.everything else _typed(self.names, self.x16)
+        for name in PRODUCTS + WARM_PARTS["small"] + WARM_PARTS["repack"]:
+            setattr(self, name, own[name] if name in own else globals()[name])
+        self._warm = False
+
+    def kernels(self, parts=None) -> list:
+        """The dispatchers of `parts` (default: this set's), each once: of the repacks, those of
+        this set's types' layouts."""
+        return [getattr(self, n) for p in (parts or self.parts) for n in WARM_PARTS[p]
+                if p != "repack" or n in self._repacks()]
+
+    def _repacks(self) -> tuple[str, ...]:
+        """The repack kernels of this set's types' X16 layouts (REPACKS_OF)."""
+        return tuple(dict.fromkeys(k for n, ks in REPACKS_OF.items() if self.everything or n in self.names
+                                   for k in ks))
+
+    def cold_parts(self) -> tuple[str, ...]:
+        """The parts some kernel of which numba's disk cache lacks (none once this set is loaded)."""
+        if self._warm:
+            return ()
+        return tuple(p for p in self.parts if not all(_cached(k) for k in self.kernels((p,))))
+
+    def cache_is_cold(self) -> bool:
+        return bool(self.cold_parts())
+
+    def fill_cache(self) -> float:
+        """Compile the cold parts into numba's disk cache (`_fill`), one process of a machine at a
+        time (`_compile_lock`): a second that finds the set cold meanwhile (another `onebit` on a
+        file of the same types, a worker of `pytest -n`) waits, then compiles what is still cold.
+        Returns the seconds spent compiling."""
+        if not self.cold_parts():
+            return 0.0
+        with self._compile_lock():
+            return self._fill()
+
+    def _fill(self) -> float:
+        """Compile the cold parts side by side: groups of parts balanced by their cost (`_cost`),
+        one per core; this process compiles the first group, worker processes the others."""
+        import subprocess
+        import sys
+        import time
+
+        cold = self.cold_parts()
+        if not cold:
+            return 0.0
+        t0 = time.perf_counter()
+        groups = [[] for _ in range(min(os.cpu_count() or 1, len(cold)))]
+        load = [0.0] * len(groups)
+        for p in sorted(cold, key=self._cost, reverse=True):  # longest first, onto the least loaded
+            g = load.index(min(load))
+            groups[g].append(p)
+            load[g] += self._cost(p)
+        root = str(Path(os.path.abspath(__file__)).parents[3])  # (this tree's onebit, first on the worker's path)
+        code = (f"import sys; sys.path.insert(0, {root!r}); from onebit.backends.cpu.kernel_sets import Kernels; "
+                "names = sys.argv[1]; "
+                "Kernels(None if names == '*' else names.split(','), tuple(sys.argv[3:]), sys.argv[2] == 'x16')"
+                ".warm_up()")
+        names = "*" if self.everything else ",".join(self.names)
+        procs = []
+        try:
+            for g in groups[1:]:
+                try:
+                    procs.append(subprocess.Popen([sys.executable, "-c", code, names, "x16" if self.x16 else "rows", *g],
+                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.DEVNULL))
+                except OSError:  # no interpreter to start: warm_up compiles in this process instead
+                    break
+            self._warm_parts(groups[0])
+            for p in procs:
+                p.wait()  # a part that failed is compiled again by warm_up, which reports it
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _compile_lock(self):
+        """Held while this process fills the disk cache with this set: an exclusive lock (flock)
+        on a file of the set's own in numba's cache directory, so that two processes never compile
+        the same set side by side (each fill already takes every core). Another set's compile does
+        not wait for it (a `onebit` process beside a long all-types fill). Released when the file
+        closes, also if the process dies. No lock where there is no flock or no writable directory."""
+        tag = "all" if self.everything else "_".join(n.lower() for n in self.names) + ("_x16" if self.x16 else "")
+        try:
+            import fcntl
+
+            where = self.kernels()[0]._cache.cache_path
+            os.makedirs(where, exist_ok=True)
+            f = open(os.path.join(where, f"onebit-compile-{tag}.lock"), "a")
+        except (ImportError, AttributeError, OSError):
+            yield
+            return
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _cost(self, part: str) -> float:
+        return {"small": SMALL_COST, "repack": REPACK_COST}.get(part, PART_COST + TYPE_COST * len(self.names))
+
+    def warm_up(self) -> tuple[float, int]:
+        """Load every kernel of this set now (compiling it the first time on this machine), so
+        that no compile lands in a forward pass. Returns (seconds, kernels compiled rather than
+        loaded)."""
+        import time
+
+        if self._warm:
+            return 0.0, 0
+        t0 = time.perf_counter()
+        kernels = self.kernels()
+        before = sum(len(k.stats.cache_misses) for k in kernels)
+        self._warm_parts(self.parts)
+        self._warm = True
+        return time.perf_counter() - t0, sum(len(k.stats.cache_misses) for k in kernels) - before
+
+    def _warm_parts(self, parts) -> None:
+        """Call the kernels of `parts` once, on tiny arguments of a forward's signatures."""
+        qt = QTYPES_BY_NAME[self.names[0]]
+        n = max(W, qt.block_size)  # one block (32 weights of a float type)
+        x = np.zeros((1, n), np.float32)
+        w = _ro(np.zeros((2, n // qt.block_size * qt.type_size), np.uint8))  # [2 rows, row bytes]
+        h = _ro(np.zeros((1, n, w.shape[1]), np.uint8))  # one expert, hidden = dim = n
+        ids, offs, one = np.zeros(1, np.int64), np.array([0, 1], np.int64), np.ones(1, np.float32)
+        t = qt.type_id
+        for part in parts:
+            if part == "dense":
+                self.matmul(np.empty((1, 2), np.float32), x, w, t)
+                self.matmul_serial(np.empty((1, 2), np.float32), x, w, t)
+            elif part == "fused":
+                self.matmul3(np.empty((1, 6), np.float32), x, w, w, w, t, t, t)
+                self.get_rows(np.empty((1, n), np.float32), w, ids, t, LUT, M)
+            elif part == "experts":
+                self.expert_ffn(np.zeros((1, n), np.float32), x, h, h, h, ids, offs, ids, one, t, t, t)
+            elif part == "experts_oai":
+                b = _ro(np.zeros((1, n), np.float32))
+                self.expert_ffn_oai(np.zeros((1, n), np.float32), x, h, h, h, ids, ids, offs, ids, one, t, t, t,
+                                    b, b, b, 1.702, 7.0)
+            elif part == "repack":
+                _warm_repack(self._repacks())
+            else:
+                _warm_small()
+
+
+def parts_for(gguf, repack: bool) -> tuple[str, ...]:
+    """The WARM_PARTS a forward of this file calls (gpt-oss's experts, with their biases, only
+    the clamped-SwiGLU kernel); `repack`: whether the backend holds some of its tensors in X16
+    layouts (its memory policy says, backend.X16Policy)."""
+    names = gguf.tensors.keys()
+    experts = any("_exps.weight" in n for n in names)
+    oai = any(n.endswith("ffn_gate_exps.bias") for n in names)
+    return (("dense", "fused", "small") + (("experts_oai",) if oai else ("experts",) if experts else ())
+            + (("repack",) if repack else ()))
+
+
+def kernels_for(gguf, repack: bool) -> Kernels:
+    """The kernels for this file: those of its own quant types when numba's disk cache holds
+    them or when it holds no all-types set either (a fresh machine compiles only what the file
+    needs); else the all-types kernels (a machine that compiled them, such as the test suite's)."""
+    names = {t.type_name for t in gguf.tensors.values() if len(t.shape) > 1 and t.qtype in SUPPORTED}
+    parts = parts_for(gguf, repack)
+    own = Kernels(names, parts)
+    if own.cache_is_cold():
+        every = Kernels(None, parts)
+        if not every.cache_is_cold():
+            return every
+    return own
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _warm_small():
+    xr = _ro(np.zeros((1, 32), np.float32))  # the small ops take read-only inputs (cpu._ro32)
+    rms_norm(np.empty_like(xr), xr, xr[0], 1e-6)
+    q = _ro(np.zeros((1, 2, 4), np.float32))
+    pos, inv = _ro(np.zeros(1, np.int64)), _ro(np.ones(2))
+    rope(np.empty_like(q), q, pos, inv, 1.0, True)
+    attention(np.empty_like(q), q, q, q, pos, 0, 0.5)
+    attention_sinks(np.empty_like(q), q, q, q, pos, 0, 0.5, xr[0, :2])
+    ids2, w2 = route(xr, 2, True)
+    routed_rows(ids2, w2, 32)
+
+
+def _warm_repack(kernels):
+    """Call each repack kernel named in `kernels` on one group of 16 rows."""
+    args = {"repack_k_x16": (144, X16_BLOCK // X16, 144, X16_BLOCK), "repack_q6_k_x16": (210, 210),
+            "repack_plain_x16": (17, 17, 17, 16),
+            "repack_iq4_xs_x16": (136, 136)}
+    for name in kernels:
+        row, out, *more = args[name.removesuffix("_serial")]
+        globals()[name](_ro(np.zeros((X16, row), np.uint8)), np.empty((X16, out), np.uint8), *more)
+
+
+def _cached(kernel) -> bool:
+    """Whether numba's disk cache holds compiled code of `kernel` for this source (an index made
+    before this file last changed, e.g. by an upgrade, counts as empty: numba compiles again)."""
+    try:
+        return bool(kernel._cache._cache_file._load_index())
+    except Exception:  # a numba without this layout: say yes, and compile in process if need be
+        return True
+
+
+EVERY = Kernels()  # the all-types kernels (tests, benches and the test suite's cache fill)
+
+
+def cache_is_cold() -> bool:
+    """Whether some all-types kernel has never been compiled on this machine."""
+    return EVERY.cache_is_cold()
+
+
+def fill_cache() -> float:
+    """Compile every all-types kernel into numba's disk cache (Kernels.fill_cache)."""
+    return EVERY.fill_cache()
+
+
+def warm_up() -> tuple[float, int]:
+    """Load every all-types kernel now (Kernels.warm_up)."""
+    return EVERY.warm_up()

@@ -1,0 +1,247 @@
+"""Repacking rows into the X16 layouts (x16.py): the numba repack kernels (on every thread, and
+serial for a pool's reader threads), and `repack_x16` and its variants by type. Which tensors
+the backend holds in an X16 layout is its memory policy's to say (backend.X16Policy)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ...quants import QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, type_name, x16_bytes
+from .base import cached
+from .int_dots import VNNI
+from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q6_Q, X16, X16_BLOCK, _q5_at_jit
+
+
+# The repacks index with unsigned 64-bit integers: a signed index makes numba test it for a
+# negative value (numpy's wraparound) at every byte, which kept LLVM from joining four byte
+# loads into one and held the MXFP4 and Q4_0 repacks to 1.7 GB/s on one thread (6.9 unsigned;
+# Q4_K 6.1 -> 9.6): a pool's reader packs each expert it reads, and a resident load packs them all.
+U = np.uint64
+
+
+@njit(inline="always")
+def _word(r8, q):
+    """The little-endian 32-bit word of bytes r8[q .. q + 3] (q unsigned, any alignment)."""
+    return (np.uint32(r8[q]) | (np.uint32(r8[q + U(1)]) << 8) | (np.uint32(r8[q + U(2)]) << 16)
+            | (np.uint32(r8[q + U(3)]) << 24))
+
+
+@njit(inline="always")
+def _repack_iq4xs_group(r8, rb, o, o32, g, nb):
+    """Group g (unsigned; rows 16 g .. 16 g + 15) of IQ4_XS rows r8 (uint8, flat, rb bytes a row
+    of nb blocks) into o (uint8, flat; o32: the same as words) as IQ4_XS_X16."""
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(IQ4_XS_X16_BLOCK), row + U(i) * U(136)
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s], r8[s + U(1)]
+            o[base + U(32 + 2 * r)], o[base + U(33 + 2 * r)] = r8[s + U(2)], r8[s + U(3)]
+            for t in range(4):
+                o[base + U(64 + 16 * t + r)] = r8[s + U(4 + t)]
+            w0 = (base + U(128)) // U(4) + U(r)
+            for jk in range(32):  # (sub-block j = jk // 4, k = jk % 4: bytes 8 + 4 jk ..)
+                o32[w0 + U(X16 * jk)] = _word(r8, s + U(8 + 4 * jk))
+
+
+@cached(parallel=True, nogil=True)
+def repack_iq4_xs_x16(raw, out):
+    """IQ4_XS rows raw (uint8 [N, K / 256 x 136], N a multiple of 16) -> out (the same shape) as
+    IQ4_XS_X16, on every thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_iq4xs_group(r8, rb, o, o32, U(g), rb // U(136))
+
+
+@cached(nogil=True)
+def repack_iq4_xs_x16_serial(raw, out):
+    """`repack_iq4_xs_x16` on the calling thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_iq4xs_group(r8, rb, o, o32, U(g), rb // U(136))
+
+
+@njit(inline="always")
+def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
+    """Group g of MXFP4, Q4_0, Q5_0 or Q8_0 rows (`_repack_iq4xs_group`'s arguments; blocks of ts
+    bytes: a scale, Q5_0's 4 bytes of fifth bits, then qb quant bytes) in their X16 layout: the 16
+    rows' scales, their fifth bits, then the quants, 4 bytes (a 32-bit word) at a time."""
+    sb, nb = ts - qb, rb // ts
+    fb = min(sb, U(2))  # the scale's bytes (MXFP4's 1, the others' f16); then Q5_0's fifth bits
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(X16) * ts, row + U(i) * ts
+            for j in range(fb):
+                o[base + fb * U(r) + U(j)] = r8[s + U(j)]
+            if sb > fb:
+                o32[(base + U(X16) * fb) // U(4) + U(r)] = _word(r8, s + fb)
+            w0 = (base + U(X16) * sb) // U(4) + U(r)
+            for k in range(qb // U(4)):
+                o32[w0 + U(X16) * U(k)] = _word(r8, s + sb + U(4) * U(k))
+
+
+@cached(parallel=True, nogil=True)
+def repack_plain_x16(raw, out, ts, qb):
+    """MXFP4 (ts = 17, qb = 16), Q4_0 (18, 16), Q5_0 (22, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
+    N a multiple of 16) -> out (the same shape) in their X16 layout, on every thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_plain_group(r8, rb, o, o32, U(g), U(ts), U(qb))
+
+
+@cached(nogil=True)
+def repack_plain_x16_serial(raw, out, ts, qb):
+    """`repack_plain_x16` on the calling thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_plain_group(r8, rb, o, o32, U(g), U(ts), U(qb))
+
+
+@njit(inline="always")
+def _repack_group(r8, rb, o, o32, g, nb, ts, xb):
+    """Group g of Q4_K rows (`_repack_iq4xs_group`'s arguments) in the X16 layout; of Q5_K rows
+    (ts = 176 bytes a block, xb = X16_Q5_BLOCK) in Q5_K_X16."""
+    w = r8.view(np.uint32)  # (a row is 144 or 176 bytes a block: its quants are word aligned)
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * xb, row + U(i) * ts
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s], r8[s + U(1)]
+            o[base + U(32 + 2 * r)], o[base + U(33 + 2 * r)] = r8[s + U(2)], r8[s + U(3)]
+            for t in range(8):
+                if t < 4:
+                    sc, mn = r8[s + U(4 + t)] & 63, r8[s + U(8 + t)] & 63
+                else:
+                    sc = (r8[s + U(8 + t)] & 15) | ((r8[s + U(t)] >> 6) << 4)
+                    mn = (r8[s + U(8 + t)] >> 4) | ((r8[s + U(4 + t)] >> 6) << 4)
+                o[base + U(64 + 16 * t + r)] = sc
+                o[base + U(192 + 16 * t + r)] = mn
+            q0 = (s + ts - U(128)) // U(4)  # (4 weights a word)
+            if ts == U(144):
+                at = (base + U(320)) // U(4) + U(r)
+                for jk in range(32):
+                    o32[at + U(X16 * jk)] = w[q0 + U(jk)]
+            else:  # Q5_K: the quants where _q5_at says, the fifth bits after pair 0's
+                h0 = (s + U(16)) // U(4)
+                for jk in range(32):
+                    o32[(base + U(_q5_at_jit(jk // 8, jk % 8))) // U(4) + U(r)] = w[q0 + U(jk)]
+                for k in range(8):
+                    o32[(base + U(_q5_at_jit(0, k) + 64)) // U(4) + U(r)] = w[h0 + U(k)]
+
+
+@cached(parallel=True, nogil=True)
+def repack_k_x16(raw, out, ts, xb):
+    """Q4_K rows raw (uint8 [N, K / 256 x 144], N a multiple of 16; ts = 144, xb = X16_BLOCK) or
+    Q5_K rows (ts = 176, xb = X16_Q5_BLOCK) -> out (uint8 [N, K / 256 x xb / 16]) in their X16
+    layout, on every thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_group(r8, rb, o, o32, U(g), rb // U(ts), U(ts), U(xb))
+
+
+@cached(nogil=True)
+def repack_k_x16_serial(raw, out, ts, xb):
+    """`repack_k_x16` on the calling thread (an expert pool's reader threads: one expert each)."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_group(r8, rb, o, o32, U(g), rb // U(ts), U(ts), U(xb))
+
+
+@njit(inline="always")
+def _repack_q6_group(r8, rb, o, o32, g, nb):
+    """Group g of Q6_K rows (`_repack_iq4xs_group`'s arguments) as Q6_K_X16, 4 weights a 32-bit
+    word (one block's bytes first copied to an aligned buffer: rows of 210 bytes are not)."""
+    M4, M2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+    blk = np.empty(56, np.uint32)  # one row's block (210 bytes), word aligned
+    b8 = blk.view(np.uint8)
+    u = np.empty(64, np.uint32)  # its 256 stored values u = q + 32, 4 to a word, in weight order
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(X16_Q6_BLOCK), row + U(i) * U(210)
+            for q in range(52):
+                blk[q] = _word(r8, s + U(4 * q))
+            b8[208], b8[209] = r8[s + U(208)], r8[s + U(209)]
+            for h in range(2):  # ggml's dequantize_row_q6_K order, 4 values at once
+                for l4 in range(8):
+                    a, c, qh = blk[16 * h + l4], blk[16 * h + 8 + l4], blk[32 + 8 * h + l4]
+                    u[32 * h + l4] = (a & M4) | ((qh & M2) << 4)
+                    u[32 * h + 8 + l4] = (c & M4) | (((qh >> 2) & M2) << 4)
+                    u[32 * h + 16 + l4] = ((a >> 4) & M4) | (((qh >> 4) & M2) << 4)
+                    u[32 * h + 24 + l4] = ((c >> 4) & M4) | (((qh >> 6) & M2) << 4)
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = b8[208], b8[209]
+            for t in range(16):
+                o[base + U(32 + 16 * t + r)] = b8[192 + t]
+            w0 = (base + U(Q6_Q)) // U(4) + U(r)
+            for k in range(16):
+                at = w0 + U(48 * k)
+                o32[at] = (u[k] & M4) | ((u[k + 32] & M4) << 4)
+                o32[at + U(16)] = (u[k + 16] & M4) | ((u[k + 48] & M4) << 4)
+                o32[at + U(32)] = (((u[k] >> 4) & M2) | (((u[k + 16] >> 4) & M2) << 2)
+                                   | (((u[k + 32] >> 4) & M2) << 4) | (((u[k + 48] >> 4) & M2) << 6))
+
+
+@cached(parallel=True, nogil=True)
+def repack_q6_k_x16(raw, out):
+    """Q6_K rows raw (uint8 [N, K / 256 x 210], N a multiple of 16) -> out (the same shape) in the
+    Q6_K_X16 layout, on every thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
+
+
+@cached(nogil=True)
+def repack_q6_k_x16_serial(raw, out):
+    """`repack_q6_k_x16` on the calling thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
+
+
+def x16_type(qtype: int) -> int:
+    """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16, ...: X16_TYPES)."""
+    return qtype + 256
+
+
+def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
+    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (one of X16_TYPES; each [N,
+    row bytes] on its own: N a multiple of 16), on every thread."""
+    out = np.empty((*raw.shape[:-1], x16_bytes(raw.shape[-1], qtype)), np.uint8)
+    _repacker(qtype, False)(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+    out.flags.writeable = False
+    return out
+
+
+def repack_x16_into(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
+    """`repack_x16` of one [N, row bytes] into out, on every thread."""
+    _repacker(qtype, False)(raw, out)
+
+
+def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
+    """`repack_x16` of one [N, row bytes] into out, on the calling thread."""
+    _repacker(qtype, True)(raw, out)
+
+
+def _repacker(qtype: int, serial: bool):
+    """f(raw, out): the repack kernel of qtype's X16 layout, serial or on every thread."""
+    name = type_name(qtype)
+    if name in NIBBLE_X16 or name == "Q8_0":
+        kernel, ts = (repack_plain_x16_serial if serial else repack_plain_x16), QTYPES_BY_NAME[name].type_size
+        qb = 32 if name == "Q8_0" else 16
+        return lambda raw, out: kernel(raw, out, ts, qb)
+    if name == "Q6_K":
+        return repack_q6_k_x16_serial if serial else repack_q6_k_x16
+    if name == "IQ4_XS":
+        return repack_iq4_xs_x16_serial if serial else repack_iq4_xs_x16
+    kernel = repack_k_x16_serial if serial else repack_k_x16  # Q4_K, Q5_K
+    ts, xb = (176, X16_Q5_BLOCK) if name == "Q5_K" else (144, X16_BLOCK)
+    return lambda raw, out: kernel(raw, out, ts, xb)
