@@ -17,6 +17,7 @@ from .gguf_file import GGUFFile
 from .lookup import DEFAULT_DRAFTS, lookup_budget
 from .models import network_class
 from .models.base import check_ids
+from .runner import Runner
 from .sample import make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
@@ -56,7 +57,7 @@ class Model:
                     # load grows it as the context fills, so a short chat holds little)
                     held = self.pool is not None or slots is not None or budget is not None
                     try:
-                        self.net = cls(self.gguf, self.be, cfg, self.context_length if held else 0)
+                        self.net = Runner(cls(cfg), self.gguf, self.be, self.context_length if held else 0)
                     except BaseException:
                         self.be.close()
                         if self.pool is not None:

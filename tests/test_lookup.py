@@ -24,6 +24,7 @@ from onebit.errors import UsageError
 from onebit.generate import generate_step, stream_generate
 from onebit import generate as generate_mod
 from onebit.lookup import DEFAULT_DRAFTS, DraftPolicy, LookupStats, NgramDrafter, lookup_budget
+from onebit.runner import Decoder
 from onebit.sample import Sampler, make_sampler
 
 MOE = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "mixtral-f32"]
@@ -396,7 +397,7 @@ def test_drafts_never_run_past_the_context():
 # -- sampling keeps the distribution ------------------------------------------------------
 
 
-class BigramNet:
+class BigramNet(Decoder):
     """A tiny deterministic 'model': the logits after a token depend on it and on its position
     parity (a table), so a speculative step must reproduce a context-dependent distribution."""
 
