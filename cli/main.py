@@ -31,11 +31,9 @@ def _finish(m, stats: bool, lookup=None) -> None:
     if stats and lookup is not None:
         typer.echo(lookup.line(), err=True)
     if stats:
-        if m.pool is None:
-            typer.echo("stats: all experts resident (no streaming pool)", err=True)
-        else:
-            typer.echo(f"stats: experts streaming through {m.pool.n_slots} slots: "
-                       + m.pool.stats.line(m.net.rows_run), err=True)
+        from onebit.runner import pool_line
+
+        typer.echo("stats: " + pool_line(m.pool, m.net.rows_run), err=True)
     m.close()
 
 
