@@ -38,7 +38,6 @@ class Runner(Decoder):
 
     def __init__(self, arch: TransformerLM, gguf, backend, kv_capacity: int = 0):
         self.arch, self.gguf, self.be = arch, gguf, backend
-        self.cfg = arch.cfg
         self.kv_capacity = kv_capacity
         self.rows_run = 0  # rows (tokens) through the model so far: per-token stats divide by it
         self.draft_times: dict[int, float] = {}  # outlive one generation: a chat's turns go on from them
@@ -47,6 +46,10 @@ class Runner(Decoder):
         self._reads_checked: int | None = None  # _file_reads() when the file was last checked
         blocks.check_tensors(gguf, arch.expected_tensors(gguf))
         backend.attach_model(arch, kv_capacity)  # (Vulkan: records a step, so a model it cannot run is refused now)
+
+    @property
+    def cfg(self):
+        return self.arch.cfg
 
     def make_cache(self, capacity: int | None = None, swa_rows: int = SWA_ROWS) -> Cache:
         """A cache for one sequence; sliding-window layers hold a ring sized for forwards of
