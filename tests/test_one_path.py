@@ -29,7 +29,7 @@ WEATHER = {"type": "function", "function": {
 
 def serve(model, works: list[Work], lookup: int = 0) -> list[dict]:
     """Each request through serve's worker in turn: {"start", "content", "reasoning", "done"}."""
-    engine = Engine(model, None, Sampling(), lookup=lookup)
+    engine = Engine(model, options=None, sampling=Sampling(), lookup=lookup)
     out = []
     try:
         for work in works:
@@ -98,7 +98,7 @@ def test_serve_renders_with_chat_tokens(qwen3_model, monkeypatch):
     monkeypatch.setattr(m, "template_kwargs", {"enable_thinking": False})  # as `--chat-template-kwargs` sets it
     off, on = m.chat_tokens(msgs), m.chat_tokens(msgs, template_kwargs={"enable_thinking": True})
     assert off != on  # the request's variables over the model's
-    engine = Engine(m, None, Sampling())
+    engine = Engine(m, options=None, sampling=Sampling())
     try:
         assert engine._prompt_ids(Work(None, messages=msgs)) == off
         assert engine._prompt_ids(Work(None, messages=msgs, template_kwargs={"enable_thinking": True})) == on
