@@ -64,15 +64,10 @@ def read_message(prompt: str) -> str:
     return "\n".join(lines)
 
 
-def pool_line(model) -> str:
-    pool = getattr(model, "pool", None)
-    if pool is None:
-        return "experts: all resident (no streaming pool)"
-    return f"experts: streaming, {pool.n_slots} slots; " + pool.stats.line(model.net.rows_run)
-
-
 def format_stats(session) -> str:
     import psutil
+
+    from onebit.runner import pool_line
 
     s = session.last
     rss = psutil.Process().memory_info().rss
@@ -81,14 +76,14 @@ def format_stats(session) -> str:
         f"prompt: {s.prompt_tokens} tokens ({s.prompt_tokens_computed} computed, "
         f"{s.prompt_tokens - s.prompt_tokens_computed} from cache) in {s.prompt_time:.2f} s, {s.prompt_tps:.1f} tok/s",
         f"decode: {s.generation_time:.2f} s, {s.generation_tps:.1f} tok/s",
-        f"conversation: {len(session.cached)} tokens in context of {session.model.context_length}, "
+        f"conversation: {len(session.prefix.tokens)} tokens in context of {session.model.context_length}, "
         f"{session.total_generated} tokens generated in total",
         f"memory: {rss / 2**20:.1f} MiB resident; model file {session.model.gguf.file_bytes / 2**20:.1f} MiB (mapped)",
-        pool_line(session.model),
+        pool_line(session.model.pool, session.model.net.rows_run),
     ]
     if session.lookup:
         lines.append(session.lookup_stats.line() + f" (up to {session.lookup} drafts per forward)")
-    if getattr(session.model, "predictor", None) is not None:
+    if session.model.predictor is not None:
         lines.append(session.model.predictor.table())
     return "\n".join(lines)
 

@@ -30,11 +30,9 @@ def _finish(m, stats: bool, lookup=None) -> None:
     if stats and lookup is not None:
         typer.echo(lookup.line(), err=True)
     if stats:
-        if m.pool is None:
-            typer.echo("stats: all experts resident (no streaming pool)", err=True)
-        else:
-            typer.echo(f"stats: experts streaming through {m.pool.n_slots} slots: "
-                       + m.pool.stats.line(m.net.rows_run), err=True)
+        from onebit.runner import pool_line
+
+        typer.echo("stats: " + pool_line(m.pool, m.net.rows_run), err=True)
     m.close()
 
 
@@ -238,20 +236,17 @@ def _generate(m, prompt, input, input_format, results, on_error, raw, system, se
 def _stream_one(m, item, chat, system, seed, gen) -> None:
     from onebit import batch
 
-    from .chat_repl import visible
+    from onebit.think import reply_splitter
 
-    from onebit.harmony import HarmonyStream, is_harmony
+    from .chat_repl import visible
 
     gen = dict(gen)
     show_reasoning = gen.pop("show_reasoning", False)
     constrain = gen.pop("constrain", None)
     if constrain is not None:
         gen["processors"] = [constrain()]
-    channels = HarmonyStream() if chat and is_harmony(m) else None  # gpt-oss: print the final channel
-    if chat and channels is None:  # <think> blocks: print the reply after the block (think.py)
-        from onebit.think import think_stream
-
-        channels = think_stream(m, batch.prompt_ids(m, item, chat=chat, system=system))
+    # gpt-oss: print the final channel; <think> blocks: print the reply after the block (think.py)
+    channels = reply_splitter(m, batch.prompt_ids(m, item, chat=chat, system=system)) if chat else None
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": item.prompt}]
     tty = sys.stdout.isatty()  # on a terminal, control characters in the output are shown escaped
     for r in m.generate(msgs if chat else item.prompt, seed=batch.prompt_seed(seed, item.id), **gen):

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from .errors import OnebitError, UsageError
-from .harmony import is_harmony, split_reply
-from .think import think_stream
+from .think import reply_splitter
 
 MAX_LINE = 16 << 20  # a prompts-file line longer than this is not a prompt (e.g. /dev/zero)
 BOM = b"\xef\xbb\xbf"
@@ -384,12 +383,9 @@ def generate_one(model, item: PromptItem, *, chat: bool, system: Optional[str], 
             tokens.append(r.token)
         last = r
     text, extra = "".join(pieces), {}
-    if chat and is_harmony(model):  # the reply is the final channel; the reasoning kept apart or dropped
-        thinking, text = split_reply(text)
-        if show_reasoning:
-            extra["reasoning"] = thinking
-    elif chat and (think := think_stream(model, ids)) is not None:  # a <think> block before the reply
-        thinking, text = think.feed(text, final=True)
+    # harmony's final channel, or the reply after a <think> block; the reasoning kept apart or dropped
+    if chat and (splitter := reply_splitter(model, ids)) is not None:
+        thinking, text = splitter.feed(text, final=True)
         if show_reasoning:
             extra["reasoning"] = thinking
     return {

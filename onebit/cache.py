@@ -5,13 +5,16 @@ A layer's cache is the state its mixer keeps between forward passes: `KVCache` f
 positions only, as a ring), `RecurrentCache` for a Gated DeltaNet layer (conv history and
 delta-rule state: a constant size, no positions, so it cannot trim). Every layer cache says
 whether it can `trim` (drop the last positions in place) and gives a `snapshot` / `restore`
-of its state; speculative decoding and chat prefix reuse roll back through `Cache.trim`, or,
-where a layer cannot trim, to a `Cache.checkpoint` taken at the position to return to.
+of its state; speculative decoding and prefix reuse (`PrefixCache`: a chat's turns, serve's
+requests) roll back through `Cache.trim`, or, where a layer cannot trim, to a
+`Cache.checkpoint` taken at the position to return to.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .pause import PhasedHook
 
 
 class KVCache:
@@ -351,7 +354,80 @@ def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4, swa_rows: int = SWA_ROW
     return sum(layer_positions(cfg, i, n_ctx, swa_rows) for i in range(cfg.n_layers)) * per_pos
 
 
-MAX_CHECKPOINTS = 4  # recurrent-state checkpoints a chat keeps (each: every recurrent layer's state)
+MAX_CHECKPOINTS = 4  # recurrent-state checkpoints a PrefixCache keeps (each: every recurrent layer's state)
+
+
+class PrefixCache:
+    """One sequence's cache kept from one prompt to the next (a chat's turns, serve's requests),
+    and the tokens it holds. A new prompt keeps the longest prefix it shares with them, and only
+    the rest is run. A cache with recurrent state cannot trim: it goes back only to positions
+    where a checkpoint was taken (the end of each prompt but its last token, `prefill`; the end
+    of each reply, `settle`), so the prefix kept is the longest of those within the shared one."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.tokens: list[int] = []  # the tokens whose K/V (or state) the cache holds, in order
+        self.checkpoints: list = []  # Cache.checkpoint()s by position, at most MAX_CHECKPOINTS
+
+    def clear(self) -> None:
+        self.cache.clear()
+        self.tokens, self.checkpoints = [], []
+
+    def reuse(self, ids: list[int]) -> int:
+        """Keep the longest prefix of `ids` the cache holds and can go back to, leaving at least
+        one token of `ids` to run (its logits are the first reply token's); returns its length."""
+        common = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)
+        cache = self.cache
+        if cache.offset <= common:  # all it holds is reused (recurrent state too)
+            common = cache.offset
+        elif cache.can_trim:
+            if cache.can_trim_to(common):
+                cache.trim(cache.offset - common)
+            else:  # a sliding-window ring no longer holds what the prefix's end reads: run it again
+                cache.clear()
+                common = 0
+        else:  # recurrent state: back to the last checkpoint within the prefix
+            self.checkpoints = [c for c in self.checkpoints if c[0] <= common]
+            if self.checkpoints:
+                cache.rollback(self.checkpoints[-1])
+            else:
+                cache.clear()
+            common = cache.offset
+        self.tokens = list(ids[:common])
+        return common
+
+    def prefill(self, net, ids: list[int], common: int, hook=None, chunk: int = 256) -> int:
+        """Where the cache cannot trim: run ids[common:-1] through `net` (a runner.Runner) and
+        checkpoint after them, as the next prompt starts with this one whatever the reply turns
+        out to be. Returns how many of `ids` the cache holds (`common` where nothing ran)."""
+        if self.cache.can_trim or len(ids) - common <= 1:
+            return common
+        if isinstance(hook, PhasedHook):
+            hook.phase = "prompt"
+        rest = np.asarray(ids[common:-1], dtype=np.int64)
+        for start in range(0, len(rest), chunk):
+            net.forward(rest[start : start + chunk], self.cache, hook=hook, last_only=True)
+            self.tokens = list(ids[: self.cache.offset])
+        self.checkpoint()
+        return self.cache.offset
+
+    def checkpoint(self) -> None:
+        """A checkpoint at the cache's position (none twice at one position; the oldest dropped)."""
+        if self.cache.offset and (not self.checkpoints or self.checkpoints[-1][0] < self.cache.offset):
+            self.checkpoints = self.checkpoints[-(MAX_CHECKPOINTS - 1):] + [self.cache.checkpoint()]
+
+    def settle(self, fed: list[int]) -> None:
+        """After a reply: which of the tokens fed (prompt and reply) the cache holds (an
+        interrupted step adds none: the sequence's length moves only when a forward completes),
+        and, where the cache cannot trim, a checkpoint there."""
+        self.tokens = list(fed[: self.cache.offset])
+        if not self.cache.can_trim:
+            self.checkpoint()
 
 
 def scratch_kv_bytes(cfg, rows: int = 1) -> int:

@@ -13,15 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-import numpy as np
-
-from .cache import MAX_CHECKPOINTS
+from .cache import PrefixCache
 from .errors import UsageError
-from .harmony import HarmonyStream, is_harmony
-from .think import think_stream
 from .generate import GenerationResponse, stream_generate
 from .lookup import DEFAULT_DRAFTS, LookupStats, lookup_budget
 from .sample import make_logits_processors, make_sampler
+from .think import reply_splitter
 
 
 @dataclass
@@ -57,43 +54,15 @@ class ChatSession:
         self.sampler = make_sampler(temperature, top_p, min_p, top_k, seed)
         self.processors = make_logits_processors(repetition_penalty)
         self.history: list[dict[str, str]] = []
-        self.cache = model.new_cache()
-        self.cached: list[int] = []  # the tokens whose K/V the cache holds, in order
+        self.prefix = PrefixCache(model.new_cache())  # the conversation so far, reused turn to turn
         self.last = TurnStats()
         self.total_generated = 0
         self.lookup = lookup_budget(lookup, default=0 if model.hook is not None else DEFAULT_DRAFTS)
         self.lookup_stats = LookupStats()  # over the whole conversation
-        self.harmony = is_harmony(model)  # gpt-oss: replies in channels (harmony.py)
-        # A cache with recurrent state cannot trim: it can only go back to positions where a
-        # checkpoint was taken (the end of each prompt but its last token, the end of each
-        # turn), so the prefix reused is the longest of those within the common prefix.
-        self.checkpoints: list = []
 
     def reset(self) -> None:
         self.history.clear()
-        if self.cache.can_trim:
-            self.cache.trim(len(self.cached))
-        else:
-            self.cache.clear()
-            self.checkpoints = []
-        self.cached = []
-
-    def _reuse(self, common: int) -> int:
-        """Keep the first `common` cached tokens (or, for a cache that cannot trim, the longest
-        checkpointed prefix within them); returns how many were kept."""
-        if self.cache.can_trim:
-            if not self.cache.can_trim_to(common):  # a sliding-window ring no longer holds what the
-                common = 0  # prefix's end reads: run the prefix again
-            self.cache.trim(len(self.cached) - common)
-            return common
-        if self.cache.offset <= common:
-            return self.cache.offset
-        self.checkpoints = [c for c in self.checkpoints if c[0] <= common]
-        if self.checkpoints:
-            self.cache.rollback(self.checkpoints[-1])
-        else:
-            self.cache.clear()
-        return self.cache.offset
+        self.prefix.clear()
 
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
@@ -131,14 +100,8 @@ class ChatSession:
         history = self.history + [{"role": "user", "content": text}]
         ids, dropped = self._fit(history)
         self.history[:] = history
-        common = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)  # always run at least one token to get logits
-        common = self._reuse(common)
-        self.cached = ids[:common]
+        prefix = self.prefix
+        common = prefix.reuse(ids)
         stats = TurnStats(prompt_tokens=len(ids), prompt_tokens_computed=len(ids) - common, dropped_turns=dropped)
         self.last = stats
         reply: list[str] = []
@@ -147,28 +110,20 @@ class ChatSession:
         t0 = time.perf_counter()
         ahead = 0.0
         replies = None
-        channels = HarmonyStream() if self.harmony else None
-        think = None if self.harmony else think_stream(self.model, ids)  # <think> blocks (think.py)
+        splitter = reply_splitter(self.model, ids)  # harmony channels or a <think> block (think.py)
         try:
-            if not self.cache.can_trim and len(ids) - common > 1:
-                # recurrent state: run the prompt but its last token first and checkpoint there (the
-                # next turn's rendering starts with this prompt, whatever the reply turns out to be)
-                common = self._prefill(ids, common)
+            held = prefix.prefill(self.model.net, ids, common, hook=self.model.hook)  # (recurrent state)
+            if held != common:
                 ahead = time.perf_counter() - t0
-            replies = stream_generate(self.model, ids[common:], max_tokens=self.max_tokens, sampler=self.sampler,
-                                      processors=self.processors, cache=self.cache, prompt_prefix=ids[:common],
+            replies = stream_generate(self.model, ids[held:], max_tokens=self.max_tokens, sampler=self.sampler,
+                                      processors=self.processors, cache=prefix.cache, prompt_prefix=ids[:held],
                                       hook=self.model.hook, lookup=self.lookup, lookup_stats=self.lookup_stats)
             for r in replies:
-                if channels is not None:  # the reply's text, and its reasoning apart
-                    thinking, text = channels.feed(r.text, final=r.finish_reason is not None)
+                if splitter is not None:  # the reply's text, and its reasoning apart
+                    thinking, text = splitter.feed(r.text, final=r.finish_reason is not None)
                     r = dataclasses.replace(r, text=text, reasoning=thinking)
-                    if channels.thinking:
-                        self.history[-1]["thinking"] = channels.thinking
-                elif think is not None:  # the reply apart from its <think> block
-                    thinking, text = think.feed(r.text, final=r.finish_reason is not None)
-                    r = dataclasses.replace(r, text=text, reasoning=thinking)
-                    if think.thinking:
-                        self.history[-1]["reasoning_content"] = think.thinking
+                    if splitter.thinking:
+                        self.history[-1][splitter.history_key] = splitter.thinking
                 reply.append(r.text)
                 self.history[-1]["content"] = "".join(reply)
                 if r.token is not None:
@@ -185,27 +140,4 @@ class ChatSession:
                 stats.finish_reason = "interrupted"
                 stats.generation_time = max(time.perf_counter() - t0 - stats.prompt_time, 0.0)
             self.total_generated += stats.generation_tokens
-            self._settle(ids + generated)
-
-    def _prefill(self, ids: list[int], common: int, chunk: int = 256) -> int:
-        """Run ids[common:-1] into the cache and checkpoint after them; returns how many it holds."""
-        hook = self.model.hook
-        if hasattr(hook, "phase"):
-            hook.phase = "prompt"
-        rest = np.asarray(ids[common:-1], dtype=np.int64)
-        for start in range(0, len(rest), chunk):
-            self.model.net.forward(rest[start : start + chunk], self.cache, hook=hook, last_only=True)
-            self.cached = ids[: self.cache.offset]
-        self._checkpoint()
-        return self.cache.offset
-
-    def _checkpoint(self) -> None:
-        if self.cache.offset and (not self.checkpoints or self.checkpoints[-1][0] < self.cache.offset):
-            self.checkpoints = self.checkpoints[-(MAX_CHECKPOINTS - 1):] + [self.cache.checkpoint()]
-
-    def _settle(self, fed: list[int]) -> None:
-        """Record which tokens the cache holds after a turn (an interrupted step adds none: the
-        sequence's length moves only when a forward pass completes)."""
-        self.cached = fed[: self.cache.offset]
-        if not self.cache.can_trim:
-            self._checkpoint()
+            prefix.settle(ids + generated)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 from . import batch
 from .errors import OnebitError, UsageError
 from .model import LoadSpec
+from .runner import pool_line
 
 INSTALL_HINT = ("--ray needs Ray, an optional extra of onebit: pip install 'onebit[cluster]' "
                 "(in a source checkout: pip install -e '.[cluster]')")
@@ -187,10 +188,7 @@ class BatchWorker:
             return lines
         if self.lookup_stats is not None:
             lines.append(self.lookup_stats.line())
-        if m.pool is None:
-            lines.append("all experts resident (no streaming pool)")
-        else:
-            lines.append(f"experts streaming through {m.pool.n_slots} slots: " + m.pool.stats.line(m.net.rows_run))
+        lines.append(pool_line(m.pool, m.net.rows_run))
         return lines
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from .lookup import DraftPolicy, LookupStats, NgramDrafter
-from .sample import LogitsProcessor, Sampler
+from .pause import PhasedHook
+from .sample import LogitsProcessor, Sampler, as_sampler
+
+if TYPE_CHECKING:
+    from .runner import Decoder
 
 
 @dataclass
@@ -35,12 +39,13 @@ class GenerationResponse:
 
 
 def generate_step(
-    net, prompt: Sequence[int], cache, sampler: Sampler, processors: Sequence[LogitsProcessor] = (),
-    prefill_chunk: int = 256, hook=None, history: Sequence[int] = (), lookup: int = 0,
-    max_tokens: Optional[int] = None, max_positions: Optional[int] = None, stats: Optional[LookupStats] = None,
+    net: "Decoder", prompt: Sequence[int], cache, sampler: Sampler | Callable[[np.ndarray], int],
+    processors: Sequence[LogitsProcessor] = (), prefill_chunk: int = 256, hook=None, history: Sequence[int] = (),
+    lookup: int = 0, max_tokens: Optional[int] = None, max_positions: Optional[int] = None, stats: Optional[LookupStats] = None,
 ) -> Iterator[int]:
     """Yield sampled tokens until the caller stops; the cache holds the context (`history`:
-    tokens already in the cache before `prompt`, seen by the logits processors).
+    tokens already in the cache before `prompt`, seen by the logits processors). `sampler`: a
+    Sampler, or any callable of the logits (sample.as_sampler).
 
     With `lookup` > 0, each decode forward also verifies up to that many drafted tokens (n-gram
     lookup in the context) in one forward over 1 + drafts rows; the tokens yielded are exactly
@@ -51,6 +56,8 @@ def generate_step(
     Plain greedy decoding (no drafts, hook or logits processors) runs a step ahead on the
     device where the backend offers it (`net.greedy_steps`): the same tokens, the host's work
     per token overlapping the device's next step."""
+    sampler = as_sampler(sampler)
+    phased = hook if isinstance(hook, PhasedHook) else None  # a routing trace marks prompt and decode tokens
     tokens = list(history) + list(prompt)
     ids = np.asarray(prompt, dtype=np.int64)
     base = cache.offset + len(ids)  # positions held once the prompt is in
@@ -61,15 +68,14 @@ def generate_step(
     rollback = lookup and not cache.can_trim
     point = None  # (checkpoint, the rows run after it) of the last verify forward
     drafter = NgramDrafter(tokens) if lookup else None
-    # row-count timings, accept rates and the gate outlive one generation: they belong to the network
-    policy = DraftPolicy(times=getattr(net, "draft_times", None), learned=getattr(net, "draft_learned", None)) \
-        if lookup else None
+    # row-count timings, accept rates and the gate outlive one generation where the runner keeps them
+    policy = DraftPolicy(times=net.draft_times, learned=net.draft_learned) if lookup else None
     made = 0  # tokens the last decode forward produced
     yielded = 0
     logits = None
     chain = None  # greedy steps queued ahead on the device
-    if hasattr(hook, "phase"):  # a routing trace marks prompt and decode tokens
-        hook.phase = "prompt"
+    if phased is not None:
+        phased.phase = "prompt"
     for start in range(0, len(ids), prefill_chunk):
         chunk = ids[start : start + prefill_chunk]
         logits = net.forward(chunk, cache, hook=hook, last_only=True)  # [1, vocab]
@@ -81,8 +87,7 @@ def generate_step(
 
     try:
         tok = sampler(process(logits[-1]))
-        if drafter is None and hook is None and not processors and getattr(sampler, "greedy", False) \
-                and hasattr(net, "greedy_steps"):
+        if drafter is None and hook is None and not processors and sampler.greedy:
             chain = net.greedy_steps(cache, max_positions)
         while True:
             tokens.append(tok)
@@ -90,8 +95,8 @@ def generate_step(
                 drafter.push(tok)
             yielded += 1
             yield tok
-            if hasattr(hook, "phase"):
-                hook.phase = "decode"
+            if phased is not None:
+                phased.phase = "decode"
             if chain is not None:
                 nxt = chain.step(tok)
                 if nxt is not None:
@@ -122,7 +127,7 @@ def generate_step(
             stats.forwards += 1
             stats.proposed += len(drafts)
             for i, d in enumerate(drafts):
-                ok, tok = verify(sampler, process(logits[i]), d)
+                ok, tok = sampler.verify(process(logits[i]), d)
                 stats.tokens += 1
                 if not ok:
                     t0 = time.perf_counter()
@@ -150,17 +155,6 @@ def generate_step(
         keep = base + max(yielded - 1, 0)
         if cache.offset > keep and (cache.can_trim or point is not None):
             _drop_rows(net, cache, cache.offset - keep, point, hook)
-
-
-def verify(sampler, logits: np.ndarray, draft: int) -> tuple[bool, int]:
-    """(accepted, token) for a draft: the sampler's own rule (`Sampler.verify`), or, for any
-    other callable (a caller's own sampler), the same rule: draw as a plain step would and keep
-    the draft exactly when the draw equals it."""
-    rule = getattr(sampler, "verify", None)
-    if rule is not None:
-        return rule(logits, draft)
-    tok = int(sampler(logits))
-    return tok == draft, tok
 
 
 def _drop_rows(net, cache, n: int, point, hook=None) -> None:
@@ -224,11 +218,10 @@ def _responses(model, steps, max_tokens, stop, n_prompt, t0) -> Iterator[Generat
     finish = None
     if max_tokens <= 0 or n_prompt >= ctx:
         finish = "length"
-    guard = getattr(model, "guard", None)
+    guard = model.guard
     final_tok = None  # the last token, when it ends generation but belongs to the output
     while finish is None:
-        if guard is not None:
-            guard.check()
+        guard.check()
         tok = next(steps)
         if n_gen == 0:
             t_prompt = time.perf_counter() - t0

@@ -22,16 +22,19 @@ MARKERS = (START, CHANNEL, MESSAGE, END, RETURN, CALL, CONSTRAIN)
 
 def is_harmony(model) -> bool:
     """Whether the model's chat template writes harmony messages (and its vocabulary has them)."""
-    template = getattr(model, "chat_template", None) or ""
+    template = model.chat_template or ""
     tok = model.tokenizer
     return CHANNEL in template and MESSAGE in template and all(
         tok.token_to_id(m) is not None for m in (START, CHANNEL, MESSAGE, END))
 
 
 class ReasoningStream:
-    """What a reply splitter (harmony channels here, `<think>` blocks in think.py) holds: the
-    text still held back, and the reasoning and reply so far. `feed(text, final)` returns the
-    (reasoning, reply) text to show."""
+    """What a reply splitter (harmony channels here, `<think>` blocks in think.py; which one a
+    model gets: think.reply_splitter) holds: the text still held back, and the reasoning and
+    reply so far. `feed(text, final)` returns the (reasoning, reply) text to show.
+    `history_key`: the assistant turn's key for its reasoning, as the chat templates read it."""
+
+    history_key = "reasoning_content"
 
     def __init__(self):
         self.buf = ""
@@ -49,6 +52,8 @@ class ReasoningStream:
 
 class HarmonyStream(ReasoningStream):
     """Feed the reply's text as it streams; each `feed` returns (reasoning, reply) text to show."""
+
+    history_key = "thinking"  # (the gpt-oss template's)
 
     def __init__(self):
         super().__init__()

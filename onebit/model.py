@@ -18,6 +18,7 @@ from .gguf_file import GGUFFile
 from .lookup import DEFAULT_DRAFTS, lookup_budget
 from .models import network_class
 from .models.base import check_ids
+from .runner import Runner
 from .sample import make_logits_processors, make_sampler
 from .tokenizer import Tokenizer
 
@@ -92,7 +93,7 @@ class Model:
                     # load grows it as the context fills, so a short chat holds little)
                     held = self.pool is not None or spec.slots is not None or spec.budget is not None
                     try:
-                        self.net = cls(self.gguf, self.be, cfg, self.context_length if held else 0)
+                        self.net = Runner(cls(cfg), self.gguf, self.be, self.context_length if held else 0)
                     except BaseException:
                         self._free_parts()
                         raise
@@ -283,19 +284,25 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> str:
+        """The conversation rendered with the chat template; `tools`: the tool definitions the
+        template shows the model; `template_kwargs`: variables for this render, over the model's
+        own (`self.template_kwargs`)."""
         from .chat_template import render_chat
 
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
         return render_chat(self.chat_template or self.fallback_template, messages,
-                           add_generation_prompt=add_generation_prompt,
-                           bos_token=bos, eos_token=eos, source=self.path, **self.template_kwargs)
+                           add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+                           source=self.path, tools=tools, **{**self.template_kwargs, **(template_kwargs or {})})
 
-    def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a rendered conversation; BOS is added only if the template did not write it."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def chat_tokens(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None) -> list[int]:
+        """Token ids of a rendered conversation (apply_chat_template's arguments); BOS is added
+        only if the template did not write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         ids = self.tokenize(text, add_special=False, parse_special=True)
         bos = self.tokenizer.bos_id
         if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):

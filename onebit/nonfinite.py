@@ -1,7 +1,7 @@
 """Where NaN / inf first appear, when a forward pass's logits are not finite.
 
 The check itself is each backend's, once per forward (numpy: a sum of the logits; Vulkan: a
-flag the recording's last dispatch sets), reported by models/base.py. Only when it fails is
+flag the recording's last dispatch sets), reported by runner.py. Only when it fails is
 the same step run again here, on the numpy backend, eagerly, with every op's output checked,
 from a numpy copy of the cache as it was before the step (on Vulkan the K/V of earlier
 positions are read from the mapped device buffers). The first op whose output is
@@ -117,9 +117,9 @@ class CheckedStep(EagerStep):
         return self._at("shared_expert", super().shared_expert(layer, x), layer=layer, weights=read)
 
 
-def first_nonfinite(model, ids: np.ndarray, cache, last_only: bool) -> Optional[str]:
-    """Re-run the step that just put token ids [R] into `cache` (its offset already moved past
-    them) on numpy, checking every op; 'first in layer L (op tensor): cause', or None when the
+def first_nonfinite(model, gguf, ids: np.ndarray, cache, last_only: bool) -> Optional[str]:
+    """Re-run architecture `model`'s step that just put token ids [R] into `cache` (its offset
+    already moved past them) on numpy over the tensors of `gguf`, checking every op; 'first in layer L (op tensor): cause', or None when the
     re-run is finite (or cannot be made)."""
     cfg = model.cfg
     start = cache.offset - len(ids)
@@ -137,7 +137,7 @@ def first_nonfinite(model, ids: np.ndarray, cache, last_only: bool) -> Optional[
     except (AttributeError, IndexError, TypeError, ValueError):  # a cache without keys/values
         return None
     fresh.offset = start
-    step = CheckedStep(NumpyBackend(model.gguf), ids, fresh)
+    step = CheckedStep(NumpyBackend(gguf), ids, fresh)
     try:
         with np.errstate(all="ignore"):
             model.schedule(step, last_only)

@@ -31,6 +31,13 @@ import numpy as np
 ExpertHook = Callable[[int, np.ndarray, np.ndarray], None]
 
 
+class PhasedHook:
+    """A hook told which tokens the forwards that follow run (a routing trace marks them):
+    generation sets `phase` to "prompt" before the prompt and to "decode" after it."""
+
+    phase = "prompt"
+
+
 class PauseContext:
     """What a client gets at a pause point besides the routing: the rows' first position and
     count, and views of the real cache's earlier keys and values (read only)."""

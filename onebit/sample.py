@@ -56,6 +56,23 @@ class Sampler:
         return tok == draft, tok
 
 
+class CallableSampler(Sampler):
+    """A caller's own sampler (any callable of the logits) with a Sampler's parts: never
+    greedy (the device does not run ahead of it), and `verify` by its own draws."""
+
+    def __init__(self, fn: Callable[[np.ndarray], int]):
+        self.fn = fn
+        self.greedy = False
+
+    def __call__(self, logits: np.ndarray) -> int:
+        return int(self.fn(logits))
+
+
+def as_sampler(sampler: Sampler | Callable[[np.ndarray], int]) -> Sampler:
+    """A Sampler as it is, any other callable of the logits as a CallableSampler."""
+    return sampler if isinstance(sampler, Sampler) else CallableSampler(sampler)
+
+
 def make_sampler(
     temp: float = 0.0, top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0, seed: Optional[int] = None
 ) -> Sampler:

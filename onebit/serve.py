@@ -3,7 +3,8 @@
 One worker thread owns the model and runs one request at a time, in arrival order (a FIFO
 queue: fair, and nothing is interleaved on the one KV cache). The cache outlives a request:
 the next request keeps the longest prefix it shares with what the cache holds (a continuing
-conversation re-runs only its new turn), as ChatSession does within a chat. A request whose
+conversation re-runs only its new turn), as ChatSession does within a chat (cache.PrefixCache:
+with checkpoints where the model has recurrent state). A request whose
 client went away is cancelled: the worker stops it at the next token.
 
 A request names its model; with a models folder, a model other than the loaded one is
@@ -22,11 +23,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .cache import PrefixCache
 from .errors import OnebitError
 from .generate import stream_generate
-from .harmony import HarmonyStream, is_harmony
 from .sample import make_logits_processors, make_sampler
-from .think import think_stream
+from .think import reply_splitter
 from .toolcall import OPEN as CALL_OPEN
 from .toolcall import ToolCall, parse_harmony, parse_tags, tool_format
 
@@ -137,14 +138,8 @@ class ReplySplitter:
     `<think>` blocks), tool calls held back and parsed at the end."""
 
     def __init__(self, model, ids: list[int], tools: bool, constrained: bool):
-        self.harmony = is_harmony(model)
         self.format = tool_format(model)
-        if self.harmony:
-            self.channels = HarmonyStream()
-        elif constrained:  # the grammar's text from the first token: no reasoning block
-            self.channels = None
-        else:
-            self.channels = think_stream(model, ids)
+        self.channels = reply_splitter(model, ids, constrained)
         self.tools = tools
         self.raw: list[str] = []
         self.shown: list[str] = []  # content given out
@@ -205,8 +200,7 @@ class Engine:
         self.lookup = lookup
         self.found = catalog  # id -> path of the GGUF files (a models folder) a request may pick
         self.first = (self.model_id, model.path)  # the model served at start stays one of them
-        self.cache = model.new_cache()
-        self.cached: list[int] = []  # the tokens whose K/V the cache holds
+        self.prefix = PrefixCache(model.new_cache())  # what the last requests left, reused by the next
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.current: Optional[Job] = None
         self.stopping = False
@@ -297,10 +291,9 @@ class Engine:
 
     def _fresh_cache(self) -> None:
         try:
-            self.cache = self.model.new_cache()
+            self.prefix = PrefixCache(self.model.new_cache())
         except Exception:  # noqa: BLE001 - the next request tries again
-            pass
-        self.cached = []
+            self.prefix.tokens, self.prefix.checkpoints = [], []
 
     def _switch(self, name: Optional[str]) -> None:
         """Make `name` the loaded model (closing the one loaded now)."""
@@ -315,18 +308,17 @@ class Engine:
         log.info("loading %s (%s) in place of %s", name, path, self.model_id)
         self.model.close()
         self.model = None
-        self.cached = []
         try:
             self.model = onebit.load(self.spec, path=path)
         except OnebitError as e:
             log.error("cannot load %s: %s; loading %s again", path, e, old_path)
             self.model = onebit.load(self.spec, path=old_path)
-            self.cache = self.model.new_cache()
+            self._fresh_cache()
             raise ApiError(f"the model '{name}' could not be loaded: {e}", 400, code="model_load_failed",
                            param="model") from None
         self.model_id = name
         self.vocab_size = self.model.cfg.vocab_size
-        self.cache = self.model.new_cache()
+        self._fresh_cache()
 
     def _prompt_ids(self, work: Work) -> list[int]:
         m = self.model
@@ -340,21 +332,7 @@ class Engine:
                     raise ApiError(f"token id {bad[0]} is out of range for this model's vocabulary of "
                                    f"{m.cfg.vocab_size}", param="prompt")
             return ids
-        if work.tools is None and not work.template_kwargs:
-            return m.chat_tokens(work.messages)
-        # Model.chat_tokens, with tools and this request's template variables
-        from .chat_template import render_chat
-
-        tok = m.tokenizer
-        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
-        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
-        text = render_chat(m.chat_template or m.fallback_template, work.messages, add_generation_prompt=True,
-                           bos_token=bos, eos_token=eos, source=m.path, tools=work.tools,
-                           **{**m.template_kwargs, **work.template_kwargs})
-        ids = m.tokenize(text, add_special=False, parse_special=True)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids = [tok.bos_id] + ids
-        return ids
+        return m.chat_tokens(work.messages, tools=work.tools, template_kwargs=work.template_kwargs)
 
     def _processors(self, work: Work, ids: list[int]) -> list:
         s = work.sampling
@@ -372,26 +350,6 @@ class Engine:
                 grammar = json_grammar(work.schema or None)
             procs.append(Constraint(self.model, grammar))  # last: nothing may lift a masked token
         return procs
-
-    def _reuse(self, ids: list[int]) -> int:
-        """Keep the longest prefix of `ids` the cache holds (at least one token is left to run);
-        returns its length."""
-        common = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)
-        cache = self.cache
-        if cache.offset <= common:  # all it holds is reused (recurrent state too)
-            common = cache.offset
-        elif cache.can_trim and cache.can_trim_to(common):
-            cache.trim(cache.offset - common)
-        else:  # recurrent state cannot go back, nor a ring past its window: start again
-            cache.clear()
-            common = 0
-        self.cached = ids[:common]
-        return common
 
     def _run(self, job: Job) -> None:
         work = job.work
@@ -412,15 +370,22 @@ class Engine:
         reply = ReplySplitter(m, ids, tools=work.tools is not None or work.forced_tools is not None,
                               constrained=constrained and work.messages is not None)
         max_tokens = ctx if work.max_tokens is None else work.max_tokens
-        common = self._reuse(ids)
+        prefix = self.prefix
+        common = prefix.reuse(ids)
         job.put("start", {"model": self.model_id, "prompt_tokens": len(ids), "cached_tokens": common})
         generated: list[int] = []
         last = None
         counted = 0  # of this request's tokens, added to self.generated
-        replies = stream_generate(m, ids[common:], max_tokens=max_tokens, sampler=sampler, processors=procs,
-                                  stop=work.stop, cache=self.cache, prompt_prefix=ids[:common], hook=m.hook,
-                                  lookup=self.lookup)
+        replies = None
+        t0 = time.perf_counter()
+        ahead = 0.0  # seconds of the prompt run before generation (recurrent state: up to a checkpoint)
         try:
+            held = prefix.prefill(m.net, ids, common, hook=m.hook)
+            if held != common:
+                ahead = time.perf_counter() - t0
+            replies = stream_generate(m, ids[held:], max_tokens=max_tokens, sampler=sampler, processors=procs,
+                                      stop=work.stop, cache=prefix.cache, prompt_prefix=ids[:held], hook=m.hook,
+                                      lookup=self.lookup)
             for r in replies:
                 if job.cancelled.is_set():
                     break
@@ -438,8 +403,9 @@ class Engine:
             self._fresh_cache()
             raise
         finally:
-            replies.close()  # the cache settles before we record what it holds
-            self.cached = (ids + generated)[: self.cache.offset]
+            if replies is not None:
+                replies.close()  # the cache settles before we record what it holds
+            self.prefix.settle(ids + generated)
         if last is None or last.finish_reason is None:
             job.put("error", ApiError("the request was cancelled", 499 if not self.stopping else 503,
                                       "server_error" if self.stopping else "invalid_request_error", "cancelled"))
@@ -447,7 +413,7 @@ class Engine:
         calls, rest = reply.calls()
         finish = "tool_calls" if calls else last.finish_reason
         job.put("done", Done(finish, len(ids), last.generation_tokens, common, calls, rest,
-                             last.prompt_time, last.generation_time))
+                             last.prompt_time + ahead, last.generation_time))
 
 
 def new_id(prefix: str) -> str:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .harmony import ReasoningStream
+from .harmony import HarmonyStream, ReasoningStream, is_harmony
 
 OPEN, CLOSE = "<think>", "</think>"
 
 
 def uses_think(model) -> bool:
     """Whether the model's chat template writes `<think>` blocks."""
-    template = getattr(model, "chat_template", None) or ""
+    template = model.chat_template or ""
     return OPEN in template and CLOSE in template
 
 
@@ -41,6 +41,19 @@ def think_stream(model, prompt_ids) -> Optional["ThinkStream"]:
         return None
     tail = model.detokenize(list(prompt_ids)[-8:]) if len(prompt_ids) else ""
     return ThinkStream(inside=prompt_opens_think(tail))
+
+
+def reply_splitter(model, prompt_ids, constrained: bool = False) -> Optional[ReasoningStream]:
+    """What splits a chat reply to `prompt_ids` (a rendered chat prompt) into reasoning and
+    reply, for every caller (chat, generate, serve, batch): harmony channels where the model
+    writes them (gpt-oss), else a `<think>` block where its template has the tags, unless a
+    grammar constrains the reply from its first token (`constrained`: no block can open);
+    None: the text is all reply."""
+    if is_harmony(model):
+        return HarmonyStream()
+    if constrained:
+        return None
+    return think_stream(model, prompt_ids)
 
 
 def _held(buf: str, tag: str) -> int:

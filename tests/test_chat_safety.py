@@ -19,10 +19,10 @@ def test_message_longer_than_context_leaves_history_and_cache_alone():
     s = ChatSession(onebit.load(MODEL, n_ctx=64, backend="cpu"), temperature=0.0, max_tokens=4)
     list(s.send("What does os do?"))
     history = [dict(m) for m in s.history]
-    cached, offset = list(s.cached), s.cache.offset
+    cached, offset = list(s.prefix.tokens), s.prefix.cache.offset
     with pytest.raises(UsageError, match="longer than"):
         list(s.send("word " * 100))
-    assert s.history == history and s.cached == cached and s.cache.offset == offset
+    assert s.history == history and s.prefix.tokens == cached and s.prefix.cache.offset == offset
     list(s.send("And json?"))  # the conversation goes on, the first exchange still there
     assert s.history[:2] == history and s.last.prompt_tokens_computed < s.last.prompt_tokens
 

@@ -32,7 +32,7 @@ def test_context_overflow_drops_oldest_turns():
     for i in range(8):
         list(s.send(f"Question number {i} about the os module and its functions?"))
         dropped += s.last.dropped_turns
-        assert len(s.cached) <= 96
+        assert len(s.prefix.tokens) <= 96
     assert dropped > 0
     assert s.messages()[0]["role"] == "system"
 
@@ -47,7 +47,7 @@ def test_a_full_context_drops_old_turns_once_not_every_turn():
     for i in range(24):
         list(s.send(f"Question {i} about os?"))
         turns.append((s.last.dropped_turns, s.last.prompt_tokens, s.last.prompt_tokens_computed))
-        assert len(s.cached) <= 256
+        assert len(s.prefix.tokens) <= 256
     drops = [i for i, t in enumerate(turns) if t[0]]
     assert drops, turns  # the context filled
     first = drops[0]
@@ -75,6 +75,6 @@ def test_interrupted_reply_keeps_a_consistent_cache():
             break
     gen.close()  # what Ctrl-C does in the terminal
     assert s.last.finish_reason == "interrupted"
-    assert s.cache.offset == len(s.cached)
+    assert s.prefix.cache.offset == len(s.prefix.tokens)
     reply = "".join(r.text for r in s.send("Go on"))  # the session keeps working
     assert isinstance(reply, str) and s.last.finish_reason in ("stop", "length")

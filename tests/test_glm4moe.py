@@ -97,7 +97,7 @@ def test_glm_features_are_load_bearing(what, change):
     if callable(change):
         change(m)
     else:
-        m.net.cfg = m.cfg = dataclasses.replace(m.cfg, **change)
+        m.net.arch.cfg = m.cfg = dataclasses.replace(m.cfg, **change)
     ok = hf_bar(m.logits(REF["tokens"].astype(np.int64)))
     assert ok.mean() < 0.97, f"{what}: still matches HF at {ok.mean():.2f} of positions"
 

@@ -120,7 +120,7 @@ def test_each_feature_turned_off_breaks_the_oracle(feature, monkeypatch):
     change = FEATURES[feature]
     model = onebit.load(fixture_path(f"{F32}.gguf"), backend="numpy")
     if isinstance(change, dict):
-        model.net.cfg = dataclasses.replace(model.net.cfg, **change)
+        model.net.arch.cfg = dataclasses.replace(model.net.cfg, **change)
     else:
         change(monkeypatch)
     cos = _hf_cos(model)

@@ -165,7 +165,8 @@ def test_gdn_features_are_load_bearing(name):
     m = onebit.load(fixture_path(f"{name}.gguf"), backend="cpu")
     ref = np.load(fixture_path(f"{name}.ref.npz"))
     for change in (dict(ssm_v_tiled=not m.cfg.ssm_v_tiled), dict(rope_dim=m.cfg.head_dim)):
-        m.net.cfg = m.cfg = dataclasses.replace(onebit.load(fixture_path(f"{name}.gguf"), backend="cpu").cfg, **change)
+        cfg = onebit.load(fixture_path(f"{name}.gguf"), backend="cpu").cfg
+        m.net.arch.cfg = m.cfg = dataclasses.replace(cfg, **change)
         cos = cosine_rows(m.logits(ref["tokens"].astype(np.int64)), ref["logits_hf"])
         assert (cos >= 0.99999).mean() < 0.5, (name, change, np.median(cos))
 
@@ -261,7 +262,7 @@ def test_chat_prefix_reuse_equals_a_fresh_run(lookup):
     assert s.last.prompt_tokens_computed < s.last.prompt_tokens  # the cache was reused
     from onebit.cache import MAX_CHECKPOINTS
 
-    assert 1 <= len(s.checkpoints) <= MAX_CHECKPOINTS
+    assert 1 <= len(s.prefix.checkpoints) <= MAX_CHECKPOINTS
     fresh = ChatSession(m, temperature=0.0, max_tokens=8, lookup=lookup)
     fresh.history = [dict(h) for h in s.history[:2]]
     again = [r.token for r in fresh.send("and then") if r.token is not None]
@@ -272,7 +273,7 @@ def test_chat_prefix_reuse_equals_a_fresh_run(lookup):
     third = [r.token for r in s.send("and then") if r.token is not None]
     assert third == second
     s.reset()
-    assert s.cache.offset == 0 and s.checkpoints == []
+    assert s.prefix.cache.offset == 0 and s.prefix.checkpoints == []
 
 
 # -- the memory plan ------------------------------------------------------------------------
@@ -629,7 +630,7 @@ def test_chat_interrupted_in_the_prompt_leaves_a_consistent_session():
     with pytest.raises(KeyboardInterrupt):
         list(s.send("hello there"))
     m.hook = None
-    assert s.cache.offset == len(s.cached) == 0  # the first forward was stopped: nothing went in
+    assert s.prefix.cache.offset == len(s.prefix.tokens) == 0  # the first forward was stopped: nothing went in
     assert s.history[-1] == {"role": "assistant", "content": ""}
     again = [r.token for r in s.send("and then") if r.token is not None]
     fresh = ChatSession(load("qwen3next-f32"), temperature=0.0, max_tokens=6)

@@ -21,8 +21,8 @@ LAYERS = [
     ("backends", ["onebit.backends", "onebit.nonfinite"]),
     ("memory", ["onebit.memory"]),
     ("models", ["onebit.models", "onebit.moe.predict"]),
-    ("engine", ["onebit.generate", "onebit.lookup", "onebit.model", "onebit.chat", "onebit.batch", "onebit.bench",
-                "onebit.serve", "onebit.serve_app", "onebit.cluster"]),
+    ("engine", ["onebit.runner", "onebit.generate", "onebit.lookup", "onebit.model", "onebit.chat", "onebit.batch",
+                "onebit.bench", "onebit.serve", "onebit.serve_app", "onebit.cluster"]),
     ("cli", ["onebit.cli"]),
 ]
 PACKAGE_INITS = {"onebit", "onebit.moe"}  # (onebit/__init__.py is the API: load() -> model; moe/ is two layers)

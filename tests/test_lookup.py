@@ -24,6 +24,7 @@ from onebit.errors import UsageError
 from onebit.generate import generate_step, stream_generate
 from onebit import generate as generate_mod
 from onebit.lookup import DEFAULT_DRAFTS, DraftPolicy, LookupStats, NgramDrafter, lookup_budget
+from onebit.runner import Decoder
 from onebit.sample import Sampler, make_sampler
 
 MOE = ["qwen3moe-f32", "qwen2moe-f32", "olmoe-f32", "mixtral-f32"]
@@ -329,7 +330,7 @@ def test_an_interrupt_inside_accepted_drafts_leaves_the_chat_as_plain_decoding_d
                     raise KeyboardInterrupt
         sessions.append(s)
     plain, look = sessions
-    assert look.cached == plain.cached and look.cache.offset == plain.cache.offset
+    assert look.prefix.tokens == plain.prefix.tokens and look.prefix.cache.offset == plain.prefix.cache.offset
     assert look.history == plain.history
     replies = [[r.token for r in s.send("and again") if r.token is not None] for s in sessions]
     assert replies[0] == replies[1]
@@ -391,7 +392,7 @@ def test_drafts_never_run_past_the_context():
 # -- sampling keeps the distribution ------------------------------------------------------
 
 
-class BigramNet:
+class BigramNet(Decoder):
     """A tiny deterministic 'model': the logits after a token depend on it and on its position
     parity (a table), so a speculative step must reproduce a context-dependent distribution."""
 

@@ -151,7 +151,7 @@ def test_fixture_features_are_load_bearing(name, change):
     import dataclasses
 
     model = onebit.load(FIXTURES / f"{name}.gguf", backend="cpu")
-    model.net.cfg = model.cfg = dataclasses.replace(model.cfg, **change)
+    model.net.arch.cfg = model.cfg = dataclasses.replace(model.cfg, **change)
     ref = np.load(FIXTURES / f"{name}.ref.npz")
     cos = cosine_rows(model.logits(ref["tokens"].astype(np.int64)), ref["logits_hf"])
     assert (cos >= 0.99999).mean() < 0.5, f"{name} with {change}: still matches HF ({np.median(cos)})"

@@ -55,8 +55,9 @@ class NumpyBackend(Backend):
         """The backend in a few words (`onebit bench`, logs)."""
         return "reference"
 
-    def attach_model(self, model) -> None:
-        """A network is built over this backend (a device backend records a step here)."""
+    def attach_model(self, model, kv_capacity: int = 0) -> None:
+        """Architecture `model` is run on this backend, its caches `kv_capacity` positions up
+        front (a device backend records a step here)."""
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
         """A cache for one sequence, in host memory (see cache.make_cache)."""

@@ -15,14 +15,15 @@ from typing import Iterator, Optional
 import numpy as np
 
 from ..errors import OnebitError, UsageError
+from ..pause import PhasedHook
 
 
 class TraceError(OnebitError):
     """A trace file is unreadable or malformed."""
 
 
-class TraceWriter:
-    """A model hook that records routing. Set `.phase` before each forward.
+class TraceWriter(PhasedHook):
+    """A model hook that records routing, each call under the `phase` generation sets.
 
     A call keeps copies of the arrays; `drain()` writes what was kept (the Vulkan backend calls
     it while the device runs the next step, so the formatting costs the step nothing), as does

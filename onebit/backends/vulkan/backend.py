@@ -185,16 +185,17 @@ class VulkanBackend(Backend):
 
     # -- the model ------------------------------------------------------------------------
 
-    def attach_model(self, model) -> None:
-        """Record one decode step now, so a model the kernels cannot run is refused at load (into
-        a KV storage of the capacity the model's caches will have, so the step is reused)."""
+    def attach_model(self, model, kv_capacity: int = 0) -> None:
+        """Record one decode step of architecture `model` now, so a model the kernels cannot run
+        is refused at load (into a KV storage of the capacity its caches will have, `kv_capacity`,
+        so the step is reused)."""
         cfg = model.cfg
         widths = (cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads * cfg.head_dim_v,
                   cfg.n_kv_heads * cfg.head_dim_v, cfg.hidden_dim, cfg.expert_hidden_dim, cfg.shared_expert_hidden_dim)
         if any(w % 4 for w in widths):
             raise VulkanUnavailableError(f"{self.gguf.path}: a row length of {cfg.arch} is not a multiple of 4, "
                                          "which the Vulkan kernels need")
-        cache = self.make_cache(cfg, model.kv_capacity)
+        cache = self.make_cache(cfg, kv_capacity)
         try:
             self.runner._recording(model, cache.storage, 1, True, self.streamed_layers)
             if self.pool is not None and self.streamed_layers and not cfg.recurrent_layers:
