@@ -16,8 +16,9 @@ import pytest
 
 import onebit
 from conftest import fixture_path, greedy_tokens
-from onebit.backends import cpu, resolve
-from onebit.backends.cpu import CpuBackend, base, int_dots, kernel_sets, products, repack, small_ops, threads, x16
+from onebit.backends import resolve
+from onebit.backends.cpu import (CpuBackend, base, int_dots, kernel_sets, kernels, products, repack, small_ops, threads,
+                                 x16)
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.backends.vulkan.reference import random_blocks
 from onebit.quants import QTYPES, QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, x16_bytes
@@ -636,7 +637,7 @@ def test_a_type_without_a_kernel_falls_back_and_says_so_once(capsys, monkeypatch
     """The numpy path for a type the kernels do not claim (a type added to onebit.quants
     before its kernel): said once at load, and the logits still match numpy's."""
     fewer = base.SUPPORTED - {QTYPES_BY_NAME["Q1_0"].type_id}
-    for where in (cpu, kernel_sets):  # (what the backend reads, and what the kernel sets read)
+    for where in (kernels, kernel_sets):  # (what the backend reads, and what the kernel sets read)
         monkeypatch.setattr(where, "SUPPORTED", fewer)
     path = fixture_path("q3moe256-Q1_0.gguf")
     m = onebit.load(path, backend="cpu")
