@@ -71,7 +71,7 @@ def _slots(slots: Optional[str]):
 def _check_ctx(path: str, ctx: int) -> None:
     """--ctx within the model's context length, with room for a prompt token and a reply token;
     read from the file header before anything is loaded."""
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
     from onebit.models import network_class
 
     if ctx < 1:
@@ -141,10 +141,10 @@ def cache_dir() -> Optional[Path]:
 
 
 def model_stores():
-    """Where other tools keep GGUF files here (onebit.catalog.Stores): $HF_HUB_CACHE, else
+    """Where other tools keep GGUF files here (onebit.formats.catalog.Stores): $HF_HUB_CACHE, else
     $HF_HOME/hub, else ~/.cache/huggingface/hub; $OLLAMA_MODELS, else ~/.ollama/models; LM
     Studio's two folders in the home folder."""
-    from onebit.catalog import Stores
+    from onebit.formats.catalog import Stores
 
     home = Path.home()
     hub = _env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE")
