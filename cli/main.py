@@ -14,7 +14,8 @@ from onebit.errors import OnebitError, UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
                       STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
-                      _model, _slots, _template_kwargs, cache_dir, default_model_path, load_spec, predict_options)
+                      _model, _slots, _template_kwargs, cache_dir, default_model_path, json_object, load_spec,
+                      predict_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run GGUF mixture-of-experts language models.")
@@ -182,13 +183,8 @@ def _json_schema(inline: Optional[str], file: Optional[str]) -> Optional[dict]:
         return load_schema(file)
     if inline is None:
         return None
-    try:
-        schema = json.loads(inline)
-    except ValueError as e:
-        raise UsageError(f"--json-schema is not valid JSON ({e}); give the schema itself, such as "
-                         "'{\"type\": \"object\"}', or a file with --json-schema-file") from None
-    if not isinstance(schema, dict):
-        raise UsageError("--json-schema must be a JSON object, such as '{\"type\": \"object\"}' ('{}': any object)")
+    schema = json_object(inline, "--json-schema", "'{\"type\": \"object\"}' ('{}': any object)",
+                         ", or a file with --json-schema-file")
     check_schema(schema, "--json-schema")
     return schema
 
