@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from onebit.backends.cpu import base, kernel_sets, products  # noqa: E402
 from onebit.backends.vulkan.reference import random_blocks  # noqa: E402
-from onebit.quants import QTYPES, QTYPES_BY_NAME  # noqa: E402
+from onebit.formats.quants import QTYPES, QTYPES_BY_NAME  # noqa: E402
 
 
 def main() -> int:

@@ -18,9 +18,9 @@ def measure(path: str) -> None:
     import psutil
 
     import onebit
-    import onebit.chat_template  # noqa: F401  (import the libraries first: their code is not the model's)
+    import onebit.chat_formats.chat_template  # noqa: F401  (import the libraries first: their code is not the model's)
     import onebit.model  # noqa: F401
-    import onebit.tokenizer  # noqa: F401
+    import onebit.formats.tokenizer  # noqa: F401
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss

@@ -258,7 +258,7 @@ def main() -> None:
                  f"got {a.modes}")
     modes = [mk for mk in MODES if mk[0] in want]
     from onebit.cli.main import default_model_path
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
 
     path = a.model or default_model_path()
     g = GGUFFile(path)

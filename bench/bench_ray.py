@@ -30,7 +30,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from onebit import batch  # noqa: E402
+from onebit.apps import batch  # noqa: E402
 
 
 def prompts_file(path: str, n: int) -> None:

@@ -87,8 +87,8 @@ def main() -> int:
     from onebit.backends.cpu import CpuBackend, int_dots, products, repack
     from onebit.backends.cpu import x16 as layouts
     from onebit.backends.vulkan.reference import random_blocks
-    from onebit import quants
-    from onebit.quants import QTYPES_BY_NAME
+    from onebit.formats import quants
+    from onebit.formats.quants import QTYPES_BY_NAME
 
     bw, peak = yardsticks()
     import numba

@@ -62,7 +62,7 @@ def machine(path: str) -> dict:
 
     mem_gbs = memory_read_gbs()
 
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
 
     g = GGUFFile(path)
     parts = [t for n, t in g.tensors.items() if n.startswith("blk.0.ffn_") and n.endswith("_exps.weight")]
@@ -92,7 +92,7 @@ def machine(path: str) -> dict:
 def active_bytes(path: str) -> tuple[int, int]:
     """(bytes a decode token reads resident: every non-expert matrix but the embedding table plus
     top-k experts of every MoE layer, bytes of one expert)."""
-    from onebit.gguf_file import GGUFFile, is_expert_tensor
+    from onebit.formats.gguf_file import GGUFFile, is_expert_tensor
 
     g = GGUFFile(path)
     k = next(v for key, v in g.metadata.items() if key.endswith(".expert_used_count"))

@@ -91,7 +91,7 @@ class Direct:
 
     def __init__(self, model_path: str, backend: str, ctx: int):
         import onebit
-        from onebit.serve import penalties
+        from onebit.apps.serve import penalties
 
         self.m = onebit.load(model_path, backend=backend, n_ctx=ctx)
         self.ban = penalties(0, 0, {t: -100 for t in self.m.tokenizer.stop_ids})

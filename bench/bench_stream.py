@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import onebit
-from onebit.gguf_file import is_expert_tensor
+from onebit.formats.gguf_file import is_expert_tensor
 from onebit.memory.budget import format_bytes
 
 

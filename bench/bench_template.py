@@ -28,8 +28,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
 
-    from onebit import chat_template as ct
-    from onebit.gguf_file import GGUFFile
+    from onebit.chat_formats import chat_template as ct
+    from onebit.formats.gguf_file import GGUFFile
 
     g = GGUFFile(a.model)
     template = g.get("tokenizer.chat_template") or ct.fallback_template(g.get("tokenizer.ggml.tokens"))[1]

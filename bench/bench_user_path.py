@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import onebit  # noqa: E402
-from onebit.bench import bench_prompt, run_bench  # noqa: E402
+from onebit.apps.bench import bench_prompt, run_bench  # noqa: E402
 from onebit.generate import stream_generate  # noqa: E402
 from onebit.sample import make_sampler  # noqa: E402
 

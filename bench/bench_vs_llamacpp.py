@@ -60,7 +60,7 @@ def llama_binding(root: Path):
 def decode_bytes(model) -> int:
     """Weight bytes one decode token reads: all but routed experts and the embedding table,
     plus one embedding row and, per MoE layer, k of its E experts."""
-    from onebit.gguf_file import is_expert_tensor
+    from onebit.formats.gguf_file import is_expert_tensor
 
     total = 0
     k, E = model.cfg.n_experts_used, max(model.cfg.n_experts, 1)

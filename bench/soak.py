@@ -113,9 +113,9 @@ def run(model_path: str = DEFAULT_MODEL, prompts: int = 200, turns: int = 50, sl
     import psutil
 
     import onebit
-    from onebit import batch
-    from onebit import chat_template as ct
-    from onebit.chat import ChatSession
+    from onebit.apps import batch
+    from onebit.chat_formats import chat_template as ct
+    from onebit.apps.chat import ChatSession
 
     proc = psutil.Process()
     t0 = time.perf_counter()

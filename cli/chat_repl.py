@@ -89,7 +89,7 @@ def format_stats(session) -> str:
 
 
 def run_chat(model, system=None, show_reasoning: bool = False, **settings) -> None:
-    from onebit.chat import ChatSession
+    from onebit.apps.chat import ChatSession
     from onebit.errors import OnebitError
 
     try:

@@ -14,7 +14,8 @@ from onebit.errors import OnebitError, UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
                       STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
-                      _model, _slots, _template_kwargs, cache_dir, default_model_path, load_spec, predict_options)
+                      _model, _slots, _template_kwargs, cache_dir, default_model_path, json_object, load_spec,
+                      predict_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run GGUF mixture-of-experts language models.")
@@ -51,7 +52,7 @@ def root(
 
 # -- shared options ---------------------------------------------------------------------
 
-# Names the renderer sets itself (onebit.chat_template.render_chat).
+# Names the renderer sets itself (onebit.chat_formats.chat_template.render_chat).
 
 
 @app.command(cls=Command)
@@ -108,7 +109,7 @@ def generate(
         None, "--json-schema-file", help="As --json-schema, the schema read from this file."),
 ) -> None:
     """Generate from one prompt, or from a file of prompts into a JSONL file."""
-    from onebit import batch
+    from onebit.apps import batch
     from onebit.lookup import DEFAULT_DRAFTS, LookupStats
 
     model, device = _model(model, model_opt), _device(device)
@@ -174,7 +175,7 @@ def generate(
 def _json_schema(inline: Optional[str], file: Optional[str]) -> Optional[dict]:
     """The schema of --json-schema JSON or --json-schema-file FILE (not both), checked before
     any model is loaded; None without either."""
-    from onebit.structured import check_schema, load_schema
+    from onebit.chat_formats.structured import check_schema, load_schema
 
     if inline is not None and file is not None:
         raise UsageError("give the JSON schema once: --json-schema JSON or --json-schema-file FILE")
@@ -182,13 +183,8 @@ def _json_schema(inline: Optional[str], file: Optional[str]) -> Optional[dict]:
         return load_schema(file)
     if inline is None:
         return None
-    try:
-        schema = json.loads(inline)
-    except ValueError as e:
-        raise UsageError(f"--json-schema is not valid JSON ({e}); give the schema itself, such as "
-                         "'{\"type\": \"object\"}', or a file with --json-schema-file") from None
-    if not isinstance(schema, dict):
-        raise UsageError("--json-schema must be a JSON object, such as '{\"type\": \"object\"}' ('{}': any object)")
+    schema = json_object(inline, "--json-schema", "'{\"type\": \"object\"}' ('{}': any object)",
+                         ", or a file with --json-schema-file")
     check_schema(schema, "--json-schema")
     return schema
 
@@ -197,7 +193,7 @@ def _json_constraint(m, schema):
     """A maker of a fresh JSON constraint per prompt (it holds the parse state), or None."""
     if schema is None:
         return None
-    from onebit.structured import Constraint, json_grammar
+    from onebit.chat_formats.structured import Constraint, json_grammar
 
     grammar = json_grammar(schema or None)
     Constraint(m, grammar)  # refuse a grammar the model's vocabulary cannot write, before any prompt
@@ -213,7 +209,7 @@ def _warn_unreadable(results) -> None:
 
 
 def _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done, gen) -> None:
-    from onebit import batch
+    from onebit.apps import batch
 
     chat = not raw and m.chat_template is not None
     if input is None:
@@ -234,9 +230,9 @@ def _generate(m, prompt, input, input_format, results, on_error, raw, system, se
 
 
 def _stream_one(m, item, chat, system, seed, gen) -> None:
-    from onebit import batch
+    from onebit.apps import batch
 
-    from onebit.think import reply_splitter
+    from onebit.chat_formats.think import reply_splitter
 
     from .chat_repl import visible
 
@@ -264,7 +260,7 @@ def _stream_one(m, item, chat, system, seed, gen) -> None:
 def _run_batch(m, input, input_format, results, on_error, chat, system, seed, done, gen) -> None:
     from tqdm import tqdm
 
-    from onebit import batch
+    from onebit.apps import batch
 
     stream, total = batch.open_prompts(input)
     with tqdm(total=total, unit="prompt", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
@@ -283,8 +279,8 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Describe a model: architecture, parameters, experts, types, tokenizer."""
-    from onebit.gguf_file import GGUFFile
-    from onebit.info import format_info, model_info
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.apps.info import format_info, model_info
     from onebit.models import network_class
 
     model = _model(model, model_opt)
@@ -324,7 +320,7 @@ def plan(
 ) -> None:
     """Dry run of the memory plan: what is resident, how many expert slots fit, and whether it fits.
     Exit 0 if it fits, 1 if not, 2 on bad input. Allocates nothing."""
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
     from onebit.memory.budget import detect_budget
     from onebit.memory.plan import plan_load
     from onebit.models import network_class
@@ -428,7 +424,7 @@ def bench(
 
 
 def _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, warmup: bool = True) -> None:
-    from onebit.bench import run_bench
+    from onebit.apps.bench import run_bench
 
     res = run_bench(m, prompt_tokens, gen_tokens, runs, lookup=lookup, warmup=warmup)
     if as_json:
@@ -493,7 +489,7 @@ def main() -> None:
     logging.getLogger("onebit").addHandler(handler)
 
     warnings.simplefilter("ignore", RuntimeWarning)  # numeric trouble is one error from the engine instead
-    from onebit.tokenizer import set_cache_dir
+    from onebit.formats.tokenizer import set_cache_dir
 
     set_cache_dir(cache_dir())
     from .serve import register  # `serve` and `list` (that module imports this one's options)

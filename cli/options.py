@@ -71,7 +71,7 @@ def _slots(slots: Optional[str]):
 def _check_ctx(path: str, ctx: int) -> None:
     """--ctx within the model's context length, with room for a prompt token and a reply token;
     read from the file header before anything is loaded."""
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
     from onebit.models import network_class
 
     if ctx < 1:
@@ -141,10 +141,10 @@ def cache_dir() -> Optional[Path]:
 
 
 def model_stores():
-    """Where other tools keep GGUF files here (onebit.catalog.Stores): $HF_HUB_CACHE, else
+    """Where other tools keep GGUF files here (onebit.formats.catalog.Stores): $HF_HUB_CACHE, else
     $HF_HOME/hub, else ~/.cache/huggingface/hub; $OLLAMA_MODELS, else ~/.ollama/models; LM
     Studio's two folders in the home folder."""
-    from onebit.catalog import Stores
+    from onebit.formats.catalog import Stores
 
     home = Path.home()
     hub = _env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE")
@@ -280,16 +280,22 @@ TEMPLATE_KWARGS = typer.Option(
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
+def json_object(text: str, flag: str, example: str, advice: str = "") -> dict:
+    """A flag's JSON object, or one UsageError naming the flag: `example` shows what to give,
+    `advice` what else to do when it is not JSON at all."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{flag} is not valid JSON ({e}); give an object such as {example}{advice}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag} must be a JSON object, such as {example}")
+    return value
+
+
 def _template_kwargs(text: Optional[str]) -> dict:
     if text is None:
         return {}
-    try:
-        kw = json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"--chat-template-kwargs is not valid JSON ({e}); give an object such as "
-                         "'{\"enable_thinking\": false}'") from None
-    if not isinstance(kw, dict):
-        raise UsageError("--chat-template-kwargs must be a JSON object, such as '{\"enable_thinking\": false}'")
+    kw = json_object(text, "--chat-template-kwargs", "'{\"enable_thinking\": false}'")
     own = sorted(set(kw) & set(_TEMPLATE_OWN))
     if own:
         raise UsageError(f"--chat-template-kwargs cannot set {', '.join(own)}: onebit sets those itself")

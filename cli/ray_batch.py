@@ -1,4 +1,4 @@
-"""`onebit generate --input ... --ray ADDRESS`: the batch on a Ray cluster (onebit.cluster),
+"""`onebit generate --input ... --ray ADDRESS`: the batch on a Ray cluster (onebit.apps.cluster),
 with one progress bar and, with --stats, a table per worker."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from onebit.errors import UsageError
 def check_ray_args(input: Optional[str], model: Optional[str], ctx: Optional[int], trace: Optional[str],
                    predict) -> None:
     """Refuse what --ray cannot do before anything is opened; Ray itself must be installed."""
-    from onebit.cluster import import_ray
+    from onebit.apps.cluster import import_ray
 
     if input is None:
         raise UsageError("--ray runs a prompts file: give --input (and --output)")
@@ -35,8 +35,8 @@ def generate_on_ray(address: str, workers: Optional[int], worker_cpus: float, st
 
     from tqdm import tqdm
 
-    from onebit import batch, cluster
-    from onebit.gguf_file import GGUFFile
+    from onebit.apps import batch, cluster
+    from onebit.formats.gguf_file import GGUFFile
 
     if spec.path is not None:  # (a worker's working directory is Ray's)
         spec = dataclasses.replace(spec, path=os.path.abspath(spec.path))

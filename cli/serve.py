@@ -80,13 +80,13 @@ def serve(
     try:
         import uvicorn
 
-        from onebit.serve_app import create_app
+        from onebit.apps.serve_app import create_app
     except ImportError as e:
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None
-    from onebit import catalog
+    from onebit.formats import catalog
     from onebit.lookup import DEFAULT_DRAFTS
-    from onebit.serve import Engine, Sampling
+    from onebit.apps.serve import Engine, Sampling
 
     model, device = _model(model, model_opt), _device(device)
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
@@ -104,7 +104,7 @@ def serve(
     found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
     engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict)  # (switches load as m.spec)
 
-    log = logging.getLogger("onebit.serve")
+    log = logging.getLogger("onebit.apps.serve")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("onebit serve: %(message)s"))
     log.addHandler(handler)
@@ -143,7 +143,7 @@ def list_models(
     """List GGUF files: --models-dir folders, the Hugging Face cache, ollama's and LM Studio's stores."""
     import json
 
-    from onebit import catalog
+    from onebit.formats import catalog
 
     for d in models_dir:
         if not os.path.isdir(d):

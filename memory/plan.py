@@ -17,7 +17,7 @@ from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_posit
                           scratch_kv_bytes, scratch_state_bytes)
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
-from onebit.gguf_file import EXPERT_PARTS, GGUFFile
+from onebit.formats.gguf_file import EXPERT_PARTS, GGUFFile
 
 from .budget import Budget, format_bytes
 

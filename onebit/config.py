@@ -9,7 +9,7 @@ import numpy as np
 from gguf.constants import Keys
 
 from .errors import ModelFileError, UnsupportedModelError
-from .gguf_file import GGUFFile, is_expert_tensor
+from .formats.gguf_file import GGUFFile, is_expert_tensor
 
 L, A, R = Keys.LLM, Keys.Attention, Keys.Rope
 

@@ -14,13 +14,13 @@ import numpy as np
 from .backends import backend_class, fallback_order, host_backend, resolve
 from .errors import BackendUnavailableError, UsageError
 from .generate import GenerationResponse, stream_generate
-from .gguf_file import GGUFFile
+from .formats.gguf_file import GGUFFile
 from .lookup import DEFAULT_DRAFTS, lookup_budget
 from .models import network_class
 from .models.base import check_ids
 from .runner import Runner
 from .sample import make_logits_processors, make_sampler
-from .tokenizer import Tokenizer
+from .formats.tokenizer import Tokenizer
 
 log = logging.getLogger("onebit")
 
@@ -109,7 +109,7 @@ class Model:
             self.set_predict(predict)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, self.path)
         self.chat_template: Optional[str] = self.gguf.get("tokenizer.chat_template")
-        from .chat_template import fallback_template
+        from .chat_formats.chat_template import fallback_template
 
         # what `chat` renders with when the file has no template
         self.fallback_template = fallback_template(self.gguf.get("tokenizer.ggml.tokens"))[1]
@@ -175,7 +175,7 @@ class Model:
         from tqdm import tqdm
 
         from .errors import ModelFileError
-        from .gguf_file import is_expert_tensor
+        from .formats.gguf_file import is_expert_tensor
 
         # (an expert part's bias, gpt-oss, is small and resident too)
         resident = [t for name, t in self.gguf.tensors.items()
@@ -219,7 +219,7 @@ class Model:
         them once into a layout of its own (it maps each as it does) and never again."""
         from tqdm import tqdm
 
-        from .gguf_file import is_expert_tensor
+        from .formats.gguf_file import is_expert_tensor
 
         # experts first: where the system cannot, it says so at the first tensor
         order = sorted((t for t in self.gguf.tensors.values() if not skip(t)), key=lambda t: not is_expert_tensor(t.name))
@@ -289,7 +289,7 @@ class Model:
         """The conversation rendered with the chat template; `tools`: the tool definitions the
         template shows the model; `template_kwargs`: variables for this render, over the model's
         own (`self.template_kwargs`)."""
-        from .chat_template import render_chat
+        from .chat_formats.chat_template import render_chat
 
         tok = self.tokenizer
         bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""

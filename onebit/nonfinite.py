@@ -18,7 +18,7 @@ import numpy as np
 
 from .backends.numpy_backend import EagerStep, NumpyBackend, dequantize
 from .cache import RingKVCache, make_cache
-from .gguf_file import EXPERT_PARTS
+from .formats.gguf_file import EXPERT_PARTS
 
 _BLK = re.compile(r"^blk\.(\d+)\.")
 

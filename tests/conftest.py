@@ -38,7 +38,7 @@ def cpu_kernels():
 @functools.cache
 def _fill_kernels_of(path: str) -> None:
     from onebit.backends.cpu import CpuBackend, kernel_sets
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
 
     g = GGUFFile(path)
     kernel_sets.kernels_for(g, CpuBackend.memory_policy(g).repacks).fill_cache()
@@ -105,7 +105,7 @@ def run_cli(monkeypatch, capsys, *args):
 def chat_repl_output(model, sampler, monkeypatch, capsys, show: bool, message: str = "Hi!") -> str:
     """One chat REPL turn (`message`, then end of input) with colour on and the model's replies
     scripted by `sampler`: what it printed, with the dim escape's per-piece restarts joined."""
-    from onebit import chat as chat_mod
+    from onebit.apps import chat as chat_mod
     from onebit.cli import chat_repl
 
     lines = iter([message])

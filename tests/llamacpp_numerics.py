@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from onebit.backends import numpy_backend as nb
-from onebit.quants import QTYPES
+from onebit.formats.quants import QTYPES
 
 Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
               "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"}

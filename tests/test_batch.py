@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import fixture_path
-from onebit import batch
+from onebit.apps import batch
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))
 pytestmark = pytest.mark.kernels_of(MODEL, fixture_path("q3moe256-Q4_K_M.gguf"))  # (for its `onebit` processes)

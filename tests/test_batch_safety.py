@@ -17,7 +17,7 @@ import pytest
 
 import onebit
 from conftest import fixture_path, run_cli
-from onebit import batch
+from onebit.apps import batch
 from onebit.errors import UsageError
 
 MODEL = str(fixture_path("qwen3moe-f32.gguf"))

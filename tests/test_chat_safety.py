@@ -8,7 +8,7 @@ import pytest
 
 import onebit
 from conftest import fixture_path
-from onebit.chat import ChatSession
+from onebit.apps.chat import ChatSession
 from onebit.errors import UsageError
 from onebit.generate import GenerationResponse
 
@@ -55,7 +55,7 @@ def chat(monkeypatch, capsys, lines):
         return x
 
     FakeSession.sent = []
-    monkeypatch.setattr("onebit.chat.ChatSession", FakeSession)
+    monkeypatch.setattr("onebit.apps.chat.ChatSession", FakeSession)
     monkeypatch.setattr("builtins.input", fake_input)
     model = SimpleNamespace(gguf={"general.name": "fake"}, path="fake.gguf", cfg=SimpleNamespace(arch="x"),
                             be=SimpleNamespace(name="numpy"))

@@ -6,7 +6,7 @@ import pytest
 
 import onebit
 from conftest import fixture_path
-from onebit.chat import ChatSession
+from onebit.apps.chat import ChatSession
 from onebit.errors import UsageError
 
 MODEL = fixture_path("qwen3moe-f32.gguf")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from onebit.chat_template import CHATML_TEMPLATE, render_chat
+from onebit.chat_formats.chat_template import CHATML_TEMPLATE, render_chat
 from onebit.errors import OnebitError, TemplateError
-from onebit.gguf_file import read_metadata
+from onebit.formats.gguf_file import read_metadata
 
 from conftest import fixture_path
 
@@ -168,7 +168,7 @@ def test_gemma_file_without_a_template_chats_in_gemma_turns(tmp_path):
     import onebit
     from conftest import fixture_path
     from ggufedit import rewrite
-    from onebit.info import format_info, model_info
+    from onebit.apps.info import format_info, model_info
 
     path = rewrite(fixture_path("gemma3-f32.gguf"), tmp_path / "g.gguf", drop_meta=("tokenizer.chat_template",))
     m = onebit.load(path, backend="cpu")

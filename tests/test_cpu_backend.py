@@ -21,7 +21,7 @@ from onebit.backends.cpu import (CpuBackend, base, int_dots, kernel_sets, kernel
                                  x16)
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.backends.vulkan.reference import random_blocks
-from onebit.quants import QTYPES, QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, x16_bytes
+from onebit.formats.quants import QTYPES, QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, x16_bytes
 from onebit.backends.cpu.backend import X16_FROM
 
 # The tests of single kernels call the all-types kernels; the cache_is_cold test and the
@@ -362,7 +362,7 @@ def test_iq4_xs_x16_layout_by_hand(rng):
     equals the reference dequantization."""
     if not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
-    from onebit.quants import iq4_values
+    from onebit.formats.quants import iq4_values
 
     qt = QTYPES_BY_NAME["IQ4_XS"]
     w = random_blocks("IQ4_XS", (16, 512), rng)
@@ -625,7 +625,7 @@ def test_cpu_matches_numpy(name):
 
 
 def test_every_quant_type_has_a_kernel(capsys):
-    """No type of onebit.quants takes the numpy path: a file mixing five types says nothing."""
+    """No type of onebit.formats.quants takes the numpy path: a file mixing five types says nothing."""
     assert set(QTYPES) <= base.SUPPORTED
     m = onebit.load(fixture_path("q3moe256-IQ1_M.gguf"), backend="cpu")
     assert len({t.qtype for t in m.gguf.tensors.values()}) >= 5
@@ -634,7 +634,7 @@ def test_every_quant_type_has_a_kernel(capsys):
 
 
 def test_a_type_without_a_kernel_falls_back_and_says_so_once(capsys, monkeypatch):
-    """The numpy path for a type the kernels do not claim (a type added to onebit.quants
+    """The numpy path for a type the kernels do not claim (a type added to onebit.formats.quants
     before its kernel): said once at load, and the logits still match numpy's."""
     fewer = base.SUPPORTED - {QTYPES_BY_NAME["Q1_0"].type_id}
     for where in (kernels, kernel_sets):  # (what the backend reads, and what the kernel sets read)
@@ -725,7 +725,7 @@ def test_the_backend_sets_the_wait_policy_before_numba_starts_its_threads(monkey
     """OpenMP reads OMP_WAIT_POLICY once, when numba starts its threads (numba.get_num_threads,
     a first parallel region): the backend sets the policy when it opens, before it asks for them."""
     from onebit.backends.cpu import backend
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
 
     calls, count = [], backend.threads
     monkeypatch.setattr(backend, "wait_policy", lambda: calls.append("wait_policy"))

@@ -68,7 +68,7 @@ def test_load_does_not_copy_weights():
 def test_a_resident_load_maps_every_weight_page(monkeypatch):
     """Every weight resident: their pages are mapped at load (no fault inside a decode step),
     the experts first."""
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
 
     done = []
     orig = GGUFFile.populate

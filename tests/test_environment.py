@@ -86,7 +86,7 @@ def test_env_uses_passes_what_is_not_the_environment():
 def test_the_cli_passes_the_environment_down(monkeypatch, capsys, tmp_path):
     """$ONEBIT_LOOKUP, $ONEBIT_MOE_PREDICT*, $ONEBIT_VULKAN_DEVICE and $ONEBIT_CACHE_DIR reach the
     library through the CLI: read by cli/options, a flag over its variable."""
-    from onebit import tokenizer
+    from onebit.formats import tokenizer
     from onebit.cli import options
 
     monkeypatch.setenv("ONEBIT_LOOKUP", "3")

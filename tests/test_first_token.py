@@ -18,8 +18,8 @@ import numpy as np
 from conftest import fixture_path
 from onebit.backends.cpu import CpuBackend, base, int_dots, kernel_sets, products
 from onebit.backends.vulkan.reference import random_blocks
-from onebit.gguf_file import GGUFFile
-from onebit.quants import QTYPES_BY_NAME
+from onebit.formats.gguf_file import GGUFFile
+from onebit.formats.quants import QTYPES_BY_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,7 +130,7 @@ def test_a_file_takes_its_own_kernels_or_the_cached_all_types_ones(tmp_path, mon
     own = kernel_sets.Kernels({t.type_name for t in m.tensors.values() if len(t.shape) > 1}, k.parts)
     assert own.names == ("Q4_K", "Q6_K", "F32") and QTYPES_BY_NAME["Q8_0"].type_id not in own.SUPPORTED
     code = f"""
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 from onebit.backends.cpu import CpuBackend, kernel_sets
 g = GGUFFile({str(fixture_path("q3moe256-Q4_K_M.gguf"))!r})
 k = kernel_sets.kernels_for(g, CpuBackend.memory_policy(g, repack_from=0).repacks)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onebit.errors import ModelFileError, OnebitError, UnsupportedModelError
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 
 
 def write_gguf(path, tensors: dict[str, np.ndarray], meta: dict | None = None, raw_types: dict | None = None):

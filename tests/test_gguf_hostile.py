@@ -16,9 +16,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import fuzz_gguf  # noqa: E402
 
-from onebit import gguf_file  # noqa: E402
+from onebit.formats import gguf_file  # noqa: E402
 from onebit.errors import ModelFileError  # noqa: E402
-from onebit.gguf_file import GGUFFile, SkippedArray  # noqa: E402
+from onebit.formats.gguf_file import GGUFFile, SkippedArray  # noqa: E402
 
 
 def _parse(path):

@@ -13,7 +13,7 @@ import pytest
 from conftest import fixture_path
 from ggufedit import rewrite
 from onebit.errors import ModelFileError
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 from test_cli import assert_one_line_error, onebit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))

@@ -25,7 +25,7 @@ from conftest import FIXTURES, cosine_rows
 from onebit.backends import BACKENDS
 from onebit.backends.vulkan.backend import VulkanBackend
 from onebit.errors import ModelFileError
-from onebit.gguf_file import GGUFFile, is_expert_tensor
+from onebit.formats.gguf_file import GGUFFile, is_expert_tensor
 from onebit.moe.predict import Predictor, settings_from
 
 F32 = FIXTURES / "glm4moe-f32.gguf"
@@ -124,7 +124,7 @@ def test_bad_routing_metadata_is_refused(tmp_path, meta, match):
 
 
 def test_nextn_layer_is_set_aside_not_run_uploaded_planned_or_counted():
-    from onebit.info import model_info
+    from onebit.apps.info import model_info
     from onebit.memory.budget import Budget
     from onebit.memory.plan import make_plan, size_classes
 

@@ -24,9 +24,9 @@ from onebit.backends import BACKENDS
 from onebit.backends import numpy_backend as nb
 from onebit.backends.vulkan import reference as ref
 from onebit.backends.vulkan.backend import VulkanBackend
-from onebit.chat import ChatSession
-from onebit.chat_template import render_chat
-from onebit.harmony import HarmonyStream, is_harmony, split_reply
+from onebit.apps.chat import ChatSession
+from onebit.chat_formats.chat_template import render_chat
+from onebit.chat_formats.harmony import HarmonyStream, is_harmony, split_reply
 from onebit.models import gpt_oss
 from onebit.moe.predict import settings_from
 
@@ -380,7 +380,7 @@ def test_chat_repl_hides_or_dims_the_reasoning(chat_model, monkeypatch, capsys, 
 
 @pytest.mark.parametrize("show", [False, True])
 def test_generate_keeps_the_final_text_and_the_reasoning_per_flag(chat_model, monkeypatch, show):
-    from onebit import batch
+    from onebit.apps import batch
     from onebit import model as model_mod
 
     monkeypatch.setattr(model_mod, "make_sampler", lambda *a, **kw: _script(chat_model))

@@ -15,7 +15,7 @@ import onebit.generate as generate_mod
 from conftest import cosine_rows, fixture_path, greedy_tokens
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.cache import RecurrentCache, recurrent_state_bytes
-from onebit.chat import ChatSession
+from onebit.apps.chat import ChatSession
 from onebit.lookup import DraftPolicy, LookupStats
 from onebit.generate import generate_step
 from onebit.moe.predict import settings_from

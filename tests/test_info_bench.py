@@ -58,7 +58,7 @@ def test_bench_runs_one_uncounted_warmup_first(monkeypatch):
     """run_bench times `runs` runs after one it does not count (as llama-bench's warm-up); without
     `warmup` it times every prompt it feeds."""
     import onebit
-    from onebit.bench import run_bench
+    from onebit.apps.bench import run_bench
 
     m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy")
     prompts = []

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import fixture_path
 from llamacpp_numerics import q8_1_correction, round_activation
-from onebit.quants import QTYPES
+from onebit.formats.quants import QTYPES
 
 REF = np.load(fixture_path("llamacpp-rounding.npz"))
 BY_NAME = {q.name: q for q in QTYPES.values()}

@@ -19,7 +19,7 @@ import onebit
 from conftest import fixture_path
 from onebit.backends import BACKENDS
 from onebit.backends.vulkan.backend import VulkanBackend
-from onebit.chat import ChatSession
+from onebit.apps.chat import ChatSession
 from onebit.errors import UsageError
 from onebit.generate import generate_step, stream_generate
 from onebit import generate as generate_mod

@@ -41,7 +41,7 @@ def test_closing_a_model_gives_its_device_memory_back(device_name):
 
 
 def test_a_model_switched_in_serve_keeps_the_spec_and_frees_the_old_one(device_name):
-    from onebit.serve import Engine, Sampling
+    from onebit.apps.serve import Engine, Sampling
 
     spec = LoadSpec(path=str(fixture_path(A)), backend="vulkan", device=device_name, n_ctx=256, slots=4,
                     budget="1GiB", predict="off", template_kwargs={"enable_thinking": False})

@@ -15,10 +15,10 @@ import pytest
 import onebit
 from conftest import fixture_path
 from ggufedit import rewrite
-from onebit.chat import ChatSession
-from onebit.harmony import HarmonyStream
-from onebit.serve import Engine, Sampling, Work
-from onebit.think import ThinkStream, reply_splitter
+from onebit.apps.chat import ChatSession
+from onebit.chat_formats.harmony import HarmonyStream
+from onebit.apps.serve import Engine, Sampling, Work
+from onebit.chat_formats.think import ThinkStream, reply_splitter
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_TEMPLATE = (ROOT / "tests" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
@@ -154,9 +154,9 @@ def test_the_splitter_each_model_gets(reasoning_model, qwen3_model):
 
 def test_every_caller_splits_a_reply_alike(reasoning_model, monkeypatch, capsys):
     """chat, generate (batched and streamed) and serve give the same reasoning and reply."""
-    from onebit import batch
+    from onebit.apps import batch
     from onebit import model as model_mod
-    from onebit import serve as serve_mod
+    from onebit.apps import serve as serve_mod
     from onebit.cli import main
 
     model, kind = reasoning_model
@@ -184,7 +184,7 @@ def test_every_caller_splits_a_reply_alike(reasoning_model, monkeypatch, capsys)
 def test_no_caller_picks_a_splitter_itself():
     """Only think.reply_splitter makes a splitter (HarmonyStream, think_stream) or asks which
     format a model writes (is_harmony, uses_think) on behalf of a caller."""
-    callers = ["onebit/chat.py", "onebit/serve.py", "onebit/serve_app.py", "onebit/batch.py", "cli/main.py",
+    callers = ["onebit/apps/chat.py", "onebit/apps/serve.py", "onebit/apps/serve_app.py", "onebit/apps/batch.py", "cli/main.py",
                "cli/chat_repl.py"]
     named = {}
     for path in callers:
@@ -202,7 +202,7 @@ def test_no_caller_picks_a_splitter_itself():
 @pytest.mark.parametrize("streamed", [False, True])
 def test_every_stats_line_is_pool_line(streamed, capsys):
     from onebit.cli import chat_repl, main
-    from onebit.cluster import BatchWorker
+    from onebit.apps.cluster import BatchWorker
     from onebit.runner import pool_line
 
     kw = dict(slots=6, budget="1GiB") if streamed else {}

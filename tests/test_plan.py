@@ -14,7 +14,7 @@ from onebit.backends.cpu import int_dots
 from onebit.backends.cpu import CpuBackend
 from onebit.backends.numpy_backend import NumpyBackend
 from onebit.errors import UsageError
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 from onebit.memory.budget import Budget, parse_size
 from onebit.memory.plan import make_plan, parse_layers
 from onebit.models import network_class

@@ -8,7 +8,7 @@ import pytest
 import onebit
 from conftest import fixture_path
 from onebit.errors import ModelFileChangedError, UsageError
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 from onebit.memory.plan import size_classes
 from onebit.memory.pool import ExpertPool, StreamReadError
 

@@ -8,7 +8,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
 from onebit.backends.vulkan.reference import random_blocks
-from onebit.quants import EVEN_SIGNS, QTYPES, QTYPES_BY_NAME, Q1_0, iq_grid
+from onebit.formats.quants import EVEN_SIGNS, QTYPES, QTYPES_BY_NAME, Q1_0, iq_grid
 
 IQ_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"]
 REQUIRED = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -116,7 +116,7 @@ def test_k_quants_decode_hand_built_blocks(name):
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-7)
 
 
-# -- IQ types: our decoders (onebit/quants.py) against gguf-py's, an independent implementation --
+# -- IQ types: our decoders (onebit/formats/quants.py) against gguf-py's, an independent implementation --
 
 
 @pytest.mark.parametrize("name", IQ_TYPES)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from conftest import run_cli
-from onebit import cluster
+from onebit.apps import cluster
 from onebit.model import shipped_model_path
 
 ray = pytest.importorskip("ray", reason="the cluster extra (ray) is not installed")
@@ -191,7 +191,7 @@ def test_without_ray_says_how_to_install_it(tmp_path, monkeypatch, capsys, promp
 
 
 def test_every_worker_lost_stops_the_run_with_exit_1(address, tmp_path):
-    from onebit import batch
+    from onebit.apps import batch
 
     out = tmp_path / "out.jsonl"
     items = [batch.PromptItem(f"p{i}", i + 1, prompt=f"question {i}") for i in range(4)]
@@ -210,7 +210,7 @@ def test_every_worker_lost_stops_the_run_with_exit_1(address, tmp_path):
 def test_a_prompt_whose_worker_is_lost_twice_gets_an_error_result(tmp_path):
     from collections import Counter, deque
 
-    from onebit import batch
+    from onebit.apps import batch
 
     said = []
     rb = cluster.RayBatch(None, cluster.LoadSpec(), cluster.Work(), workers=2, say=said.append)

@@ -22,7 +22,7 @@ import pytest
 import onebit
 from conftest import fixture_path
 from onebit.backends.cpu import CpuBackend
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 from onebit.memory.budget import Budget
 from onebit.memory.plan import (CONTEXT_SHARE, DEFAULT_CONTEXT, MIN_CONTEXT, RESIDENT_SHARE, PlanError, make_plan,
                                 plan_load)

@@ -263,7 +263,7 @@ def test_a_model_that_does_not_load(client):
 
 
 def test_unparseable_tool_call_is_text():
-    from onebit.toolcall import parse_harmony, parse_tags
+    from onebit.chat_formats.toolcall import parse_harmony, parse_tags
 
     assert parse_tags('hi <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')[1][0].name == "f"
     for bad in ('<tool_call>{"name": "f", "arguments": {</tool_call>', '<tool_call>{"name": "f"',
@@ -427,7 +427,7 @@ def _drain(it):
 
 def test_reply_splitter_reasoning_and_held_tool_call(server):
     import onebit
-    from onebit.serve import ReplySplitter
+    from onebit.apps.serve import ReplySplitter
 
     g = onebit.load(fixture_path("gptoss-f32.gguf"), backend="numpy")
     s = ReplySplitter(g, [], tools=True, constrained=False)

@@ -57,7 +57,7 @@ LEAKS = {None: set(), "memory": {"resident memory"}, "fd": {"fds"}, "thread": {"
 def test_an_injected_leak_fails_the_soak(kind, monkeypatch):
     import psutil
 
-    from onebit import batch
+    from onebit.apps import batch
 
     real = batch.generate_one
     kept: list = []

@@ -12,7 +12,7 @@ import numpy as np
 
 from conftest import fixture_path
 from onebit.backends.experts import ExpertSource, StreamCounts, StreamedExperts
-from onebit.gguf_file import GGUFFile
+from onebit.formats.gguf_file import GGUFFile
 from onebit.memory.plan import size_classes
 from onebit.memory.pool import ExpertPool
 

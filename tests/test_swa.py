@@ -21,7 +21,7 @@ import onebit
 from conftest import cosine_rows, fixture_path, run_cli
 from onebit.cache import (MIN_SWA_ROWS, SWA_ROWS, KVCache, RingKVCache, kv_cache_bytes, make_cache,
                           ring_capacity)
-from onebit.chat import ChatSession
+from onebit.apps.chat import ChatSession
 from onebit.generate import generate_step
 from onebit.lookup import MAX_DRAFTS, LookupStats
 from onebit.sample import make_sampler

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conftest import fixture_path
-from onebit import chat_template as ct
-from onebit.chat_template import render_chat
+from onebit.chat_formats import chat_template as ct
+from onebit.chat_formats.chat_template import render_chat
 from onebit.errors import TemplateError
 
 MESSAGES = [{"role": "user", "content": "Hi"}]

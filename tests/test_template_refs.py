@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import onebit.chat_template as ct
+import onebit.chat_formats.chat_template as ct
 from onebit.errors import TemplateError
 
 HERE = Path(__file__).resolve().parent

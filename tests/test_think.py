@@ -20,9 +20,9 @@ import jinja2.sandbox
 import pytest
 
 import onebit
-from onebit.chat import ChatSession
-from onebit.chat_template import render_chat
-from onebit.think import ThinkStream, prompt_opens_think, split_think, think_stream, uses_think
+from onebit.apps.chat import ChatSession
+from onebit.chat_formats.chat_template import render_chat
+from onebit.chat_formats.think import ThinkStream, prompt_opens_think, split_think, think_stream, uses_think
 
 from conftest import chat_repl_output, fixture_path
 from ggufedit import rewrite
@@ -212,7 +212,7 @@ def test_chat_repl_hides_or_dims_the_reasoning(think_model, monkeypatch, capsys,
 
 @pytest.mark.parametrize("show", [False, True])
 def test_generate_keeps_the_reply_and_the_reasoning_per_flag(think_model, monkeypatch, show):
-    from onebit import batch
+    from onebit.apps import batch
     from onebit import model as model_mod
 
     model, name = think_model
@@ -227,7 +227,7 @@ def test_generate_keeps_the_reply_and_the_reasoning_per_flag(think_model, monkey
 
 @pytest.mark.parametrize("show", [False, True])
 def test_generate_streamed_prints_the_reply_and_the_reasoning_on_stderr(think_model, monkeypatch, capsys, show):
-    from onebit import batch
+    from onebit.apps import batch
     from onebit import model as model_mod
     from onebit.cli import main
 

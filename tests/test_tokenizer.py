@@ -15,8 +15,8 @@ from functools import lru_cache
 import pytest
 
 from onebit.errors import ModelFileError, OnebitError, UnsupportedModelError, UsageError
-from onebit.gguf_file import read_metadata
-from onebit.tokenizer import SUPPORTED_PRE, StreamDecoder, Tokenizer, _BYTE_TO_CHAR
+from onebit.formats.gguf_file import read_metadata
+from onebit.formats.tokenizer import SUPPORTED_PRE, StreamDecoder, Tokenizer, _BYTE_TO_CHAR
 
 from conftest import fixture_path
 
@@ -293,7 +293,7 @@ def test_encode_rejects_non_text():
 def test_spm_merge_ranking_cache(name, tmp_path, monkeypatch):
     """Large SentencePiece vocabularies keep their merge ranking in a cache file: a tokenizer
     built from the cache (or past a damaged one) gives the same merges and ids."""
-    from onebit import tokenizer as tok_mod
+    from onebit.formats import tokenizer as tok_mod
 
     meta = read_metadata(fixture_path(name))
     monkeypatch.setattr(tok_mod, "SPM_CACHE_MIN_TOKENS", 1)

@@ -62,7 +62,7 @@ def test_streamed_vulkan_equals_resident_bit_for_bit(name, slot_counts, policy):
 def test_pool_on_mapped_device_buffers():
     """ExpertPool(allocate=SlotArrays): the reader threads write straight into device buffers."""
     from onebit.backends.vulkan.device import default_device
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
     from onebit.memory.plan import size_classes
     from onebit.memory.pool import ExpertPool
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from onebit.backends.cpu import base, kernel_sets  # noqa: E402
 from onebit.backends.vulkan.reference import random_blocks  # noqa: E402
-from onebit.quants import QTYPES_BY_NAME  # noqa: E402
+from onebit.formats.quants import QTYPES_BY_NAME  # noqa: E402
 
 PLAIN = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K")
 SETS = (("Q8_0", "F32"), PLAIN, base.MORE_TYPES + ("F32",))

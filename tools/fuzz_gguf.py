@@ -270,7 +270,7 @@ def check_header(path: str, traced: bool = True) -> tuple[str, str, int]:
     import tracemalloc
 
     from onebit.errors import OnebitError
-    from onebit.gguf_file import GGUFFile
+    from onebit.formats.gguf_file import GGUFFile
 
     if traced:
         tracemalloc.start()
@@ -299,7 +299,7 @@ def hostile_run(sizes: list[tuple[str, int]] | None = None, log=print) -> list[d
                 f.write(hostile_header(shape, n))
             # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork + exec
             code = ("import json, re, sys, time; sys.path.insert(0, sys.argv[2]); import fuzz_gguf; "
-                    "import onebit.gguf_file; hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', "
+                    "import onebit.formats.gguf_file; hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', "
                     "open('/proc/self/status').read()).group(1)); base = hwm(); "
                     "t = time.perf_counter(); st, d, _ = fuzz_gguf.check_header(sys.argv[1], traced=False); "
                     "dt = time.perf_counter() - t; rss = hwm() - base; "
@@ -380,7 +380,7 @@ def template_run(cases: range, seed: int, timeout_s: float = 2.0, log=print) -> 
     source. Counts the verdicts by kind, and samples this (the caller's) process's RSS."""
     import psutil
 
-    from onebit import chat_template as ct
+    from onebit.chat_formats import chat_template as ct
     from onebit.errors import TemplateError
 
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -436,7 +436,7 @@ def check_file(path: str) -> tuple[str, str]:
 
     import onebit
     from onebit.errors import OnebitError
-    from onebit.info import model_info
+    from onebit.apps.info import model_info
     from onebit.memory.budget import Budget
     from onebit.memory.plan import make_plan
 

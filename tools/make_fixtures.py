@@ -168,7 +168,7 @@ GLM_TEMPLATE = (
 
 # Gemma's turn format, as onebit renders a Gemma file without a template (the same text).
 sys.path.insert(0, str(REPO_ROOT))
-from onebit.chat_template import GEMMA_TEMPLATE  # noqa: E402
+from onebit.chat_formats.chat_template import GEMMA_TEMPLATE  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------

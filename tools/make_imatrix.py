@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import onebit  # noqa: E402
 from onebit.backends import numpy_backend as nb  # noqa: E402
-from onebit.gguf_file import EXPERT_PARTS  # noqa: E402
+from onebit.formats.gguf_file import EXPERT_PARTS  # noqa: E402
 
 
 class ActivationStats(nb.NumpyBackend):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Record HF transformers' renderings of real chat templates: the reference for
-tests/test_template_refs.py, which holds onebit's renderer (onebit/chat_template.py) to them.
+tests/test_template_refs.py, which holds onebit's renderer (onebit/chat_formats/chat_template.py) to them.
 
 Usage (the fixture venv, which has transformers):
     /work/deps/venv/bin/python tools/make_template_refs.py \

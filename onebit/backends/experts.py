@@ -16,7 +16,7 @@ from typing import Iterable, Iterator, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from ..gguf_file import EXPERT_PARTS
+from ..formats.gguf_file import EXPERT_PARTS
 
 
 class ExpertLayout(Protocol):

@@ -13,9 +13,9 @@ from typing import Optional
 import numpy as np
 
 from ..cache import SWA_ROWS, Cache, make_cache
-from ..gguf_file import EXPERT_PARTS, GGUFFile, Tensor
+from ..formats.gguf_file import EXPERT_PARTS, GGUFFile, Tensor
 from ..pause import NO_PAUSES, PauseContext, Pauses
-from ..quants import QTYPES
+from ..formats.quants import QTYPES
 from .base import DELTA_CHUNK, SCORE_TILE, Backend, MemoryPolicy
 from .experts import ExpertSource, FileExperts
 

@@ -10,7 +10,7 @@ copy of a weight matrix is ever made and a row's bytes are read once per eight a
 Activations are float32, or int16 per block of 32 for INT_TYPES, never 8-bit: results differ
 from the numpy twins (`quants.QTYPES[..].dequantize` then matmul) by float32 rounding of the
 decode, the summation order and, for INT_TYPES, the activations' 1/32767 rounding. Every type of
-onebit.quants has its decoder here; the codebook (IQ) types read their grids from int8 tables in
+onebit.formats.quants has its decoder here; the codebook (IQ) types read their grids from int8 tables in
 the kernel's module. `decode_row` (decode.py: plain numba, and the IR decoders for MORE_TYPES)
 serves get_rows. On AVX-512 VNNI, matrices and experts of X16_TYPES are held sixteen rows side
 by side (x16.py: the layouts and their dots; repack.py: the repacks).

@@ -20,8 +20,8 @@ from typing import Optional
 import numpy as np
 
 from ...errors import BackendUnavailableError, UsageError
-from ...gguf_file import EXPERT_PARTS
-from ...quants import QTYPES_BY_NAME, X16_ROWS, x16_bytes
+from ...formats.gguf_file import EXPERT_PARTS
+from ...formats.quants import QTYPES_BY_NAME, X16_ROWS, x16_bytes
 from ..base import MemoryPolicy
 from ..experts import FileExperts, read_only
 from ..numpy_backend import NumpyBackend

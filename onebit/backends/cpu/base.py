@@ -10,7 +10,7 @@ import os
 import numpy as np
 from numba import njit
 
-from ...quants import QTYPES_BY_NAME
+from ...formats.quants import QTYPES_BY_NAME
 
 
 # reassoc lets LLVM vectorise the dot products; no nnan/ninf (inputs may hold inf or nan).
@@ -23,7 +23,7 @@ F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 = (QTYPES_BY_NAME[n].type_id
 PLAIN = {F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4}
 MORE_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "TQ1_0", "TQ2_0", "Q1_0", "IQ1_S", "IQ1_M", "IQ2_XXS",
               "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
-# Types these kernels decode (every type of onebit.quants); a tensor of another type would take
+# Types these kernels decode (every type of onebit.formats.quants); a tensor of another type would take
 # the numpy reference path.
 SUPPORTED = PLAIN | {QTYPES_BY_NAME[n].type_id for n in MORE_TYPES}
 

@@ -11,7 +11,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...quants import QTYPES_BY_NAME
+from ...formats.quants import QTYPES_BY_NAME
 from .base import E8M0, FM, MORE_TYPES, MXFP4_VALUES
 from .ir_blocks import FLT, I64, _const, _groups, _vec
 from .float_dots import IR_TYPES

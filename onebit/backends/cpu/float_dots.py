@@ -10,7 +10,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...quants import QTYPES_BY_NAME
+from ...formats.quants import QTYPES_BY_NAME
 from .base import MORE_TYPES
 from .ir_blocks import FAST, FLT, HALF, I16, I32, I64, W, _const, _groups, _hsum, _load, _vec
 

@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 
-from ...quants import QTYPES_BY_NAME, iq4_values
+from ...formats.quants import QTYPES_BY_NAME, iq4_values
 from .base import cached
 from .ir_blocks import (FAST, FLT, I16, I32, I64, I8, W, _const, _e8m0_half, _f16, _hsum, _ivec, _k_quants, _load,
                         _nibbles, _q5_bytes, _q6_quants, _splat, _two, _u32i, _v8, _vec)

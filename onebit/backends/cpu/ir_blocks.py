@@ -11,7 +11,7 @@ from functools import cache
 import numpy as np
 from llvmlite import ir
 
-from ...quants import IQ1_DELTA, iq4_values, iq_grid
+from ...formats.quants import IQ1_DELTA, iq4_values, iq_grid
 
 
 # -- LLVM vector IR helpers ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...quants import QTYPES_BY_NAME
+from ...formats.quants import QTYPES_BY_NAME
 from .base import LUT, M, SUPPORTED, cached
 from .ir_blocks import W
 from .decode import _row_decoders

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ...quants import QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, type_name, x16_bytes
+from ...formats.quants import QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, type_name, x16_bytes
 from .base import cached
 from .int_dots import VNNI
 from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q6_Q, X16, X16_BLOCK, _q5_at_jit

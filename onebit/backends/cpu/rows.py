@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from ...quants import QTYPES_BY_NAME
+from ...formats.quants import QTYPES_BY_NAME
 from .base import MORE_TYPES
 from .views import row_of
 from .float_dots import DOT1, DOT2, DOT4, DOT8, IR_TYPES

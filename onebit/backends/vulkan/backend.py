@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ...cache import SWA_ROWS
-from ...gguf_file import EXPERT_PARTS, GGUFFile
+from ...formats.gguf_file import EXPERT_PARTS, GGUFFile
 from ...pause import NO_PAUSES, Pauses
 from ..base import Backend
 from ..experts import FileExperts, StreamedExperts

@@ -18,7 +18,7 @@ from typing import Optional, Sequence as Seq
 
 import numpy as np
 
-from ...quants import QTYPES_BY_NAME, iq4_values, iq_grid
+from ...formats.quants import QTYPES_BY_NAME, iq4_values, iq_grid
 from .device import Buffer, Device, Pipeline, Sequence, Slice, VulkanKernelError
 
 # Weights per shader block where it differs from the GGML block: float rows are read in runs of 16.

@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...quants import QTYPES
+from ...formats.quants import QTYPES
 from ..numpy_backend import NumpyBackend
 
 _NP = NumpyBackend(None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...gguf_file import EXPERT_PARTS
+from ...formats.gguf_file import EXPERT_PARTS
 from ..experts import StreamedExperts
 from .device import Buffer, Device, VulkanUnavailableError
 from .kernels import bound_bytes

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 from . import batch
-from .errors import OnebitError, UsageError
-from .model import LoadSpec
-from .runner import pool_line
+from ..errors import OnebitError, UsageError
+from ..model import LoadSpec
+from ..runner import pool_line
 
 INSTALL_HINT = ("--ray needs Ray, an optional extra of onebit: pip install 'onebit[cluster]' "
                 "(in a source checkout: pip install -e '.[cluster]')")
@@ -153,14 +153,14 @@ class BatchWorker:
             return f"cannot read {path} ({e.strerror})"
 
     def load(self) -> dict[str, Any]:
-        from .lookup import LookupStats
+        from ..lookup import LookupStats
 
         t0 = time.perf_counter()
         collect = _Collect()
         log = logging.getLogger("onebit")
         log.addHandler(collect)
         try:
-            from .model import load
+            from ..model import load
 
             self.model = load(self.spec)
         except OnebitError as e:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .errors import ModelFileChangedError, ModelFileError, UnsupportedModelError
+from ..errors import ModelFileChangedError, ModelFileError, UnsupportedModelError
 from .quants import QTYPES, type_name
 
 GGUF_MAGIC = b"GGUF"

@@ -42,7 +42,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import TemplateError
+from ..errors import TemplateError
 
 # HF transformers' default template, which llama.cpp also falls back to.
 CHATML_TEMPLATE = (
@@ -460,8 +460,8 @@ class _Worker:
             return reply["text"]
 
     def _start(self, source: str) -> None:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        code = "import sys; sys.path.insert(0, sys.argv[1]); from onebit.chat_template import _serve; _serve()"
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (above onebit/)
+        code = "import sys; sys.path.insert(0, sys.argv[1]); from onebit.chat_formats.chat_template import _serve; _serve()"
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -20,11 +20,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__
-from .errors import OnebitError
+from .. import __version__
+from ..errors import OnebitError
 from .serve import ApiError, Delta, Done, Engine, Sampling, Work, new_id, now
 
-log = logging.getLogger("onebit.serve")
+log = logging.getLogger("onebit.apps.serve")
 
 MAX_BODY = 32 << 20  # bytes of a request body
 FINGERPRINT = f"onebit-{__version__}"
@@ -209,8 +209,8 @@ def _messages(req: ChatRequest) -> list[dict]:
 
 
 def chat_work(req: ChatRequest, defaults: Sampling, vocab: int) -> Work:
-    from .structured import check_schema
-    from .toolcall import check_tools
+    from ..chat_formats.structured import check_schema
+    from ..chat_formats.toolcall import check_tools
 
     sampling = _sampling(req, defaults, vocab)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

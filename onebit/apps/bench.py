@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
-from .generate import generate_step
-from .lookup import LookupStats
-from .backends import describe
-from .sample import make_sampler
+from ..generate import generate_step
+from ..lookup import LookupStats
+from ..backends import describe
+from ..sample import make_sampler
 
 BENCH_TEXT = (
     "The quick brown fox jumps over the lazy dog. Python's standard library offers json, os, re and "
@@ -31,7 +31,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int, lookup: int
     prompt pays one-time costs (Gemma 3 270M, 64 tokens on the 2-core VM: 499 tok/s, then
     607-615 in the runs after)."""
     if prompt_tokens + gen_tokens > model.context_length:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError(f"{prompt_tokens} prompt + {gen_tokens} decode tokens exceed the "
                          f"{model.context_length}-token context")

@@ -20,8 +20,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from .errors import OnebitError, UsageError
-from .think import reply_splitter
+from ..errors import OnebitError, UsageError
+from ..chat_formats.think import reply_splitter
 
 MAX_LINE = 16 << 20  # a prompts-file line longer than this is not a prompt (e.g. /dev/zero)
 BOM = b"\xef\xbb\xbf"

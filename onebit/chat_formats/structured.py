@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .errors import UsageError
+from ..errors import UsageError
 
 _SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's bytes
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -34,7 +34,7 @@ def is_special(tokenizer, token_id: int) -> bool:
     """Whether llguidance sees this token as special (written `<|name|>` in a grammar, never
     matched by plain text): control tokens, and user-defined ones that look like tags (as
     llguidance's own llama.cpp bridge decides)."""
-    from .tokenizer import _A_USER_DEFINED
+    from ..formats.tokenizer import _A_USER_DEFINED
 
     if tokenizer.is_special(token_id):
         return True

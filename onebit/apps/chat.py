@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from .cache import PrefixCache
-from .errors import UsageError
-from .generate import GenerationResponse, stream_generate
-from .lookup import DEFAULT_DRAFTS, LookupStats, lookup_budget
-from .sample import make_logits_processors, make_sampler
-from .think import reply_splitter
+from ..cache import PrefixCache
+from ..errors import UsageError
+from ..generate import GenerationResponse, stream_generate
+from ..lookup import DEFAULT_DRAFTS, LookupStats, lookup_budget
+from ..sample import make_logits_processors, make_sampler
+from ..chat_formats.think import reply_splitter
 
 
 @dataclass

@@ -36,7 +36,7 @@ from tokenizers import Regex, Tokenizer as HFTokenizer
 from tokenizers import models as hf_models
 from tokenizers import pre_tokenizers as hf_pre
 
-from .errors import ModelFileError, UnsupportedModelError, UsageError
+from ..errors import ModelFileError, UnsupportedModelError, UsageError
 
 log = logging.getLogger(__name__)
 

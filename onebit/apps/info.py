@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from .config import ModelConfig
-from .chat_template import fallback_template
-from .gguf_file import GGUFFile, is_expert_tensor
+from ..config import ModelConfig
+from ..chat_formats.chat_template import fallback_template
+from ..formats.gguf_file import GGUFFile, is_expert_tensor
 
 
 def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:

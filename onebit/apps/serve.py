@@ -23,15 +23,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .cache import PrefixCache
-from .errors import OnebitError
-from .generate import stream_generate
-from .sample import make_logits_processors, make_sampler
-from .think import reply_splitter
-from .toolcall import OPEN as CALL_OPEN
-from .toolcall import ToolCall, parse_harmony, parse_tags, tool_format
+from ..cache import PrefixCache
+from ..errors import OnebitError
+from ..generate import stream_generate
+from ..sample import make_logits_processors, make_sampler
+from ..chat_formats.think import reply_splitter
+from ..chat_formats.toolcall import OPEN as CALL_OPEN
+from ..chat_formats.toolcall import ToolCall, parse_harmony, parse_tags, tool_format
 
-log = logging.getLogger("onebit.serve")
+log = logging.getLogger("onebit.apps.serve")
 
 
 class ApiError(OnebitError):
@@ -341,8 +341,8 @@ class Engine:
         if extra is not None:
             procs.append(extra)
         if work.forced_tools is not None or work.schema is not None:
-            from .structured import Constraint, json_grammar
-            from .toolcall import forced_grammar
+            from ..chat_formats.structured import Constraint, json_grammar
+            from ..chat_formats.toolcall import forced_grammar
 
             if work.forced_tools is not None:
                 grammar = forced_grammar(self.model, work.forced_tools)

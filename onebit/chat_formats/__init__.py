@@ -1,0 +1,1 @@
+"""Chat formats: templates, reasoning channels, tool calls and constrained (structured) output."""
