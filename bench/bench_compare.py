@@ -4,6 +4,7 @@
     python bench/bench_compare.py MODEL.gguf [MODEL2.gguf ...] --llama-bench PATH/llama-bench
         [--rounds 3] [--prompt 64] [--tokens 32] [--other DIR] [--llama-args "--load-mode none"]
         [--json OUT.json]
+    python bench/bench_compare.py MODEL.gguf ... --other DIR    # this checkout against another only
 
 Per file and round, in turn: `onebit bench FILE --backend cpu --prompt-tokens P --gen-tokens N
 --runs 1` (each a fresh process: load, then onebit bench's untimed warm-up run, as llama-bench's,
@@ -11,7 +12,8 @@ then one timed prompt and one timed decode of N tokens; a checkout before the wa
 to onebit bench times its first run), the same with the checkout --other (before/after a
 change), and `llama-bench -m FILE
 -p P -n N -t 2 -r 1` with llama.cpp's defaults (2 threads, weight repacking on; extra flags from
---llama-args). The table gives each one's median over the rounds, and onebit / llama.cpp.
+--llama-args). The table gives each one's median over the rounds, and onebit / llama.cpp (without
+--llama-bench: this checkout / the --other one).
 The --other checkout runs with PYTHONPATH=DIR; with onebit installed editable, `onebit.memory`
 still maps to the installed tree's `memory/` unless DIR has an `onebit/memory` link to its own
 (`ln -s ../memory DIR/onebit/memory`). Never run by the tests.
@@ -56,7 +58,7 @@ def llama_run(binary: str, model: str, prompt: int, tokens: int, extra: list[str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="+")
-    ap.add_argument("--llama-bench", required=True)
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench (without it: --other is the peer)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
@@ -67,8 +69,12 @@ def main() -> int:
     runs = [("onebit", lambda m: onebit_run(ROOT, m, args.prompt, args.tokens))]
     if args.other:
         runs.append(("onebit --other", lambda m: onebit_run(args.other, m, args.prompt, args.tokens)))
-    runs.append(("llama.cpp", lambda m: llama_run(args.llama_bench, m, args.prompt, args.tokens,
-                                                   args.llama_args.split())))
+    if args.llama_bench:
+        runs.append(("llama.cpp", lambda m: llama_run(args.llama_bench, m, args.prompt, args.tokens,
+                                                       args.llama_args.split())))
+    elif not args.other:
+        ap.error("give --llama-bench, --other, or both")
+    peer = "llama.cpp" if args.llama_bench else "onebit --other"
     results = {}
     for model in args.models:
         got = {name: [] for name, _ in runs}
@@ -80,10 +86,10 @@ def main() -> int:
         results[model] = {n: {"prompt": [p for p, _ in v], "decode": [d for _, d in v]} for n, v in got.items()}
     print(f"prompt {args.prompt} tokens, decode {args.tokens} tokens; medians of {args.rounds} alternating rounds")
     print()
-    print("| file | run | prompt tok/s | decode tok/s | prompt x llama.cpp | decode x llama.cpp |")
+    print(f"| file | run | prompt tok/s | decode tok/s | prompt x {peer} | decode x {peer} |")
     print("|---|---|---:|---:|---:|---:|")
     for model, res in results.items():
-        lp, ld = (statistics.median(res["llama.cpp"][k]) for k in ("prompt", "decode"))
+        lp, ld = (statistics.median(res[peer][k]) for k in ("prompt", "decode"))
         for name, v in res.items():
             p, d = statistics.median(v["prompt"]), statistics.median(v["decode"])
             print(f"| {Path(model).name} | {name} | {p:.1f} | {d:.1f} | {p / lp:.2f} | {d / ld:.2f} |")

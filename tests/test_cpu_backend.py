@@ -24,9 +24,10 @@ from onebit.backends.vulkan.reference import random_blocks
 from onebit.formats.quants import QTYPES, QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, x16_bytes
 from onebit.backends.cpu.backend import X16_FROM
 
-# The tests of single kernels call the all-types kernels; the cache_is_cold test and the
-# subprocess ones expect them cached.
-pytestmark = pytest.mark.usefixtures("cpu_kernels")
+# The tests of single kernels call the all-types kernels, compiled first by the `cpu_kernels`
+# fixture (all of them at once, the parts side by side); the tests that load a model take the
+# kernels of its file (kernels_for), as a user's first run does.
+ALL_TYPES = pytest.mark.usefixtures("cpu_kernels")
 
 TYPES = sorted(QTYPES[t].name for t in base.SUPPORTED)
 # Relative tolerance (of the largest |reference| value) per weight type. The weights decode to
@@ -59,6 +60,7 @@ def ro(a):
     return a
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("rows", [1, 3, 9, 14])  # mat-vec; mat-mat in groups of 8, 4, 2 rows and single rows
 @pytest.mark.parametrize("name", TYPES)
 def test_matmul(rng, name, rows):
@@ -83,6 +85,7 @@ def rounded(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(x.shape)
 
 
+@ALL_TYPES
 def test_int16_rounding_is_what_the_integer_products_use(rng):
     """quantize_acts against `rounded`: the same int16 values (up to a tie at .5 in float32),
     the scales, and each block's scale x sum; a block of zeros and one holding inf or nan."""
@@ -113,6 +116,7 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     assert np.allclose(m[np.isfinite(m)], sums[np.isfinite(sums)], rtol=1e-6)
 
 
+@ALL_TYPES
 @pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layout is AVX-512 VNNI's (elsewhere Q4_K stays in rows)")
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_q4_k_x16_products(rng, rows):
@@ -223,6 +227,7 @@ def test_a_streamed_file_holds_what_its_plan_counts(repack_from):
         m.close()
 
 
+@ALL_TYPES
 def test_q4_k_x16_layout_by_hand(rng):
     """One block of 16 rows repacked, checked field by field against the Q4_K block format."""
     if not int_dots.VNNI:
@@ -244,6 +249,7 @@ def test_q4_k_x16_layout_by_hand(rng):
                 assert bytes(p[at : at + 4]) == bytes(blk[16 + 32 * j + 4 * k : 20 + 32 * j + 4 * k])
 
 
+@ALL_TYPES
 def test_q5_k_x16_layout_by_hand(rng):
     """Two blocks of 16 Q5_K rows repacked: each weight rebuilt from the layout's fields (d, dmin,
     the decoded 6-bit scale and min of its 32, its nibble among the quants, its fifth bit among
@@ -270,6 +276,7 @@ def test_q5_k_x16_layout_by_hand(rng):
             assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-5, atol=1e-6), (i, wi)
 
 
+@ALL_TYPES
 def test_q6_k_x16_layout_by_hand(rng):
     """A group of 16 Q6_K rows repacked: each weight rebuilt from the layout's fields (d, the
     scale of its 16, its low 4 and high 2 bits) equals the reference dequantization."""
@@ -294,6 +301,7 @@ def test_q6_k_x16_layout_by_hand(rng):
             assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=0), (i, wi)
 
 
+@ALL_TYPES
 @pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
 @pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"])
@@ -321,6 +329,7 @@ def test_x16_layout_products(rng, name, rows):
     assert np.array_equal(serial, packed)
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q5_0", "Q8_0"])
 def test_plain_x16_layout_by_hand(rng, name):
     """A group of 16 rows repacked: each row's scale field (and Q5_0's word of fifth bits) where
@@ -356,6 +365,7 @@ def test_plain_x16_layout_by_hand(rng, name):
                     assert d * ((int(nib) | (fifth << 4)) - 16) == want_f[r, 32 * i + wi], (i, r, wi)
 
 
+@ALL_TYPES
 def test_iq4_xs_x16_layout_by_hand(rng):
     """A group of 16 IQ4_XS rows repacked: each weight rebuilt from the layout's fields (d, the
     6-bit scale of its 32 from the high-bit u16 and the low-nibble bytes, its quant's level)
@@ -383,6 +393,7 @@ def test_iq4_xs_x16_layout_by_hand(rng):
             assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=0), (i, wi)
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "IQ4_XS_X16", "MXFP4_X16"])
 def test_integer_products_keep_nan_and_inf_visible(rng, name):
     """An activation block holding inf or nan gives nan outputs (float32 products would give inf
@@ -400,6 +411,7 @@ def test_integer_products_keep_nan_and_inf_visible(rng, name):
     assert not np.isfinite(out).any()
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
 def test_matmul_float_rows_with_a_tail(rng, name, rows):
@@ -411,6 +423,7 @@ def test_matmul_float_rows_with_a_tail(rng, name, rows):
     close(out, x @ QTYPES_BY_NAME[name].dequantize(w).T, TOL[name], name)
 
 
+@ALL_TYPES
 def test_rows_of_one_call_and_fused_projections_give_the_same_bits(rng):
     """A row's product is the same bits whether it is dotted alone or with 1, 3 or 7 others (mat-vec
     vs mat-mat), in the parallel or the serial kernel, and in matmul3 (q, k, v in one region)."""
@@ -433,6 +446,7 @@ def test_rows_of_one_call_and_fused_projections_give_the_same_bits(rng):
             assert np.array_equal(one[0], whole[r])
 
 
+@ALL_TYPES
 def test_small_ops_match_numpy(rng):
     """The serial kernels CpuStep runs for few-row forwards against NumpyBackend's ops."""
     be = NumpyBackend
@@ -486,6 +500,7 @@ def test_small_ops_match_numpy(rng):
     assert np.array_equal(rows, order // 4) and np.array_equal(rw, want_w.reshape(-1)[order])
 
 
+@ALL_TYPES
 def test_no_compile_in_a_forward_pass():
     """Every kernel signature a forward uses (prefill, decode, streamed experts) is made when the
     backend opens, so no compile lands in the per-token path. A fresh process: this one's earlier
@@ -517,6 +532,7 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
+@ALL_TYPES
 def test_cache_is_cold_only_without_a_disk_cache(tmp_path):
     """The first-run compile (and its notice) happens exactly when numba's disk cache lacks a
     kernel: an empty cache dir is cold; this machine's cache, filled by the cpu_kernels fixture, is not."""
@@ -531,6 +547,7 @@ def test_cache_is_cold_only_without_a_disk_cache(tmp_path):
     assert (cold.stdout.strip(), warm.stdout.strip()) == ("True", "False"), (cold.stderr, warm.stderr)
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("name", TYPES)
 def test_get_rows(rng, name):
     w = random_blocks(name, (20, n_in(name)), rng)
@@ -541,6 +558,7 @@ def test_get_rows(rng, name):
     close(out, want, 1e-6, name)  # one rounding of scale * quant at most
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("name", TYPES)
 def test_expert_ffn_matches_numpy(rng, name):
     """The fused routed-expert kernel == NumpyBackend.expert_ffn summed over the chosen experts."""
@@ -575,6 +593,7 @@ def test_expert_ffn_matches_numpy(rng, name):
 
 
 
+@ALL_TYPES
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "MXFP4", "F16"])
 def test_expert_ffn_oai_matches_numpy(rng, name):
     """gpt-oss's expert kernel (biases, clamped SwiGLU) == NumpyBackend.expert_ffn with them, on
@@ -727,11 +746,12 @@ def test_the_backend_sets_the_wait_policy_before_numba_starts_its_threads(monkey
     from onebit.backends.cpu import backend
     from onebit.formats.gguf_file import GGUFFile
 
-    calls, count = [], backend.threads
+    calls, count = [], backend.default_threads
     monkeypatch.setattr(backend, "wait_policy", lambda: calls.append("wait_policy"))
-    monkeypatch.setattr(backend, "threads", lambda: calls.append("threads") or count())
+    monkeypatch.setattr(backend, "default_threads", lambda: calls.append("threads") or count())
     CpuBackend(GGUFFile(fixture_path("qwen3-f32.gguf")))
     assert calls == ["wait_policy", "threads"]
+
 
 def test_others_running_counts_a_busy_process():
     """The count the wait policy reads: a busy process beside this one shows (on Linux)."""

@@ -64,7 +64,7 @@ FEW_ROWS = 4  # attention of at most this many query rows runs in the serial ker
 REPACK_PART = 32 << 20
 
 
-def threads() -> int:
+def default_threads() -> int:
     import numba
 
     return numba.get_num_threads()
@@ -201,7 +201,7 @@ class CpuBackend(NumpyBackend):
         self.policy = policy if policy is not None else self.memory_policy(gguf)
         self.K = K.kernels_for(gguf, self.policy.repacks)  # compiled for the file's quant types (or all, if cached)
         self._asked_threads, self._threads_set = threads, set()
-        self.threads = threads if threads is not None else numba.get_num_threads()
+        self.threads = threads if threads is not None else default_threads()
         _one_blas_thread()
         filled = 0.0
         if self.K.cache_is_cold():  # the first run of these types on this machine: say so before it starts
