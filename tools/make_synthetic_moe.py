@@ -4,6 +4,7 @@
     python tools/make_synthetic_moe.py --like qwen3-30b-a3b -o /work/big/q3-30b-shape.gguf
     python tools/make_synthetic_moe.py --like qwen3-30b-a3b --layers 4 -o /tmp/small.gguf
     python tools/make_synthetic_moe.py --like gpt-oss-20b -o /work/big/gptoss-20b-shape.gguf
+    python tools/make_synthetic_moe.py --like qwen3-30b-a3b --routing trained -o /work/big/q3-30b-trained.gguf
 
 Every tensor has the published model's name, shape and quantization type (a Q4_K_M mix; for
 gpt-oss the published GGUF's: MXFP4 experts, Q8_0 elsewhere, with its biases and sinks), so
@@ -45,10 +46,19 @@ all ones, every hidden unit is about silu(f) * f and an expert adds a fixed dire
 `delta` to the residual: next-layer prediction misses by that much, without per-token chaos.
 Attention in layers >= 1 writes nothing (attn_output all zero). The output head samples text
 tokens only (newline, printable ASCII, the merges; every other row reads -p), from random rows
-minus `inhib` times the short window's contents (inhibition of return: greedy text does not
-fall into a short cycle). gpt-oss: q and k are the constant biases (no q/k norms), frequencies
-after YaRN and its cos/sin scale, window bands in the sliding layer 0 (128 positions), sinks 0,
-experts' gate and up biases `fixed` instead of row means.
+minus `inhib` times the short window's contents and `repeat` times the current token's
+(inhibition of return: greedy text does not fall into a short cycle). gpt-oss: q and k are the
+constant biases (it has no q/k norms), the windows' frequency bands taken after YaRN (with its
+cos/sin scale in the score), inside the sliding layer 0's 128 positions; sinks 0; popularity in
+the router bias; the experts' gate and up biases `fixed` instead of row means.
+
+What the file gives is measured, not assumed: `onebit generate --trace`, then
+tools/routing_stats.py; tests/test_trained_routing.py checks a tiny-qwen3moe file against a
+random-router one. On the 30B shape cut to 8 layers (cpu backend, 200 tokens from four prompts,
+greedy and at temperature 0.8): reuse of the previous token's experts 0.42-0.58, within 8 tokens
+0.75-0.84, busiest 20% 0.54-0.64, 90% covered by 0.47-0.57 of the experts, LRU with 36% / 45%
+of each layer's experts 0.84-0.90 / 0.87-0.92, Belady 0.05-0.085 above LRU, the next layer's
+experts recovered through its router from this layer's residual 0.79-0.82.
 
 Not the Q4_K_M mix in a trained-routing qwen3moe file (gguf-py quantizes no K-quant): token_embd,
 output and layer 0's attn_q / attn_k / attn_v / attn_output are Q8_0 (quantized here); about
