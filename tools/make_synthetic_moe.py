@@ -4,6 +4,7 @@
     python tools/make_synthetic_moe.py --like qwen3-30b-a3b -o /work/big/q3-30b-shape.gguf
     python tools/make_synthetic_moe.py --like qwen3-30b-a3b --layers 4 -o /tmp/small.gguf
     python tools/make_synthetic_moe.py --like gpt-oss-20b -o /work/big/gptoss-20b-shape.gguf
+    python tools/make_synthetic_moe.py --like qwen3-30b-a3b --routing trained -o /work/big/q3-30b-trained.gguf
 
 Every tensor has the published model's name, shape and quantization type (a Q4_K_M mix; for
 gpt-oss the published GGUF's: MXFP4 experts, Q8_0 elsewhere, with its biases and sinks), so
@@ -28,6 +29,48 @@ pre-tokenization, a few merges), padded to the model's vocabulary size with cont
 `<|fill_N|>` so token_embd and output keep their published row counts, ChatML specials and a
 ChatML chat template. llama.cpp loads these files (llama-bench is the resident peer in
 bench/bench_scale.py).
+
+--routing trained writes a file that routes like a trained model through its own weights and
+the stock forward pass (llama.cpp runs it unchanged); `Trained` below holds the design and its
+knobs. In short: the residual stream is given a few orthogonal subspaces. Every embedding holds
+p, the all-ones direction (a), a content vector u_tok in a subspace U (b; the text tokens'
+contents centred) and a private vector (e). Layer 0's attention is a pair of recency windows
+made from stock RoPE: its queries and keys read only p, so after the per-head q/k norms they
+are constant vectors with equal components in a band of NeoX frequency pairs, and the score
+depends only on the distance (half the KV heads average the last ~7 tokens' u, the other half
+the last ~40), written by attn_output into two more subspaces with gains `short` and `long`.
+Every router reads those three subspaces through random rows (logit std `route`), plus a
+popularity skew z_e * p (ramped from `skew0` at layer 0 to `skew1` at the last; gpt-oss puts it
+in the router bias). Expert gate and up rows have a mean (Q4_K's dmin field) so that, p being
+all ones, every hidden unit is about silu(f) * f and an expert adds a fixed direction of rms
+`delta` to the residual: next-layer prediction misses by that much, without per-token chaos.
+Attention in layers >= 1 writes nothing (attn_output all zero). The output head samples text
+tokens only (newline, printable ASCII, the merges; every other row reads -p), from random rows
+minus `inhib` times the short window's contents and `repeat` times the current token's
+(inhibition of return: greedy text does not fall into a short cycle). gpt-oss: q and k are the
+constant biases (it has no q/k norms), the windows' frequency bands taken after YaRN (with its
+cos/sin scale in the score), inside the sliding layer 0's 128 positions; sinks 0; popularity in
+the router bias; the experts' gate and up biases `fixed` instead of row means.
+
+What the file gives is measured, not assumed: `onebit generate --trace`, then
+tools/routing_stats.py; tests/test_trained_routing.py checks a tiny-qwen3moe file against a
+random-router one. On the 30B shape cut to 8 layers (cpu backend, 200 tokens from four prompts,
+greedy and at temperature 0.8): reuse of the previous token's experts 0.42-0.58, within 8 tokens
+0.75-0.84, busiest 20% 0.54-0.64, 90% covered by 0.47-0.57 of the experts, LRU with 36% / 45%
+of each layer's experts 0.84-0.90 / 0.87-0.92, Belady 0.05-0.085 above LRU, the next layer's
+experts recovered through its router from this layer's residual 0.79-0.82. The whole 48 layers
+(150 tokens, four runs) drift out of that: reuse 0.34-0.42, within 8 0.72-0.76, busiest 20%
+0.59-0.64 (0.54-0.69 at layer 0, 0.78-0.85 at the last), cover-90 0.46-0.52, LRU 0.80-0.85 /
+0.85-0.89, Belady 0.08-0.11 above, next layer 0.89-0.90: the residual grows by delta a layer, so
+deep layers' expert outputs are relatively smaller (more predictable) and the p-read skew
+larger. gpt-oss-20b cut to 4 layers (32 experts, top-4; random: reuse 0.125, within 8 0.66):
+reuse 0.58-0.66, within 8 0.85-0.89, busiest 20% 0.41-0.53, LRU 36% 0.86-0.91, Belady
+0.04-0.07 above, next layer 0.77-0.79.
+
+Not the Q4_K_M mix in a trained-routing qwen3moe file (gguf-py quantizes no K-quant): token_embd,
+output and layer 0's attn_q / attn_k / attn_v / attn_output are Q8_0 (quantized here); about
+240 MB more for the 30B shape (the JSON line printed at the end says how many bytes). gpt-oss's
+published types already are Q8_0 there: the same types and bytes as --routing random.
 
 About a minute for the 30B shape (18.5 GiB) on a drive that writes 1 GB/s: random bytes come
 from a 256 MiB pool at random offsets (numpy's generator alone makes 180 MB/s here).
@@ -96,6 +139,12 @@ SHAPES = {
                          types=GPT_OSS, swa=128),
     # gpt-oss-120b's layer (128 experts, top-4, the same widths) on fewer layers: 36 in the model, 8 here
     # (14.0 GiB): how a 60 GiB model's experts stream.
+    # A test-sized qwen3moe (tests/test_trained_routing.py): 3 layers of 32 experts top-4, 2 KV heads of 128
+    # (the trained design's windows need the real head size), Q8_0 down projections (rows of 64).
+    "tiny-qwen3moe": Shape("qwen3moe", 3, 512, 4, 2, 128, 32, 4, 64, 512, 4096, 1e6,
+                           types={"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K",
+                                  "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate_exps": "Q4_K",
+                                  "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q8_0"}),
     "gpt-oss-120b-slice": Shape("gpt-oss", 8, 2880, 64, 8, 64, 128, 4, 2880, 201088, 131072, 150000.0, eps=1e-5,
                                 types=GPT_OSS, swa=128),
 }
@@ -114,8 +163,9 @@ class Blocks:
         self.pool = np.frombuffer(rng.bytes(POOL_BYTES), np.uint8)
         self._cache: dict[str, tuple] = {}
 
-    def make(self, qtype: str, shape: tuple[int, ...], std: float) -> np.ndarray:
-        """uint8 [..., row_bytes] for a float matrix of `shape` (last axis: row length)."""
+    def make(self, qtype: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> np.ndarray:
+        """uint8 [..., row_bytes] for a float matrix of `shape` (last axis: row length) whose
+        dequantized weights have standard deviation `std` and mean `mean` (Q4_K / Q5_K only)."""
         qt = QT[qtype]
         bs, ts = GGML_QUANT_SIZES[qt]
         *lead, n = shape
@@ -134,7 +184,7 @@ class Blocks:
         blocks = out.reshape(-1, ts)
         if qtype == "MXFP4":  # one e8m0 byte, 2^(e - 127) (x 1/2 for the doubled e2m1 values)
             blocks[:, 0] = self._e8m0(std)
-        for off, value in self._scales(qtype, std) if qtype != "MXFP4" else ():
+        for off, value in self._scales(qtype, std, mean) if qtype != "MXFP4" else ():
             blocks[:, off:off + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
         return out.reshape(*lead, n // bs * ts)
 
@@ -146,9 +196,11 @@ class Blocks:
         unit = float(gq.dequantize(sample, QT.MXFP4).std())
         return int(np.clip(np.round(127 + np.log2(std / unit)), 1, 254))
 
-    def _scales(self, qtype: str, std: float) -> list[tuple[int, float]]:
+    def _scales(self, qtype: str, std: float, mean: float = 0.0) -> list[tuple[int, float]]:
         """[(byte offset, f16 value)] of the block's scale fields, from the dequantized statistics
-        of 4096 pool blocks: d so the std is `std`; Q4_K / Q5_K's dmin so the mean is zero."""
+        of 4096 pool blocks: d so the std is `std`; Q4_K / Q5_K's dmin so the mean is `mean`."""
+        if mean:
+            return self._scales_with_mean(qtype, std, mean)
         if qtype not in self._cache:
             qt = QT[qtype]
             bs, ts = GGML_QUANT_SIZES[qt]
@@ -171,6 +223,205 @@ class Blocks:
                 self._cache[qtype] = (fields, [1 / w.std()])
         fields, unit = self._cache[qtype]
         return [(off, u * std) for off, u in zip(fields, unit)]
+
+    def _scales_with_mean(self, qtype: str, std: float, mean: float) -> list[tuple[int, float]]:
+        """Q4_K / Q5_K: w = d a - dmin b (a, b >= 0 from the pool's bytes); dmin / d by bisection
+        so that mean(w) / std(w) = mean / std, then d for the std."""
+        if qtype not in ("Q4_K", "Q5_K"):
+            raise SystemExit(f"{qtype} has no min field: a mean needs Q4_K or Q5_K")
+        key = (qtype, round(mean / std, 6))
+        if key not in self._cache:
+            ts = GGML_QUANT_SIZES[QT[qtype]][1]
+            sample = self.pool[: 4096 * ts].reshape(4096, ts).copy()
+
+            def values(d, dmin):
+                s = sample.copy()
+                s[:, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+                s[:, 2:4] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
+                return gq.dequantize(s, QT[qtype]).astype(np.float64).reshape(-1)
+
+            a, b = values(1.0, 0.0), -values(0.0, 1.0)
+            lo, hi = 0.0, a.mean() / b.mean()  # hi: mean 0
+            for _ in range(40):
+                r = (lo + hi) / 2
+                w = a - r * b
+                lo, hi = (r, hi) if w.mean() / w.std() > mean / std else (lo, r)
+            w = a - r * b
+            self._cache[key] = [1 / w.std(), r / w.std()]
+        unit = self._cache[key]
+        return [(0, unit[0] * std), (2, unit[1] * std)]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The trained-routing design's knobs (module docstring); the defaults are the tuned ones."""
+    a: float = 1.0  # p (all ones) in every embedding; each part below is of unit rms
+    b: float = 1.2  # a token's content u_tok (what the windows average)
+    e: float = 0.5  # a token's private vector (outside what routers read)
+    short: float = 4.0  # gain of the short window (about 7 tokens) into the residual
+    long: float = 14.0  # gain of the long window (about 40 tokens)
+    route: float = 2.0  # router logits' std
+    skew0: float = 0.0  # popularity skew (logit std) at the first layer ...
+    skew1: float = 1.0  # ... and at the last
+    delta: float = 2.5  # rms of a layer's weighted expert output
+    fixed: float = 3.0  # every expert hidden unit's gate and up pre-activation (about)
+    out: float = 3.0  # output head: random logits' std
+    inhib: float = 8.0  # output head: inhibition of the short window's tokens
+    repeat: float = 4.0  # output head: inhibition of the current token
+    fill: float = 30.0  # output head: non-text rows read -fill * p (far below the text tokens)
+    amp: float = 25.6  # RoPE score at distance 0, summed over a window's pairs
+    f_short: tuple[int, int] = (40, 8)  # window frequencies 1e6^(-i/64), i in [8, 40): short ...
+    f_long: tuple[int, int] = (48, 16)  # ... and i in [16, 48): long
+
+
+class Trained:
+    """Float values of the tensors a trained-routing file designs (module docstring)."""
+
+    def __init__(self, s: Shape, knobs: Knobs, seed: int, n_real: int, n_merges: int):
+        self.s, self.k = s, knobs
+        self.rng = rng = np.random.default_rng([seed, 52])
+        D = s.dim
+        self.Du = Du = s.n_kv * s.head_dim // 2  # half the KV heads carry u: the short window, half the long
+        if 1 + 3 * Du > D:
+            raise SystemExit(f"--routing trained needs dim >= {1 + 3 * Du} for {s.n_kv} KV heads of {s.head_dim}")
+        basis = rng.standard_normal((D, 1 + 3 * Du))
+        basis[:, 0] = 1.0
+        Q, _ = np.linalg.qr(basis)  # orthonormal: p, U, the short window's, the long window's
+        Q[:, 0] = np.abs(Q[:, 0])
+        self.p = Q[:, 0] * np.sqrt(D)  # all ones
+        self.BU, self.Bs, self.Bl, self.BS = Q[:, 1:1 + Du], Q[:, 1 + Du:1 + 2 * Du], Q[:, 1 + 2 * Du:], Q[:, 1:]
+        self.n_real = n_real
+        self.text = np.array([10] + list(range(32, 127)) + list(range(256, 256 + n_merges)))  # newline, ASCII, merges
+        c = rng.standard_normal((n_real, Du))
+        c[self.text] -= c[self.text].mean(0)  # the text tokens' contents centred: no standing context
+        self.c = c / np.linalg.norm(c, axis=1, keepdims=True) * np.sqrt(D)  # u = BU c has rms 1
+        self.rho = float(np.sqrt(knobs.a ** 2 + knobs.b ** 2 + knobs.e ** 2))  # an embedding's rms
+        self.z = rng.standard_normal((s.n_layers, s.n_experts))
+        self.G = rng.standard_normal((s.n_layers, s.n_experts, 3 * Du))
+        self.thetas, self.mscale = rope_frequencies(s)
+        w_s, w_l = self.kernel(False, 64), self.kernel(True, 1024)
+        self._attention = None
+        self.rms0 = float(np.sqrt(self.rho ** 2 + knobs.short ** 2 * (w_s ** 2).sum() + knobs.long ** 2 * (w_l ** 2).sum()))
+
+    def pairs(self, long: bool) -> np.ndarray:
+        """[head_dim / 2] bool: the NeoX frequency pairs of a window."""
+        lo, hi = self.k.f_long if long else self.k.f_short
+        return (self.thetas > 1e6 ** (-lo / 64) * 0.999) & (self.thetas <= 1e6 ** (-hi / 64) * 1.001)
+
+    def kernel(self, long: bool, n: int) -> np.ndarray:
+        """Attention weights of a window over distances 0..n-1 (the current token first)."""
+        m = self.pairs(long)
+        score = (self.k.amp / m.sum() * np.cos(self.thetas[m][:, None] * np.arange(n)[None, :])).sum(0)
+        w = np.exp(score - score.max())
+        return w / w.sum()
+
+    def embeddings(self, lo: int, hi: int) -> np.ndarray:
+        """token_embd rows lo..hi: a p + b u_tok + e r_tok (fill tokens: no u_tok; they never occur)."""
+        k = self.k
+        r = self.rng.standard_normal((hi - lo, self.s.dim))
+        real = max(0, min(hi, self.n_real) - lo)
+        if real:
+            r[:real] -= (r[:real] @ self.BS) @ self.BS.T + np.outer(r[:real] @ self.p, self.p) / self.s.dim
+        x = k.a * self.p + k.e * r / np.sqrt((r ** 2).mean(1, keepdims=True))
+        x[:real] += k.b * (self.c[lo:lo + real] @ self.BU.T)
+        return x.astype(np.float32)
+
+    def attention(self) -> dict[str, np.ndarray]:
+        """Layer 0's designed attention tensors by GGUF name suffix (float, numpy order)."""
+        if self._attention is None:
+            self._attention = self._design_attention()
+        return self._attention
+
+    def _design_attention(self) -> dict[str, np.ndarray]:
+        s, k = self.s, self.k
+        D, hd, H, Hkv = s.dim, s.head_dim, s.n_heads, s.n_kv
+        per, half = H // Hkv, Hkv // 2
+        unit_p = self.p / (D * k.a / self.rho)  # reads 1 from every normalised embedding
+        out = {n: np.zeros(sh) for n, sh in (("attn_q.weight", (H * hd, D)), ("attn_k.weight", (Hkv * hd, D)),
+                                            ("attn_v.weight", (Hkv * hd, D)), ("attn_output.weight", (D, H * hd)),
+                                            ("attn_q.bias", (H * hd,)), ("attn_k.bias", (Hkv * hd,)))}
+        gammas = []
+        for g in range(Hkv):
+            m = self.pairs(g >= half)
+            vec = np.concatenate([m, m]).astype(np.float64)  # equal components in pairs i and i + hd/2
+            nu2 = hd / (2 * m.sum())  # a component squared after the per-head rms norm
+            # score amplitude per pair = 2 nu2 gq gk mscale^2 / sqrt(hd) = amp / pairs
+            gamma = np.sqrt(k.amp / m.sum() * np.sqrt(hd) / (2 * nu2 * self.mscale ** 2))
+            gammas.append(gamma)
+            heads = range(g * per, (g + 1) * per)
+            if s.arch == "gpt-oss":  # no q/k norms: the biases are the constant query and key
+                out["attn_k.bias"][g * hd:(g + 1) * hd] = vec * np.sqrt(nu2) * gamma
+                for h in heads:
+                    out["attn_q.bias"][h * hd:(h + 1) * hd] = vec * np.sqrt(nu2) * gamma
+            else:
+                out["attn_k.weight"][g * hd:(g + 1) * hd] = vec[:, None] * unit_p[None, :]
+                for h in heads:
+                    out["attn_q.weight"][h * hd:(h + 1) * hd] = vec[:, None] * unit_p[None, :]
+            long = g >= half
+            idx = (g - half if long else g) * hd + np.arange(hd)
+            out["attn_v.weight"][g * hd:(g + 1) * hd] = self.BU[:, idx].T * (self.rho / k.b)  # v = c_tok's slice
+            target = (self.Bl if long else self.Bs)[:, idx] * (k.long if long else k.short) / per
+            for h in heads:
+                out["attn_output.weight"][:, h * hd:(h + 1) * hd] = target
+        if s.arch != "gpt-oss":
+            if max(gammas) - min(gammas) > 1e-6 * max(gammas):
+                raise SystemExit("the two windows need as many frequency pairs each (one q/k norm per layer)")
+            out["attn_q_norm.weight"] = np.full(hd, gammas[0])
+            out["attn_k_norm.weight"] = np.full(hd, gammas[0])
+        return {n: v.astype(np.float32) for n, v in out.items()}
+
+    def router(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer's router [E, D] and (gpt-oss) its bias [E]: random rows over U and the windows,
+        and the popularity skew, as a logit std."""
+        k, s = self.k, self.s
+        skew = k.skew0 + (k.skew1 - k.skew0) * layer / max(s.n_layers - 1, 1)
+        W = (k.route / np.sqrt(3 * self.Du)) * (self.G[layer] @ self.BS.T)
+        bias = np.zeros(s.n_experts)
+        if s.arch == "gpt-oss":
+            bias = skew * self.z[layer]
+        else:  # through p: p . norm(x) = D a / rms(x), and rms(x) grows by delta^2 a layer
+            skew *= np.sqrt(self.rms0 ** 2 + layer * k.delta ** 2) / k.a
+            W = W + (skew * self.z[layer])[:, None] * self.p[None, :] / s.dim
+        return W.astype(np.float32), bias.astype(np.float32)
+
+    def output_rows(self, lo: int, hi: int) -> np.ndarray:
+        """output rows lo..hi: text tokens random (no p) minus their contents in the short window's
+        subspace (inhib) and in U (repeat: the current token); every other token -fill p."""
+        k, D = self.k, self.s.dim
+        rows = np.tile((-k.fill / D) * self.p, (hi - lo, 1))
+        t = self.text[(self.text >= lo) & (self.text < hi)]
+        if len(t):
+            r = self.rng.standard_normal((len(t), D)) * (k.out / np.sqrt(D))
+            r -= np.outer(r @ self.p, self.p) / D
+            rows[t - lo] = r - (k.inhib * (self.c[t] @ self.Bs.T) + k.repeat * (self.c[t] @ self.BU.T)) / D
+        return rows.astype(np.float32)
+
+    def expert_mean(self) -> float:
+        """Mean of the expert gate and up rows (qwen3moe): gate . h = mean * sum(h) + noise with
+        sum(h) = D a / rms(x), so every hidden unit is about silu(fixed) * fixed at layer 0."""
+        return self.k.fixed * self.rms0 / (self.s.dim * self.k.a)
+
+    def down_std(self) -> float:
+        """Std of the expert down matrices for a weighted expert output of rms delta."""
+        f = self.k.fixed
+        hidden = f / (1 + np.exp(-1.702 * f)) * (f + 1) if self.s.arch == "gpt-oss" else f * f / (1 + np.exp(-f))
+        return self.k.delta / (hidden * np.sqrt(self.s.expert_ff / self.s.k))
+
+
+def rope_frequencies(s: Shape) -> tuple[np.ndarray, float]:
+    """Layer 0's RoPE frequencies per NeoX pair and the cos/sin scale: YaRN for gpt-oss (factor 32
+    over 4096 positions, beta 32 / 1, as llama.cpp computes it), else plain."""
+    n = s.head_dim
+    th = s.rope_base ** (-np.arange(n // 2) / (n // 2))
+    if s.arch != "gpt-oss":
+        return th, 1.0
+
+    def corr(rotations):
+        return n * np.log(4096 / (rotations * 2 * np.pi)) / (2 * np.log(s.rope_base))
+
+    low, high = max(0.0, np.floor(corr(32))), min(n - 1.0, np.ceil(corr(1)))
+    keep = 1 - np.clip((np.arange(n // 2) - low) / max(0.001, high - low), 0, 1)
+    return th * (keep + (1 - keep) / 32), 1 + 0.1 * np.log(32)
 
 
 def tokenizer(vocab: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
@@ -267,7 +518,7 @@ def nbytes(shape, qtype: str) -> int:
     return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // bs) * ts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--like", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -276,8 +527,10 @@ def main() -> None:
     ap.add_argument("--experts", type=int, help="fewer experts per layer")
     ap.add_argument("--vocab", type=int, help="a smaller vocabulary")
     ap.add_argument("--skew", type=float, default=0.0, help="routing skew (0: random routing, the worst case)")
+    ap.add_argument("--routing", choices=("random", "trained"), default="random",
+                    help="random routers (the worst case), or routing like a trained model's (module docstring)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     s = SHAPES[args.like]
     repl = {k: v for k, v in (("n_layers", args.layers), ("n_experts", args.experts), ("vocab", args.vocab)) if v}
     if repl:
@@ -295,11 +548,25 @@ def main() -> None:
     common /= np.sqrt((common ** 2).mean())
     if args.skew:
         layout[0] = ("token_embd.weight", (s.vocab, s.dim), "Q8_0")
+    design, extra = None, 0
+    if args.routing == "trained":
+        design = Trained(s, Knobs(), args.seed, n_real=s.vocab - sum(t.startswith("<|fill_") for t in toks),
+                         n_merges=len(merges))
+        before = sum(nbytes(sh, q) for _, sh, q in layout)
+        designed = {"token_embd.weight", "output.weight"} | {f"blk.0.attn_{n}.weight" for n in ("q", "k", "v", "output")}
+        layout = [(n, sh, "Q8_0" if n in designed else q) for n, sh, q in layout]
+        extra = sum(nbytes(sh, q) for _, sh, q in layout) - before
     a = s.arch
     w = gguf.GGUFWriter(args.out, a)
     w.add_name(f"synthetic {args.like}" + (f" ({s.n_layers} layers)" if args.layers else ""))
-    w.add_description(f"onebit tools/make_synthetic_moe.py --like {args.like} --seed {args.seed} --skew {args.skew}: "
-                      "random weights, real shapes")
+    if design is None:
+        w.add_description(f"onebit tools/make_synthetic_moe.py --like {args.like} --seed {args.seed} --skew {args.skew}: "
+                          "random weights, real shapes")
+    else:
+        w.add_description(f"onebit tools/make_synthetic_moe.py --like {args.like} --seed {args.seed} --routing trained: "
+                          "real shapes; embeddings, layer 0's attention, routers and output head designed so that "
+                          "routing is like a trained model's, expert weights random. Not the published type mix: "
+                          f"token_embd, output and blk.0.attn_q/k/v/output are Q8_0 ({extra:+d} bytes)")
     w.add_file_type(38 if a == "gpt-oss" else 15)  # MOSTLY_MXFP4_MOE, MOSTLY_Q4_K_M
     w.add_uint32(f"{a}.block_count", s.n_layers)
     w.add_uint32(f"{a}.context_length", s.ctx)
@@ -344,6 +611,13 @@ def main() -> None:
     done = 0
     z = rng.standard_normal(s.n_experts).astype(np.float32)
     for name, shape, qtype in layout:
+        if design is not None:
+            data = _trained_tensor(design, gen, name, shape, qtype)
+            if data is not None:
+                assert data.nbytes == nbytes(shape, qtype), (name, data.shape, nbytes(shape, qtype))
+                w.write_tensor_data(data)
+                done += data.nbytes
+                continue
         if qtype == "F32":
             if name.endswith("ffn_gate_inp.weight"):
                 data = rng.standard_normal(shape).astype(np.float32) * np.float32(ROUTER_STD / np.sqrt(s.dim))
@@ -369,7 +643,44 @@ def main() -> None:
     info = {"out": args.out, "like": args.like, "bytes": os.path.getsize(args.out), "seconds": round(time.time() - t0, 1),
             "shape": {k: v for k, v in s.__dict__.items() if k != "types"}, "types": s.types, "skew": args.skew,
             "seed": args.seed}
+    if design is not None:
+        info.update(routing="trained", knobs=design.k.__dict__, q8_0_extra_bytes=extra)
     print(json.dumps(info))
+
+
+def _trained_tensor(design: Trained, gen: Blocks, name: str, shape, qtype: str) -> np.ndarray | None:
+    """A trained-routing file's tensor where the design sets it, else None (random as usual)."""
+    s = design.s
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    suffix = name.split(".", 2)[-1] if layer >= 0 else name
+    if name in ("token_embd.weight", "output.weight"):
+        rows = design.embeddings if name == "token_embd.weight" else design.output_rows
+        out = np.empty((shape[0], shape[1] // 32 * 34), np.uint8)
+        fill_row = gq.quantize(design.output_rows(s.vocab - 1, s.vocab), QT.Q8_0)  # (the last token is a fill)
+        for lo in range(0, shape[0], 8192):
+            hi = min(lo + 8192, shape[0])
+            if name == "output.weight" and lo >= design.n_real:
+                out[lo:hi] = fill_row
+            else:
+                out[lo:hi] = gq.quantize(rows(lo, hi), QT.Q8_0)
+        return out
+    if layer == 0 and suffix in design.attention():
+        x = design.attention()[suffix]
+        return x if qtype == "F32" else gq.quantize(x, QT[qtype])
+    if layer >= 1 and suffix == "attn_output.weight":
+        return np.zeros(nbytes(shape, qtype), np.uint8).reshape(shape[0], -1)  # writes nothing: the windows stay
+    if suffix == "ffn_gate_inp.weight":
+        return design.router(layer)[0]
+    if suffix == "ffn_gate_inp.bias":
+        return design.router(layer)[1]
+    if suffix in ("ffn_gate_exps.bias", "ffn_up_exps.bias"):  # gpt-oss: a fixed hidden unit
+        return np.full(shape, design.k.fixed, np.float32)
+    if suffix in ("ffn_gate_exps.weight", "ffn_up_exps.weight") and s.arch != "gpt-oss":
+        mean = design.expert_mean()
+        return gen.make(qtype, shape, max(WEIGHT_STD, mean / 0.8), mean)
+    if suffix == "ffn_down_exps.weight":
+        return gen.make(qtype, shape, design.down_std())
+    return None
 
 
 def _q8_0_embeddings(rng, vocab: int, dim: int, common: np.ndarray) -> np.ndarray:
