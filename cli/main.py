@@ -10,11 +10,11 @@ from typing import Optional
 import typer
 
 from onebit import __version__
-from onebit.errors import OnebitError, UsageError
+from onebit.errors import OnebitError, UsageError, json_object
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
                       STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
-                      _model, _slots, _template_kwargs, cache_dir, default_model_path, json_object, load_spec,
+                      _model, _template_kwargs, cache_dir, default_model_path, load_spec,
                       predict_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -183,8 +183,8 @@ def _json_schema(inline: Optional[str], file: Optional[str]) -> Optional[dict]:
         return load_schema(file)
     if inline is None:
         return None
-    schema = json_object(inline, "--json-schema", "'{\"type\": \"object\"}' ('{}': any object)",
-                         ", or a file with --json-schema-file")
+    schema = json_object(inline, "--json-schema", ", such as '{\"type\": \"object\"}' ('{}': any object)",
+                         "; give the schema itself, such as '{\"type\": \"object\"}', or a file with --json-schema-file")
     check_schema(schema, "--json-schema")
     return schema
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -14,7 +13,7 @@ from typing import Optional
 import typer
 import typer.core
 
-from onebit.errors import UsageError
+from onebit.errors import UsageError, json_object
 
 
 def default_model_path() -> str:
@@ -280,22 +279,11 @@ TEMPLATE_KWARGS = typer.Option(
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
-def json_object(text: str, flag: str, example: str, advice: str = "") -> dict:
-    """A flag's JSON object, or one UsageError naming the flag: `example` shows what to give,
-    `advice` what else to do when it is not JSON at all."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"{flag} is not valid JSON ({e}); give an object such as {example}{advice}") from None
-    if not isinstance(value, dict):
-        raise UsageError(f"{flag} must be a JSON object, such as {example}")
-    return value
-
-
 def _template_kwargs(text: Optional[str]) -> dict:
     if text is None:
         return {}
-    kw = json_object(text, "--chat-template-kwargs", "'{\"enable_thinking\": false}'")
+    kw = json_object(text, "--chat-template-kwargs", ", such as '{\"enable_thinking\": false}'",
+                     "; give an object such as '{\"enable_thinking\": false}'")
     own = sorted(set(kw) & set(_TEMPLATE_OWN))
     if own:
         raise UsageError(f"--chat-template-kwargs cannot set {', '.join(own)}: onebit sets those itself")

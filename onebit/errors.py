@@ -24,6 +24,20 @@ class UsageError(OnebitError):
     """Bad arguments to a command or API call."""
 
 
+def json_object(text: str | bytes, what: str, example: str = "", advice: str = "") -> dict:
+    """The JSON object `text` holds, or one UsageError naming `what` (a flag, a file): `example`
+    shows what to give, `advice` what else to do when it is not JSON at all."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{what} is not valid JSON ({e}){advice}") from None
+    if not isinstance(value, dict):
+        raise UsageError(f"{what} must be a JSON object{example}")
+    return value
+
+
 class BackendUnavailableError(OnebitError):
     """A backend cannot run here, or cannot run this model (the load falls to the next one)."""
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..errors import UsageError
+from ..errors import UsageError, json_object
 
 _SPECIAL_MARK = b"\xff"  # llguidance's prefix for a special token's bytes
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -151,12 +151,7 @@ def load_schema(path: str) -> dict:
             data = f.read(16 << 20)
     except OSError as e:
         raise UsageError(f"{path}: cannot read the JSON schema ({e.strerror})") from None
-    try:
-        schema = json.loads(data)
-    except ValueError as e:
-        raise UsageError(f"{path}: the JSON schema is not valid JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise UsageError(f"{path}: a JSON schema must be a JSON object")
+    schema = json_object(data, f"{path}: the JSON schema")
     check_schema(schema, path)
     return schema
 
