@@ -70,6 +70,7 @@ def default_threads() -> int:
     return numba.get_num_threads()
 
 
+@functools.cache  # (a step asks several times: the import once)
 def _kernels():
     """The kernels (the package's `kernels` module), or BackendUnavailableError where numba is
     missing or broken."""
