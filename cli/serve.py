@@ -75,18 +75,30 @@ def serve(
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No log line per request."),
+    cors: list[str] = typer.Option([], "--cors", help="Allow browser pages from this origin (e.g. "
+                                   "https://app.example; '*': any). Repeatable. Pages on this machine "
+                                   "(localhost, 127.0.0.1, [::1]) are always allowed, as ollama does."),
+    pooling: str = typer.Option("mean", "--pooling", help="How /v1/embeddings pools a text's hidden states: "
+                                "mean, last or cls (as llama-server)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", "--chat-template-file",
+                                                help="A Jinja chat template file used in place of the model's "
+                                                     "(as llama.cpp's --chat-template-file)."),
+    jinja: bool = typer.Option(False, "--jinja", help="Accepted as llama.cpp takes it: templates are always "
+                                                      "rendered with Jinja here."),
 ) -> None:
-    """Serve the OpenAI API (chat completions, completions, models) on a local port."""
+    """Serve the OpenAI API (chat, completions, embeddings, responses), ollama's API and a chat page."""
     try:
         import uvicorn
 
-        from onebit.apps.serve_app import create_app
+        from onebit.apps.serve_extra import build_app
     except ImportError as e:
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None
     from onebit.formats import catalog
     from onebit.lookup import DEFAULT_DRAFTS
+    from onebit.apps.embed import POOLINGS
     from onebit.apps.serve import Engine, Sampling
+    from onebit.apps.serve_loading import LoadingAnswer
 
     model, device = _model(model, model_opt), _device(device)
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
@@ -95,10 +107,31 @@ def serve(
             raise UsageError(f"--models-dir {d}: not a folder")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    if pooling not in POOLINGS:
+        raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    template = None
+    if chat_template is not None:
+        try:
+            with open(chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
+        if not template.strip():
+            raise UsageError(f"--chat-template {chat_template}: the file is empty")
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
     sock = _listen(host, port)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    typer.echo(f"onebit serve: loading {model or 'the shipped model'}; http://{shown}:{bound[1]}/health "
+               "answers 503 until it is in", err=True)
+    loading = LoadingAnswer(sock)
+    try:
+        m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
+    finally:
+        loading.stop()
+    if template is not None:
+        m.chat_template = template
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
     found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
@@ -119,10 +152,8 @@ def serve(
             # of it before the model is closed): the shutdown is ours, and ends with exit code 0
             self._captured_signals.clear()
 
-    config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False, lifespan="off",
+    config = uvicorn.Config(build_app(engine, api_key, cors, pooling), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=3)
-    bound = sock.getsockname()
-    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     typer.echo(f"onebit serve: {engine.model_id} on http://{shown}:{bound[1]}/v1 "
                f"({'API key required' if api_key else 'no API key'}; Ctrl-C stops)", err=True)
     if not _loopback(host) and api_key is None:
