@@ -1,0 +1,385 @@
+"""The API surface of `onebit serve` beyond chat and completions, through real clients (the
+openai SDK, the `ollama` client) and raw HTTP in their shapes: one single-model server for the
+module (the shipped model, `--cors https://app.example`), and one with a models folder holding
+a Qwen3-templated fixture for tool calls."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+from http.client import HTTPConnection
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+pytest.importorskip("fastapi")
+
+from conftest import fixture_path  # noqa: E402
+from ggufedit import rewrite  # noqa: E402
+from test_serve import CTX, DEFAULT, QWEN3_TEMPLATE, call, start  # noqa: E402
+
+# a tool whose parameters do not say additionalProperties (pydantic's and LangChain's do not)
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except Exception:  # noqa: BLE001 - killed below
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-one")
+    log = tmp / "server.log"
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--temp", "0", "--cors",
+                       "https://app.example"], log)
+    try:
+        yield url, log
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def tools(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-tools")
+    models = tmp / "models"
+    models.mkdir()
+    rewrite(fixture_path("qwen3moe-f32.gguf"), models / "qwen3tools.gguf",
+            meta={"tokenizer.chat_template": QWEN3_TEMPLATE})
+    log = tmp / "server.log"
+    proc, url = start([str(models / "qwen3tools.gguf"), "--backend", "numpy", "--ctx", str(CTX), "--temp", "0",
+                       "--models-dir", str(models)], log)
+    try:
+        yield url, log
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(one):
+    return openai.OpenAI(base_url=one[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    import onebit
+
+    return onebit.load(DEFAULT, backend="numpy")
+
+
+def log_softmax(x):
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+# -- 1. schemas closed, no markup from a cut-off call ----------------------------------------
+
+def test_close_objects_by_hand():
+    from onebit.apps.serve_app import close_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "array", "items": {"type": "object", "properties": {"y": {}}, "additionalProperties": True}},
+        "c": {"anyOf": [{"type": "object", "properties": {"z": {}}}, {"type": "null"}]},
+        "d": {"type": "object"}},
+        "$defs": {"T": {"type": "object", "properties": {"t": {}}}}}
+    want = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}, "additionalProperties": False},
+        "b": {"type": "array", "items": {"type": "object", "properties": {"y": {}}, "additionalProperties": True}},
+        "c": {"anyOf": [{"type": "object", "properties": {"z": {}}, "additionalProperties": False}, {"type": "null"}]},
+        "d": {"type": "object"}},
+        "$defs": {"T": {"type": "object", "properties": {"t": {}}, "additionalProperties": False}},
+        "additionalProperties": False}
+    assert close_objects(schema) == want
+    assert "additionalProperties" not in schema  # the request's own object is left as it was
+
+
+def test_forced_call_on_an_open_schema_keeps_to_its_keys(tools):
+    c = openai.OpenAI(base_url=tools[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(4):
+        r = c.chat.completions.create(model="qwen3tools", messages=msgs, tools=[OPEN_WEATHER], tool_choice="required",
+                                      temperature=1.0, seed=seed, max_tokens=120)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
+    # cut off inside the call: finish_reason length, and no raw markup in the content
+    r = c.chat.completions.create(model="qwen3tools", messages=msgs, tools=[OPEN_WEATHER], tool_choice="required",
+                                  temperature=0, max_tokens=4)
+    assert r.choices[0].finish_reason == "length"
+    assert "<tool_call>" not in (r.choices[0].message.content or "") and not r.choices[0].message.tool_calls
+
+
+def test_response_format_schema_closed(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    for seed in range(3):
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "A name"}], seed=seed,
+                                           temperature=1.0, max_tokens=40, response_format={
+                                               "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        assert set(json.loads(r.choices[0].message.content)) == {"name"}
+
+
+# -- 2. unknown fields, any model name, paths without /v1, 503 while loading -----------------
+
+def test_unknown_fields_warned_and_ignored(one, client):
+    r = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, extra_body={"prompt_cache_key": "k", "verbosity": "low"},
+                                       stream_options=None)
+    assert r.model == "default" and r.choices[0].message.content  # any model name: the one served
+    s = list(client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "include_obfuscation": False}))
+    assert s[-1].usage.completion_tokens == 3
+    log = one[1].read_text()
+    assert "ignored unknown request fields: prompt_cache_key, verbosity" in log
+    assert "ignored unknown request fields: stream_options.include_obfuscation" in log
+
+
+def test_paths_without_v1(one, client):
+    bare = openai.OpenAI(base_url=one[0], api_key="unused", max_retries=0, timeout=300)
+    want = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    got = bare.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert [m.id for m in bare.models.list().data] == ["default"]
+    assert bare.completions.create(model="x", prompt="Once", max_tokens=2).choices[0].text
+
+
+def test_loading_answer_is_503():
+    from onebit.apps.serve_loading import LoadingAnswer
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    answer = LoadingAnswer(sock)
+    try:
+        for _ in range(2):
+            conn = HTTPConnection("127.0.0.1", sock.getsockname()[1], timeout=30)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 503 and json.loads(r.read())["status"] == "loading"
+            conn.close()
+    finally:
+        answer.stop()
+    # the socket listens on for the server that follows: a connection made now waits in the backlog
+    probe = socket.create_connection(sock.getsockname(), timeout=5)
+    conn, _ = sock.accept()
+    conn.close()
+    probe.close()
+    sock.close()
+
+
+# -- 3. embeddings, logprobs, echo, n --------------------------------------------------------
+
+def test_embeddings_are_pooled_hidden_states(client, ref):
+    from onebit.apps.embed import hidden_states, pool
+    from onebit.backends.numpy_backend import dequantize
+
+    texts = ["The cat sat on the mat.", "Stock prices fell sharply."]
+    r = client.embeddings.create(model="text-embedding-3-small", input=texts)  # (the SDK asks for base64)
+    got = [np.asarray(d.embedding) for d in r.data]
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(len(ref.tokenize(t)) for t in texts)
+    for text, v in zip(texts, got):
+        ids = ref.tokenize(text)
+        h = hidden_states(ref, ids)
+        # the hidden states are what the output head reads: times it, they are the model's logits
+        name = "output.weight" if "output.weight" in ref.net.gguf.tensors else "token_embd.weight"
+        np.testing.assert_allclose(h @ dequantize(ref.net.gguf.tensor(name)).T, ref.logits(ids), atol=1e-4)
+        mean = h.astype(np.float64).mean(axis=0)
+        np.testing.assert_allclose(v, mean / np.linalg.norm(mean), atol=1e-5)
+    assert abs(np.linalg.norm(got[0]) - 1) < 1e-5
+    f = client.embeddings.create(model="x", input="The cat sat on the mat.", encoding_format="float")
+    np.testing.assert_allclose(f.data[0].embedding, got[0], atol=1e-6)
+    # pooling by hand
+    h = np.array([[3.0, 0.0], [0.0, 4.0], [1.0, 1.0]])
+    np.testing.assert_allclose(pool(h, "last"), [2 ** -0.5, 2 ** -0.5], atol=1e-6)
+    np.testing.assert_allclose(pool(h, "cls"), [1, 0], atol=1e-6)
+    np.testing.assert_allclose(pool(h, "mean"), np.array([4, 5]) / 41 ** 0.5, atol=1e-6)  # mean (4/3, 5/3)
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="x", input="")
+
+
+def test_logprobs_match_the_model(client, ref):
+    r = client.completions.create(model="x", prompt="Once upon", max_tokens=4, logprobs=3, temperature=0)
+    lp = r.choices[0].logprobs
+    ids = ref.tokenize("Once upon")
+    gen = ref.tokenize(r.choices[0].text, add_special=False)
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.tokens) == 4
+    logits = ref.logits(ids + gen)  # one forward over prompt and reply: an independent path
+    for i, (tok, value, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        row = log_softmax(logits[len(ids) + i - 1])
+        want = int(np.argmax(row))
+        assert ref.tokenizer.token_bytes(want).decode() == tok
+        assert abs(value - row[want]) < 1e-3
+        assert len(top) == 3 and max(top.values()) == pytest.approx(value)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    # chat, and streamed: the same entries
+    kw = dict(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, logprobs=True,
+              top_logprobs=2)
+    plain = client.chat.completions.create(**kw).choices[0]
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in plain.logprobs.content] == [e.token for e in streamed]
+    # (the second request reuses the cached prompt: float32 sums in another order)
+    np.testing.assert_allclose([e.logprob for e in plain.logprobs.content], [e.logprob for e in streamed], atol=1e-4)
+    assert "".join(e.token for e in plain.logprobs.content) == plain.message.content
+    assert all(e.top_logprobs[0].logprob == e.logprob and len(e.top_logprobs) == 2 for e in plain.logprobs.content)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**kw, "top_logprobs": 50})
+
+
+def test_echo_and_n(client):
+    r = client.completions.create(model="x", prompt="Once upon", max_tokens=4, echo=True, temperature=0)
+    alone = client.completions.create(model="x", prompt="Once upon", max_tokens=4, temperature=0)
+    assert r.choices[0].text == "Once upon" + alone.choices[0].text
+    s = "".join(c.choices[0].text for c in client.completions.create(model="x", prompt="Once upon", max_tokens=4,
+                                                                        echo=True, temperature=0, stream=True))
+    assert s == r.choices[0].text
+    one = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    three = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}  # greedy: the same
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    sampled = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Tell a story"}],
+                                             max_tokens=12, n=4, temperature=2.0, seed=7)
+    assert len({c.message.content for c in sampled.choices}) > 1  # seeds 7, 8, 9, 10
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], n=2, stream=True)
+
+
+# -- 4. ollama's API -------------------------------------------------------------------------
+
+def test_ollama_client(one, client):
+    ollama = pytest.importorskip("ollama")
+    c = ollama.Client(host=one[0])
+    assert [m.model for m in c.list().models] == ["default"]
+    want = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+    r = c.chat(model="default:latest", messages=[{"role": "user", "content": "Hi"}],
+               options={"num_predict": 5, "temperature": 0})
+    assert r.message.content == want.choices[0].message.content and r.done and r.eval_count == 5
+    parts = list(c.chat(model="default", messages=[{"role": "user", "content": "Hi"}],
+                        options={"num_predict": 5, "temperature": 0}, stream=True))
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert parts[-1].done and parts[-1].done_reason == "length" and not any(p.done for p in parts[:-1])
+    g = c.generate(model="default", prompt="Hi", options={"num_predict": 5, "temperature": 0})
+    assert g.response == r.message.content  # a non-raw prompt goes through the chat template
+    raw = c.generate(model="default", prompt="Once upon", raw=True, options={"num_predict": 4, "temperature": 0})
+    assert raw.response == client.completions.create(model="x", prompt="Once upon", max_tokens=4).choices[0].text
+    js = c.chat(model="default", messages=[{"role": "user", "content": "JSON"}], format="json",
+                options={"num_predict": 30, "temperature": 0})
+    assert js.message.content.startswith("{")
+    e = c.embed(model="default", input=["a cat", "a dog"])
+    ref = client.embeddings.create(model="x", input=["a cat", "a dog"], encoding_format="float")
+    np.testing.assert_allclose(e.embeddings, [d.embedding for d in ref.data], atol=1e-6)
+    show = c.show("default")
+    assert show.details.family == "qwen3moe" and show.modelinfo["qwen3moe.context_length"] == CTX
+    assert [m.model for m in c.ps().models] == ["default"]
+    status, text, _ = call(one[0] + "/api/version")
+    assert status == 200 and json.loads(text)["version"]
+    # NDJSON by default, as ollama sends it
+    status, text, headers = call(one[0] + "/api/generate", "POST", {"model": "default", "prompt": "Hi",
+                                                                    "options": {"num_predict": 3}})
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert status == 200 and headers["content-type"] == "application/x-ndjson" and lines[-1]["done"]
+
+
+# -- 5. the Responses API --------------------------------------------------------------------
+
+def test_responses_text_and_stream(client):
+    want = client.chat.completions.create(model="x", messages=[{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": "Hi"}], max_tokens=6)
+    r = client.responses.create(model="x", instructions="Be brief.", input="Hi", max_output_tokens=6, temperature=0)
+    assert r.output_text == want.choices[0].message.content
+    assert r.status == "incomplete" and r.usage.output_tokens == 6
+    events = list(client.responses.create(model="x", instructions="Be brief.", input="Hi", max_output_tokens=6,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    s = client.responses.create(model="x", input="A name", max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+    assert set(json.loads(s.output_text)) == {"name"}
+
+
+def test_responses_function_tools(tools):
+    c = openai.OpenAI(base_url=tools[0] + "/v1", api_key="unused", max_retries=0, timeout=300)
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": OPEN_WEATHER["function"]["parameters"]}
+    r = c.responses.create(model="qwen3tools", input="Weather in Paris?", tools=[tool], tool_choice="required",
+                           max_output_tokens=60, temperature=0)
+    (item,) = [o for o in r.output if o.type == "function_call"]
+    assert item.name == "get_weather" and set(json.loads(item.arguments)) == {"city"}
+    # the call and its output go back as input items; the model answers
+    back = c.responses.create(model="qwen3tools", tools=[tool], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
+        {"type": "function_call_output", "call_id": item.call_id, "output": "21 C"}])
+    assert back.usage.input_tokens > r.usage.input_tokens
+    streamed = list(c.responses.create(model="qwen3tools", input="Weather in Paris?", tools=[tool],
+                                       tool_choice="required", max_output_tokens=60, temperature=0, stream=True))
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(e.arguments) for e in done] == [json.loads(item.arguments)]
+
+
+# -- 6. CORS, /metrics, /tokenize, /detokenize, /props, /slots -------------------------------
+
+def _options(url, origin):
+    u = re.match(r"http://([^:/]+):(\d+)", url)
+    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=60)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    return r.status, r.getheader("access-control-allow-origin")
+
+
+def test_cors(one):
+    assert _options(one[0], "http://localhost:3000") == (200, "http://localhost:3000")
+    assert _options(one[0], "http://127.0.0.1:5173") == (200, "http://127.0.0.1:5173")
+    assert _options(one[0], "https://app.example") == (200, "https://app.example")  # --cors
+    assert _options(one[0], "https://evil.example")[1] is None
+    u = re.match(r"http://([^:/]+):(\d+)", one[0])
+    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=60)
+    conn.request("GET", "/v1/models", headers={"Origin": "https://evil.example"})
+    r = conn.getresponse()
+    r.read()
+    assert r.getheader("access-control-allow-origin") is None
+
+
+def test_tokenize_metrics_props_slots(one, ref, client):
+    status, text, _ = call(one[0] + "/tokenize", "POST", {"content": "Hello world"})
+    ids = json.loads(text)["tokens"]
+    assert status == 200 and ids == ref.tokenize("Hello world", add_special=False)
+    status, text, _ = call(one[0] + "/detokenize", "POST", {"tokens": ids})
+    assert json.loads(text)["content"] == "Hello world"
+    assert call(one[0] + "/detokenize", "POST", {"tokens": [10 ** 9]})[0] == 400
+    client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    status, text, headers = call(one[0] + "/metrics")
+    values = dict(re.findall(r"^(onebit_\w+) (\d+)$", text, re.M))
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert int(values["onebit_requests_total"]) >= 1 and int(values["onebit_tokens_generated_total"]) >= 3
+    props = json.loads(call(one[0] + "/props")[1])
+    assert props["n_ctx"] == CTX and props["default_generation_settings"]["params"]["temperature"] == 0
+    slots = json.loads(call(one[0] + "/slots")[1])
+    assert slots[0]["n_ctx"] == CTX and slots[0]["is_processing"] is False
+
+
+def test_page_is_served(one):
+    status, text, headers = call(one[0] + "/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert "v1/chat/completions" in text and not re.search(r"(src|href)=\"https?://", text)  # nothing fetched
