@@ -15,7 +15,7 @@ from onebit.errors import UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SLOTS, TEMPLATE_KWARGS,
                       THREADS, Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs,
-                      model_stores, predict_options)
+                      model_name, model_stores, predict_options)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
                                                    "(loaded in its turn, one model at a time). Repeatable.")
@@ -100,6 +100,7 @@ def serve(
     from onebit.apps.serve import Engine, Sampling
     from onebit.apps.serve_loading import LoadingAnswer
 
+    given = model if model is not None else model_opt
     model, device = _model(model, model_opt), _device(device)
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
     for d in models_dir:
@@ -135,7 +136,8 @@ def serve(
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
     found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
-    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict)  # (switches load as m.spec)
+    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict,  # (switches load as m.spec)
+                    name=model_name(given, model))
 
     log = logging.getLogger("onebit.apps.serve")
     handler = logging.StreamHandler(sys.stderr)

@@ -383,3 +383,78 @@ def test_page_is_served(one):
     status, text, headers = call(one[0] + "/")
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert "v1/chat/completions" in text and not re.search(r"(src|href)=\"https?://", text)  # nothing fetched
+
+
+# -- 9. store names on every command ---------------------------------------------------------
+
+def _stores(tmp_path):
+    """An HF hub cache and an ollama store, each holding the shipped model."""
+    import shutil
+
+    hub = tmp_path / "hub" / "models--org--repo" / "snapshots" / "abc"
+    hub.mkdir(parents=True)
+    shutil.copy(DEFAULT, hub / "tiny-Q8_0.gguf")
+    olla = tmp_path / "ollama"
+    (olla / "manifests" / "registry.ollama.ai" / "library" / "tinymoe").mkdir(parents=True)
+    (olla / "blobs").mkdir()
+    shutil.copy(DEFAULT, olla / "blobs" / "sha256-00ff")
+    (olla / "manifests" / "registry.ollama.ai" / "library" / "tinymoe" / "latest").write_text(json.dumps(
+        {"layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": "sha256:00ff"}]}))
+    return tmp_path / "hub", olla
+
+
+def test_store_names_on_every_command(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    hub, olla = _stores(tmp_path)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "OLLAMA_MODELS": str(olla), "HOME": str(tmp_path / "home")}
+    onebit = [sys.executable, "-m", "onebit.cli.main"]
+    want = subprocess.run([*onebit, "generate", "-m", DEFAULT, "-p", "Once upon", "-n", "4", "--temp", "0",
+                           "--backend", "numpy"], capture_output=True, text=True, timeout=300, env=env)
+    assert want.returncode == 0, want.stderr
+    for name in ("tinymoe:latest", "tinymoe", "org/repo/tiny-Q8_0"):
+        got = subprocess.run([*onebit, "generate", name, "-p", "Once upon", "-n", "4", "--temp", "0",
+                              "--backend", "numpy"], capture_output=True, text=True, timeout=300, env=env)
+        assert got.returncode == 0 and got.stdout == want.stdout, (name, got.stderr)
+    r = subprocess.run([*onebit, "info", "tinymoe:latest"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "qwen3moe" in r.stdout, r.stderr
+    r = subprocess.run([*onebit, "info", "nosuch:latest"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "nosuch:latest: no such file" in r.stderr and "Traceback" not in r.stderr
+    # --models-dir on a store gives the ids `list` shows for it
+    for folder, ids in ((olla, ["tinymoe:latest"]), (hub, ["org/repo/tiny-Q8_0"])):
+        r = subprocess.run([*onebit, "list", "--models-dir", str(folder), "--json"], capture_output=True, text=True,
+                           timeout=120, env={**env, "HF_HUB_CACHE": str(tmp_path / "none"),
+                                             "OLLAMA_MODELS": str(tmp_path / "none")})
+        assert [e["id"] for e in json.loads(r.stdout) if e["source"] == "models-dir"] == ids
+    # serve by a store name: the model answers by that name
+    import time
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*onebit, "serve", "tinymoe:latest", "--backend", "numpy", "--ctx", "256", "--port",
+                                 "0"], stdout=out, stderr=out, env=env)
+    try:
+        url = None
+        for _ in range(1200):
+            m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
+            if m or proc.poll() is not None:
+                url = m and m.group(1)
+                break
+            time.sleep(0.1)
+        assert url, log.read_text()
+        assert [m["id"] for m in json.loads(call(url + "/v1/models")[1])["data"]] == ["tinymoe:latest"]
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_ollama_system_store_searched(tmp_path):
+    from onebit.formats.catalog import Stores, lookup
+
+    hub, olla = _stores(tmp_path)
+    stores = Stores(ollama=(tmp_path / "empty", olla))  # the user's store, then the system install's
+    assert lookup("tinymoe", (), stores).path == str(olla / "blobs" / "sha256-00ff")
+    assert lookup("org/repo/tiny-Q8_0", (), Stores(hf=hub)).source == "huggingface"
+    assert lookup("nothing", (), stores) is None

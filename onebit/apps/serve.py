@@ -198,11 +198,13 @@ class ReplySplitter:
 class Engine:
     """The loaded model, its KV cache, and the worker thread that runs requests in turn."""
 
-    def __init__(self, model, sampling: Sampling, lookup: int = 0, catalog: Callable[[], dict[str, str]] = dict):
-        """`model`: the one served at start; a model a request picks loads with its LoadSpec
-        (`model.spec`: backend, device, context, budget, threads, ... as the command gave them)."""
+    def __init__(self, model, sampling: Sampling, lookup: int = 0, catalog: Callable[[], dict[str, str]] = dict,
+                 name: Optional[str] = None):
+        """`model`: the one served at start (its id: `name`, else its file name); a model a request
+        picks loads with its LoadSpec (`model.spec`: backend, device, context, budget, threads, ...
+        as the command gave them)."""
         self.model = model
-        self.model_id = model_id(model.path)
+        self.model_id = name or model_id(model.path)
         self.vocab_size = model.cfg.vocab_size
         self.spec = model.spec
         self.sampling = sampling
