@@ -458,3 +458,69 @@ def test_ollama_system_store_searched(tmp_path):
     assert lookup("tinymoe", (), stores).path == str(olla / "blobs" / "sha256-00ff")
     assert lookup("org/repo/tiny-Q8_0", (), Stores(hf=hub)).source == "huggingface"
     assert lookup("nothing", (), stores) is None
+
+
+# -- 7. the generic tool-call prompt, --chat-template ----------------------------------------
+
+def test_generic_tool_prompt_by_hand(ref):
+    import onebit
+    from onebit.apps.tool_prompt import generic_tool_messages, template_shows_tools
+
+    assert not template_shows_tools(ref)  # the shipped model's template has no tools
+    q = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy")
+    q.chat_template = QWEN3_TEMPLATE
+    assert template_shows_tools(q)
+    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "21 C"},
+            {"role": "user", "content": "Thanks"}]
+    got = generic_tool_messages(msgs, [OPEN_WEATHER])
+    assert [m["role"] for m in got] == ["system", "user", "assistant", "user"]
+    assert got[0]["content"].startswith("You can call functions.") and '"name": "get_weather"' in got[0]["content"]
+    assert got[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert got[3]["content"] == "<tool_response>\n21 C\n</tool_response>\nThanks"
+    text = ref.apply_chat_template(got)
+    assert "<tools>" in text and "<tool_response>\n21 C" in text
+
+
+def test_tools_on_a_template_without_them(client):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    plain = client.chat.completions.create(model="x", messages=msgs, max_tokens=1)
+    auto = client.chat.completions.create(model="x", messages=msgs, tools=[OPEN_WEATHER], max_tokens=1)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tools are shown, not dropped
+    r = client.chat.completions.create(model="x", messages=msgs, tools=[OPEN_WEATHER], tool_choice="required",
+                                       max_tokens=80)
+    (c,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and c.function.name == "get_weather"
+    assert set(json.loads(c.function.arguments)) == {"city"}
+    back = client.chat.completions.create(model="x", tools=[OPEN_WEATHER], max_tokens=4, messages=msgs + [
+        r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": c.id, "content": "21 C"}])
+    assert back.usage.prompt_tokens > auto.usage.prompt_tokens
+
+
+def test_chat_template_file(tmp_path):
+    path = tmp_path / "qwen3.jinja"
+    path.write_text(QWEN3_TEMPLATE)
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--chat-template", str(path), "--jinja"],
+                      tmp_path / "server.log")
+    try:
+        props = json.loads(call(url + "/props")[1])
+        assert props["chat_template"] == QWEN3_TEMPLATE
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                      tools=[OPEN_WEATHER])
+        import onebit
+
+        m = onebit.load(DEFAULT, backend="numpy")
+        m.chat_template = QWEN3_TEMPLATE
+        want = m.chat_tokens([{"role": "user", "content": "Hi"}], tools=[OPEN_WEATHER])
+        assert r.usage.prompt_tokens == len(want)  # Qwen3's template, showing the tool itself
+    finally:
+        _stop(proc)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", "--chat-template", str(tmp_path / "none"),
+                        "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--chat-template" in r.stderr and r.stderr.count("\n") == 1

@@ -32,6 +32,7 @@ from ..chat_formats.toolcall import CLOSE as CALL_CLOSE
 from ..chat_formats.toolcall import OPEN as CALL_OPEN
 from ..chat_formats.toolcall import ToolCall, parse_harmony, parse_tags, tool_format
 from .logprobs import LogprobRecorder, TokenLogprob
+from .tool_prompt import generic_tool_messages, template_shows_tools
 
 log = logging.getLogger("onebit.apps.serve")
 
@@ -343,7 +344,10 @@ class Engine:
                     raise ApiError(f"token id {bad[0]} is out of range for this model's vocabulary of "
                                    f"{m.cfg.vocab_size}", param="prompt")
             return ids
-        return m.chat_tokens(work.messages, tools=work.tools, template_kwargs=work.template_kwargs)
+        messages, tools = work.messages, work.tools
+        if tools and not template_shows_tools(m):  # the generic tool-call prompt
+            messages, tools = generic_tool_messages(messages, tools), None
+        return m.chat_tokens(messages, tools=tools, template_kwargs=work.template_kwargs)
 
     def _processors(self, work: Work, ids: list[int]) -> list:
         s = work.sampling
