@@ -90,7 +90,7 @@ def serve(
     try:
         import uvicorn
 
-        from onebit.apps.serve_extra import build_app
+        from onebit.apps.serve_routes import build_app
     except ImportError as e:
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None

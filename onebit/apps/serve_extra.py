@@ -1,12 +1,11 @@
 """The routes of `onebit serve` beyond chat and completions: embeddings, tokenize and
-detokenize, llama-server's /props and /slots, Prometheus /metrics, the chat page at `/`; and
-the whole app put together (`build_app`: these, the ollama API, the Responses API, CORS)."""
+detokenize, llama-server's /props and /slots, Prometheus /metrics, the chat page at `/`."""
 
 from __future__ import annotations
 
 import base64
 from importlib import resources
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -14,11 +13,10 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from pydantic import Field
 
 from .. import __version__
-from .embed import POOLINGS, embed
+from .embed import embed
 from .serve import ApiError, Engine, Work
-from .serve_app import Run, _Strict, create_app, served_model, warn_unknown
+from .serve_app import Run, _Strict, served_model, warn_unknown
 
-LOCAL_ORIGINS = r"(https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?|(app|file|tauri)://.*)"
 MAX_INPUTS = 2048  # texts of one embeddings request
 
 
@@ -169,28 +167,4 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
     return add
 
 
-def cors(origins: Sequence[str]) -> Callable[[Any], Any]:
-    """Cross-origin requests: from `origins` (`*`: any) and, as ollama allows them, from pages
-    on this machine (localhost, 127.0.0.1, [::1]) and app:// file:// tauri:// ones."""
-    from starlette.middleware.cors import CORSMiddleware
-
-    def wrap(app):
-        return CORSMiddleware(app, allow_origins=list(origins), allow_origin_regex=LOCAL_ORIGINS,
-                              allow_methods=["*"], allow_headers=["*"], expose_headers=["*"], max_age=600)
-    return wrap
-
-
-def build_app(engine: Engine, api_key: Optional[str] = None, origins: Sequence[str] = (),
-              pooling: str = "mean") -> Any:
-    """Every route of `onebit serve`: OpenAI's chat, completions, embeddings and Responses APIs,
-    ollama's, llama-server's extras, the page; CORS around them all."""
-    from .serve_ollama import add_ollama
-    from .serve_responses import add_responses
-
-    if pooling not in POOLINGS:
-        raise ApiError(f"pooling must be one of {', '.join(POOLINGS)}")
-    return create_app(engine, api_key, routes=[add_openai_extra(engine, pooling), add_ollama(engine, pooling),
-                                               add_responses(engine)], wrap=cors(origins))
-
-
-__all__ = ["build_app", "cors", "add_openai_extra", "run_task", "LOCAL_ORIGINS"]
+__all__ = ["add_openai_extra", "embedding_inputs", "embedding_task", "run_task"]

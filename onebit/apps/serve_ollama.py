@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from .. import __version__
 from ..errors import OnebitError
 from .serve import ApiError, Done, Engine, Work
-from .serve_app import (ChatRequest, CompletionRequest, Gone, Run, _Loose, _collect, _start, chat_work,
+from .serve_app import (ChatRequest, CompletionRequest, Gone, _Loose, _collect, _start, chat_work,
                         completion_work, served_model, warn_unknown)
 from .serve_extra import embedding_inputs, embedding_task, run_task
 
