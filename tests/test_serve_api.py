@@ -1,14 +1,21 @@
 """The API surface of `onebit serve` beyond chat and completions, through real clients (the
 openai SDK, the `ollama` client) and raw HTTP in their shapes: one single-model server for the
 module (the shipped model, `--cors https://app.example`), and one with a models folder holding
-a Qwen3-templated fixture for tool calls."""
+a Qwen3-templated fixture for tool calls; the chat page in headless chromium."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from http.client import HTTPConnection
 
 import numpy as np
@@ -23,6 +30,8 @@ from ggufedit import rewrite  # noqa: E402
 from test_serve import CTX, DEFAULT, QWEN3_TEMPLATE, call, start  # noqa: E402
 
 # a tool whose parameters do not say additionalProperties (pydantic's and LangChain's do not)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WAIT_S = 120  # bounds on loops in the browser (hang guards), never asserted as timings
 OPEN_WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -389,8 +398,6 @@ def test_page_is_served(one):
 
 def _stores(tmp_path):
     """An HF hub cache and an ollama store, each holding the shipped model."""
-    import shutil
-
     hub = tmp_path / "hub" / "models--org--repo" / "snapshots" / "abc"
     hub.mkdir(parents=True)
     shutil.copy(DEFAULT, hub / "tiny-Q8_0.gguf")
@@ -404,10 +411,6 @@ def _stores(tmp_path):
 
 
 def test_store_names_on_every_command(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     hub, olla = _stores(tmp_path)
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "OLLAMA_MODELS": str(olla), "HOME": str(tmp_path / "home")}
     onebit = [sys.executable, "-m", "onebit.cli.main"]
@@ -429,8 +432,6 @@ def test_store_names_on_every_command(tmp_path):
                                              "OLLAMA_MODELS": str(tmp_path / "none")})
         assert [e["id"] for e in json.loads(r.stdout) if e["source"] == "models-dir"] == ids
     # serve by a store name: the model answers by that name
-    import time
-
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([*onebit, "serve", "tinymoe:latest", "--backend", "numpy", "--ctx", "256", "--port",
@@ -518,9 +519,112 @@ def test_chat_template_file(tmp_path):
         assert r.usage.prompt_tokens == len(want)  # Qwen3's template, showing the tool itself
     finally:
         _stop(proc)
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", "--chat-template", str(tmp_path / "none"),
                         "--port", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--chat-template" in r.stderr and r.stderr.count("\n") == 1
+
+
+# -- 8. the chat page in a browser -----------------------------------------------------------
+
+class Page:
+    """One browser tab over the DevTools protocol: `evaluate` runs JavaScript and returns its value."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.ids = itertools.count(1)
+
+    def send(self, method: str, **params):
+        i = next(self.ids)
+        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=WAIT_S))
+            if msg.get("id") == i:
+                if "error" in msg:
+                    raise AssertionError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+
+    def evaluate(self, js: str):
+        r = self.send("Runtime.evaluate", expression=js, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise AssertionError(f"{js}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def wait(self, js: str, what: str):
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            value = self.evaluate(js)
+            if value:
+                return value
+            time.sleep(0.1)
+        raise AssertionError(f"the page never showed {what}")
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("needs Debian's chromium (apt install chromium)")
+    ws_client = pytest.importorskip("websockets.sync.client")
+    proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                             "--disable-extensions", "--remote-debugging-port=0", f"--user-data-dir={tmp_path / 'profile'}",
+                             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and port is None:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            m = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+            port = int(m.group(1)) if m else None
+        assert port, "chromium did not start its DevTools endpoint"
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30).read())
+        ws_url = next(t for t in targets if t["type"] == "page")["webSocketDebuggerUrl"]
+        with ws_client.connect(ws_url, max_size=None, open_timeout=30) as ws:
+            yield Page(ws)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_chat_page_streams_a_reply(tmp_path, browser):
+    """The chat page at `/` in a real headless browser (Debian's `chromium`, driven over the
+    DevTools protocol): a message typed and sent; the reply streams in (several updates) and
+    equals the API's own reply, with tokens per second shown."""
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", "512"], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        want = client.chat.completions.create(
+            model="default", max_tokens=12, temperature=0,
+            messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}])
+        browser.send("Page.enable")
+        browser.send("Page.navigate", url=url + "/")
+        browser.wait("document.readyState === 'complete' && document.getElementById('model').textContent",
+                     "the model's name")
+        assert browser.evaluate("document.getElementById('model').textContent") == "default"
+        # count the reply's updates as they land (a streamed reply changes the text several times)
+        browser.evaluate("""
+            window.updates = 0;
+            new MutationObserver(() => { window.updates += 1; })
+              .observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});
+            document.getElementById('temperature').value = '0';
+            document.getElementById('max_tokens').value = '12';
+            document.getElementById('system').value = 'You are terse.';
+            const box = document.getElementById('input');
+            box.focus();
+            true""")
+        browser.send("Input.insertText", text="Hello there")  # typed, as a user would
+        browser.send("Input.dispatchKeyEvent", type="keyDown", key="Enter", code="Enter", windowsVirtualKeyCode=13)
+        browser.send("Input.dispatchKeyEvent", type="keyUp", key="Enter", code="Enter", windowsVirtualKeyCode=13)
+        stats = browser.wait("document.getElementById('stats').textContent", "the reply's statistics")
+        assert re.match(r"12 tokens, [\d.]+ tokens/s", stats), stats
+        reply = browser.evaluate("document.querySelector('.msg.assistant').textContent")
+        assert reply == want.choices[0].message.content
+        assert browser.evaluate("document.querySelector('.msg.user').textContent") == "Hello there"
+        assert browser.evaluate("window.updates") > 3  # the reply came in pieces
+        assert browser.evaluate("document.getElementById('send').disabled") is False
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
