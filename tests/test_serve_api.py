@@ -189,6 +189,38 @@ def test_loading_answer_is_503():
     sock.close()
 
 
+def test_health_from_the_start(tmp_path):
+    """From the moment the port listens, /health answers at once: 503 `loading` until the model
+    is in, then 200 (on the shipped model the load may be over before the first poll)."""
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "onebit.cli.main", "serve", DEFAULT, "--backend", "numpy",
+                                 "--port", "0"], stdout=out, stderr=out)
+    try:
+        port = None
+        for _ in range(1200):
+            m = re.search(r"http://127\.0\.0\.1:(\d+)/health answers 503", log.read_text())
+            if m or proc.poll() is not None:
+                port = m and int(m.group(1))
+                break
+            time.sleep(0.05)
+        assert port, log.read_text()
+        seen = []
+        for _ in range(2400):
+            conn = HTTPConnection("127.0.0.1", port, timeout=10)  # (a port nobody reads would time out)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            conn.close()
+            seen.append((r.status, body["status"]))
+            if r.status == 200:
+                break
+            time.sleep(0.02)
+        assert seen[-1] == (200, "ok") and set(seen[:-1]) <= {(503, "loading")}, seen
+    finally:
+        _stop(proc)
+
+
 # -- 3. embeddings, logprobs, echo, n --------------------------------------------------------
 
 def test_embeddings_are_pooled_hidden_states(client, ref):
@@ -217,6 +249,23 @@ def test_embeddings_are_pooled_hidden_states(client, ref):
     np.testing.assert_allclose(pool(h, "mean"), np.array([4, 5]) / 41 ** 0.5, atol=1e-6)  # mean (4/3, 5/3)
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="x", input="")
+
+
+def test_hidden_states_on_vulkan_equal_numpy(ref):
+    import onebit
+    from onebit.apps.embed import hidden_states
+    from onebit.backends.vulkan.device import VulkanUnavailableError
+
+    try:
+        v = onebit.load(DEFAULT, backend="vulkan")
+    except VulkanUnavailableError as e:
+        pytest.skip(f"no Vulkan device: {e}")
+    try:
+        for text in ("Hi", "The cat sat on the mat, and then it slept."):  # one row, and many
+            ids = ref.tokenize(text)
+            np.testing.assert_allclose(hidden_states(v, ids), hidden_states(ref, ids), atol=1e-4)
+    finally:
+        v.close()
 
 
 def test_logprobs_match_the_model(client, ref):

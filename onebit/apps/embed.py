@@ -45,7 +45,7 @@ def hidden_states(model, ids: Sequence[int]) -> np.ndarray:
     if len(ids) > model.context_length:
         raise UsageError(f"the input is {len(ids)} tokens; this model's context holds {model.context_length}")
     net = HiddenStates(model.net.arch)
-    cache = model.new_cache()
+    cache = model.net.make_cache(capacity=len(ids))  # (this input's rows only: the served cache is left as it is)
     rows = []
     for start in range(0, len(ids), CHUNK):
         h, _ = model.net.be.forward(net, ids[start:start + CHUNK], cache)
