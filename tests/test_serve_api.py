@@ -371,6 +371,8 @@ def test_responses_text_and_stream(client):
     s = client.responses.create(model="x", input="A name", max_output_tokens=40, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
     assert set(json.loads(s.output_text)) == {"name"}
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client.responses.create(model="x", input="Go on", previous_response_id="resp_1")  # nothing is stored
 
 
 def test_responses_function_tools(tools):
@@ -641,7 +643,7 @@ def browser(tmp_path):
 def test_chat_page_streams_a_reply(tmp_path, browser):
     """The chat page at `/` in a real headless browser (Debian's `chromium`, driven over the
     DevTools protocol): a message typed and sent; the reply streams in (several updates) and
-    equals the API's own reply, with tokens per second shown."""
+    equals the API's own reply, with tokens per second shown; Stop ends a long reply."""
     proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", "512"], tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -674,6 +676,23 @@ def test_chat_page_streams_a_reply(tmp_path, browser):
         assert browser.evaluate("document.querySelector('.msg.user').textContent") == "Hello there"
         assert browser.evaluate("window.updates") > 3  # the reply came in pieces
         assert browser.evaluate("document.getElementById('send').disabled") is False
+        # Stop: a long reply (150 tokens at temperature 0) stopped after its first piece, on the server too
+        health = lambda: json.loads(call(url + "/health")[1])  # noqa: E731
+        before = health()["generated"]
+        browser.evaluate("""
+            document.getElementById('max_tokens').value = '300';
+            document.getElementById('input').value = 'Tell me a long story.';
+            document.getElementById('form').requestSubmit();
+            true""")
+        browser.wait("(document.querySelectorAll('.msg.assistant')[1] || {}).textContent", "the second reply")
+        browser.evaluate("document.getElementById('stop').click(); true")
+        browser.wait("!document.getElementById('send').disabled", "Send enabled again")
+        for _ in range(600):
+            h = health()
+            if not h["busy"]:
+                break
+            time.sleep(0.05)
+        assert not h["busy"] and 0 < h["generated"] - before < 100
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
