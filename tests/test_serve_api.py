@@ -344,6 +344,14 @@ def test_ollama_client(one, client):
     show = c.show("default")
     assert show.details.family == "qwen3moe" and show.modelinfo["qwen3moe.context_length"] == CTX
     assert [m.model for m in c.ps().models] == ["default"]
+    # a conversation with a call and its result, in ollama's shapes (arguments as an object)
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "content": "21 C", "tool_name": "get_weather"}]
+    t = c.chat(model="default", messages=history, tools=[OPEN_WEATHER], options={"num_predict": 2})
+    short = c.chat(model="default", messages=history[:1], tools=[OPEN_WEATHER], options={"num_predict": 2})
+    assert t.prompt_eval_count > short.prompt_eval_count + 10
     status, text, _ = call(one[0] + "/api/version")
     assert status == 200 and json.loads(text)["version"]
     # NDJSON by default, as ollama sends it
@@ -554,12 +562,16 @@ def test_tools_on_a_template_without_them(client):
 def test_chat_template_file(tmp_path):
     path = tmp_path / "qwen3.jinja"
     path.write_text(QWEN3_TEMPLATE)
-    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--chat-template", str(path), "--jinja"],
-                      tmp_path / "server.log")
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--chat-template", str(path), "--jinja",
+                       "--api-key", "k"], tmp_path / "server.log")
     try:
-        props = json.loads(call(url + "/props")[1])
+        assert call(url + "/")[0] == 200 and call(url + "/props")[0] == 401  # the page itself needs no key
+        u = re.match(r"http://([^:/]+):(\d+)", url)
+        conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=60)
+        conn.request("GET", "/props", headers={"Authorization": "Bearer k"})
+        props = json.loads(conn.getresponse().read())
         assert props["chat_template"] == QWEN3_TEMPLATE
-        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=300)
         r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
                                       tools=[OPEN_WEATHER])
         import onebit
