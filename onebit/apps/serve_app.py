@@ -716,7 +716,10 @@ def create_app(engine: Engine, api_key: Optional[str] = None, routes: Sequence[C
         work = completion_work(req, engine.sampling, engine.vocab_size)
         echo = ""
         if req.echo:
-            echo = work.prompt if isinstance(work.prompt, str) else engine.model.detokenize(work.prompt)
+            loaded = engine.model
+            if not isinstance(work.prompt, str) and loaded is None:
+                raise ApiError("a model is being switched in: echo a token prompt again shortly", 503, "server_error")
+            echo = work.prompt if isinstance(work.prompt, str) else loaded.detokenize(work.prompt)
         return await respond(engine, work, request, chat=False, stream=req.stream,
                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
                              n=req.n or 1, echo=echo)
