@@ -42,6 +42,27 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _chat_template(given: Optional[str], file: Optional[str]) -> Optional[str]:
+    """The template text of --chat-template (a file, or Jinja text itself) or --chat-template-file."""
+    if given is not None and file is not None:
+        raise UsageError("give the chat template once: --chat-template or --chat-template-file")
+    if given is not None and not os.path.isfile(given):
+        if "{{" in given or "{%" in given:
+            return given
+        raise UsageError(f"--chat-template {given}: no such file (give a Jinja template file, or its text)")
+    path, flag = (given, "--chat-template") if given is not None else (file, "--chat-template-file")
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
+    if not text.strip():
+        raise UsageError(f"{flag} {path}: the file is empty")
+    return text
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -80,9 +101,12 @@ def serve(
                                    "(localhost, 127.0.0.1, [::1]) are always allowed, as ollama does."),
     pooling: str = typer.Option("mean", "--pooling", help="How /v1/embeddings pools a text's hidden states: "
                                 "mean, last or cls (as llama-server)."),
-    chat_template: Optional[str] = typer.Option(None, "--chat-template", "--chat-template-file",
-                                                help="A Jinja chat template file used in place of the model's "
-                                                     "(as llama.cpp's --chat-template-file)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="A Jinja chat template used in place of the model's: a file, "
+                                                     "or the template's text."),
+    chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file",
+                                                     help="A Jinja chat template file used in place of the model's "
+                                                          "(as llama.cpp's)."),
     jinja: bool = typer.Option(False, "--jinja", help="Accepted as llama.cpp takes it: templates are always "
                                                       "rendered with Jinja here."),
 ) -> None:
@@ -110,15 +134,7 @@ def serve(
         raise UsageError("--api-key is empty")
     if pooling not in POOLINGS:
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    template = None
-    if chat_template is not None:
-        try:
-            with open(chat_template, encoding="utf-8") as f:
-                template = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--chat-template {chat_template}: cannot read it ({e})") from None
-        if not template.strip():
-            raise UsageError(f"--chat-template {chat_template}: the file is empty")
+    template = _chat_template(chat_template, chat_template_file)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
     sock = _listen(host, port)

@@ -562,8 +562,8 @@ def test_tools_on_a_template_without_them(client):
 def test_chat_template_file(tmp_path):
     path = tmp_path / "qwen3.jinja"
     path.write_text(QWEN3_TEMPLATE)
-    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--chat-template", str(path), "--jinja",
-                       "--api-key", "k"], tmp_path / "server.log")
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", str(CTX), "--chat-template-file", str(path),
+                       "--jinja", "--api-key", "k"], tmp_path / "server.log")
     try:
         assert call(url + "/")[0] == 200 and call(url + "/props")[0] == 401  # the page itself needs no key
         u = re.match(r"http://([^:/]+):(\d+)", url)
@@ -582,9 +582,11 @@ def test_chat_template_file(tmp_path):
         assert r.usage.prompt_tokens == len(want)  # Qwen3's template, showing the tool itself
     finally:
         _stop(proc)
-    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", "--chat-template", str(tmp_path / "none"),
-                        "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--chat-template" in r.stderr and r.stderr.count("\n") == 1
+    for args in (["--chat-template", str(tmp_path / "none")], ["--chat-template-file", str(tmp_path / "none")],
+                 ["--chat-template", str(path), "--chat-template-file", str(path)]):
+        r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", *args, "--port", "0"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--chat-template" in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 # -- 8. the chat page in a browser -----------------------------------------------------------
