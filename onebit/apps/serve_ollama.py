@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from .. import __version__
 from ..errors import OnebitError
 from .serve import ApiError, Done, Engine, Work
-from .serve_app import (ChatRequest, CompletionRequest, Gone, _Loose, _collect, _start, chat_work,
+from .serve_app import (ChatRequest, CompletionRequest, Gone, _Strict, _collect, _start, chat_work,
                         completion_work, served_model, warn_unknown)
 from .serve_extra import embedding_inputs, embedding_task, run_task
 
@@ -27,7 +27,7 @@ _OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "m
             "frequency_penalty": "frequency_penalty", "num_predict": "max_tokens"}
 
 
-class OllamaChat(_Loose):
+class OllamaChat(_Strict):
     model: Optional[str] = None
     messages: list[dict] = []
     stream: bool = True
@@ -38,7 +38,7 @@ class OllamaChat(_Loose):
     keep_alive: Union[str, int, float, None] = None
 
 
-class OllamaGenerate(_Loose):
+class OllamaGenerate(_Strict):
     model: Optional[str] = None
     prompt: str = ""
     system: Optional[str] = None
@@ -50,7 +50,7 @@ class OllamaGenerate(_Loose):
     keep_alive: Union[str, int, float, None] = None
 
 
-class OllamaEmbed(_Loose):
+class OllamaEmbed(_Strict):
     model: Optional[str] = None
     input: Union[str, list[str], None] = None
     prompt: Optional[str] = None  # /api/embeddings (the older route)

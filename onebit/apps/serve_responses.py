@@ -12,10 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .serve import ApiError, Done, Engine, new_id, now
-from .serve_app import ChatRequest, Gone, _collect, _Loose, _start, chat_work, served_model, warn_unknown
+from .serve_app import ChatRequest, Gone, _collect, _start, _Strict, chat_work, served_model, warn_unknown
 
 
-class ResponsesRequest(_Loose):
+class ResponsesRequest(_Strict):
     model: Optional[str] = None
     input: Union[str, list[dict]]
     instructions: Optional[str] = None
