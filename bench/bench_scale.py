@@ -10,7 +10,7 @@ resident and squeezed; every figure beside the machine's limit and the routing i
 
 Each onebit configuration runs in its own process (peak RSS is the process's own), through
 the Python API as `generate` uses it: a 12-token prompt's time to first token, a warm-up
-prompt, then a timed prompt of real prose (PROSE, ~128 tokens) and N greedy decode tokens in
+prompt, then a timed prompt of real prose (the start of PROSE, at most --prompt tokens) and N greedy decode tokens in
 the same process (the pool warm, as in a chat's second turn). Configurations and files
 alternate within a round; figures are medians over rounds. What each line prints:
 
@@ -36,7 +36,7 @@ only the rest is left, as on a smaller machine; it is released when the run ends
 more than the machine can spare (the script refuses to leave less than 4 GiB).
 
 llama.cpp: `llama-completion -m FILE -p PROSE -n N -t 2 --temp 0` (its own timings: prompt
-eval and eval), resident with `--no-mmap` (the whole file read into memory) and, squeezed, with
+eval and eval), resident with `--load-mode none` (the whole file read into memory) and, squeezed, with
 its default (mmap). Not llama-bench: its decode feeds random tokens, which route like no text.
 """
 
@@ -139,7 +139,7 @@ def run_onebit(cfg: dict) -> dict:
         out["start_to_token_s"] = time.time() - cfg["started"]
         m.close()
         return out
-    warm, timed = m.tokenize(WARM)[:64], m.tokenize(PROSE)
+    warm, timed = m.tokenize(WARM)[:64], m.tokenize(cfg["prose"])
     pool = m.pool
     trace = cfg.get("trace")
     if trace:  # every forward's routing (a hook that copies each layer's ids: no pause, no sync)
@@ -177,6 +177,7 @@ def run_onebit(cfg: dict) -> dict:
         m.hook = None
     out["decode_tps"] = cfg["tokens"] / dt
     out["tokens"] = toks
+    out["text"] = m.detokenize(toks[: cfg["tokens"]])  # (llama-completion -n N prints N tokens)
     if pool is not None:
         after = snap()
         d = [b - a for a, b in zip(before, after)]
@@ -217,7 +218,7 @@ def _run(squeeze: int, cmd: list[str]) -> subprocess.CompletedProcess:
     """Run `cmd` (an hour at most), with `squeeze` bytes locked by another process meanwhile."""
     locker = _squeeze(squeeze) if squeeze else None
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
     finally:
         if locker is not None:
             locker.kill()
@@ -242,17 +243,30 @@ def _squeeze(nbytes: int) -> subprocess.Popen:
     return p
 
 
-def llama_completion(binary: str, path: str, tokens: int, resident: bool, squeeze: int = 0) -> dict:
-    """llama.cpp generating `tokens` greedy tokens from PROSE: its own prompt and eval timings."""
-    cmd = [binary, "-m", path, "-p", PROSE, "-n", str(tokens), "-t", "2", "--temp", "0", "-no-cnv",
-           "--ignore-eos", "-c", "4096", "--no-warmup"]
+def prose(path: str, n: int) -> str:
+    """The longest start of PROSE (whole tokens) that the file's tokenizer makes at most `n`
+    tokens of, BOS included: both engines get this text."""
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.formats.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(GGUFFile(path).metadata, path)
+    ids = tok.encode(PROSE, add_special=True, parse_special=False)
+    if len(ids) <= n:
+        return PROSE
+    return tok.decode(ids[len(tok.encode("", add_special=True, parse_special=False)):n])
+
+
+def llama_completion(binary: str, path: str, text: str, tokens: int, resident: bool, squeeze: int = 0) -> dict:
+    """llama.cpp generating `tokens` greedy tokens from `text`: its own prompt and eval timings."""
+    cmd = [binary, "-m", path, "-p", text, "-n", str(tokens), "-t", "2", "--temp", "0", "-no-cnv",
+           "--ignore-eos", "-c", "4096", "--no-warmup", "--no-display-prompt"]
     if resident:
-        cmd += ["--no-mmap"]
+        cmd += ["--load-mode", "none"]
     t0 = time.time()
     r = _run(squeeze, cmd)
     if r.returncode:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    out = {"wall_s": time.time() - t0}
+    out = {"wall_s": time.time() - t0, "text": r.stdout}
     for line in r.stderr.splitlines():
         got = re.search(r"(prompt eval|\beval) time = .*?([0-9.]+) tokens per second", line)
         if got:
@@ -277,6 +291,7 @@ def main() -> None:
     ap.add_argument("--llama", help="llama-completion binary (resident and squeezed peers)")
     ap.add_argument("--cold", action="store_true", help="also start-to-first-token on a dropped page cache")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt", type=int, default=128, help="tokens of PROSE in the timed prompt (at most)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--json", help="write every run's figures here")
@@ -299,7 +314,7 @@ def main() -> None:
     for path in a.models:
         mach = machine(path)
         active, expert = active_bytes(path)
-        files[path] = {"machine": mach, "active": active}
+        files[path] = {"machine": mach, "active": active, "prose": prose(path, a.prompt)}
         print(f"file {path}: {format_bytes(os.path.getsize(path))}; {format_bytes(active)} read a decode token "
               f"resident; an expert {format_bytes(expert)}")
         print(f"  machine: memory {mach['mem_gbs']:.1f} GB/s (2 threads), O_DIRECT expert reads "
@@ -317,7 +332,7 @@ def main() -> None:
         configs[f"onebit no flags, {a.squeeze} locked"] = (dict(base), squeeze)
     peers: dict[str, tuple] = {}
     if a.llama:
-        peers["llama.cpp resident (--no-mmap)"] = (True, 0)
+        peers["llama.cpp resident (--load-mode none)"] = (True, 0)
         if squeeze:
             peers[f"llama.cpp mmap, {a.squeeze} locked"] = (False, squeeze)
     runs = {(f, k): [] for f in files for k in [*configs, *peers]}
@@ -326,7 +341,7 @@ def main() -> None:
         for path in files:
             for name, (cfg, sq) in configs.items():
                 trace = str(tmp / f"trace-{len(os.listdir(tmp))}.jsonl")
-                got = child({**cfg, "model": path, "trace": trace}, sq)
+                got = child({**cfg, "model": path, "trace": trace, "prose": files[path]["prose"]}, sq)
                 if "decode_tps" in got:
                     got.update(routing(trace, got.get("slots", 0)))
                 os.unlink(trace) if os.path.exists(trace) else None
@@ -339,7 +354,7 @@ def main() -> None:
                     cold[path, name].append(got)
                     print(f"  round {r + 1} {Path(path).name} {name} cold: {got}", file=sys.stderr)
             for name, (res, sq) in peers.items():
-                runs[path, name].append(llama_completion(a.llama, path, a.tokens, res, sq))
+                runs[path, name].append(llama_completion(a.llama, path, files[path]["prose"], a.tokens, res, sq))
                 print(f"  round {r + 1} {Path(path).name} {name}: {runs[path, name][-1]}", file=sys.stderr)
     for path in files:
         report(path, files[path], {k: v for (f, k), v in runs.items() if f == path},
@@ -395,6 +410,12 @@ def report(path: str, info: dict, runs: dict, cold: dict) -> None:
             c = [x["start_to_token_s"] for x in cold.get(name, []) if "start_to_token_s" in x]
             line += f" {statistics.median(c):6.1f}" if c else f" {'-':>6}"
         print(line)
+    ours = next((x["text"] for k in runs if k.startswith("onebit") for x in runs[k] if "text" in x), None)
+    theirs = next((x["text"] for k in runs if k.startswith("llama") for x in runs[k] if "text" in x), None)
+    if ours is not None and theirs is not None:
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        print(f"greedy text, onebit against llama.cpp: the first {same} of {len(ours)} / {len(theirs)} characters "
+              f"agree{' (all)' if ours == theirs else ''}")
 
 
 if __name__ == "__main__":
