@@ -80,7 +80,7 @@ def serve(
     try:
         import uvicorn
 
-        from onebit.apps.serve_app import create_app
+        from onebit.apps.serve_app import create_app, uvicorn_options
     except ImportError as e:
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None
@@ -120,7 +120,7 @@ def serve(
             self._captured_signals.clear()
 
     config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, **uvicorn_options())
     bound = sock.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     typer.echo(f"onebit serve: {engine.model_id} on http://{shown}:{bound[1]}/v1 "
