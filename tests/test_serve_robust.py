@@ -306,3 +306,36 @@ def test_names_with_control_characters_are_logged_escaped(served):
         log.removeHandler(handler)
         log.setLevel(level)
     assert lines and not any("\n" in line or "\x1b" in line for line in lines), lines
+
+
+# -- 6, 8: schemas ---------------------------------------------------------------------------
+
+CITY = {"$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+                           "required": ["name"], "additionalProperties": False}},
+        "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+        "additionalProperties": False}  # as pydantic writes a nested model
+HOSTILE = {
+    "pattern": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+                "required": ["a"]},
+    "anyOf": {"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]}
+                        for i in range(5000)]},
+    "self": {"$ref": "#"},
+    "loop": {"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}, "$ref": "#/$defs/A"},
+}
+
+
+def test_a_forced_tool_whose_parameters_use_defs(served):
+    tool = {"type": "function", "function": {"name": "weather", "parameters": CITY}}
+    status, body = ask(served, tools=[tool], tool_choice={"type": "function", "function": {"name": "weather"}},
+                       max_tokens=40)
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_schema_the_grammar_engine_gives_up_on_is_400(served, name):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": HOSTILE[name]}}
+    status, body = ask(served, response_format=fmt, max_tokens=8)
+    assert status == 400, body
+    message = body["error"]["message"]
+    assert "\n" not in message and len(message) < 500, message
+    assert ask(served)[0] == 200
