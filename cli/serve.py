@@ -56,8 +56,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ONEBIT_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on every request "
-                                               "(default $ONEBIT_API_KEY; none: no key)."),
+                                          help="Require 'Authorization: Bearer KEY' on every request (GET /health "
+                                               "without it: the status only; default $ONEBIT_API_KEY; "
+                                               "none: no key)."),
     models_dir: list[str] = MODELS_DIR,
     temperature: float = typer.Option(0.7, "--temperature", "--temp", help="Default when a request gives none."),
     top_k: int = typer.Option(0, "--top-k", help="Default when a request gives none (0 = off)."),
