@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..errors import OnebitError
@@ -455,7 +456,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 async def _parsed(request: Request, cls, to_work, engine: Engine) -> tuple:
     """(the request, its Work): the body read (bounded by Gate), then parsed, checked and turned
     into work in a thread, so a large body does not hold up the event loop's other clients."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body was in: nobody to answer
+        raise ApiError("the client went away while sending the body", 499, code="cancelled") from None
     limit = engine.context_length()
 
     def parse():
