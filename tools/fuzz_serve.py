@@ -170,20 +170,23 @@ def run(url: str, cases: range, seed: int, max_body: int = 32 << 20, log=print) 
     t = threading.Thread(target=checker, daemon=True)
     t.start()
     counts: dict[str, int] = {}
+    slowest: dict[str, float] = {}  # seconds of the slowest case of each kind
     failures = []
     t0 = time.perf_counter()
     try:
         for i in cases:
             rng = random.Random(f"{seed}:{i}")
+            c0 = time.perf_counter()
             kind, status = case(rng, url, max_body)
             counts[kind] = counts.get(kind, 0) + 1
+            slowest[kind] = round(max(slowest.get(kind, 0.0), time.perf_counter() - c0), 3)
             if status >= 500 and status != 503:
                 failures.append({"case": i, "kind": kind, "status": status})
                 log(f"FAIL case {i} ({kind}): status {status}")
     finally:
         stop.set()
         t.join(WAIT_S)
-    return {"cases": len(cases), "seed": seed, "kinds": counts, "failures": failures,
+    return {"cases": len(cases), "seed": seed, "kinds": counts, "slowest_s": slowest, "failures": failures,
             "checks": checks["n"], "wrong": checks["wrong"][:5], "n_wrong": len(checks["wrong"]),
             "worst_check_s": round(checks["worst_s"], 3), "seconds": round(time.perf_counter() - t0, 1)}
 
