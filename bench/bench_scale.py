@@ -1,34 +1,43 @@
-"""A model larger than memory, measured end to end: onebit resident, streamed at budgets, with
-and without prediction, squeezed; llama.cpp resident and squeezed; every figure beside the
-machine's limit.
+"""A model larger than memory, measured end to end, on one or more files alternating: onebit
+resident, streamed at budgets with each prediction mode, with no flags, squeezed; llama.cpp
+resident and squeezed; every figure beside the machine's limit and the routing it saw.
 
-    python tools/make_synthetic_moe.py --like qwen3-30b-a3b -o /work/big/q3-30b-shape.gguf
-    python bench/bench_scale.py /work/big/q3-30b-shape.gguf --llama-bench PATH/llama-bench \\
-        [--budgets 8GiB] [--predict off,block] [--squeeze 12GiB] [--rounds 3]
+    python tools/make_synthetic_moe.py --like qwen3-30b-a3b --routing trained -o /work/big/q3-30b-trained.gguf
+    python tools/make_synthetic_moe.py --like qwen3-30b-a3b -o /work/big/q3-30b-random.gguf
+    python bench/bench_scale.py /work/big/q3-30b-trained.gguf /work/big/q3-30b-random.gguf \\
+        --llama PATH/llama-completion --resident --default --budgets 8GiB --predict auto,off,block \\
+        --squeeze 12GiB [--cold] [--rounds 2] [--tokens 48]
 
 Each onebit configuration runs in its own process (peak RSS is the process's own), through
-the Python API as `generate` uses it: a warm-up prompt, then a timed ~128-token prompt and N
-greedy decode tokens in the same process (the pool warm, as in a chat's second turn), plus a
-12-token prompt's time to first token. Configurations alternate within a round; figures are
-medians over rounds. What each line prints:
+the Python API as `generate` uses it: a 12-token prompt's time to first token, a warm-up
+prompt, then a timed prompt of real prose (PROSE, ~128 tokens) and N greedy decode tokens in
+the same process (the pool warm, as in a chat's second turn). Configurations and files
+alternate within a round; figures are medians over rounds. What each line prints:
 
-- prompt tok/s (the ~128-token prompt after the warm-up), ttft (12-token prompt, seconds),
-  decode tok/s, and for a pool: hit rate (prefetch hits included), prefetch hits, stall and
-  MiB read per decode token, the drive's GB/s while busy, peak RSS;
+- prompt tok/s (the prose prompt after the warm-up), ttft (12-token prompt, seconds), decode
+  tok/s, and for a pool: hit rate (prefetch hits included), prefetch hits, stall and MiB read
+  per decode token, the drive's GB/s while busy, peak RSS;
+- the decode's routing (onebit.moe.routing over the run's own trace): reuse of the previous
+  token's experts, within 8 tokens, and cache-sim's LRU and Belady hit rates with the run's own
+  number of slots (per layer, as the pool holds them: same-size experts share one class);
 - limits: resident decode at the machine's memory bandwidth (active bytes a token / the
   measured read rate of two threads), streamed decode at what the drive and the kernels allow
   together (max(resident step, missed bytes / measured O_DIRECT rate); the bytes alone when
   no resident run was measured), and the ratio to each; "of run": a streamed run's decode
-  against the same limit at the rate its own reads ran at while the drive was busy (the drive's
-  rate moves from run to run, and reading beside the kernels it is often slower than alone).
+  against the same limit at the rate its own reads ran at while the drive was busy;
+- "same": whether the greedy tokens equal the resident run's (or the first onebit run's).
+
+--cold adds, per configuration, a fresh process started with the page cache dropped (root):
+seconds from the process's start to the first token of the 12-token prompt (import, load and
+prompt together), as a user starting `onebit generate` on a cold machine sees it.
 
 The squeeze: a helper process locks N GiB with mlock (root, or a raised RLIMIT_MEMLOCK) so
 only the rest is left, as on a smaller machine; it is released when the run ends. Never lock
 more than the machine can spare (the script refuses to leave less than 4 GiB).
 
-llama.cpp: `llama-bench -m FILE -p 128 -n N -t 2` with the whole file read into memory
-(`--load-mode none`: the fair resident peer for a big file) and, squeezed, with its default
-(mmap).
+llama.cpp: `llama-completion -m FILE -p PROSE -n N -t 2 --temp 0` (its own timings: prompt
+eval and eval), resident with `--no-mmap` (the whole file read into memory) and, squeezed, with
+its default (mmap). Not llama-bench: its decode feeds random tokens, which route like no text.
 """
 
 from __future__ import annotations
@@ -38,10 +47,12 @@ import json
 import mmap
 import os
 import random
+import re
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,8 +60,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPT = ("The json module encodes Python objects as JSON text and decodes them back. "
-          "It can serialize dicts, lists, strings, numbers and None, and accepts hooks for other types. ")
+WARM = ("The json module encodes Python objects as JSON text and decodes them back. "
+        "It can serialize dicts, lists, strings, numbers and None, and accepts hooks for other types. ") * 3
+PROSE = ("The history of the printing press begins in the workshops of goldsmiths and wine makers along "
+         "the Rhine. Movable type had been known in Korea and China for centuries, but the alphabet made "
+         "it practical in Europe: a few dozen letters, cast in metal from a single mould, could be set "
+         "into lines, inked, pressed onto damp paper and then taken apart and used again for the next "
+         "page. Within fifty years presses were at work in more than two hundred cities, and the price of "
+         "a book fell so far that merchants, students and artisans could own one. Scholars argue about")
+SHORT = "Tell me about the json module, briefly."
 
 
 def machine(path: str) -> dict:
@@ -108,16 +126,24 @@ def active_bytes(path: str) -> tuple[int, int]:
 def run_onebit(cfg: dict) -> dict:
     """One configuration, in this process (called in a child): JSON-able figures."""
     import onebit
+    from onebit.moe.trace import TraceWriter
 
     t_load = time.perf_counter()
     m = onebit.load(cfg["model"], backend=cfg.get("backend", "cpu"), budget=cfg.get("budget"),
                     predict=cfg.get("predict"), n_ctx=cfg.get("ctx"))
     t_load = time.perf_counter() - t_load
     out = {"decision": getattr(m, "decision", ""), "load_s": t_load}
-    ids = m.tokenize(PROMPT * 8)
-    warm, timed = ids[:64], ids[64 : 64 + cfg["prompt"]]
-    short = m.tokenize("Tell me about the json module, briefly.")[:12]
+    short = m.tokenize(SHORT)[:12]
+    if cfg.get("cold"):  # a fresh process on a cold page cache: start to the first token, then done
+        m.net.forward(np.array(short), m.new_cache(), last_only=True)
+        out["start_to_token_s"] = time.time() - cfg["started"]
+        m.close()
+        return out
+    warm, timed = m.tokenize(WARM)[:64], m.tokenize(PROSE)
     pool = m.pool
+    trace = cfg.get("trace")
+    if trace:  # every forward's routing (a hook that copies each layer's ids: no pause, no sync)
+        m.hook = TraceWriter(trace, m.path, m.cfg.n_layers, m.cfg.n_experts, m.cfg.n_experts_used)
 
     def snap():
         s = pool.stats if pool else None
@@ -125,24 +151,30 @@ def run_onebit(cfg: dict) -> dict:
 
     # time to first token: a 12-token prompt in a fresh cache (the first thing a user sees)
     t0 = time.perf_counter()
-    m.net.forward(np.array(short), m.new_cache(), last_only=True)
+    m.net.forward(np.array(short), m.new_cache(), hook=m.hook, last_only=True)
     out["ttft_s"] = time.perf_counter() - t0
     cache = m.new_cache()
-    m.net.forward(np.array(warm), cache, last_only=True)  # warm-up prompt: the pool warm, kernels loaded
+    m.net.forward(np.array(warm), cache, hook=m.hook, last_only=True)  # warm-up prompt: the pool warm, kernels loaded
     del cache  # (before the next is made: one KV cache at a time, as the plan counts)
     cache = m.new_cache()
     t0 = time.perf_counter()
-    logits = m.net.forward(np.array(timed), cache, last_only=True)
+    logits = m.net.forward(np.array(timed), cache, hook=m.hook, last_only=True)
     out["prompt_tps"] = len(timed) / (time.perf_counter() - t0)
+    out["prompt_tokens"] = len(timed)
     tok = int(logits[-1].argmax())
     toks = [tok]
+    if trace:
+        m.hook.phase = "decode"
     before = snap()
     t0 = time.perf_counter()
     for _ in range(cfg["tokens"]):
-        logits = m.net.forward(np.array([tok]), cache, last_only=True)
+        logits = m.net.forward(np.array([tok]), cache, hook=m.hook, last_only=True)
         tok = int(logits[-1].argmax())
         toks.append(tok)
     dt = time.perf_counter() - t0
+    if trace:
+        m.hook.close()
+        m.hook = None
     out["decode_tps"] = cfg["tokens"] / dt
     out["tokens"] = toks
     if pool is not None:
@@ -156,6 +188,22 @@ def run_onebit(cfg: dict) -> dict:
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     m.close()
     return out
+
+
+def routing(trace: str, slots: int) -> dict:
+    """Statistics of a run's trace (its prompts warm the simulated caches, decode is counted):
+    reuse, within 8, busiest 20%, and LRU / Belady hit rates, with the pool's own slots and its
+    policy (one LRU over every layer) where it had a pool, else with 36% of each layer's experts
+    (per-layer LRU, the issue's table)."""
+    from onebit.moe.cachesim import load_trace, simulate
+    from onebit.moe.routing import layer_stats, summary
+
+    t = load_trace(trace)
+    sm = summary(layer_stats(t))
+    n = slots or max(int(t.header["k"]), round(0.36 * int(t.header["n_experts"]))) * t.n_layers
+    return {"reuse": sm["reuse_prev"], "within8": sm["reuse_window"], "busiest20": sm["busiest_20"],
+            "lru": simulate(t, "global-lru" if slots else "lru", n).hit_rate,
+            "belady": simulate(t, "belady", n).hit_rate}
 
 
 def child(cfg: dict, squeeze: int = 0) -> dict:
@@ -194,54 +242,70 @@ def _squeeze(nbytes: int) -> subprocess.Popen:
     return p
 
 
-def llama_bench(binary: str, path: str, prompt: int, tokens: int, resident: bool, squeeze: int = 0) -> dict:
-    cmd = [binary, "-m", path, "-p", str(prompt), "-n", str(tokens), "-t", "2", "-r", "1", "-o", "json"]
+def llama_completion(binary: str, path: str, tokens: int, resident: bool, squeeze: int = 0) -> dict:
+    """llama.cpp generating `tokens` greedy tokens from PROSE: its own prompt and eval timings."""
+    cmd = [binary, "-m", path, "-p", PROSE, "-n", str(tokens), "-t", "2", "--temp", "0", "-no-cnv",
+           "--ignore-eos", "-c", "4096", "--no-warmup"]
     if resident:
-        cmd += ["--load-mode", "none"]
+        cmd += ["--no-mmap"]
+    t0 = time.time()
     r = _run(squeeze, cmd)
     if r.returncode:
         return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    rows = json.loads(r.stdout)
-    out = {}
-    for row in rows:
-        key = "prompt_tps" if row.get("n_prompt") else "decode_tps"
-        out[key] = row["avg_ts"]
+    out = {"wall_s": time.time() - t0}
+    for line in r.stderr.splitlines():
+        got = re.search(r"(prompt eval|\beval) time = .*?([0-9.]+) tokens per second", line)
+        if got:
+            out["prompt_tps" if got.group(1) == "prompt eval" else "decode_tps"] = float(got.group(2))
+        got = re.search(r"load time = +([0-9.]+) ms", line)
+        if got:
+            out["load_s"] = float(got.group(1)) / 1000
+    if "decode_tps" not in out:
+        return {"error": "no eval timings in llama-completion's output"}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", nargs="?")
+    ap.add_argument("models", nargs="*")
     ap.add_argument("--child")
     ap.add_argument("--budgets", default="8GiB")
-    ap.add_argument("--predict", default="off,block", help="prediction modes for the streamed runs")
+    ap.add_argument("--predict", default="auto,off,block", help="prediction modes for the streamed runs")
     ap.add_argument("--resident", action="store_true", help="also onebit with every expert in memory")
     ap.add_argument("--default", action="store_true", help="also onebit with no flags (its own plan)")
     ap.add_argument("--squeeze", help="lock this much (e.g. 12GiB) for the squeezed runs")
-    ap.add_argument("--llama-bench", help="llama-bench binary (resident and squeezed peers)")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama", help="llama-completion binary (resident and squeezed peers)")
+    ap.add_argument("--cold", action="store_true", help="also start-to-first-token on a dropped page cache")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--json", help="write every run's figures here")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(run_onebit(json.loads(a.child))))
         return
+    if not a.models:
+        ap.error("give one or more GGUF files")
     from onebit.memory.budget import format_bytes, parse_size
 
     squeeze = parse_size(a.squeeze) if a.squeeze else 0
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if squeeze and total - squeeze < 4 << 30:
         raise SystemExit("refusing to lock so much that under 4 GiB is left")
-    mach = machine(a.model)
-    active, expert = active_bytes(a.model)
-    print(f"file {a.model}: {format_bytes(os.path.getsize(a.model))}; {format_bytes(active)} read a decode token "
-          f"resident; an expert {format_bytes(expert)}")
-    print(f"machine: memory {mach['mem_gbs']:.1f} GB/s (2 threads), O_DIRECT expert reads {mach['direct_gbs']:.2f} "
-          f"GB/s (2 threads); resident decode limit {mach['mem_gbs'] * 1e9 / active:.1f} tok/s")
-    base = {"model": a.model, "prompt": a.prompt, "tokens": a.tokens, "backend": a.backend}
+    if a.cold and os.geteuid() != 0:
+        raise SystemExit("--cold drops the page cache: run as root")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    files = {}
+    for path in a.models:
+        mach = machine(path)
+        active, expert = active_bytes(path)
+        files[path] = {"machine": mach, "active": active}
+        print(f"file {path}: {format_bytes(os.path.getsize(path))}; {format_bytes(active)} read a decode token "
+              f"resident; an expert {format_bytes(expert)}")
+        print(f"  machine: memory {mach['mem_gbs']:.1f} GB/s (2 threads), O_DIRECT expert reads "
+              f"{mach['direct_gbs']:.2f} GB/s (2 threads); resident decode limit {mach['mem_gbs'] * 1e9 / active:.1f} tok/s")
     configs: dict[str, tuple[dict, int]] = {}
+    base = {"tokens": a.tokens, "backend": a.backend}
     if a.resident:
         configs["onebit resident"] = ({**base, "budget": "1TiB"}, 0)
     for b in filter(None, a.budgets.split(",")):  # (--budgets "": no streamed runs)
@@ -252,35 +316,64 @@ def main() -> None:
     if squeeze:
         configs[f"onebit no flags, {a.squeeze} locked"] = (dict(base), squeeze)
     peers: dict[str, tuple] = {}
-    if a.llama_bench:
-        peers["llama.cpp resident (--load-mode none)"] = (True, 0)
+    if a.llama:
+        peers["llama.cpp resident (--no-mmap)"] = (True, 0)
         if squeeze:
             peers[f"llama.cpp mmap, {a.squeeze} locked"] = (False, squeeze)
-    runs: dict[str, list] = {k: [] for k in [*configs, *peers]}
+    runs = {(f, k): [] for f in files for k in [*configs, *peers]}
+    cold = {(f, k): [] for f in files for k in configs} if a.cold else {}
     for r in range(a.rounds):
-        for name, (cfg, sq) in configs.items():
-            runs[name].append(child(cfg, sq))
-            print(f"  round {r + 1} {name}: {json.dumps({k: v for k, v in runs[name][-1].items() if k != 'tokens'})}",
-                  file=sys.stderr)
-        for name, (res, sq) in peers.items():
-            runs[name].append(llama_bench(a.llama_bench, a.model, a.prompt, a.tokens, res, sq))
-            print(f"  round {r + 1} {name}: {runs[name][-1]}", file=sys.stderr)
-    med = lambda name, key: statistics.median([x[key] for x in runs[name] if key in x]) if any(
-        key in x for x in runs[name]) else float("nan")
-    ref = next((k for k in peers if "resident" in k), None)
-    resident_step = None
-    if "onebit resident" in runs:
-        resident_step = 1 / med("onebit resident", "decode_tps")
-    print()
-    print(f"{'run':<44} {'prompt':>7} {'ttft':>6} {'decode':>7} {'vs llama':>8} {'hit':>6} {'pf hit':>6} "
-          f"{'stall':>7} {'read':>8} {'drive':>6} {'limit':>6} {'of lim':>6} {'of run':>6} {'RSS':>6}")
+        for path in files:
+            for name, (cfg, sq) in configs.items():
+                trace = str(tmp / f"trace-{len(os.listdir(tmp))}.jsonl")
+                got = child({**cfg, "model": path, "trace": trace}, sq)
+                if "decode_tps" in got:
+                    got.update(routing(trace, got.get("slots", 0)))
+                os.unlink(trace) if os.path.exists(trace) else None
+                runs[path, name].append(got)
+                print(f"  round {r + 1} {Path(path).name} {name}: "
+                      f"{json.dumps({k: v for k, v in got.items() if k != 'tokens'})}", file=sys.stderr)
+                if a.cold and not sq:  # (a squeeze's lock would count in the start-up)
+                    drop_page_cache()
+                    got = child({**cfg, "model": path, "cold": True, "started": time.time()}, sq)
+                    cold[path, name].append(got)
+                    print(f"  round {r + 1} {Path(path).name} {name} cold: {got}", file=sys.stderr)
+            for name, (res, sq) in peers.items():
+                runs[path, name].append(llama_completion(a.llama, path, a.tokens, res, sq))
+                print(f"  round {r + 1} {Path(path).name} {name}: {runs[path, name][-1]}", file=sys.stderr)
+    for path in files:
+        report(path, files[path], {k: v for (f, k), v in runs.items() if f == path},
+               {k: v for (f, k), v in cold.items() if f == path})
+    if a.json:
+        Path(a.json).write_text(json.dumps({"files": files, "tokens": a.tokens, "rounds": a.rounds,
+                                            "runs": {f"{f} | {k}": v for (f, k), v in runs.items()},
+                                            "cold": {f"{f} | {k}": v for (f, k), v in cold.items()}}, indent=1))
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def report(path: str, info: dict, runs: dict, cold: dict) -> None:
+    mach, active = info["machine"], info["active"]
+    has = lambda name, key: any(key in x for x in runs[name])
+    med = lambda name, key: statistics.median([x[key] for x in runs[name] if key in x]) if has(name, key) \
+        else float("nan")
+    ref = next((k for k in runs if k.startswith("llama") and "resident" in k), None)
+    resident_step = 1 / med("onebit resident", "decode_tps") if "onebit resident" in runs else None
+    same_as = "onebit resident" if "onebit resident" in runs else next(iter(runs))
+    print(f"\n{path}")
+    print(f"{'run':<40} {'prompt':>7} {'ttft':>6} {'decode':>7} {'vs llama':>8} {'hit':>6} {'pf hit':>6} "
+          f"{'stall':>7} {'read':>8} {'drive':>6} {'limit':>6} {'of lim':>6} {'of run':>6} {'RSS':>6} "
+          f"{'reuse':>6} {'win8':>6} {'lru':>6} {'belady':>6} {'same':>5}" + (f" {'cold':>6}" if cold else ""))
     for name in runs:
-        if not any("decode_tps" in x for x in runs[name]):
-            print(f"{name:<44} failed: {runs[name][0].get('error')}")
+        if not has(name, "decode_tps"):
+            print(f"{name:<40} failed: {runs[name][0].get('error') if runs[name] else 'not run'}")
             continue
         dec = med(name, "decode_tps")
-        vs = dec / med(ref, "decode_tps") if ref else float("nan")
-        read = med(name, "read_mib") if any("read_mib" in x for x in runs[name]) else 0.0
+        vs = dec / med(ref, "decode_tps") if ref and has(ref, "decode_tps") else float("nan")
+        read = med(name, "read_mib") if has(name, "read_mib") else 0.0
         of_run = float("nan")
         if name.startswith("onebit") and read > 0:
             limit = 1 / max(resident_step or 0.0, read * 2**20 / (mach["direct_gbs"] * 1e9))
@@ -290,12 +383,18 @@ def main() -> None:
             limit = 1 / resident_step
         else:
             limit = mach["mem_gbs"] * 1e9 / active
-        print(f"{name:<44} {med(name, 'prompt_tps'):7.2f} {med(name, 'ttft_s'):6.2f} {dec:7.2f} {vs:8.2f} "
-              f"{med(name, 'hit_rate'):6.1%} {med(name, 'prefetch_hits'):6.1f} {med(name, 'stall_ms'):6.0f}ms "
-              f"{read:6.0f}Mi {med(name, 'drive_gbs'):6.2f} {limit:6.2f} {dec / limit:6.2f} {of_run:6.2f} "
-              f"{med(name, 'peak_rss_gib'):6.2f}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"machine": mach, "active_bytes": active, "runs": runs}, indent=1))
+        same = ""
+        if name.startswith("onebit") and has(same_as, "tokens"):
+            same = "yes" if all(x.get("tokens") == runs[same_as][0]["tokens"] for x in runs[name]) else "NO"
+        line = (f"{name:<40} {med(name, 'prompt_tps'):7.2f} {med(name, 'ttft_s'):6.2f} {dec:7.2f} {vs:8.2f} "
+                f"{med(name, 'hit_rate'):6.1%} {med(name, 'prefetch_hits'):6.1f} {med(name, 'stall_ms'):6.0f}ms "
+                f"{read:6.0f}Mi {med(name, 'drive_gbs'):6.2f} {limit:6.2f} {dec / limit:6.2f} {of_run:6.2f} "
+                f"{med(name, 'peak_rss_gib'):6.2f} {med(name, 'reuse'):6.3f} {med(name, 'within8'):6.3f} "
+                f"{med(name, 'lru'):6.1%} {med(name, 'belady'):6.1%} {same:>5}")
+        if cold:
+            c = [x["start_to_token_s"] for x in cold.get(name, []) if "start_to_token_s" in x]
+            line += f" {statistics.median(c):6.1f}" if c else f" {'-':>6}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -139,16 +139,20 @@ def cache_dir() -> Optional[Path]:
     return Path(_env("XDG_CACHE_HOME") or Path.home() / ".cache") / "onebit"
 
 
+OLLAMA_SYSTEM = Path("/usr/share/ollama/.ollama/models")  # where ollama's Linux installer keeps models
+
+
 def model_stores():
     """Where other tools keep GGUF files here (onebit.formats.catalog.Stores): $HF_HUB_CACHE, else
-    $HF_HOME/hub, else ~/.cache/huggingface/hub; $OLLAMA_MODELS, else ~/.ollama/models; LM
-    Studio's two folders in the home folder."""
+    $HF_HOME/hub, else ~/.cache/huggingface/hub; $OLLAMA_MODELS, else ~/.ollama/models, and
+    ollama's system install (/usr/share/ollama/.ollama/models); LM Studio's two folders in the
+    home folder."""
     from onebit.formats.catalog import Stores
 
     home = Path.home()
     hub = _env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE")
     hf = Path(hub) if hub else Path(_env("HF_HOME") or home / ".cache" / "huggingface") / "hub"
-    ollama = Path(_env("OLLAMA_MODELS") or home / ".ollama" / "models")
+    ollama = (Path(_env("OLLAMA_MODELS") or home / ".ollama" / "models"), OLLAMA_SYSTEM)
     lmstudio = (home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models")
     return Stores(hf=hf, ollama=ollama, lmstudio=lmstudio)
 
@@ -157,10 +161,22 @@ def model_stores():
 
 
 def _model(arg: Optional[str], opt: Optional[str]) -> Optional[str]:
-    """The model file from the positional argument or --model (None: the shipped model)."""
+    """The model file from the positional argument or --model (None: the shipped model): a path,
+    or a name `onebit list` shows (`qwen3:4b`, `org/repo/file`) for a file in another tool's store."""
     if arg is not None and opt is not None:
         raise UsageError(f"the model is given twice ({arg} and --model {opt}): give it once, either way")
-    return arg if arg is not None else opt
+    name = arg if arg is not None else opt
+    if name is None or os.path.exists(name):
+        return name
+    from onebit.formats import catalog
+
+    entry = catalog.lookup(name, (), model_stores())
+    return entry.path if entry is not None else name  # (not found: the load says there is no such file)
+
+
+def model_name(given: Optional[str], path: Optional[str]) -> Optional[str]:
+    """The name a model was given by (a store name), where it is not its file's path."""
+    return given if given is not None and path != given else None
 
 
 MODEL_ARG = typer.Argument(None, help="GGUF model file (default: the small model shipped with onebit).")

@@ -15,7 +15,7 @@ from onebit.errors import UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SLOTS, TEMPLATE_KWARGS,
                       THREADS, Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs,
-                      model_stores, predict_options)
+                      model_name, model_stores, predict_options)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
                                                    "(loaded in its turn, one model at a time). Repeatable.")
@@ -40,6 +40,27 @@ def _listen(host: str, port: int) -> socket.socket:
         raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _chat_template(given: Optional[str], file: Optional[str]) -> Optional[str]:
+    """The template text of --chat-template (a file, or Jinja text itself) or --chat-template-file."""
+    if given is not None and file is not None:
+        raise UsageError("give the chat template once: --chat-template or --chat-template-file")
+    if given is not None and not os.path.isfile(given):
+        if "{{" in given or "{%" in given:
+            return given
+        raise UsageError(f"--chat-template {given}: no such file (give a Jinja template file, or its text)")
+    path, flag = (given, "--chat-template") if given is not None else (file, "--chat-template-file")
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e})") from None
+    if not text.strip():
+        raise UsageError(f"{flag} {path}: the file is empty")
+    return text
 
 
 def _loopback(host: str) -> bool:
@@ -76,19 +97,36 @@ def serve(
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No log line per request."),
+    cors: list[str] = typer.Option([], "--cors", help="Allow browser pages from this origin (e.g. "
+                                   "https://app.example; '*': any). Repeatable. Pages on this machine "
+                                   "(localhost, 127.0.0.1, [::1]) are always allowed, as ollama does."),
+    pooling: str = typer.Option("mean", "--pooling", help="How /v1/embeddings pools a text's hidden states: "
+                                "mean, last or cls (as llama-server)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="A Jinja chat template used in place of the model's: a file, "
+                                                     "or the template's text."),
+    chat_template_file: Optional[str] = typer.Option(None, "--chat-template-file",
+                                                     help="A Jinja chat template file used in place of the model's "
+                                                          "(as llama.cpp's)."),
+    jinja: bool = typer.Option(False, "--jinja", help="Accepted as llama.cpp takes it: templates are always "
+                                                      "rendered with Jinja here."),
 ) -> None:
-    """Serve the OpenAI API (chat completions, completions, models) on a local port."""
+    """Serve the OpenAI API (chat, completions, embeddings, responses), ollama's API and a chat page."""
     try:
         import uvicorn
 
-        from onebit.apps.serve_app import create_app, uvicorn_options
+        from onebit.apps.serve_app import uvicorn_options
+        from onebit.apps.serve_routes import build_app
     except ImportError as e:
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
             from None
     from onebit.formats import catalog
     from onebit.lookup import DEFAULT_DRAFTS
+    from onebit.apps.embed import POOLINGS
     from onebit.apps.serve import Engine, Sampling
+    from onebit.apps.serve_loading import LoadingAnswer
 
+    given = model if model is not None else model_opt
     model, device = _model(model, model_opt), _device(device)
     _check_sampling(0, temperature, top_k, top_p, min_p, repeat_penalty)
     for d in models_dir:
@@ -96,14 +134,28 @@ def serve(
             raise UsageError(f"--models-dir {d}: not a folder")
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key is empty")
+    if pooling not in POOLINGS:
+        raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    template = _chat_template(chat_template, chat_template_file)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
     sock = _listen(host, port)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
+    bound = sock.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    typer.echo(f"onebit serve: loading {model or 'the shipped model'}; http://{shown}:{bound[1]}/health "
+               "answers 503 until it is in", err=True)
+    loading = LoadingAnswer(sock)
+    try:
+        m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
+    finally:
+        loading.stop()
+    if template is not None:
+        m.chat_template = template
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
     found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
-    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict)  # (switches load as m.spec)
+    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict,  # (switches load as m.spec)
+                    name=model_name(given, model))
 
     log = logging.getLogger("onebit.apps.serve")
     handler = logging.StreamHandler(sys.stderr)
@@ -120,10 +172,8 @@ def serve(
             # of it before the model is closed): the shutdown is ours, and ends with exit code 0
             self._captured_signals.clear()
 
-    config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False, lifespan="off",
+    config = uvicorn.Config(build_app(engine, api_key, cors, pooling), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=3, **uvicorn_options())
-    bound = sock.getsockname()
-    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     typer.echo(f"onebit serve: {engine.model_id} on http://{shown}:{bound[1]}/v1 "
                f"({'API key required' if api_key else 'no API key'}; Ctrl-C stops)", err=True)
     if not _loopback(host) and api_key is None:

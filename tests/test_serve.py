@@ -345,10 +345,9 @@ def test_dropped_client_frees_the_model(server, client, ban):
     ({"messages": [{"role": "user", "content": "hi"}], "model": "no-such-model"}, 404, "model_not_found"),
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
-    ({"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400, None),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
     ({"messages": []}, 400, None),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, None),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER],
       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, None),
@@ -448,9 +447,13 @@ def test_reply_splitter_reasoning_and_held_tool_call(server):
     calls, rest = s.calls()
     assert [c.name for c in calls] == ["f"] and rest == ""
     s = ReplySplitter(q, [], tools=True, constrained=False)
-    s.feed("Sure. <tool_call>{\"name\": oops", final=False)
+    s.feed("Sure. <tool_call>{\"name\": oops</tool_call>", final=False)
     s.feed("", final=True)
-    assert s.calls() == ([], "<tool_call>{\"name\": oops")  # does not parse: given out as text
+    assert s.calls() == ([], "<tool_call>{\"name\": oops</tool_call>")  # does not parse: given out as text
+    s = ReplySplitter(q, [], tools=True, constrained=False)
+    s.feed("Sure. <tool_call>{\"name\": \"f\", \"argu", final=False)
+    s.feed("", final=True)
+    assert s.calls() == ([], "")  # cut off inside the call: no markup in the content
 
 
 def test_generate_json_schema(tmp_path):

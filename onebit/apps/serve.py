@@ -29,8 +29,11 @@ from ..errors import OnebitError
 from ..generate import stream_generate
 from ..sample import make_logits_processors, make_sampler
 from ..chat_formats.think import reply_splitter
+from ..chat_formats.toolcall import CLOSE as CALL_CLOSE
 from ..chat_formats.toolcall import OPEN as CALL_OPEN
 from ..chat_formats.toolcall import ToolCall, parse_harmony, parse_tags, tool_format
+from .logprobs import LogprobRecorder, TokenLogprob
+from .tool_prompt import generic_tool_messages, template_shows_tools
 
 log = logging.getLogger("onebit.apps.serve")
 
@@ -86,12 +89,15 @@ class Work:
     sampling: Sampling = field(default_factory=Sampling)
     max_tokens: Optional[int] = None  # None: up to the context's end
     stop: Sequence[str] = ()
+    logprobs: Optional[int] = None  # each token's log-probability, with this many alternatives
+    task: Optional[Callable[[Any], Any]] = None  # run on the worker with the model instead (embeddings)
 
 
 @dataclass
 class Delta:
     content: str = ""
     reasoning: str = ""
+    logprobs: list = field(default_factory=list)  # TokenLogprob of the tokens since the last delta
 
 
 @dataclass
@@ -104,6 +110,7 @@ class Done:
     content: str = ""  # text held back to the end (a tool call that did not parse)
     prompt_time: float = 0.0
     generation_time: float = 0.0
+    logprobs: list = field(default_factory=list)  # TokenLogprob of tokens not in a delta
 
 
 class Job:
@@ -197,6 +204,9 @@ class ReplySplitter:
             return parse_harmony("".join(self.raw)), self.held
         rest, calls = parse_tags(self.held)
         if not calls:
+            if self.held.startswith(CALL_OPEN) and CALL_CLOSE not in self.held:
+                log.info("the reply ended inside a tool call: the call is dropped")
+                return [], ""
             if self.held:
                 log.info("a tool call in the reply did not parse: returned as text")
             return [], self.held
@@ -206,11 +216,13 @@ class ReplySplitter:
 class Engine:
     """The loaded model, its KV cache, and the worker thread that runs requests in turn."""
 
-    def __init__(self, model, sampling: Sampling, lookup: int = 0, catalog: Callable[[], dict[str, str]] = dict):
-        """`model`: the one served at start; a model a request picks loads with its LoadSpec
-        (`model.spec`: backend, device, context, budget, threads, ... as the command gave them)."""
+    def __init__(self, model, sampling: Sampling, lookup: int = 0, catalog: Callable[[], dict[str, str]] = dict,
+                 name: Optional[str] = None):
+        """`model`: the one served at start (its id: `name`, else its file name); a model a request
+        picks loads with its LoadSpec (`model.spec`: backend, device, context, budget, threads, ...
+        as the command gave them)."""
         self.model = model
-        self.model_id = model_id(model.path)
+        self.model_id = name or model_id(model.path)
         self.vocab_size = model.cfg.vocab_size
         self.spec = model.spec
         self.sampling = sampling
@@ -414,9 +426,12 @@ class Engine:
                 raise ApiError(f"token id {bad[0]} is out of range for this model's vocabulary of "
                                f"{m.cfg.vocab_size}", param="prompt")
             return ids
-        if len(work.messages) > limit:  # every message renders to a token at least
+        messages, tools = work.messages, work.tools
+        if tools and not template_shows_tools(m):  # the generic tool-call prompt
+            messages, tools = generic_tool_messages(messages, tools), None
+        if len(messages) > limit:  # every message renders to a token at least
             raise _too_long(limit, f"more than {limit}", where)
-        text = m.apply_chat_template(work.messages, tools=work.tools, template_kwargs=work.template_kwargs)
+        text = m.apply_chat_template(messages, tools=tools, template_kwargs=work.template_kwargs)
         ids = self._tokens_within(text, limit, where, add_special=False)
         bos = m.tokenizer.bos_id  # as Model.chat_tokens: BOS only where the template did not write it
         if m.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
@@ -451,6 +466,8 @@ class Engine:
             else:
                 grammar = json_grammar(work.schema or None)
             procs.append(Constraint(self.model, grammar))  # last: nothing may lift a masked token
+        if work.logprobs is not None:
+            procs.append(LogprobRecorder(self.model.tokenizer, work.logprobs))  # sees what the sampler sees
         return procs
 
     def _run(self, job: Job) -> None:
@@ -459,6 +476,10 @@ class Engine:
         if self.model is None:
             raise self._unservable()
         m = self.model
+        if work.task is not None:
+            job.put("start", {"model": self.model_id})
+            job.put("done", work.task(m))
+            return
         ctx = m.context_length
         ids = self._prompt_ids(work, ctx - 1)
         if not ids:
@@ -468,6 +489,7 @@ class Engine:
         s = work.sampling
         sampler = make_sampler(s.temperature, s.top_p, s.min_p, s.top_k, s.seed)
         procs = self._processors(work, ids)
+        recorder = procs[-1] if work.logprobs is not None else None
         constrained = work.forced_tools is not None or work.schema is not None
         reply = ReplySplitter(m, ids, tools=work.tools is not None or work.forced_tools is not None,
                               constrained=constrained and work.messages is not None)
@@ -476,6 +498,7 @@ class Engine:
         common = prefix.reuse(ids)
         job.put("start", {"model": self.model_id, "prompt_tokens": len(ids), "cached_tokens": common})
         generated: list[int] = []
+        pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not given out yet
         last = None
         counted = 0  # of this request's tokens, added to self.generated
         replies = None
@@ -487,12 +510,16 @@ class Engine:
                 ahead = time.perf_counter() - t0
             replies = stream_generate(m, ids[held:], max_tokens=max_tokens, sampler=sampler, processors=procs,
                                       stop=work.stop, cache=prefix.cache, prompt_prefix=ids[:held], hook=m.hook,
-                                      lookup=self.lookup)
+                                      lookup=self.lookup if recorder is None else 0)  # (one row a token)
             for r in replies:
                 if job.cancelled.is_set():
                     break
                 if r.token is not None:
                     generated.append(r.token)
+                    if recorder is not None:
+                        entry = recorder.entry(r.token)
+                        if r.token not in m.tokenizer.stop_ids:  # (an end token is no part of the reply)
+                            pending.append(entry)
                 self.generated += r.generation_tokens - counted
                 counted = r.generation_tokens
                 last = r
@@ -500,6 +527,7 @@ class Engine:
                     break
                 d = reply.feed(r.text, final=r.finish_reason is not None)
                 if d.content or d.reasoning:
+                    d.logprobs, pending = pending, []
                     job.put("delta", d)
         except Exception:
             self._fresh_cache()
@@ -515,7 +543,7 @@ class Engine:
         calls, rest = reply.calls()
         finish = "tool_calls" if calls else last.finish_reason
         job.put("done", Done(finish, len(ids), last.generation_tokens, common, calls, rest,
-                             last.prompt_time + ahead, last.generation_time))
+                             last.prompt_time + ahead, last.generation_time, pending))
 
 
 def _too_long(limit: int, size: str, where: str) -> ApiError:

@@ -12,7 +12,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +37,7 @@ FINGERPRINT = f"onebit-{__version__}"
 # -- request bodies ------------------------------------------------------------------------
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # kept to be named in the log, then ignored (unknown_fields)
 
 
 class _Loose(BaseModel):
@@ -129,13 +129,58 @@ class CompletionRequest(_Sampling):
     best_of: Optional[int] = None
 
 
+def unknown_fields(req: BaseModel, where: str = "") -> list[str]:
+    """The fields of a request (its nested objects too) that no model here declares: ignored,
+    as llama-server and ollama ignore them, and named in one warning line."""
+    found = [f"{where}{k}" for k in (req.model_extra or {}) if isinstance(req, _Strict)]
+    for name in type(req).model_fields:
+        value = getattr(req, name)
+        for i, v in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(v, BaseModel):
+                index = f"[{i}]" if isinstance(value, list) else ""
+                found += unknown_fields(v, f"{where}{name}{index}.")
+    return found
+
+
+def warn_unknown(req: BaseModel, path: str) -> None:
+    names = unknown_fields(req)
+    if names:
+        log.warning("%s: ignored unknown request fields: %s", path, ", ".join(names))
+
+
+def close_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that lists
+    `properties` and does not say (llama-server reads a missing one as false): a constrained
+    reply then stops after the keys the client named instead of inventing more."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: close_objects(sub) for name, sub in v.items()}
+        elif k in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties", "not", "then", "else",
+                   "if", "contains"):
+            out[k] = close_objects(v)
+        else:
+            out[k] = v  # (allOf members are merged: each stays open)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 # -- requests to work ----------------------------------------------------------------------
 
+MAX_N = 16  # choices of one request
+MAX_TOP_LOGPROBS = 20
+
+
 def _sampling(req: _Sampling, defaults: Sampling, vocab: int) -> Sampling:
-    if req.n not in (None, 1):
-        raise ApiError("n > 1 is not supported: one choice per request", param="n")
-    if req.logprobs:
-        raise ApiError("logprobs are not supported", param="logprobs")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise ApiError(f"n must be 1-{MAX_N}", param="n")
+    if req.n not in (None, 1) and req.stream:
+        raise ApiError("n > 1 is served without streaming: set stream to false", param="n")
     bias = {}
     for k, v in (req.logit_bias or {}).items():
         try:
@@ -255,13 +300,28 @@ def chat_work(req: ChatRequest, defaults: Sampling, vocab: int) -> Work:
     for own in ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools"):
         if own in kwargs:
             raise ApiError(f"chat_template_kwargs cannot set {own}", param="chat_template_kwargs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"top_logprobs must be 0-{MAX_TOP_LOGPROBS}", param="top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if forced is not None:
+        forced = {name: close_objects(params) for name, params in forced.items()}
+    if schema:
+        schema = close_objects(schema)
     return Work(model=req.model, messages=_messages(req), tools=tools, forced_tools=forced, schema=schema,
-                template_kwargs=kwargs, sampling=sampling, max_tokens=max_tokens, stop=_stops(req.stop))
+                template_kwargs=kwargs, sampling=sampling, max_tokens=max_tokens, stop=_stops(req.stop),
+                logprobs=logprobs)
 
 
 def completion_work(req: CompletionRequest, defaults: Sampling, vocab: int) -> Work:
-    if req.echo or req.suffix or req.best_of not in (None, 1):
-        raise ApiError("echo, suffix and best_of are not supported", param="prompt")
+    if req.suffix or req.best_of not in (None, 1, req.n):
+        raise ApiError("suffix and best_of are not supported", param="prompt")
+    if req.logprobs is not None and not 0 <= int(req.logprobs) <= 5:
+        raise ApiError("logprobs must be 0-5 (the alternatives given per token)", param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise ApiError("echo with logprobs is not supported (the prompt's logprobs are not computed)",
+                       param="echo")
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
         if len(prompt) != 1:
@@ -272,7 +332,8 @@ def completion_work(req: CompletionRequest, defaults: Sampling, vocab: int) -> W
     if isinstance(prompt, list) and not prompt:
         raise ApiError("the prompt is empty", param="prompt")
     return Work(model=req.model, prompt=prompt, sampling=_sampling(req, defaults, vocab),
-                max_tokens=req.max_tokens, stop=_stops(req.stop))
+                max_tokens=req.max_tokens, stop=_stops(req.stop),
+                logprobs=None if req.logprobs is None else int(req.logprobs))
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -322,68 +383,136 @@ class Run:
         self.job.cancel()
 
 
-async def respond(engine: Engine, work: Work, request: Request, chat: bool, stream: bool, include_usage: bool):
+class Gone(Exception):
+    """The client went away while its request ran (the job is cancelled)."""
+
+
+async def _start(engine: Engine, work: Work, request: Request) -> tuple[Run, dict]:
     run = Run(engine, work, request)
     first = await run.next()
     if first is None:
-        return JSONResponse({}, status_code=499)
+        raise Gone
     kind, value = first
     if kind == "error":
         raise value
-    info = value
-    rid = new_id("chatcmpl" if chat else "cmpl")
-    created = now()
-    if stream:
-        return StreamingResponse(_stream(run, info, rid, created, chat, include_usage),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    content, reasoning = [], []
+    return run, value
+
+
+async def _collect(run: Run, request: Request) -> tuple[str, str, Done, list]:
+    """(content, reasoning, Done, token logprobs) of a run that does not stream."""
+    content, reasoning, logprobs = [], [], []
     checked = time.monotonic()
     while True:
         ev = await run.next()
         if ev is None:
-            return JSONResponse({}, status_code=499)
+            raise Gone
         if time.monotonic() - checked > 0.25:  # events keep coming: look for a client gone now and then
             checked = time.monotonic()
             if await request.is_disconnected():
                 run.cancel()
-                return JSONResponse({}, status_code=499)
+                raise Gone
         kind, value = ev
         if kind == "delta":
             content.append(value.content)
             reasoning.append(value.reasoning)
+            logprobs += value.logprobs
         elif kind == "error":
             raise value
         else:
             done: Done = value
             break
     content.append(done.content)
-    text = "".join(content)
-    if chat:
-        message: dict[str, Any] = {"role": "assistant", "content": text if text or not done.tool_calls else None}
-        if "".join(reasoning):
-            message["reasoning_content"] = "".join(reasoning)
-        if done.tool_calls:
-            message["tool_calls"] = [c.to_openai() for c in done.tool_calls]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": done.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
-        obj = "text_completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": info["model"],
-                         "system_fingerprint": FINGERPRINT, "choices": [choice], "usage": _usage(done),
-                         "timings": _timings(done)})
+    return "".join(content), "".join(reasoning), done, logprobs + done.logprobs
 
 
-async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, include_usage: bool):
+def chat_logprobs(entries: list) -> Optional[dict]:
+    """OpenAI's chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}."""
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list, offset: int = 0) -> dict:
+    """The completions API's `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: lp for t, lp, _ in e.top} for e in entries], "text_offset": offsets}
+
+
+async def respond(engine: Engine, work: Work, request: Request, chat: bool, stream: bool, include_usage: bool,
+                  n: int = 1, echo: str = ""):
+    """The reply to a chat or completions request: n choices (one run each, seeds apart when
+    seeded), or a stream of one; `echo`: text put in front of a completion's."""
+    from dataclasses import replace
+
+    try:
+        run, info = await _start(engine, work, request)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        created = now()
+        if stream:
+            return StreamingResponse(_stream(run, info, rid, created, chat, include_usage, echo),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        choices, usage = [], None
+        for i in range(n):
+            if i:
+                seed = work.sampling.seed
+                work_i = replace(work, sampling=replace(work.sampling, seed=None if seed is None else seed + i))
+                run, info = await _start(engine, work_i, request)
+            text, reasoning, done, entries = await _collect(run, request)
+            logprobs = None
+            if chat:
+                message: dict[str, Any] = {"role": "assistant",
+                                           "content": text if text or not done.tool_calls else None}
+                if reasoning:
+                    message["reasoning_content"] = reasoning
+                if done.tool_calls:
+                    message["tool_calls"] = [c.to_openai() for c in done.tool_calls]
+                if work.logprobs is not None:
+                    logprobs = chat_logprobs(entries)
+                choices.append({"index": i, "message": message, "logprobs": logprobs,
+                                "finish_reason": done.finish_reason})
+            else:
+                if work.logprobs is not None:
+                    logprobs = completion_logprobs(entries)
+                choices.append({"index": i, "text": echo + text, "logprobs": logprobs,
+                                "finish_reason": done.finish_reason})
+            u = _usage(done)
+            if usage is None:
+                usage, first = u, done
+            else:  # the prompt counted once, every choice's tokens
+                usage["completion_tokens"] += u["completion_tokens"]
+                usage["total_tokens"] += u["completion_tokens"]
+    except Gone:
+        return JSONResponse({}, status_code=499)
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                         "model": info["model"], "system_fingerprint": FINGERPRINT, "choices": choices,
+                         "usage": usage, "timings": _timings(first)})
+
+
+async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, include_usage: bool, echo: str = ""):
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": info["model"], "system_fingerprint": FINGERPRINT}
 
-    def chunk(delta: Optional[dict] = None, finish: Optional[str] = None, text: str = "") -> str:
+    want_logprobs = run.job.work.logprobs is not None
+    offset = [len(echo)]
+
+    def chunk(delta: Optional[dict] = None, finish: Optional[str] = None, text: str = "",
+              entries: Optional[list] = None) -> str:
+        logprobs = None
+        if want_logprobs and entries:
+            if chat:
+                logprobs = chat_logprobs(entries)
+            else:
+                logprobs = completion_logprobs(entries, offset[0])
+                offset[0] += sum(len(e.token) for e in entries)
         if chat:
-            choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         body = {**head, "choices": [choice]}
         if include_usage:
             body["usage"] = None
@@ -392,6 +521,8 @@ async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, incl
     try:
         if chat:
             yield chunk({"role": "assistant", "content": ""})
+        elif echo:
+            yield chunk(text=echo)
         pending = None  # an event taken while merging deltas
         while True:
             kind, value = pending if pending is not None else await run.events.get()
@@ -404,16 +535,16 @@ async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, incl
                     if nxt[0] != "delta":
                         pending = nxt
                         break
-                    d = Delta(d.content + nxt[1].content, d.reasoning + nxt[1].reasoning)
+                    d = Delta(d.content + nxt[1].content, d.reasoning + nxt[1].reasoning, d.logprobs + nxt[1].logprobs)
                 if chat:
                     delta = {}
                     if d.reasoning:
                         delta["reasoning_content"] = d.reasoning
                     if d.content:
                         delta["content"] = d.content
-                    yield chunk(delta)
+                    yield chunk(delta, entries=d.logprobs)
                 else:
-                    yield chunk(text=d.content)
+                    yield chunk(text=d.content, entries=d.logprobs)
             elif kind == "error":
                 e: ApiError = value
                 log.info("stream %s ended: %s", rid, e)
@@ -422,8 +553,9 @@ async def _stream(run: Run, info: dict, rid: str, created: int, chat: bool, incl
                 return
             else:
                 done: Done = value
-                if done.content:
-                    yield chunk({"content": done.content}) if chat else chunk(text=done.content)
+                if done.content or (want_logprobs and done.logprobs):
+                    yield chunk({"content": done.content}, entries=done.logprobs) if chat else \
+                        chunk(text=done.content, entries=done.logprobs)
                 if done.tool_calls:
                     yield chunk({"tool_calls": [c.to_openai(index=i) for i, c in enumerate(done.tool_calls)]})
                 yield chunk({}, done.finish_reason) if chat else chunk(finish=done.finish_reason)
@@ -479,6 +611,8 @@ async def _parsed(request: Request, cls, to_work, engine: Engine) -> tuple:
             req = cls.model_validate(obj)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+        warn_unknown(req, request.url.path)
+        req.model = served_model(engine, req.model)
         engine.check_model(req.model)
         return req, to_work(req, engine.sampling, engine.vocab_size)
 
@@ -573,7 +707,8 @@ class Gate:
         auth = headers.get(b"authorization", b"")  # bytes as sent: a UTF-8 key compares as UTF-8
         given = auth[7:] if auth[:7].lower() == b"bearer " else b""
         scope["state"]["authorized"] = self.api_key is None or hmac.compare_digest(given, self.api_key.encode())
-        if not scope["state"]["authorized"] and scope["path"] != "/health":  # /health: the status only
+        # /health without the key: the status only; / (the page) asks for the key itself
+        if not scope["state"]["authorized"] and scope["path"] not in ("/health", "/"):
             return ApiError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'", 401,
                             code="invalid_api_key")
         length = headers.get(b"content-length")
@@ -588,7 +723,18 @@ class Gate:
         return None
 
 
-def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
+def served_model(engine: Engine, name: Optional[str]) -> Optional[str]:
+    """The model a request names, or None (the loaded one) where the server holds only one
+    model: a single-model server answers any name, as llama-server does."""
+    if name in (None, "") or name in engine.models() or len(engine.models()) > 1:
+        return name
+    return None
+
+
+def create_app(engine: Engine, api_key: Optional[str] = None, routes: Sequence[Callable[[FastAPI], None]] = (),
+               wrap: Callable[[Any], Any] = lambda app: app) -> Any:
+    """The ASGI app: the OpenAI routes here, then each of `routes` adds its own (before the
+    catch-all 404); `wrap` goes around the whole (CORS: outside the API key)."""
     app = FastAPI(title="onebit", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
 
@@ -633,27 +779,41 @@ def create_app(engine: Engine, api_key: Optional[str] = None) -> FastAPI:
                 "served": engine.served, "generated": engine.generated}
 
     @app.get("/v1/models")
+    @app.get("/models")
     async def models():
         created = now()
         return {"object": "list", "data": [{"id": m, "object": "model", "created": created, "owned_by": "onebit"}
                                            for m in engine.models()]}
 
     @app.get("/v1/models/{name:path}")
+    @app.get("/models/{name:path}")
     async def model(name: str):
         if name not in engine.models():
             raise ApiError(f"The model '{name}' does not exist", 404, code="model_not_found", param="model")
         return {"id": name, "object": "model", "created": now(), "owned_by": "onebit"}
 
     @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
     async def chat_completions(request: Request):
         req, work = await _parsed(request, ChatRequest, chat_work, engine)
         return await respond(engine, work, request, chat=True, stream=req.stream,
-                             include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                             n=req.n or 1)
 
     @app.post("/v1/completions")
+    @app.post("/completions")
     async def completions(request: Request):
         req, work = await _parsed(request, CompletionRequest, completion_work, engine)
+        echo = ""
+        if req.echo:
+            loaded = engine.model
+            if not isinstance(work.prompt, str) and loaded is None:
+                raise ApiError("a model is being switched in: echo a token prompt again shortly", 503, "server_error")
+            echo = work.prompt if isinstance(work.prompt, str) else loaded.detokenize(work.prompt)
         return await respond(engine, work, request, chat=False, stream=req.stream,
-                             include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                             n=req.n or 1, echo=echo)
 
-    return Gate(app, api_key)
+    for add in routes:
+        add(app)
+    return wrap(Gate(app, api_key))

@@ -3,9 +3,10 @@
 Read only: the Hugging Face hub cache (`models--ORG--NAME/snapshots/REV/*.gguf`), ollama's
 store (a manifest per `name:tag` whose model layer is a GGUF blob) and LM Studio's folder
 (`PUBLISHER/REPO/*.gguf`), at the places a `Stores` names (the `onebit` command finds them from
-HF_HUB_CACHE / HF_HOME, OLLAMA_MODELS and the home folder). Each file gets an id a request can
-name: its file name without `.gguf` for a models folder, `org/name/file` for the hub, `name:tag`
-for ollama.
+HF_HUB_CACHE / HF_HOME, OLLAMA_MODELS, the home folder and ollama's system install). Each file
+gets an id a request or a command can name (`lookup`): its file name without `.gguf` for a
+models folder, `org/name/file` for the hub, `name:tag` for ollama. A models folder that is a hub
+cache or an ollama store gets the ids of that store.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ class Stores:
     LM Studio's folders (None / empty: not searched)."""
 
     hf: Optional[Path] = None
-    ollama: Optional[Path] = None
+    ollama: tuple[Path, ...] = ()  # the user's store, then a system install's
     lmstudio: tuple[Path, ...] = ()
 
     def places(self) -> list[str]:
-        return [str(p) for p in (self.hf, self.ollama, *self.lmstudio) if p is not None]
+        return [str(p) for p in (self.hf, *self.ollama, *self.lmstudio) if p is not None]
 
 
 @dataclass(frozen=True)
@@ -146,11 +147,17 @@ def find(models_dirs: Sequence[str] = (), stores: Stores = Stores()) -> list[Ent
     An id found twice keeps its first place."""
     found: list[Entry] = []
     for d in models_dirs:
-        found += scan_dir(d)
+        root = Path(d)
+        if (root / "manifests").is_dir() and (root / "blobs").is_dir():
+            found += [Entry(e.id, e.path, "models-dir", e.size) for e in scan_ollama(root)]
+        elif any(root.glob("models--*")):
+            found += [Entry(e.id, e.path, "models-dir", e.size) for e in scan_hf(root)]
+        else:
+            found += scan_dir(d)
     if stores.hf is not None:
         found += scan_hf(stores.hf)
-    if stores.ollama is not None:
-        found += scan_ollama(stores.ollama)
+    for root in stores.ollama:
+        found += scan_ollama(root)
     found += scan_lmstudio(stores.lmstudio)
     seen, out = set(), []
     for e in found:
@@ -158,3 +165,14 @@ def find(models_dirs: Sequence[str] = (), stores: Stores = Stores()) -> list[Ent
             seen.add(e.id)
             out.append(e)
     return out
+
+
+def lookup(name: str, models_dirs: Sequence[str] = (), stores: Stores = Stores()) -> Optional[Entry]:
+    """The GGUF file `name` stands for, as `find` lists it (`qwen3:4b`, `org/repo/file`, a
+    models folder's `sub/file`); ollama's `name` alone is `name:latest`. None: no such entry."""
+    entries = {e.id: e for e in find(models_dirs, stores)}
+    for key in (name, name[: -len(".gguf")] if name.lower().endswith(".gguf") else None,
+                None if ":" in name else f"{name}:latest"):
+        if key is not None and key in entries:
+            return entries[key]
+    return None
