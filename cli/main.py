@@ -55,6 +55,13 @@ def root(
 # Names the renderer sets itself (onebit.chat_formats.chat_template.render_chat).
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (one of them does not exist yet)
+        return False
+
+
 @app.command(cls=Command)
 @predict_options()
 def generate(
@@ -133,6 +140,9 @@ def generate(
         raise UsageError("--stop '' would stop before the first token: give a non-empty stop string")
     if input is not None and output is None:
         raise UsageError("--input needs --output FILE.jsonl (or - for stdout) for the results")
+    if input not in (None, "-") and output not in (None, "-") and _same_file(input, output):
+        raise UsageError(f"--output {output} is the --input file (its results would be read as prompts, or its "
+                         "prompts as results): give another --output")
     schema = _json_schema(json_schema, json_schema_file)
     if ray_address is not None:
         from .ray_batch import check_ray_args

@@ -77,8 +77,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free port, printed at start)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="ONEBIT_API_KEY",
-                                          help="Require 'Authorization: Bearer KEY' on every request "
-                                               "(default $ONEBIT_API_KEY; none: no key)."),
+                                          help="Require 'Authorization: Bearer KEY' on every request (GET /health "
+                                               "without it: the status only; default $ONEBIT_API_KEY; "
+                                               "none: no key)."),
     models_dir: list[str] = MODELS_DIR,
     temperature: float = typer.Option(0.7, "--temperature", "--temp", help="Default when a request gives none."),
     top_k: int = typer.Option(0, "--top-k", help="Default when a request gives none (0 = off)."),
@@ -114,6 +115,7 @@ def serve(
     try:
         import uvicorn
 
+        from onebit.apps.serve_app import uvicorn_options
         from onebit.apps.serve_routes import build_app
     except ImportError as e:
         raise UsageError(f"onebit serve needs the serve extra ({e.name} is missing): pip install 'onebit[serve]'") \
@@ -171,7 +173,7 @@ def serve(
             self._captured_signals.clear()
 
     config = uvicorn.Config(build_app(engine, api_key, cors, pooling), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, **uvicorn_options())
     typer.echo(f"onebit serve: {engine.model_id} on http://{shown}:{bound[1]}/v1 "
                f"({'API key required' if api_key else 'no API key'}; Ctrl-C stops)", err=True)
     if not _loopback(host) and api_key is None:

@@ -68,8 +68,17 @@ def generate_step(
     rollback = lookup and not cache.can_trim
     point = None  # (checkpoint, the rows run after it) of the last verify forward
     drafter = NgramDrafter(tokens) if lookup else None
-    # row-count timings, accept rates and the gate outlive one generation where the runner keeps them
-    policy = DraftPolicy(times=net.draft_times, learned=net.draft_learned) if lookup else None
+    # row-count timings, accept rates and the gate outlive one generation where the runner keeps them.
+    # A seeded draw is not: a row's logits differ in the last bits with the rows beside it
+    # (batched kernels sum in another order), so a draw near the edge of a probability would
+    # follow the timings; its draft counts come from this generation's tokens alone.
+    seeded = not sampler.greedy and sampler.seed is not None
+    if not lookup:
+        policy = None
+    elif seeded:
+        policy = DraftPolicy(fixed=True)
+    else:
+        policy = DraftPolicy(times=net.draft_times, learned=net.draft_learned)
     made = 0  # tokens the last decode forward produced
     yielded = 0
     logits = None

@@ -120,7 +120,10 @@ class DraftPolicy:
     WINDOW, EXPLORE, DECAY = 8, 8, 0.7
 
     def __init__(self, n_max: int = NGRAM_MAX, decay: float = 0.9, times: Optional[dict] = None,
-                 learned: Optional[dict] = None, clock=time.perf_counter):
+                 learned: Optional[dict] = None, clock=time.perf_counter, fixed: bool = False):
+        """`fixed`: choose from the accept rates and the cost guess alone, never from timings or
+        the gate (a seeded sampled run: the same tokens give the same row counts, run after run)."""
+        self.fixed = fixed
         learned = {} if learned is None else learned
         self.hits = learned.setdefault("hits", [1.0] * (n_max + 1))  # by match length; Beta(1, 3) prior
         self.tries = learned.setdefault("tries", [4.0] * (n_max + 1))
@@ -135,6 +138,8 @@ class DraftPolicy:
     def started(self, made: int) -> None:
         """A decode forward starts; the one before it produced `made` tokens (its accepted
         drafts and the token after them)."""
+        if self.fixed:
+            return
         now = self.clock()
         w = self._window
         if self._last is not None:
@@ -157,6 +162,8 @@ class DraftPolicy:
         return t1 * (1.0 + 0.1 * (rows - 1))
 
     def timed(self, rows: int, seconds: float) -> None:
+        if self.fixed:
+            return
         old = self.time.get(rows)
         self.time[rows] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
@@ -185,7 +192,7 @@ class DraftPolicy:
         self.score(tokens)
         if self._open is None and drafts:
             self._open = (len(tokens), drafts, lengths)
-        if not self.gate.on:
+        if not self.fixed and not self.gate.on:
             return 0
         best, best_d = 1.0 / self.cost(1), 0
         expect, chain = 1.0, 1.0

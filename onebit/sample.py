@@ -19,11 +19,15 @@ class Sampler:
     def __init__(self, temp: float, top_p: float, min_p: float, top_k: int, seed: Optional[int]):
         self.temp, self.top_p, self.min_p, self.top_k = temp, top_p, min_p, top_k
         self.greedy = temp == 0
+        self.seed = seed
         self.rng = None if self.greedy else np.random.default_rng(seed)
 
     def distribution(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, probabilities) of the filtered target distribution, best first."""
         x = logits.astype(np.float64) / self.temp
+        top = np.isposinf(x)
+        if top.any():  # an infinite logit takes all the mass (shared evenly where several are)
+            x = np.where(top, 0.0, -np.inf)
         order = np.argsort(-x, kind="stable")  # best first
         if self.top_k:
             order = order[: self.top_k]
@@ -38,6 +42,9 @@ class Sampler:
         return order, p / p.sum()
 
     def __call__(self, logits: np.ndarray) -> int:
+        if not (logits > -np.inf).any():  # NaN compares false: no token left either
+            raise UsageError("no token is left to sample: every token's logit is -inf or NaN "
+                             "(a logit_bias of -100 on every token?)")
         if self.greedy:
             return int(np.argmax(logits))
         order, p = self.distribution(logits)
@@ -63,6 +70,7 @@ class CallableSampler(Sampler):
     def __init__(self, fn: Callable[[np.ndarray], int]):
         self.fn = fn
         self.greedy = False
+        self.seed = None
 
     def __call__(self, logits: np.ndarray) -> int:
         return int(self.fn(logits))
@@ -90,8 +98,8 @@ def make_sampler(
 
 def make_logits_processors(repetition_penalty: float = 1.0, context_size: int = 64) -> list[LogitsProcessor]:
     """llama.cpp / HF-style repetition penalty over the last `context_size` tokens."""
-    if repetition_penalty <= 0 or not np.isfinite(repetition_penalty):
-        raise UsageError(f"repetition penalty must be > 0, got {repetition_penalty}")
+    if not 1e-3 <= repetition_penalty <= 1e3:  # (NaN fails too) beyond these a logit overflows to inf
+        raise UsageError(f"repeat penalty must be in [0.001, 1000], got {repetition_penalty}")
     if repetition_penalty == 1.0:
         return []
 

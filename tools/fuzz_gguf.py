@@ -3,7 +3,7 @@
 
 Each case takes one fixture from tests/fixtures/, applies one to three mutations (byte
 flips in the header or the tensor data, truncation, tensor offset / type / dimension edits,
-metadata value and array-length edits), and hands the file to a worker process that loads
+metadata value and array-length edits; with --types, metadata values of another value type), and hands the file to a worker process that loads
 it as `onebit.load` does and, when it loads, tokenizes, runs a short prefill and decodes two
 tokens, and computes `onebit info` and `onebit plan`. A case passes when that ends normally
 or with an `OnebitError` (the one-line error the CLI prints). It fails on any other
@@ -15,6 +15,7 @@ user's terminal), a crash (signal), a hang (per-case timeout), or memory out of 
     python tools/fuzz_gguf.py --long          # 10,000 cases
     python tools/fuzz_gguf.py --cases 50 --seed 7 --fixture qwen3moe-f32
     python tools/fuzz_gguf.py --case 1234 --keep DIR    # redo one case, keep its file
+    python tools/fuzz_gguf.py --types --cases 500   # metadata values given other GGUF value types
     python tools/fuzz_gguf.py --hostile       # hostile header shapes at the issue's sizes (issue 36)
     python tools/fuzz_gguf.py --templates 3000 --seed 1 # random chat templates in the bounded worker
 
@@ -66,6 +67,7 @@ class KV:
     pos: int  # where the value starts (for an array: its element type)
     etype: int = -1  # array element type
     count_pos: int = -1  # array length field
+    end: int = -1  # where the value ends
 
 
 @dataclass
@@ -121,6 +123,7 @@ def layout(buf: bytes) -> Layout:
             alignment = struct.unpack_from("<I", buf, pos)[0]
         kvs.append(kv)
         pos = skip_value(vtype, pos)
+        kv.end = pos
     tensors = []
     for _ in range(n_tensors):
         (n,) = struct.unpack_from("<Q", buf, pos)
@@ -223,6 +226,55 @@ def mutate(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, list[st
             del buf[n:]
             done.append(f"truncate {n}")
     return bytes(buf), done
+
+
+def _typed_value(vtype: int, rng: random.Random, etype: int = -1) -> bytes:
+    """A well-formed value of GGUF type `vtype` (an array: of `etype`, 0-3 elements)."""
+    if vtype == 8:
+        return _gguf_str(rng.choice([b"", b"x", b"qwen2", b"<s>"]))
+    if vtype == 9:
+        etype = etype if etype >= 0 else rng.choice([4, 5, 6, 7, 8])
+        n = rng.randrange(4)
+        return struct.pack("<IQ", etype, n) + b"".join(_typed_value(etype, rng) for _ in range(n))
+    fmt = _FMT[vtype]
+    if fmt in ("<f", "<d"):
+        return struct.pack(fmt, rng.choice(_FLOAT_EDGES))
+    bits = 8 * struct.calcsize(fmt)
+    v = rng.choice([0, 1, 2, 100]) if vtype != 7 else rng.randrange(2)
+    return struct.pack(fmt, v & ((1 << bits) - 1))
+
+
+def retype(data: bytes, lay: Layout, rng: random.Random) -> tuple[bytes, list[str]]:
+    """One or two metadata values given another GGUF value type (a well-formed value of it: a
+    u32 where strings were, a string where a token id was, an array of bools ...), the tensor
+    data kept where the header's new length puts it. Keys the loader reads are picked most."""
+    read = [kv for kv in lay.kvs if kv.key.startswith(("tokenizer.", "general.architecture"))
+            or kv.key.endswith(("context_length", "block_count", "embedding_length", "expert_count",
+                                "expert_used_count", "head_count", "head_count_kv"))]
+    done = []
+    chosen = {}
+    for _ in range(rng.choice([1, 1, 2])):
+        kv = rng.choice(read if read and rng.random() < 0.8 else lay.kvs)
+        if kv.key == "general.alignment":
+            continue
+        types = [t for t in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) if t != kv.vtype]
+        vtype = rng.choice(types)
+        etype = -1
+        if vtype == 9 or (kv.vtype == 9 and rng.random() < 0.5):  # an array of another element type
+            vtype = 9
+            etype = rng.choice([t for t in (0, 4, 5, 6, 7, 8, 10, 12) if t != kv.etype])
+        chosen[kv.pos] = (kv, struct.pack("<I", vtype) + _typed_value(vtype, rng, etype))
+        done.append(f"retype {kv.key}: {kv.vtype}{f'[{kv.etype}]' if kv.vtype == 9 else ''} -> "
+                    f"{vtype}{f'[{etype}]' if vtype == 9 else ''}")
+    out, at = bytearray(), 0
+    for pos in sorted(chosen):
+        kv, value = chosen[pos]
+        out += data[at : kv.pos - 4] + value  # (the type field sits just before the value)
+        at = kv.end
+    out += data[at : lay.header_end]
+    out += bytes(-len(out) % lay.alignment)  # tensor offsets count from the aligned end of the header
+    out += data[lay.data_start :]
+    return bytes(out), done
 
 
 # -- hostile headers: well-formed files whose counts ask for time or memory ------------------
@@ -535,18 +587,20 @@ class Worker:
             self.p = None
 
 
-def case_file(case: int, seed: int, fixtures: list[str], cache: dict) -> tuple[str, bytes, list[str]]:
-    rng = random.Random(f"{seed}:{case}")
+def case_file(case: int, seed: int, fixtures: list[str], cache: dict,
+              types: bool = False) -> tuple[str, bytes, list[str]]:
+    rng = random.Random(f"{seed}:{case}" + (":types" if types else ""))
     name = rng.choice(fixtures)
     if name not in cache:
         data = (FIXTURES / f"{name}.gguf").read_bytes()
         cache[name] = (data, layout(data))
     data, lay = cache[name]
-    out, done = mutate(data, lay, rng)
+    out, done = (retype if types else mutate)(data, lay, rng)
     return name, out, done
 
 
-def run(cases: range, seed: int, fixtures: list[str], keep: str | None = None, log=print) -> dict:
+def run(cases: range, seed: int, fixtures: list[str], keep: str | None = None, log=print,
+        types: bool = False) -> dict:
     """Run the cases; returns counts and the failures."""
     counts = {"ok": 0, "error": 0, "fail": 0}
     failures = []
@@ -558,7 +612,7 @@ def run(cases: range, seed: int, fixtures: list[str], keep: str | None = None, l
         path = os.path.join(keep or tmp, "case.gguf")
         try:
             for i in cases:
-                name, data, done = case_file(i, seed, fixtures, cache)
+                name, data, done = case_file(i, seed, fixtures, cache, types)
                 if keep:
                     path = os.path.join(keep, f"case-{i}.gguf")
                 with open(path, "wb") as f:
@@ -590,6 +644,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="write each case's file into this folder and keep it")
     ap.add_argument("--json", help="write the summary (with every failure) to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the clean errors by kind")
+    ap.add_argument("--types", action="store_true", help="mutate metadata value types, not values")
     ap.add_argument("--hostile", action="store_true", help="parse the hostile header shapes at the issue's sizes")
     ap.add_argument("--templates", type=int, metavar="N", help="render N random templates instead")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -617,7 +672,7 @@ def main(argv=None) -> int:
         cases = range(a.case, a.case + 1)
     else:
         cases = range(a.start, a.start + (10_000 if a.long else a.cases))
-    res = run(cases, a.seed, fixtures, a.keep)
+    res = run(cases, a.seed, fixtures, a.keep, types=a.types)
     c = res["counts"]
     print(f"{res['cases']} cases (seed {a.seed}) in {res['seconds']} s: {c['ok']} loaded and ran, "
           f"{c['error']} clean errors, {c['fail']} failures")

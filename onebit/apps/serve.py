@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,22 @@ from .logprobs import LogprobRecorder, TokenLogprob
 from .tool_prompt import generic_tool_messages, template_shows_tools
 
 log = logging.getLogger("onebit.apps.serve")
+
+
+class _Printable(logging.Filter):
+    """Control characters in a log line (a model name or path a client sent, holding a newline
+    or a terminal escape) are written escaped: no forged lines, nothing reaches the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        clean = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+        if clean != text or record.args:
+            record.msg, record.args = clean, ()
+        return True
+
+
+log.addFilter(_Printable())
+_ABSOLUTE = re.compile(r"(?<![\w.])/(?:[^\s/:'\"]+/)+[^\s/:'\"]*")  # /a/b..., as errors quote a file
 
 
 class ApiError(OnebitError):
@@ -218,6 +235,7 @@ class Engine:
         self.stopping = False
         self.served = 0
         self.generated = 0  # tokens generated over all requests (cancelled ones too)
+        self.problem: Optional[str] = None  # why no model is loaded (a failed switch or reload): 503s
         self.thread = threading.Thread(target=self._loop, name="onebit-serve-worker", daemon=True)
         self.thread.start()
 
@@ -232,6 +250,10 @@ class Engine:
             if name not in ids:
                 ids.append(name)
         return ids
+
+    def context_length(self) -> int:
+        m = self.model
+        return m.context_length if m is not None else (self.spec.n_ctx or 1 << 20)
 
     def check_model(self, name: Optional[str]) -> None:
         if name in (None, "", self.model_id):
@@ -273,7 +295,7 @@ class Engine:
     def close(self, timeout: float = 5.0) -> None:
         self.stop()
         self.thread.join(timeout)
-        if not self.thread.is_alive():
+        if not self.thread.is_alive() and self.model is not None:
             self.model.close()
 
     # -- the worker thread ----------------------------------------------------------------
@@ -291,63 +313,143 @@ class Engine:
             except ApiError as e:
                 job.put("error", e)
             except OnebitError as e:
-                job.put("error", ApiError(str(e), 400 if e.exit_code == 2 else 500,
+                job.put("error", ApiError(self.scrub(str(e)), 400 if e.exit_code == 2 else 500,
                                           "invalid_request_error" if e.exit_code == 2 else "server_error"))
             except Exception as e:  # noqa: BLE001 - a bug: one log line, an error object, a fresh cache
                 log.error("internal error in a request: %s: %s", type(e).__name__, e)
                 self._fresh_cache()
-                job.put("error", ApiError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
+                job.put("error", ApiError("internal error (the server log says more)", 500, "server_error"))
             finally:
                 self.current = None
                 self.served += 1
 
+    def scrub(self, message: str) -> str:
+        """`message` as a client may see it: a served file's path replaced by its model id, any
+        other absolute path by <path>."""
+        for name, path in [(self.model_id, self.model.path if self.model is not None else None),
+                           *self.catalog().items()]:
+            if path:
+                for p in {path, str(Path(path).resolve())}:
+                    message = message.replace(p, name)
+        return _ABSOLUTE.sub("<path>", message)
+
+    def _load_failure(self, name: str, e: Exception) -> str:
+        """What a client is told of a load that raised `e` (the log has the whole of it)."""
+        log.error("cannot load %s: %s: %s", name, type(e).__name__, e)
+        if isinstance(e, OnebitError):
+            return self.scrub(str(e))
+        return "internal error (the server log says more)"
+
     def _fresh_cache(self) -> None:
+        if self.model is None:
+            return
         try:
             self.prefix = PrefixCache(self.model.new_cache())
         except Exception:  # noqa: BLE001 - the next request tries again
             self.prefix.tokens, self.prefix.checkpoints = [], []
 
+    def _load(self, name: str, path: str) -> None:
+        import onebit
+
+        self.model = onebit.load(self.spec, path=path)
+        self.model_id = name
+        self.vocab_size = self.model.cfg.vocab_size
+        self.problem = None
+        self._fresh_cache()
+
+    def _unload(self) -> None:
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+
+    def _unservable(self) -> ApiError:
+        return ApiError(f"the server cannot serve: {self.problem}", 503, "server_error", "model_unavailable")
+
     def _switch(self, name: Optional[str]) -> None:
-        """Make `name` the loaded model (closing the one loaded now)."""
-        if name in (None, "", self.model_id):
+        """Make `name` the loaded model (closing the one loaded now). A load that fails, however
+        it fails, loads the model served before again; if that fails too, the server has no
+        model (`problem` says why) and answers 503 until a request's model loads."""
+        if name in (None, ""):
+            name = self.model_id
+        if self.model is not None and name == self.model_id:
+            self._reload_if_changed()
             return
         path = self.catalog().get(name)
         if path is None:
             raise ApiError(f"The model '{name}' does not exist", 404, code="model_not_found", param="model")
-        import onebit
-
-        old_path = self.model.path
-        log.info("loading %s (%s) in place of %s", name, path, self.model_id)
-        self.model.close()
-        self.model = None
+        before = (self.model_id, self.model.path) if self.model is not None else None
+        log.info("loading %s in place of %s", name, self.model_id)
+        self._unload()
         try:
-            self.model = onebit.load(self.spec, path=path)
-        except OnebitError as e:
-            log.error("cannot load %s: %s; loading %s again", path, e, old_path)
-            self.model = onebit.load(self.spec, path=old_path)
-            self._fresh_cache()
-            raise ApiError(f"the model '{name}' could not be loaded: {e}", 400, code="model_load_failed",
+            self._load(name, path)
+        except Exception as e:  # noqa: BLE001 - any failure: the model served before comes back
+            why = self._load_failure(name, e)
+            if before is not None:
+                try:
+                    self._load(*before)
+                except Exception as again:  # noqa: BLE001
+                    self.model_id = before[0]
+                    self.problem = f"the model '{before[0]}' did not load again: {self._load_failure(*before[:1], again)}"
+            else:
+                self.problem = f"the model '{name}' did not load: {why}"
+                raise self._unservable() from None
+            raise ApiError(f"the model '{name}' could not be loaded: {why}", 400, code="model_load_failed",
                            param="model") from None
-        self.model_id = name
-        self.vocab_size = self.model.cfg.vocab_size
-        self._fresh_cache()
 
-    def _prompt_ids(self, work: Work) -> list[int]:
+    def _reload_if_changed(self) -> None:
+        """The served file changed on disk (rewritten, replaced, even touched): load it again,
+        or say why not."""
+        changed = self.model.gguf.changes()
+        if not changed:
+            return
+        log.warning("the model file changed (%s): loading %s again", changed[0], self.model_id)
+        path = self.model.path
+        self._unload()
+        try:
+            self._load(self.model_id, path)
+        except Exception as e:  # noqa: BLE001
+            self.problem = f"the model file of '{self.model_id}' changed and did not load again: " \
+                           f"{self._load_failure(self.model_id, e)}"
+            raise self._unservable() from None
+
+    def _prompt_ids(self, work: Work, limit: int) -> list[int]:
+        """The prompt's token ids; a text is tokenized only as far as shows it holds more than
+        `limit` tokens (then ApiError), so a huge prompt costs what a prompt of the context costs."""
         m = self.model
+        where = "messages" if work.messages is not None else "prompt"
         if work.messages is None:
             if isinstance(work.prompt, str):
-                ids = m.tokenize(work.prompt)
-            else:
-                ids = list(work.prompt)
-                bad = [t for t in ids if not 0 <= t < m.cfg.vocab_size]
-                if bad:
-                    raise ApiError(f"token id {bad[0]} is out of range for this model's vocabulary of "
-                                   f"{m.cfg.vocab_size}", param="prompt")
+                return self._tokens_within(work.prompt, limit, where, add_special=True)
+            ids = list(work.prompt)
+            bad = [t for t in ids if not 0 <= t < m.cfg.vocab_size]
+            if bad:
+                raise ApiError(f"token id {bad[0]} is out of range for this model's vocabulary of "
+                               f"{m.cfg.vocab_size}", param="prompt")
             return ids
         messages, tools = work.messages, work.tools
         if tools and not template_shows_tools(m):  # the generic tool-call prompt
             messages, tools = generic_tool_messages(messages, tools), None
-        return m.chat_tokens(messages, tools=tools, template_kwargs=work.template_kwargs)
+        if len(messages) > limit:  # every message renders to a token at least
+            raise _too_long(limit, f"more than {limit}", where)
+        text = m.apply_chat_template(messages, tools=tools, template_kwargs=work.template_kwargs)
+        ids = self._tokens_within(text, limit, where, add_special=False)
+        bos = m.tokenizer.bos_id  # as Model.chat_tokens: BOS only where the template did not write it
+        if m.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def _tokens_within(self, text: str, limit: int, where: str, add_special: bool) -> list[int]:
+        """Tokens of `text`, tokenizing prefixes four times longer each time while the text goes
+        on: a prefix of more than `limit` + SLACK tokens ends it (a prefix cut mid-word may
+        tokenize to a few more tokens than its part of the whole)."""
+        slack = 16
+        n = 4 * (limit + slack)  # characters
+        while n < len(text):
+            head = self.model.tokenize(text[:n], add_special=add_special, parse_special=True)
+            if len(head) > limit + slack:
+                raise _too_long(limit, f"more than {len(head) - slack}", where)
+            n *= 4
+        return self.model.tokenize(text, add_special=add_special, parse_special=True)
 
     def _processors(self, work: Work, ids: list[int]) -> list:
         s = work.sampling
@@ -371,19 +473,19 @@ class Engine:
     def _run(self, job: Job) -> None:
         work = job.work
         self._switch(work.model)
+        if self.model is None:
+            raise self._unservable()
         m = self.model
         if work.task is not None:
             job.put("start", {"model": self.model_id})
             job.put("done", work.task(m))
             return
-        ids = self._prompt_ids(work)
+        ctx = m.context_length
+        ids = self._prompt_ids(work, ctx - 1)
         if not ids:
             raise ApiError("the prompt is empty", param="prompt")
-        ctx = m.context_length
         if len(ids) >= ctx:
-            raise ApiError(f"This model's maximum context length is {ctx} tokens; the prompt is {len(ids)} "
-                           f"tokens, which leaves no room for a reply", code="context_length_exceeded",
-                           param="messages" if work.messages is not None else "prompt")
+            raise _too_long(ctx - 1, str(len(ids)), "messages" if work.messages is not None else "prompt")
         s = work.sampling
         sampler = make_sampler(s.temperature, s.top_p, s.min_p, s.top_k, s.seed)
         procs = self._processors(work, ids)
@@ -442,6 +544,11 @@ class Engine:
         finish = "tool_calls" if calls else last.finish_reason
         job.put("done", Done(finish, len(ids), last.generation_tokens, common, calls, rest,
                              last.prompt_time + ahead, last.generation_time, pending))
+
+
+def _too_long(limit: int, size: str, where: str) -> ApiError:
+    return ApiError(f"This model's maximum context length is {limit + 1} tokens; the prompt is {size} "
+                    f"tokens, which leaves no room for a reply", code="context_length_exceeded", param=where)
 
 
 def new_id(prefix: str) -> str:

@@ -17,8 +17,9 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..errors import OnebitError
@@ -26,7 +27,10 @@ from .serve import ApiError, Delta, Done, Engine, Sampling, Work, new_id, now
 
 log = logging.getLogger("onebit.apps.serve")
 
-MAX_BODY = 32 << 20  # bytes of a request body
+MAX_BODY = 32 << 20  # bytes of a request body, however it is sent (Content-Length or chunked)
+HEAD_TIMEOUT_S = 10.0  # a request's line and headers arrive within this, or the connection closes
+BODY_TIMEOUT_S = 30.0  # each part of a body arrives within this of the last, or 408
+MAX_CONNECTIONS = 64  # open connections; a request beyond them gets 503
 FINGERPRINT = f"onebit-{__version__}"
 
 
@@ -271,7 +275,8 @@ def chat_work(req: ChatRequest, defaults: Sampling, vocab: int) -> Work:
         if choice == "required":
             forced = table
         elif isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
             if choice.get("type") != "function" or name not in table:
                 raise ApiError("tool_choice must name one of the tools: {\"type\": \"function\", \"function\": "
                                "{\"name\": ...}}", param="tool_choice")
@@ -580,6 +585,72 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     return f"{param}: {e.get('msg')}" if param else str(e.get("msg")), param
 
 
+async def _parsed(request: Request, cls, to_work, engine: Engine) -> tuple:
+    """(the request, its Work): the body read (bounded by Gate), then parsed, checked and turned
+    into work in a thread, so a large body does not hold up the event loop's other clients."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body was in: nobody to answer
+        raise ApiError("the client went away while sending the body", 499, code="cancelled") from None
+    limit = engine.context_length()
+
+    def parse():
+        if not raw.strip():
+            raise ApiError("the request needs a JSON body")
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise ApiError(f"the request body is not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ApiError("the request body must be a JSON object")
+        for key in ("messages", "prompt"):  # a list longer than the context cannot fit: refused unread
+            if isinstance(obj.get(key), list) and len(obj[key]) > limit:
+                raise ApiError(f"This model's maximum context length is {limit} tokens; {key} has "
+                               f"{len(obj[key])} items", code="context_length_exceeded", param=key)
+        try:
+            req = cls.model_validate(obj)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        warn_unknown(req, request.url.path)
+        req.model = served_model(engine, req.model)
+        engine.check_model(req.model)
+        return req, to_work(req, engine.sampling, engine.vocab_size)
+
+    return await asyncio.to_thread(parse)
+
+
+def http_protocol(head_timeout: float = HEAD_TIMEOUT_S):
+    """uvicorn's HTTP/1.1 protocol with a bound on the time a request's line and headers take
+    (uvicorn bounds the idle time between requests, not a request that arrives a byte at a time)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(head_timeout, self._head_late, self.cycle)
+
+        def _head_late(self, cycle) -> None:
+            if self.cycle is cycle and not self.transport.is_closing():  # no request began meanwhile
+                log.info("%s: no request within %g s: closed", (self.client or ("-",))[0], head_timeout)
+                self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(head_timeout, self._head_late, self.cycle)
+
+        def connection_lost(self, exc) -> None:
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def uvicorn_options(head_timeout: float = HEAD_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> dict:
+    """uvicorn.Config's settings for the bounds above: the header timeout and the connection cap."""
+    return {"http": http_protocol(head_timeout), "limit_concurrency": max_connections}
+
+
 class Gate:
     """ASGI middleware: the API key, the body size limit, and one log line per request."""
 
@@ -593,6 +664,24 @@ class Gate:
         t0 = time.perf_counter()
         status = {"code": 0}
         scope.setdefault("state", {})
+        body = {"bytes": 0, "done": False}
+
+        async def receive_bounded():
+            """The body's parts, each within BODY_TIMEOUT_S, at most MAX_BODY bytes in all."""
+            if body["done"]:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise ApiError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", 408,
+                               code="request_timeout") from None
+            if message["type"] == "http.request":
+                body["bytes"] += len(message.get("body", b""))
+                if body["bytes"] > MAX_BODY:
+                    raise ApiError(f"the request body is over {MAX_BODY} bytes, the most accepted", 413,
+                                   code="request_too_large")
+                body["done"] = not message.get("more_body", False)
+            return message
 
         async def send_logged(message):
             if message["type"] == "http.response.start":
@@ -605,7 +694,7 @@ class Gate:
                 scope["state"]["error"] = str(error)
                 await JSONResponse(error_body(error), status_code=error.status)(scope, receive, send_logged)
             else:
-                await self.app(scope, receive, send_logged)
+                await self.app(scope, receive_bounded, send_logged)
         finally:
             client = scope.get("client") or ("-", 0)
             why = scope["state"].get("error")
@@ -615,12 +704,13 @@ class Gate:
 
     def _refuse(self, scope) -> Optional[ApiError]:
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in ("/health", "/"):  # (the page asks for the key)
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                return ApiError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'", 401,
-                                code="invalid_api_key")
+        auth = headers.get(b"authorization", b"")  # bytes as sent: a UTF-8 key compares as UTF-8
+        given = auth[7:] if auth[:7].lower() == b"bearer " else b""
+        scope["state"]["authorized"] = self.api_key is None or hmac.compare_digest(given, self.api_key.encode())
+        # /health without the key: the status only; / (the page) asks for the key itself
+        if not scope["state"]["authorized"] and scope["path"] not in ("/health", "/"):
+            return ApiError("Incorrect API key provided: pass it as 'Authorization: Bearer KEY'", 401,
+                            code="invalid_api_key")
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -678,7 +768,13 @@ def create_app(engine: Engine, api_key: Optional[str] = None, routes: Sequence[C
         return failed(request, ApiError(f"internal error: {type(e).__name__}", 500, "server_error"))
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
+        problem = engine.problem
+        if not request.state.authorized:  # without the key: whether it serves, nothing more
+            return JSONResponse({"status": "ok" if problem is None else "unavailable"},
+                                status_code=200 if problem is None else 503)
+        if problem is not None:
+            return JSONResponse({"status": "unavailable", "reason": problem}, status_code=503)
         return {"status": "ok", "model": engine.model_id, "busy": engine.busy(), "waiting": engine.waiting(),
                 "served": engine.served, "generated": engine.generated}
 
@@ -698,22 +794,16 @@ def create_app(engine: Engine, api_key: Optional[str] = None, routes: Sequence[C
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        warn_unknown(req, request.url.path)
-        req.model = served_model(engine, req.model)
-        engine.check_model(req.model)
-        work = chat_work(req, engine.sampling, engine.vocab_size)
+    async def chat_completions(request: Request):
+        req, work = await _parsed(request, ChatRequest, chat_work, engine)
         return await respond(engine, work, request, chat=True, stream=req.stream,
                              include_usage=bool(req.stream_options and req.stream_options.include_usage),
                              n=req.n or 1)
 
     @app.post("/v1/completions")
     @app.post("/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        warn_unknown(req, request.url.path)
-        req.model = served_model(engine, req.model)
-        engine.check_model(req.model)
-        work = completion_work(req, engine.sampling, engine.vocab_size)
+    async def completions(request: Request):
+        req, work = await _parsed(request, CompletionRequest, completion_work, engine)
         echo = ""
         if req.echo:
             loaded = engine.model

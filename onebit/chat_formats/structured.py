@@ -106,6 +106,12 @@ def json_rule(schema: Any) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
+def _first_line(error: str, most: int = 300) -> str:
+    """The reason in an llguidance error, without the grammar and parser state it appends."""
+    line = error.strip().split("\n", 1)[0]
+    return line if len(line) <= most else line[:most] + "..."
+
+
 class Constraint:
     """A logits processor that allows only what continues the grammar. Make one per
     generation (it holds the parse state)."""
@@ -115,10 +121,10 @@ class Constraint:
         ll = grammar_tokenizer(model)
         error = llguidance.LLMatcher.validate_grammar(grammar, ll)
         if error and not error.startswith("WARNING"):
-            raise UsageError(f"the grammar is not usable: {error}")
+            raise UsageError(f"the grammar is not usable: {_first_line(error)}")
         self.matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
         if self.matcher.is_error():
-            raise UsageError(f"the grammar is not usable: {self.matcher.get_error()}")
+            raise UsageError(f"the grammar is not usable: {_first_line(self.matcher.get_error())}")
         self.n_vocab = ll.vocab_size
         self.stops = np.asarray(sorted(model.tokenizer.stop_ids), dtype=np.int64)
         self.start: Optional[int] = None  # len(tokens) at the first call: the prompt
@@ -130,14 +136,20 @@ class Constraint:
         for t in tokens[self.start + self.fed:]:
             self.matcher.consume_token(int(t))  # a token the mask allowed; an error shows below
             self.fed += 1
-        out = np.full_like(logits, -np.inf)
-        if self.matcher.is_error():  # cannot happen for tokens drawn under the mask: end the reply
-            out[self.stops] = logits[self.stops]
-            return out
+        self._check()
         mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        self._check()
+        out = np.full_like(logits, -np.inf)
         allowed = np.unpackbits(mask, bitorder="little")[: min(len(logits), self.n_vocab)].astype(bool)
         out[: len(allowed)][allowed] = logits[: len(allowed)][allowed]
         return out
+
+    def _check(self) -> None:
+        """The engine gave up (a grammar too large for it, a reference loop): one error, never a
+        reply cut short as if it were complete."""
+        if self.matcher.is_error():
+            raise UsageError(f"the grammar engine gave up on this schema or grammar: "
+                             f"{_first_line(self.matcher.get_error())}")
 
     @property
     def complete(self) -> bool:

@@ -18,7 +18,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from .harmony import is_harmony
 from .structured import json_rule, lark_grammar, literal
@@ -127,6 +127,22 @@ def check_tools(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with references to its own root ("#", "#/properties/...") pointing under `base`
+    (references into the definitions, which move to the new root, stay as they are)."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#") and not v.startswith(("#/$defs/", "#/definitions/")):
+            out[k] = base + v[1:]
+        else:
+            out[k] = _rebased(v, base)
+    return out
+
+
 def forced_grammar(model, tools: dict[str, dict]) -> str:
     """A grammar whose every sentence is one call of one of `tools` (name -> parameters), in
     the model's own syntax."""
@@ -138,8 +154,13 @@ def forced_grammar(model, tools: dict[str, dict]) -> str:
         return lark_grammar(f'start: {literal(tok, "<|channel|>")} call\ncall: {body}\n')
     alts = []
     for name, params in tools.items():
-        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                  "required": ["name", "arguments"], "additionalProperties": False}
+        # the parameters sit under /properties/arguments: their definitions move to the root,
+        # where their references ("#/$defs/City", as pydantic writes them) still find them
+        params = dict(params)
+        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+        schema = {"type": "object", "properties": {"name": {"const": name},
+                                                   "arguments": _rebased(params, "#/properties/arguments")},
+                  "required": ["name", "arguments"], "additionalProperties": False, **defs}
         alts.append(json_rule(schema))
     body = "\n    | ".join(alts)
     return lark_grammar(f'start: {literal(tok, OPEN)} "\\n" call "\\n" {literal(tok, CLOSE)}\ncall: {body}\n')

@@ -232,13 +232,52 @@ def _read_value(cur: _Cursor, vtype: int, key: str, budget: _Budget, depth: int 
     return [_read_value(cur, etype, key, budget, depth + 1) for _ in range(count)]
 
 
+_INTS, _FLOATS, _BOOL = frozenset({0, 1, 2, 3, 4, 5, 10, 11}), frozenset({6, 12}), 7
+_KINDS = {"an integer": _INTS, "a number": _INTS | _FLOATS, "a bool": {_BOOL}, "a string": {_STRING}}
+# The value type each key the loader reads must have: (kind, element kind for an array)
+_VALUE_TYPES = [
+    (re.compile(r"general\.architecture|tokenizer\.ggml\.(model|pre)|tokenizer\.chat_template(\..+)?"),
+     ("a string", None)),
+    (re.compile(r"tokenizer\.ggml\.(tokens|merges)"), ("an array", "a string")),
+    (re.compile(r"tokenizer\.ggml\.scores"), ("an array", "a number")),
+    (re.compile(r"tokenizer\.ggml\.token_type"), ("an array", "an integer")),
+    (re.compile(r"tokenizer\.ggml\.\w+_token_id"), ("an integer", None)),
+    (re.compile(r"tokenizer\.ggml\.add_\w+"), ("a bool", None)),
+    (re.compile(r"[\w.]+\.(context_length|block_count|embedding_length|vocab_size|"
+                r"expert_count|expert_used_count|expert_feed_forward_length)"), ("an integer", None)),
+]
+_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "string",
+               9: "array", 10: "u64", 11: "i64", 12: "f64"}
+
+
+def _check_value_type(path: str, key: str, vtype: int, etype: Optional[int]) -> None:
+    """One clear error for a key the loader reads stored with the wrong GGUF value type (tokens
+    as u32, a token id as a string, ...), before anything reads it as the type it should be."""
+    for pattern, (kind, element) in _VALUE_TYPES:
+        if not pattern.fullmatch(key):
+            continue
+        if element is None:
+            ok = vtype in _KINDS[kind]
+            want = kind
+        else:
+            ok = vtype == _ARRAY and etype in _KINDS[element]
+            want = f"an array of {element[2:] if element.startswith('a ') else element[3:]}s"
+        if not ok:
+            got = _TYPE_NAMES.get(vtype, str(vtype))
+            if vtype == _ARRAY:
+                got = f"an array of {_TYPE_NAMES.get(etype, str(etype))}"
+            raise ModelFileError(f"{path}: metadata {key!r} is stored as {got}; it must be {want} "
+                                 "(the file was written wrong: convert it again)")
+        return
+
+
 def _parse_header(buf, path: str) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
     """Parse the header, checking every length, count and tensor extent against the file.
     Returns the metadata and (name, ggml dims, type id, absolute data offset) per tensor."""
     cur = _Cursor(buf, path)
     cur.need(4, "magic")
     if bytes(buf[:4]) != GGUF_MAGIC:
-        raise ModelFileError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        raise ModelFileError(f"{path}: not a GGUF file (it does not begin with 'GGUF')")
     cur.pos = 4
     version = cur.u32("version")
     if version & 0xFFFF == 0 and version != 0:
@@ -265,6 +304,10 @@ def _parse_header(buf, path: str) -> tuple[dict[str, Any], list[tuple[str, list[
         vtype = cur.u32(f"type of {key!r}")
         if key in meta:
             raise ModelFileError(f"{path}: metadata key {key!r} appears twice")
+        if vtype == _ARRAY and cur.pos + 4 <= cur.size:
+            _check_value_type(path, key, vtype, int.from_bytes(bytes(buf[cur.pos : cur.pos + 4]), "little"))
+        else:
+            _check_value_type(path, key, vtype, None)
         meta[key] = _read_value(cur, vtype, key, budget)
         if key == "general.alignment":
             alignment = meta[key]
