@@ -107,7 +107,7 @@ def test_prediction_switched_off_and_on_by_its_gate_is_bit_identical_to_off(back
     import onebit.moe.predict as P
 
     pattern = iter(([True] * 3 + [False] * 2) * 100)
-    monkeypatch.setattr(P.Gate, "step", lambda self, rows, pays=None: next(pattern))
+    monkeypatch.setattr(P.Gate, "step", lambda self, rows, pays=None, stall=0.0: next(pattern))
     path = shipped()
     ids = prompt(12)
     want = decode(onebit.load(path, backend=backend), ids)
@@ -427,6 +427,31 @@ def test_gate_runs_whichever_state_makes_decode_faster(monkeypatch, faster):
     assert g.mean[faster] < g.mean[not faster]
 
 
+@pytest.mark.parametrize("stall_share, on", [(0.5, True), (0.1, False)])
+def test_gate_looks_at_the_stall_before_predicting(monkeypatch, stall_share, on):
+    """The gate starts off; its first two decode steps measure the share of a step spent
+    waiting on expert reads. Prediction can win back at most that: at half a step it turns on,
+    at a tenth it stays off (and only tries on after its first windows). A prompt's chunk
+    predicts meanwhile."""
+    import time as time_mod
+
+    from onebit.moe.predict import Gate
+
+    g = Gate()
+    clock = [0.0]
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
+    assert g.step(12) is True  # a prompt's chunk
+    clock[0] += 3.0
+    states, stall = [], 0.0
+    for _ in range(3 + Gate.WINDOW):
+        states.append(g.step(1, stall=stall))
+        clock[0] += 1.0
+        stall += stall_share
+    assert states[:2] == [False, False]  # looking
+    assert all(s is on for s in states[2:])
+    assert g.looked == Gate.LOOK
+
+
 def gate_states(gate, cost, windows):
     """Feed `windows` windows to a SpeedGate, each state's figure from cost(window, on); the
     state each window ran in."""
@@ -486,7 +511,8 @@ def test_gate_held_skips_its_trials_as_lost_ones():
 
 def test_gate_step_holds_while_prediction_pays(monkeypatch):
     """Gate.step asks `pays` with the window's median step once a window is full, only while
-    prediction is on; held, the first trial (after FIRST windows) does not happen."""
+    prediction is on; held, the first trial (after FIRST windows) does not happen. (The steps
+    wait on reads half of their time, so the gate turns on once it has looked.)"""
     import time as time_mod
 
     from onebit.moe.predict import Gate
@@ -496,10 +522,12 @@ def test_gate_step_holds_while_prediction_pays(monkeypatch):
     asked = []
     for answer in (True, False):
         g = Gate()
-        states = []
-        for _ in range(Gate.WINDOW * (Gate.FIRST + 2)):
-            states.append(g.step(1, lambda m: asked.append(m) or answer))
+        states, stall = [], 0.0
+        for _ in range(Gate.LOOK + 1 + Gate.WINDOW * (Gate.FIRST + 2)):
+            states.append(g.step(1, lambda m: asked.append(m) or answer, stall=stall))
             clock[0] += 2.0
+            stall += 1.0
+        states = states[Gate.LOOK:]
         assert all(states) == answer  # held: on throughout; not held: the trial of off came
     assert asked and set(asked) == {2.0}
 
@@ -538,9 +566,9 @@ def test_prompt_rows_do_not_feed_the_gate(monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
     for _ in range(50):
-        g.step(32)
+        assert g.step(32)  # (a prompt's chunk predicts)
         clock[0] += 5.0
-    assert g.windows == 0 and g.on
+    assert g.windows == 0 and g.looked == 0
 
 
 # -- the ledger: which level of prediction each layer runs at, from injected timings ---------
@@ -651,7 +679,7 @@ def fake_pool_predictor(monkeypatch):
     m = onebit.load(shipped(), backend="numpy")
     pool = _FakePool(range(m.cfg.n_layers))
     pred = Predictor(m.gguf, m.cfg, settings_from(mode="router"), pool, m.be)
-    pred.gate.step = lambda rows, pays=None: True
+    pred.gate.step = lambda rows, pays=None, stall=0.0: True
     clock = [0.0]
     monkeypatch.setattr(P.time, "perf_counter", lambda: clock[0])
     return pred, pool, clock
@@ -767,7 +795,7 @@ def test_steps_the_gate_runs_off_reach_no_ledger(monkeypatch):
     read = []
     by_layer = pool.by_layer
     pool.by_layer = type("Watched", (dict,), {"items": lambda d: read.append(1) or dict.items(d)})(by_layer)
-    pred.gate.step = lambda rows, pays=None: False
+    pred.gate.step = lambda rows, pays=None, stall=0.0: False
     pause_steps(pred, 3 * P.Ledger.PROBE, ranked, in_pool)
     # one ledger step and one read of the counters: for the step that ended as the gate
     # switched (it ran with prediction on); none for the steps that ran off
@@ -776,7 +804,7 @@ def test_steps_the_gate_runs_off_reach_no_ledger(monkeypatch):
     calls.clear()
     pause_steps(pred, 2, ranked, in_pool)
     assert led.since == since and led.demand == demand and set(led.level.values()) == {P.NONE}
-    pred.gate.step = lambda rows, pays=None: True
+    pred.gate.step = lambda rows, pays=None, stall=0.0: True
     pause_steps(pred, 1, ranked, in_pool)
     assert calls == []  # the first step back on: marked, not measured
     layer = min(led.level)
@@ -867,6 +895,7 @@ def test_the_steps_after_a_prompt_do_not_feed_the_ledger(monkeypatch):
     pred = Predictor(m.gguf, m.cfg, settings_from(mode="router"), pool, m.be)
     steps = []
     monkeypatch.setattr(pred.ledger, "step", lambda *a, **k: steps.append(pred.forwards))
+    pred.gate.step = lambda rows, pays=None, stall=0.0: True  # (the gate held on: it is tested on its own)
     pred.begin(12)  # a prompt
     for _ in range(P.SETTLE + 3):
         pred.begin(1)

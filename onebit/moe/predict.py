@@ -189,30 +189,51 @@ class _Pending:
 class Gate(SpeedGate):
     """Prediction on or off by measured decode time: whichever has made decode steps faster.
 
-    Decode forwards (one row) are timed start to start in windows of WINDOW; each window's median
-    step goes to a running mean for the state it ran in. The gate starts on, tries off after
-    FIRST windows, then runs the faster state and tries the other one window EXPLORE windows
-    later, the gap doubling (up to CAP windows) each time the trial loses (SpeedGate): where
-    prediction does not pay, a generation spends about FIRST + log2(CAP / EXPLORE) + (its
-    windows / CAP) windows on it. Off means no prediction at all (no prefetches, no prediction
-    compute). Only timing decides, and only which experts are read ahead depends on it, never
-    the output."""
+    The gate starts off and looks first: prediction can at most take off a step what the step
+    waits on the drive, so the first LOOK decode steps run without it and measure the share of
+    their time spent waiting on expert reads (the pool's stall). Under STALL_ON the reads are
+    cheap and prediction would cost more than it could win back: the gate stays off (a
+    prompt's chunks, several rows, predict meanwhile as before). Otherwise it turns on. From there on only timing decides: decode
+    forwards (one row) are timed start to start in windows of WINDOW; each window's median step
+    goes to a running mean for the state it ran in; after FIRST windows the gate tries the other
+    state for a window, then runs the faster one and tries the other again EXPLORE windows
+    later, the gap doubling (up to CAP windows) each time the trial loses (SpeedGate). Off means
+    no prediction at all (no prefetches, no prediction compute). Only which experts are read
+    ahead depends on the gate, never the output."""
 
     WINDOW, EXPLORE, DECAY, FIRST, CAP = 8, 6, 0.7, 2, 32
+    LOOK, STALL_ON = 2, 0.15
 
     def __init__(self):
-        super().__init__(self.EXPLORE, self.DECAY, first=self.FIRST, cap=self.CAP)
+        super().__init__(self.EXPLORE, self.DECAY, state={"on": False}, first=self.FIRST, cap=self.CAP)
         self._t: Optional[float] = None
         self._acc: list[float] = []
+        self._stall: Optional[float] = None  # the pool's stall seconds when the last one-row step started
+        self.looked = 0  # decode steps measured while looking
+        self.look = [0.0, 0.0]  # their seconds and their stall seconds
 
-    def step(self, rows: int, pays: Optional[Callable[[float], bool]] = None) -> bool:
+    def step(self, rows: int, pays: Optional[Callable[[float], bool]] = None, stall: float = 0.0) -> bool:
         """A forward of `rows` rows starts; whether prediction runs in it. `pays(step seconds)`:
         whether, by the ledger's measurements, prediction saves so much of a step that a trial
-        without it is not worth its cost (see Predictor._pays)."""
+        without it is not worth its cost (see Predictor._pays). `stall`: the pool's stall
+        seconds so far (what the steps that look measure)."""
         now = time.perf_counter()
+        looking = self.looked < self.LOOK
         if self._t is not None and rows == 1:
-            self._acc.append(now - self._t)
-        self._t = now if rows == 1 else None
+            if looking:
+                self.look[0] += now - self._t
+                self.look[1] += stall - self._stall
+                self.looked += 1
+                if self.looked == self.LOOK and self.look[1] >= self.STALL_ON * self.look[0]:
+                    self.state["on"] = True
+            else:
+                self._acc.append(now - self._t)
+        self._t, self._stall = (now, stall) if rows == 1 else (None, None)
+        if looking:
+            if self.looked == self.LOOK:
+                self._t = None  # (the next step is the first in the state chosen)
+                return self.on
+            return rows > 1  # (a prompt's chunk predicts as before: it is no decode step to look at)
         if len(self._acc) >= self.WINDOW:
             m = sorted(self._acc)[len(self._acc) // 2]  # the window's median step
             self._acc = []
@@ -490,7 +511,8 @@ class Predictor(PauseClient):
         self.older.clear()
         self.forwards += 1
         now = time.perf_counter()
-        ran, self.active = self.active, self.gate.step(rows, self._pays) if self.pool is not None else True
+        ran, self.active = self.active, (self.gate.step(rows, self._pays, self.pool.stats.stall_seconds)
+                                         if self.pool is not None else True)
         # a prompt's chunk that routes to most experts: the pool reads the next layers' ahead
         # by itself (a scan's read-ahead in ExpertPool.acquire), and predicting each of its
         # rows would only cost time
