@@ -200,6 +200,7 @@ class CpuBackend(NumpyBackend):
             raise UsageError(f"--threads {threads}: the cpu backend runs 1 to {numba.config.NUMBA_NUM_THREADS} "
                              "threads here (numba's thread pool: $NUMBA_NUM_THREADS, else every core)")
         self.policy = policy if policy is not None else self.memory_policy(gguf)
+        self.cpu_target = K.describe_target()
         self.K = K.kernels_for(gguf, self.policy.repacks)  # compiled for the file's quant types (or all, if cached)
         self._asked_threads, self._threads_set = threads, set()
         self.threads = threads if threads is not None else default_threads()
