@@ -64,6 +64,15 @@ FEW_ROWS = 4  # attention of at most this many query rows runs in the serial ker
 REPACK_PART = 32 << 20
 
 
+def _compile_progress(done: int, total: int) -> None:
+    """The first run's compile, on stderr: one line rewritten in a terminal, a line each elsewhere."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\ronebit: compiling kernels {done}/{total}" + ("\n" if done == total else ""))
+    else:
+        sys.stderr.write(f"onebit: compiling kernels {done}/{total}\n")
+    sys.stderr.flush()
+
+
 def default_threads() -> int:
     import numba
 
@@ -209,7 +218,7 @@ class CpuBackend(NumpyBackend):
         if self.K.cache_is_cold():  # the first run of these types on this machine: say so before it starts
             sys.stderr.write(f"onebit: compiling the cpu kernels for {', '.join(self.K.names)} (once per machine: "
                              "seconds per type, split over the cores)...\n")
-            filled = self.K.fill_cache()
+            filled = self.K.fill_cache(_compile_progress)
         seconds, compiled = self.K.warm_up()
         if filled or compiled:  # later runs load the kernels from numba's disk cache
             sys.stderr.write(f"onebit: compiled the cpu kernels in {filled + seconds:.1f} s (once: they are cached "
