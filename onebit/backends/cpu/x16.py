@@ -229,9 +229,13 @@ dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 # unsigned bytes, as PAIRS (MXFP4 through its table: the doubled e2m1 value + 12; Q4_0 as stored,
 # 0..15 = q + 8; Q5_0 with its fifth bit, 0..31 = q + 16), and c x each block's activation sum
 # comes off with the scales. The same bytes as the rows, so every shape stays.
-NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0")
+# Q4_1 and Q5_1 (a minimum m per block after d: weight = d q + m, q = 0..15 / 0..31 as stored) in
+# the same arrangement, the 16 rows' m after their d (then Q5_1's fifth bits): their dot adds m x
+# each block's activation sum where Q4_0's takes c x it off ("Q4_1_X16", "Q5_1_X16": Gemma 3's
+# Q5_K_M file holds Q5_1 matrices).
+NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
 X16_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
-MXFP4_X16, Q4_0_X16, Q5_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
+MXFP4_X16, Q4_0_X16, Q5_0_X16, Q4_1_X16, Q5_1_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
 # FIFTH[x]: the 4 bits of x (0..15) as 0x10 in bytes 0..3 of a word (bit b -> byte b).
 FIFTH = [sum(((x >> i) & 1) << (8 * i + 4) for i in range(4)) for x in range(16)]
 
@@ -247,8 +251,10 @@ def _fifths(b, qh, shift: int):
 
 def _nibble_x16_codegen(name: str):
     ts = QTYPES_BY_NAME[name].type_size
-    sb = ts - 16  # scale (and fifth-bit) bytes a row's block
-    c = float(PAIRS[name])
+    sb = ts - 16  # scale (minimum, fifth-bit) bytes a row's block
+    with_min = name in ("Q4_1", "Q5_1")  # (weight = d q + m: m x the activation sum, added)
+    fifths = name in ("Q5_0", "Q5_1")
+    c = 0.0 if with_min else float(PAIRS[name])
 
     def codegen(context, builder, sig, args):
         b = builder
@@ -267,8 +273,10 @@ def _nibble_x16_codegen(name: str):
                 dw = b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(V16I, [2] * 16)), small, big), V16F)
             else:
                 dw = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
-            if name == "Q5_0":
-                qh = _load(b, blk, 32, V16I)
+            if with_min:
+                mw = b.fpext(_load(b, blk, 32, _vec(HALF, 16)), V16F)
+            if fifths:
+                qh = _load(b, blk, 64 if with_min else 32, V16I)
             first = b.mul(i, _const(I64, 32))
             hi_sum, lo_sum = zero, zero
             for k in range(4):
@@ -276,7 +284,7 @@ def _nibble_x16_codegen(name: str):
                 lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
                 if name == "MXFP4":
                     lo4, hi4 = _pshufb(b, MXFP4_PLUS12, lo4), _pshufb(b, MXFP4_PLUS12, hi4)
-                elif name == "Q5_0":
+                elif fifths:
                     lo4, hi4 = b.or_(lo4, _fifths(b, qh, 4 * k)), b.or_(hi4, _fifths(b, qh, 16 + 4 * k))
                 for h, q in enumerate((lo4, hi4)):
                     at = b.add(first, _const(I64, 16 * h + 4 * k))
@@ -285,8 +293,11 @@ def _nibble_x16_codegen(name: str):
             isum = b.add(b.shl(hi_sum, ir.Constant(V16I, [8] * 16)), lo_sum)
             dx, mx = _splat(b, _load(b, xd, i, FLT, align=4), 16), _splat(b, _load(b, xm, i, FLT, align=4), 16)
             b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(dw, dx), flags=FAST), flags=FAST), acc)
-            b.store(b.fadd(b.load(off), b.fmul(dw, mx)), off)
-        store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [c] * 16))))
+            b.store(b.fadd(b.load(off), b.fmul(mw if with_min else dw, mx)), off)
+        if with_min:
+            store(b.fadd(b.load(acc), b.load(off)))
+        else:
+            store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [c] * 16))))
         return context.get_dummy_value()
 
     return codegen
@@ -298,6 +309,10 @@ dot16_q4_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_0")))
 dot16_q4_0_x16.__doc__ = """`dot16_q4_k_x16` for Q4_0_X16 weights."""
 dot16_q5_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q5_0")))
 dot16_q5_0_x16.__doc__ = """`dot16_q4_k_x16` for Q5_0_X16 weights."""
+dot16_q4_1_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_1")))
+dot16_q4_1_x16.__doc__ = """`dot16_q4_k_x16` for Q4_1_X16 weights."""
+dot16_q5_1_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q5_1")))
+dot16_q5_1_x16.__doc__ = """`dot16_q4_k_x16` for Q5_1_X16 weights."""
 
 
 # IQ4_XS (256 weights a block: f16 d, the 8 sub-blocks' 6-bit scales as 2 high bits in a u16 and
