@@ -10,6 +10,7 @@ passes and code generation called through llvmlite.binding).
     python bench/bench_compile.py --target avx2           # the AVX2 target's kernels
     python bench/bench_compile.py --profile               # + the per-stage split (cProfile: slower)
     python bench/bench_compile.py --json out.json
+    python bench/bench_compile.py --tree /work/wt-old     # another checkout's kernels (same script)
 
 Each measurement runs in a process of its own with an empty numba cache (a fresh folder as
 NUMBA_CACHE_DIR), compiling in that one process (as `Kernels.warm_up` does; the backend's first
@@ -33,9 +34,9 @@ GEMMA_TYPES = "Q8_0,Q4_K,Q5_0,Q6_K,F32"  # gemma-3-270m-q4_k_m.gguf's matrices
 PARTS = "dense,fused,small"
 
 
-def child(types: list[str], parts: tuple[str, ...], target: str | None, profile: bool, x16: bool) -> dict:
+def child(types: list[str], parts: tuple[str, ...], target: str | None, profile: bool, x16: bool, tree: Path) -> dict:
     """In the measuring process: compile the set, part by part; report the timings."""
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(tree))
     t0, c0 = time.perf_counter(), time.process_time()
     if target is not None:
         from onebit.backends.cpu.target import use
@@ -43,9 +44,14 @@ def child(types: list[str], parts: tuple[str, ...], target: str | None, profile:
         use(target)
     from numba.core.registry import CPUDispatcher
 
-    from onebit.backends.cpu import kernel_sets, target as tgt
+    from onebit.backends.cpu import kernel_sets
 
-    out = {"types": types, "parts": list(parts), "target": tgt.describe(), "vnni": kernel_sets.VNNI,
+    try:
+        from onebit.backends.cpu.target import describe
+    except ImportError:  # (a tree from before the compile target had a module)
+        def describe():
+            return {"cpu": "host", "isa": []}
+    out = {"types": types, "parts": list(parts), "target": describe(), "vnni": kernel_sets.VNNI, "tree": str(tree),
            "import_s": time.perf_counter() - t0, "import_cpu_s": time.process_time() - c0, "by_part": {}}
     ks = kernel_sets.Kernels(types, parts, x16=x16)
     prof = None
@@ -90,11 +96,11 @@ def _stages(prof) -> dict:
     import pstats
 
     st = pstats.Stats(prof)
-    here = str(ROOT / "onebit")
+    here = "/onebit/backends/"
     by = {"onebit IR generation": 0.0, "llvmlite IR builder": 0.0, "LLVM (llvmlite.binding)": 0.0,
           "numba typing and lowering": 0.0, "other": 0.0}
     for (file, _line, func), (_cc, _nc, tt, _ct, _callers) in st.stats.items():
-        if file.startswith(here):
+        if here in file:
             key = "onebit IR generation"
         elif "llvmlite/ir" in file:
             key = "llvmlite IR builder"
@@ -108,13 +114,14 @@ def _stages(prof) -> dict:
     return by
 
 
-def measure(types, parts, target, profile, x16) -> dict:
+def measure(types, parts, target, profile, x16, tree: Path) -> dict:
     """child() in a fresh process with an empty numba cache."""
     with tempfile.TemporaryDirectory(prefix="onebit-compile-") as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
         env.pop("ONEBIT_CPU_TARGET", None)
         args = [sys.executable, __file__, "--child", "--types", ",".join(types), "--parts", ",".join(parts)]
         args += (["--target", target] if target else []) + (["--profile"] if profile else []) + (["--x16"] if x16 else [])
+        args += ["--tree", str(tree)]
         r = subprocess.run(args, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"the measuring process failed:\n{r.stderr[-3000:]}")
@@ -151,18 +158,19 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="split the compile by stage (cProfile)")
     ap.add_argument("--top", type=int, default=15, help="kernels shown per measurement")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--tree", default=ROOT, type=Path, help="the checkout whose kernels are compiled (default: this one)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     types, parts = a.types.split(","), tuple(a.parts.split(","))
     if a.child:
-        res = child(types, parts, a.target, a.profile, a.x16)
+        res = child(types, parts, a.target, a.profile, a.x16, a.tree.resolve())
         res["x16"] = a.x16
         print(json.dumps(res))
         return
     runs = ([[t] for t in types] if a.per_type else []) + [types]
     results = []
     for ts in runs:
-        res = measure(ts, parts, a.target, a.profile, a.x16)
+        res = measure(ts, parts, a.target, a.profile, a.x16, a.tree.resolve())
         res["x16"] = a.x16
         results.append(res)
         show(res, a.top)
