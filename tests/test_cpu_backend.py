@@ -304,9 +304,9 @@ def test_q6_k_x16_layout_by_hand(rng):
 @ALL_TYPES
 @pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0", "Q4_1", "Q5_1"])
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1 and Q5_1, an odd number of blocks a row (768 weights
+    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1, Q5_1 and IQ4_NL, an odd number of blocks a row (768 weights
     as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
     against the reference on the same rounded activations and against the row kernel; serial ==
     parallel repack."""
@@ -330,12 +330,12 @@ def test_x16_layout_products(rng, name, rows):
 
 
 @ALL_TYPES
-@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1"])
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_plain_x16_layout_by_hand(rng, name):
     """A group of 16 rows repacked: each row's scale field (Q4_1's and Q5_1's minimum, Q5_0's
     and Q5_1's word of fifth bits) where the layout puts it, and each weight's quant (a nibble;
-    Q8_0's a byte) found again at its place in the quants; Q5_0's, Q4_1's and Q5_1's weights
-    rebuilt from the layout equal the reference's."""
+    Q8_0's a byte) found again at its place in the quants; Q5_0's, Q4_1's, Q5_1's and IQ4_NL's
+    weights rebuilt from the layout equal the reference's."""
     if not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME[name]
@@ -373,6 +373,10 @@ def test_plain_x16_layout_by_hand(rng, name):
                     fifth = (int(blk[64 + 4 * r : 68 + 4 * r].view(np.uint32)[0]) >> wi) & 1 if name == "Q5_1" else 0
                     got = np.float32(d * np.float32(int(nib) | (fifth << 4))) + m
                     assert np.isclose(got, want_f[r, 32 * i + wi], rtol=1e-6, atol=1e-6 * abs(m)), (i, r, wi)
+                elif name == "IQ4_NL":  # d level[q]
+                    from onebit.formats.quants import iq4_values
+
+                    assert d * np.float32(iq4_values()[nib]) == want_f[r, 32 * i + wi], (i, r, wi)
 
 
 @ALL_TYPES

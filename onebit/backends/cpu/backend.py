@@ -107,7 +107,7 @@ def _one_blas_thread() -> None:
 # its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and prompts' products run
 # 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
 X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS",
-                                                         "Q8_0", "Q4_1", "Q5_1"))
+                                                         "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"))
 # A file takes the X16 layouts only from this many bytes of tensors (a load's `repack_from`
 # setting overrides it). The layouts pay where the products read weights from memory; a smaller
 # file's weights stay in the caches, and its first run on a machine would compile the layouts'

@@ -65,7 +65,7 @@ def repack_iq4_xs_x16_serial(raw, out):
 
 @njit(inline="always")
 def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
-    """Group g of MXFP4, Q4_0, Q5_0, Q4_1, Q5_1 or Q8_0 rows (`_repack_iq4xs_group`'s arguments;
+    """Group g of MXFP4, Q4_0, IQ4_NL, Q5_0, Q4_1, Q5_1 or Q8_0 rows (`_repack_iq4xs_group`'s arguments;
     blocks of ts bytes: a scale, Q4_1's and Q5_1's minimum, Q5_0's and Q5_1's 4 bytes of fifth
     bits, then qb quant bytes) in their X16 layout: the 16 rows' scales, their minimums, their
     fifth bits, then the quants, 4 bytes (a 32-bit word) at a time."""
@@ -89,7 +89,7 @@ def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
 
 @cached(parallel=True, nogil=True)
 def repack_plain_x16(raw, out, ts, qb):
-    """MXFP4 (ts = 17, qb = 16), Q4_0 (18, 16), Q5_0 (22, 16), Q4_1 (20, 16), Q5_1 (24, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
+    """MXFP4 (ts = 17, qb = 16), Q4_0 and IQ4_NL (18, 16), Q5_0 (22, 16), Q4_1 (20, 16), Q5_1 (24, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
     N a multiple of 16) -> out (the same shape) in their X16 layout, on every thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
