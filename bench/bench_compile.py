@@ -83,8 +83,8 @@ def child(types: list[str], parts: tuple[str, ...], target: str | None, profile:
     for d in kernels:
         for sig in d.overloads:
             timers = d.overloads[sig].metadata.get("timers", {}) if d.overloads[sig].metadata else {}
-            rows.append({"kernel": d.py_func.__qualname__, "sig": str(sig), "compile_s": timers.get("compiler_lock", 0.0),
-                         "llvm_s": timers.get("llvm_lock", 0.0)})
+            rows.append({"kernel": d.py_func.__qualname__, "sig": str(sig),
+                         "compile_s": timers.get("compiler_lock", 0.0), "llvm_s": timers.get("llvm_lock", 0.0)})
     out["kernels"] = sorted(rows, key=lambda r: -r["compile_s"])
     if prof is not None:
         out["stages"] = _stages(prof)
@@ -120,8 +120,8 @@ def measure(types, parts, target, profile, x16, tree: Path) -> dict:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
         env.pop("ONEBIT_CPU_TARGET", None)
         args = [sys.executable, __file__, "--child", "--types", ",".join(types), "--parts", ",".join(parts)]
-        args += (["--target", target] if target else []) + (["--profile"] if profile else []) + (["--x16"] if x16 else [])
-        args += ["--tree", str(tree)]
+        args += (["--target", target] if target else []) + (["--profile"] if profile else [])
+        args += (["--x16"] if x16 else []) + ["--tree", str(tree)]
         r = subprocess.run(args, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"the measuring process failed:\n{r.stderr[-3000:]}")
@@ -158,7 +158,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="split the compile by stage (cProfile)")
     ap.add_argument("--top", type=int, default=15, help="kernels shown per measurement")
     ap.add_argument("--json", default=None, help="write every measurement here")
-    ap.add_argument("--tree", default=ROOT, type=Path, help="the checkout whose kernels are compiled (default: this one)")
+    ap.add_argument("--tree", default=ROOT, type=Path,
+                    help="the checkout whose kernels are compiled (default: this one)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     types, parts = a.types.split(","), tuple(a.parts.split(","))

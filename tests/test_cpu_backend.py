@@ -306,10 +306,10 @@ def test_q6_k_x16_layout_by_hand(rng):
 @pytest.mark.parametrize("rows", [1, 3, 9])
 @pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1, Q5_1 and IQ4_NL, an odd number of blocks a row (768 weights
-    as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
-    against the reference on the same rounded activations and against the row kernel; serial ==
-    parallel repack."""
+    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1, Q5_1 and IQ4_NL, an odd
+    number of blocks a row (768 weights as the 30B-A3B shape's down experts; 288 for the
+    32-weight types, as gpt-oss's 2880 has 90): against the reference on the same rounded
+    activations and against the row kernel; serial == parallel repack."""
     qt = QTYPES_BY_NAME[name]
     k = 288 if qt.block_size == 32 else 768
     w = random_blocks(name, (48, k), rng)

@@ -8,5 +8,5 @@ from .repack import repack_x16, repack_x16_into, repack_x16_serial, x16_type
 from .small_ops import routed_rows
 from .target import describe as describe_target
 
-__all__ = ["SUPPORTED", "VNNI", "describe_target", "kernels_for", "repack_x16", "repack_x16_into", "repack_x16_serial", "routed_rows",
-           "x16_type"]
+__all__ = ["SUPPORTED", "VNNI", "describe_target", "kernels_for", "repack_x16", "repack_x16_into", "repack_x16_serial",
+           "routed_rows", "x16_type"]

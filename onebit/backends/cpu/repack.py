@@ -89,8 +89,9 @@ def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
 
 @cached(parallel=True, nogil=True)
 def repack_plain_x16(raw, out, ts, qb):
-    """MXFP4 (ts = 17, qb = 16), Q4_0 and IQ4_NL (18, 16), Q5_0 (22, 16), Q4_1 (20, 16), Q5_1 (24, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
-    N a multiple of 16) -> out (the same shape) in their X16 layout, on every thread."""
+    """MXFP4 (ts = 17, qb = 16), Q4_0 and IQ4_NL (18, 16), Q5_0 (22, 16), Q4_1 (20, 16), Q5_1 (24, 16)
+    or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts], N a multiple of 16) -> out (the same
+    shape) in their X16 layout, on every thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):

@@ -10,7 +10,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...formats.quants import QTYPES_BY_NAME, X16_BLOCK as X16_BLOCK_BYTES, X16_Q5_BLOCK, X16_Q6_BLOCK, X16_ROWS, iq4_values
+from ...formats.quants import (QTYPES_BY_NAME, X16_BLOCK as X16_BLOCK_BYTES, X16_Q5_BLOCK, X16_Q6_BLOCK, X16_ROWS,
+                               iq4_values)
 from .ir_blocks import FAST, FLT, HALF, I16, I32, I64, I8, _const, _load, _splat, _vec
 from .int_dots import A, IQ4_PLUS128, MXFP4_PLUS12, PAIRS, _dpbusd, _pshufb
 
