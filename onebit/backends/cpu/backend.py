@@ -163,8 +163,9 @@ class X16Policy(MemoryPolicy):
 
 
 class X16Experts:
-    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K, Q6_K, MXFP4, Q4_0,
-    Q5_0, IQ4_XS and Q8_0 experts in the kernels' X16 layouts on AVX-512 VNNI, in layers
+    """The cpu backend's ExpertLayout (backends/experts.py) for one file: experts of X16_TYPES (Q4_K,
+    Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q8_0) in the kernels' X16 layouts on
+    AVX-512 VNNI, in layers
     whose experts take the kernels' expert path (every part of a type the kernels read; expert
     biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file
     has them). At decode a step's experts are most of its bytes. Measured (2-core VM,
