@@ -14,7 +14,7 @@ from onebit.errors import OnebitError, UsageError, json_object
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
                       STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
-                      _model, _template_kwargs, cache_dir, default_model_path, load_spec,
+                      CPU_TARGET, _model, _template_kwargs, cache_dir, cpu_target, default_model_path, load_spec,
                       predict_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -46,8 +46,9 @@ def _version(value: bool) -> None:
 @app.callback()
 def root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    target: Optional[str] = CPU_TARGET,
 ) -> None:
-    pass
+    cpu_target(target)
 
 
 # -- shared options ---------------------------------------------------------------------
@@ -297,8 +298,18 @@ def info(
     path = default_model_path() if model is None else model
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
-    data = model_info(g, cfg)
+    data = model_info(g, cfg, _cpu_target())
     typer.echo(json.dumps(data, indent=2) if as_json else format_info(data))
+
+
+def _cpu_target() -> Optional[dict]:
+    """What the cpu backend's kernels are compiled for here, or None where numba cannot load."""
+    try:
+        from onebit.backends.cpu.target import describe
+
+        return describe()
+    except ImportError:  # (no numba here: the cpu backend cannot run)
+        return None
 
 
 @app.command(cls=Command)

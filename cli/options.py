@@ -90,6 +90,7 @@ LOOKUP_ENV = "ONEBIT_LOOKUP"
 PREDICT_ENV = "ONEBIT_MOE_PREDICT"  # the mode; ONEBIT_MOE_PREDICT_DEPTH etc. for each setting
 DEVICE_ENV = "ONEBIT_VULKAN_DEVICE"
 CACHE_ENV = "ONEBIT_CACHE_DIR"
+CPU_TARGET_ENV = "ONEBIT_CPU_TARGET"
 
 
 def _env(name: str) -> Optional[str]:
@@ -128,6 +129,17 @@ def _predict(**flags):
            for f in fields(PredictSettings)}
     raw.update({k: v for k, v in flags.items() if v is not None})
     return settings_from(**raw)
+
+
+def cpu_target(flag: Optional[str]) -> None:
+    """Compile the cpu kernels for --cpu-target, else $ONEBIT_CPU_TARGET (avx2: a CPU with AVX2
+    and FMA, no AVX-512), else for this machine (or numba's own $NUMBA_CPU_NAME and
+    $NUMBA_CPU_FEATURES, which numba reads)."""
+    name = flag if flag is not None else _env(CPU_TARGET_ENV)
+    if name is not None:
+        from onebit.backends.cpu.target import use
+
+        use(name)
 
 
 def cache_dir() -> Optional[Path]:
@@ -200,6 +212,10 @@ DEVICE = typer.Option(None, "--device", help="Vulkan device: index or name subst
 
 
 THREADS = typer.Option(None, "--threads", "-t", help="Threads of the cpu backend's kernels (default: every core).")
+
+
+CPU_TARGET = typer.Option(None, "--cpu-target", help="Instruction sets the cpu backend's kernels are compiled for: "
+                          "native (this CPU, the default) or avx2 (AVX2 and FMA, no AVX-512).")
 
 
 POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: global (one LRU) or layer.")

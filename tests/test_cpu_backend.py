@@ -304,12 +304,12 @@ def test_q6_k_x16_layout_by_hand(rng):
 @ALL_TYPES
 @pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS and Q8_0, an odd number of blocks a row (768 weights
-    as the 30B-A3B shape's down experts; 288 for the 32-weight types, as gpt-oss's 2880 has 90):
-    against the reference on the same rounded activations and against the row kernel; serial ==
-    parallel repack."""
+    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1, Q5_1 and IQ4_NL, an odd
+    number of blocks a row (768 weights as the 30B-A3B shape's down experts; 288 for the
+    32-weight types, as gpt-oss's 2880 has 90): against the reference on the same rounded
+    activations and against the row kernel; serial == parallel repack."""
     qt = QTYPES_BY_NAME[name]
     k = 288 if qt.block_size == 32 else 768
     w = random_blocks(name, (48, k), rng)
@@ -330,17 +330,19 @@ def test_x16_layout_products(rng, name, rows):
 
 
 @ALL_TYPES
-@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("name", ["MXFP4", "Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
 def test_plain_x16_layout_by_hand(rng, name):
-    """A group of 16 rows repacked: each row's scale field (and Q5_0's word of fifth bits) where
-    the layout puts it, and each weight's quant (a nibble; Q8_0's a byte) found again at its
-    place in the quants; Q5_0's weights rebuilt from the layout equal the reference's."""
+    """A group of 16 rows repacked: each row's scale field (Q4_1's and Q5_1's minimum, Q5_0's
+    and Q5_1's word of fifth bits) where the layout puts it, and each weight's quant (a nibble;
+    Q8_0's a byte) found again at its place in the quants; Q5_0's, Q4_1's, Q5_1's and IQ4_NL's
+    weights rebuilt from the layout equal the reference's."""
     if not int_dots.VNNI:
         pytest.skip("the X16 layouts are AVX-512 VNNI's")
     qt = QTYPES_BY_NAME[name]
     qb = 32 if name == "Q8_0" else 16  # quant bytes a block
     ts, sb = qt.type_size, qt.type_size - qb
-    fb = 1 if name == "MXFP4" else 2  # the scale's bytes; Q5_0's 4 bytes of fifth bits follow
+    fb = 1 if name == "MXFP4" else 2  # the scale's bytes; Q4_1's and Q5_1's minimum (2), the fifth bits (4) follow
+    mb = 2 if name in ("Q4_1", "Q5_1") else 0
     w = random_blocks(name, (16, 64), rng)  # two blocks a row
     p = repack.repack_x16(w, qt.type_id).reshape(2, 16 * ts)
     want_f = qt.dequantize(w)
@@ -350,8 +352,11 @@ def test_plain_x16_layout_by_hand(rng, name):
         for r in range(16):
             src = w[r, i * ts : (i + 1) * ts]
             assert bytes(blk[fb * r : fb * (r + 1)]) == bytes(src[:fb])
-            if sb > fb:
-                assert bytes(blk[16 * fb + 4 * r : 16 * fb + 4 * (r + 1)]) == bytes(src[fb:sb])
+            if mb:
+                assert bytes(blk[16 * fb + 2 * r : 16 * fb + 2 * (r + 1)]) == bytes(src[fb : fb + mb])
+            if sb > fb + mb:
+                at = 16 * (fb + mb) + 4 * r
+                assert bytes(blk[at : at + 4]) == bytes(src[fb + mb : sb])
             for wi in range(32):
                 if qb == 32:  # weight wi: byte wi of the quants
                     assert quants[wi // 4, r, wi % 4] == src[sb + wi]
@@ -359,10 +364,19 @@ def test_plain_x16_layout_by_hand(rng, name):
                 byte, want = quants[(wi % 16) // 4, r, wi % 4], src[sb + wi % 16]  # low nibble below 16
                 nib = byte >> 4 if wi >= 16 else byte & 15
                 assert nib == (want >> 4 if wi >= 16 else want & 15)
+                d = blk[2 * r : 2 * r + 2].view(np.float16).astype(np.float32)[0]
                 if name == "Q5_0":
-                    d = blk[2 * r : 2 * r + 2].view(np.float16).astype(np.float32)[0]
                     fifth = (int(blk[32 + 4 * r : 36 + 4 * r].view(np.uint32)[0]) >> wi) & 1
                     assert d * ((int(nib) | (fifth << 4)) - 16) == want_f[r, 32 * i + wi], (i, r, wi)
+                elif name in ("Q4_1", "Q5_1"):  # d q + m
+                    m = blk[32 + 2 * r : 34 + 2 * r].view(np.float16).astype(np.float32)[0]
+                    fifth = (int(blk[64 + 4 * r : 68 + 4 * r].view(np.uint32)[0]) >> wi) & 1 if name == "Q5_1" else 0
+                    got = np.float32(d * np.float32(int(nib) | (fifth << 4))) + m
+                    assert np.isclose(got, want_f[r, 32 * i + wi], rtol=1e-6, atol=1e-6 * abs(m)), (i, r, wi)
+                elif name == "IQ4_NL":  # d level[q]
+                    from onebit.formats.quants import iq4_values
+
+                    assert d * np.float32(iq4_values()[nib]) == want_f[r, 32 * i + wi], (i, r, wi)
 
 
 @ALL_TYPES

@@ -9,6 +9,7 @@ cached (dispatcher signatures, cache files), never by time.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,9 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     assert "compiling the cpu kernels for Q8_0, F32" in r.stderr  # said before it happens
+    seen = [tuple(map(int, m)) for m in re.findall(r"compiling kernels (\d+)/(\d+)", r.stderr)]  # (the progress)
+    # the kernels of its parts: dense 2, fused 2, experts 1, small 6
+    assert seen and seen[-1] == (11, 11) and seen == sorted(seen), r.stderr[-3000:]
 
 
 def ro(a):

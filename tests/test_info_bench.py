@@ -47,6 +47,8 @@ def test_bench_json():
     assert res["prompt_tokens"] == 16 and res["gen_tokens"] == 4 and len(res["decode_tps_runs"]) == 2
     assert res["prompt_tps"] > 0 and res["decode_tps"] > 0
     assert res["lookup"]["max_drafts"] == 0  # bench times plain decoding unless --lookup asks
+    if res["backend"] == "cpu":  # what its kernels were compiled for (tests/test_cpu_target.py: the targets)
+        assert res["cpu_target"]["cpu"].startswith("host (") and "sse4.2" in res["cpu_target"]["isa"]
 
 
 def test_info_missing_file():

@@ -64,6 +64,7 @@ def run_bench(model, prompt_tokens: int, gen_tokens: int, runs: int, lookup: int
         "backend": model.be.name,
         "backend_detail": describe(model.be),
         "threads": model.be.threads,
+        "cpu_target": model.be.cpu_target,  # (the cpu backend's: the CPU model and instruction sets compiled for)
         "prompt_tokens": len(prompt),
         "gen_tokens": gen_tokens,
         "runs": runs,

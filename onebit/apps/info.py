@@ -10,7 +10,9 @@ from ..chat_formats.chat_template import fallback_template
 from ..formats.gguf_file import GGUFFile, is_expert_tensor
 
 
-def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
+def model_info(g: GGUFFile, cfg: ModelConfig, cpu_target: dict | None = None) -> dict[str, Any]:
+    """The model's header facts; `cpu_target`: what the cpu backend's kernels are compiled for
+    here (its model and instruction sets), None where that backend cannot run."""
     by_type: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "params": 0})
     total = expert_params = 0
     for t in g.tensors.values():
@@ -55,6 +57,7 @@ def model_info(g: GGUFFile, cfg: ModelConfig) -> dict[str, Any]:
         "chat_template": "tokenizer.chat_template" in meta,
         "chat_template_fallback": fallback_template(meta.get("tokenizer.ggml.tokens"))[0],
         "types": dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"])),
+        "cpu_target": cpu_target,
     }
 
 
@@ -86,6 +89,11 @@ def format_info(info: dict[str, Any]) -> str:
         f"tokenizer       {tok['model']}" + (f" (pre {tok['pre']})" if tok["pre"] else "") + f", {tok['tokens']} tokens",
         "chat template   " + ("yes" if info["chat_template"] else f"no ({info['chat_template_fallback']} fallback)"),
         f"size            {info['file_bytes'] / 2**20:.2f} MiB",
+    ]
+    if info.get("cpu_target"):
+        target = info["cpu_target"]
+        lines.append(f"cpu target      {target['cpu']}: {' '.join(target['isa'])}")
+    lines += [
         "types:",
     ]
     for name, row in info["types"].items():

@@ -79,6 +79,7 @@ class Backend:
     # tensors (a copy where experts stream, the map's pages where all are resident)
     reads_map = True
     threads: Optional[int] = None  # compute threads where the backend sets them (cpu)
+    cpu_target: Optional[dict] = None  # where kernels are compiled for a CPU: its model and instruction sets (cpu)
     reference = False  # the plain twin every other backend is checked against (numpy)
     # for a routing predictor beside a device backend (model.Model.set_predict): whether the
     # host's work overlaps this backend's compute, and whether the host may read a pool's slots

@@ -28,8 +28,9 @@ while a kernel computes (held, the drive sat idle for the length of each kernel 
 
 Modules, lowest first: base (types, LUT, the disk cache's key), views, ir_blocks, decode,
 float_dots, int_dots, x16, repack, rows, products, small_ops, kernel_sets; kernels (what the
-backend calls, imported when a backend opens: numba is not loaded before); threads; backend
-(CpuBackend, X16Experts).
+backend calls, imported when a backend opens: numba is not loaded before); threads; target (the
+instruction sets the kernels are compiled for, which every choice of code path follows: the
+host's, or one named, such as AVX2 without AVX-512); backend (CpuBackend, X16Experts).
 """
 
 from .backend import CpuBackend, X16Experts

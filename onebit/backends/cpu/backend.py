@@ -64,6 +64,15 @@ FEW_ROWS = 4  # attention of at most this many query rows runs in the serial ker
 REPACK_PART = 32 << 20
 
 
+def _compile_progress(done: int, total: int) -> None:
+    """The first run's compile, on stderr: one line rewritten in a terminal, a line each elsewhere."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\ronebit: compiling kernels {done}/{total}" + ("\n" if done == total else ""))
+    else:
+        sys.stderr.write(f"onebit: compiling kernels {done}/{total}\n")
+    sys.stderr.flush()
+
+
 def default_threads() -> int:
     import numba
 
@@ -98,7 +107,7 @@ def _one_blas_thread() -> None:
 # its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and prompts' products run
 # 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
 X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS",
-                                                         "Q8_0"))
+                                                         "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"))
 # A file takes the X16 layouts only from this many bytes of tensors (a load's `repack_from`
 # setting overrides it). The layouts pay where the products read weights from memory; a smaller
 # file's weights stay in the caches, and its first run on a machine would compile the layouts'
@@ -154,8 +163,9 @@ class X16Policy(MemoryPolicy):
 
 
 class X16Experts:
-    """The cpu backend's ExpertLayout (backends/experts.py) for one file: Q4_K, Q6_K, MXFP4, Q4_0,
-    Q5_0, IQ4_XS and Q8_0 experts in the kernels' X16 layouts on AVX-512 VNNI, in layers
+    """The cpu backend's ExpertLayout (backends/experts.py) for one file: experts of X16_TYPES (Q4_K,
+    Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q8_0) in the kernels' X16 layouts on
+    AVX-512 VNNI, in layers
     whose experts take the kernels' expert path (every part of a type the kernels read; expert
     biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file
     has them). At decode a step's experts are most of its bytes. Measured (2-core VM,
@@ -200,6 +210,7 @@ class CpuBackend(NumpyBackend):
             raise UsageError(f"--threads {threads}: the cpu backend runs 1 to {numba.config.NUMBA_NUM_THREADS} "
                              "threads here (numba's thread pool: $NUMBA_NUM_THREADS, else every core)")
         self.policy = policy if policy is not None else self.memory_policy(gguf)
+        self.cpu_target = K.describe_target()
         self.K = K.kernels_for(gguf, self.policy.repacks)  # compiled for the file's quant types (or all, if cached)
         self._asked_threads, self._threads_set = threads, set()
         self.threads = threads if threads is not None else default_threads()
@@ -208,7 +219,7 @@ class CpuBackend(NumpyBackend):
         if self.K.cache_is_cold():  # the first run of these types on this machine: say so before it starts
             sys.stderr.write(f"onebit: compiling the cpu kernels for {', '.join(self.K.names)} (once per machine: "
                              "seconds per type, split over the cores)...\n")
-            filled = self.K.fill_cache()
+            filled = self.K.fill_cache(_compile_progress)
         seconds, compiled = self.K.warm_up()
         if filled or compiled:  # later runs load the kernels from numba's disk cache
             sys.stderr.write(f"onebit: compiled the cpu kernels in {filled + seconds:.1f} s (once: they are cached "

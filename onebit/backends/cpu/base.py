@@ -55,10 +55,11 @@ M = 32
 
 def _source_stamp() -> tuple[float, int]:
     """(newest modification time, total size) of the package's kernel modules: all but the
-    backend class's (backend.py), the thread policy's (threads.py) and the package's __init__."""
+    backend class's (backend.py), the thread policy's (threads.py), the compile target's
+    (target.py: numba keys its cache by the target itself) and the package's __init__."""
     here = os.path.dirname(os.path.abspath(__file__))
     files = [os.path.join(here, f) for f in sorted(os.listdir(here))
-             if f.endswith(".py") and f not in ("__init__.py", "backend.py", "threads.py")]
+             if f.endswith(".py") and f not in ("__init__.py", "backend.py", "threads.py", "target.py")]
     stats = [os.stat(f) for f in files]
     return max(s.st_mtime for s in stats), sum(s.st_size for s in stats)
 

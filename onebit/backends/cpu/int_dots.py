@@ -16,6 +16,7 @@ from .base import cached
 from .ir_blocks import (FAST, FLT, I16, I32, I64, I8, W, _const, _e8m0_half, _f16, _hsum, _ivec, _k_quants, _load,
                         _nibbles, _q5_bytes, _q6_quants, _splat, _two, _u32i, _v8, _vec)
 from .float_dots import _intrinsic_of
+from .target import has_vnni
 
 
 # -- integer dot products on 16-bit activations ----------------------------------------------
@@ -45,20 +46,6 @@ ROW_PAD = 32
 ACT_MAX = 32767.0
 
 
-def _has_vnni() -> bool:
-    """Whether the code numba makes here may use AVX-512 VNNI (vpdpbusd): the features numba
-    compiles for (NUMBA_CPU_FEATURES, else the host's; numba's disk cache is keyed by them too)."""
-    from numba.core import config
-
-    feats = config.CPU_FEATURES
-    if feats is None:
-        import llvmlite.binding as llvm
-
-        feats = llvm.get_host_cpu_features().flatten()
-    on = {f[1:] for f in feats.split(",") if f.startswith("+")}
-    return {"avx512vnni", "avx512bw"} <= on
-
-
 # Q4_K and Q5_K on AVX-512 VNNI: the int16 activation v is split exactly as v = 256 hi + lo
 # (hi: its signed high byte, lo: its unsigned low byte; `quantize_acts` stores both planes
 # after the int16 values), and a weight vector of 64 unsigned quants meets each plane in one
@@ -68,7 +55,7 @@ def _has_vnni() -> bool:
 # per 32. Q6_K's quants are stored unsigned (q = u - 32): the products take u, and the 32 x
 # sum of each 16 activations it owes (`quantize_acts` keeps those sums) comes off with the
 # scales. Q8_0's weights are signed (vpdpbusd wants one unsigned side): int16 path.
-VNNI = _has_vnni()
+VNNI = has_vnni()  # (the compile target's features, target.py: not the host's)
 VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS") if VNNI else ()
 
 

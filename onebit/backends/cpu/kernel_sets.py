@@ -90,6 +90,7 @@ REPACKS_OF.update({n: ("repack_plain_x16", "repack_plain_x16_serial") for n in N
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
 # 32-45), 3.5 for the small ops whatever the types.
 SMALL_COST, PART_COST, TYPE_COST, REPACK_COST = 3.5, 2.0, 1.6, 2.0
+PROGRESS_AFTER, PROGRESS_EVERY = 1.0, 0.5  # seconds: fill_cache's progress, first and between looks
 
 
 class Kernels:
@@ -134,15 +135,52 @@ class Kernels:
     def cache_is_cold(self) -> bool:
         return bool(self.cold_parts())
 
-    def fill_cache(self) -> float:
+    def fill_cache(self, progress=None) -> float:
         """Compile the cold parts into numba's disk cache (`_fill`), one process of a machine at a
         time (`_compile_lock`): a second that finds the set cold meanwhile (another `onebit` on a
         file of the same types, a worker of `pytest -n`) waits, then compiles what is still cold.
+        `progress(done, total)`: called with the count of the cold parts' kernels in the cache
+        as it grows, from a thread of its own, once the compile has taken PROGRESS_AFTER seconds.
         Returns the seconds spent compiling."""
         if not self.cold_parts():
             return 0.0
-        with self._compile_lock():
+        with self._compile_lock(), self._watch(progress):
             return self._fill()
+
+    @contextlib.contextmanager
+    def _watch(self, progress):
+        """While the block runs: progress(done, total) whenever the count of this set's cold
+        kernels in numba's disk cache changes (looked at every PROGRESS_EVERY seconds), the first
+        time after PROGRESS_AFTER seconds; once more at the end if it was called at all."""
+        if progress is None:
+            yield
+            return
+        import threading
+
+        todo = [k for p in self.cold_parts() for k in self.kernels((p,))]
+        todo = list({id(k): k for k in todo}.values())
+        stop, said = threading.Event(), [None]
+
+        def watch():
+            if stop.wait(PROGRESS_AFTER):
+                return
+            while True:
+                done = sum(_cached(k) for k in todo)
+                if done != said[0]:
+                    said[0] = done
+                    progress(done, len(todo))
+                if stop.wait(PROGRESS_EVERY):
+                    return
+
+        t = threading.Thread(target=watch, name="onebit-compile-progress", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
+            if said[0] is not None and said[0] != len(todo):
+                progress(sum(_cached(k) for k in todo), len(todo))
 
     def _fill(self) -> float:
         """Compile the cold parts side by side: groups of parts balanced by their cost (`_cost`),

@@ -6,6 +6,7 @@ from .int_dots import VNNI
 from .kernel_sets import kernels_for
 from .repack import repack_x16, repack_x16_into, repack_x16_serial, x16_type
 from .small_ops import routed_rows
+from .target import describe as describe_target
 
-__all__ = ["SUPPORTED", "VNNI", "kernels_for", "repack_x16", "repack_x16_into", "repack_x16_serial", "routed_rows",
-           "x16_type"]
+__all__ = ["SUPPORTED", "VNNI", "describe_target", "kernels_for", "repack_x16", "repack_x16_into", "repack_x16_serial",
+           "routed_rows", "x16_type"]

@@ -33,6 +33,14 @@ decode_row = _dispatch(_row_decoders(), "out, lut, m", "Raw bytes w of one row -
                        "weights); m = M.", _ORDER)
 
 
+@njit(inline="always")
+def ZERO():
+    """0 as an int64 value, not a constant: numba compiles a function called with the constant 0
+    for that constant, and `matmul_rows` (every type's row loops) was compiled three times for
+    each kernel set (n0 and col 0 or not: 1.3-1.5 s each for Q8_0 and F32, more per type)."""
+    return np.int64(0)
+
+
 @cached(nogil=True)
 def matmul_rows(out, x, a, w, qt, n0, n1, col):
     """out[:, col + n] = x @ row n of w, for n in [n0, n1); a = acts(x, is_int(qt))."""
@@ -53,13 +61,13 @@ def matmul(out, x, w, qt):
     a = acts(x, is_int(qt))
     ab, out, x, w = lent(a), borrowed(out), borrowed(x), borrowed(w)  # (no counted references in the loop)
     for c in prange((N + CHUNK - 1) // CHUNK):
-        matmul_rows(out, x, ab, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), 0)
+        matmul_rows(out, x, ab, w, qt, c * CHUNK, min(N, (c + 1) * CHUNK), ZERO())
     keep_alive(a)
 
 
 @cached(nogil=True)
 def matmul_serial(out, x, w, qt):
-    matmul_rows(out, x, acts(x, is_int(qt)), w, qt, 0, w.shape[0], 0)
+    matmul_rows(out, x, acts(x, is_int(qt)), w, qt, ZERO(), w.shape[0], ZERO())
 
 
 @cached(parallel=True, nogil=True)
@@ -74,7 +82,7 @@ def matmul3(out, x, w0, w1, w2, qt0, qt1, qt2):
     w0, w1, w2 = borrowed(w0), borrowed(w1), borrowed(w2)
     for c in prange(c1 + (N2 + CHUNK - 1) // CHUNK):
         if c < c0:
-            matmul_rows(out, x, ab, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), 0)
+            matmul_rows(out, x, ab, w0, qt0, c * CHUNK, min(N0, (c + 1) * CHUNK), ZERO())
         elif c < c1:
             matmul_rows(out, x, ab, w1, qt1, (c - c0) * CHUNK, min(N1, (c - c0 + 1) * CHUNK), N0)
         else:
@@ -113,8 +121,8 @@ def gate_up(x, a, gate, up, e, rows, qg, qu):
     xr, ar = _expert_rows(x, a, rows)  # [rows, dim]
     g = np.empty((n, hidden), np.float32)  # [rows, hidden]
     u = np.empty((n, hidden), np.float32)
-    matmul_rows(g, xr, ar, row_of(gate, e), qg, 0, hidden, 0)
-    matmul_rows(u, xr, ar, row_of(up, e), qu, 0, hidden, 0)
+    matmul_rows(g, xr, ar, row_of(gate, e), qg, ZERO(), hidden, ZERO())
+    matmul_rows(u, xr, ar, row_of(up, e), qu, ZERO(), hidden, ZERO())
     return g, u
 
 
@@ -127,7 +135,7 @@ def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
     for p in range(n):
         for i in range(hidden):
             g[p, i] = g[p, i] / (np.float32(1) + np.exp(-g[p, i])) * u[p, i]
-    matmul_rows(y, g, acts(g, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
+    matmul_rows(y, g, acts(g, is_int(qd)), row_of(down, e), qd, ZERO(), down.shape[1], ZERO())
 
 
 @cached(parallel=True, nogil=True)
@@ -165,7 +173,7 @@ def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alp
             gi = min(g[p, i] + bg[i], np.float32(limit))
             ui = min(max(u[p, i] + bu[i], np.float32(-limit)), np.float32(limit))
             g[p, i] = gi / (np.float32(1) + np.exp(np.float32(-alpha) * gi)) * (ui + np.float32(1))
-    matmul_rows(y, g, acts(g, is_int(qd)), row_of(down, e), qd, 0, down.shape[1], 0)
+    matmul_rows(y, g, acts(g, is_int(qd)), row_of(down, e), qd, ZERO(), down.shape[1], ZERO())
     for p in range(n):
         for d in range(y.shape[1]):
             y[p, d] += bd[d]

@@ -65,19 +65,23 @@ def repack_iq4_xs_x16_serial(raw, out):
 
 @njit(inline="always")
 def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
-    """Group g of MXFP4, Q4_0, Q5_0 or Q8_0 rows (`_repack_iq4xs_group`'s arguments; blocks of ts
-    bytes: a scale, Q5_0's 4 bytes of fifth bits, then qb quant bytes) in their X16 layout: the 16
-    rows' scales, their fifth bits, then the quants, 4 bytes (a 32-bit word) at a time."""
+    """Group g of MXFP4, Q4_0, IQ4_NL, Q5_0, Q4_1, Q5_1 or Q8_0 rows (`_repack_iq4xs_group`'s arguments;
+    blocks of ts bytes: a scale, Q4_1's and Q5_1's minimum, Q5_0's and Q5_1's 4 bytes of fifth
+    bits, then qb quant bytes) in their X16 layout: the 16 rows' scales, their minimums, their
+    fifth bits, then the quants, 4 bytes (a 32-bit word) at a time."""
     sb, nb = ts - qb, rb // ts
-    fb = min(sb, U(2))  # the scale's bytes (MXFP4's 1, the others' f16); then Q5_0's fifth bits
+    fb = min(sb, U(2))  # the scale's bytes (MXFP4's 1, the others' f16)
+    mb = (sb - fb) % U(4)  # the minimum's (Q4_1's and Q5_1's f16); then the fifth bits
     for r in range(X16):
         row = (g * U(X16) + U(r)) * rb
         for i in range(nb):
             base, s = (g * nb + U(i)) * U(X16) * ts, row + U(i) * ts
             for j in range(fb):
                 o[base + fb * U(r) + U(j)] = r8[s + U(j)]
-            if sb > fb:
-                o32[(base + U(X16) * fb) // U(4) + U(r)] = _word(r8, s + fb)
+            for j in range(mb):
+                o[base + U(X16) * fb + mb * U(r) + U(j)] = r8[s + fb + U(j)]
+            if sb > fb + mb:
+                o32[(base + U(X16) * (fb + mb)) // U(4) + U(r)] = _word(r8, s + fb + mb)
             w0 = (base + U(X16) * sb) // U(4) + U(r)
             for k in range(qb // U(4)):
                 o32[w0 + U(X16) * U(k)] = _word(r8, s + sb + U(4) * U(k))
@@ -85,8 +89,9 @@ def _repack_plain_group(r8, rb, o, o32, g, ts, qb):
 
 @cached(parallel=True, nogil=True)
 def repack_plain_x16(raw, out, ts, qb):
-    """MXFP4 (ts = 17, qb = 16), Q4_0 (18, 16), Q5_0 (22, 16) or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts],
-    N a multiple of 16) -> out (the same shape) in their X16 layout, on every thread."""
+    """MXFP4 (ts = 17, qb = 16), Q4_0 and IQ4_NL (18, 16), Q5_0 (22, 16), Q4_1 (20, 16), Q5_1 (24, 16)
+    or Q8_0 (34, 32) rows raw (uint8 [N, K / 32 x ts], N a multiple of 16) -> out (the same
+    shape) in their X16 layout, on every thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):

@@ -12,8 +12,8 @@ from .base import MORE_TYPES
 from .views import row_of
 from .float_dots import DOT1, DOT2, DOT4, DOT8, IR_TYPES
 from .int_dots import IDOT1, IDOT2, IDOT4, IDOT8, INT_TYPES, VNNI
-from .x16 import (X16, X16_TYPES, dot16_iq4_xs_x16, dot16_mxfp4_x16, dot16_q4_0_x16, dot16_q4_k_x16, dot16_q5_0_x16,
-                  dot16_q5_k_x16, dot16_q6_k_x16, dot16_q8_0_x16)
+from .x16 import (X16, X16_TYPES, dot16_iq4_nl_x16, dot16_iq4_xs_x16, dot16_mxfp4_x16, dot16_q4_0_x16, dot16_q4_1_x16,
+                  dot16_q4_k_x16, dot16_q5_0_x16, dot16_q5_1_x16, dot16_q5_k_x16, dot16_q6_k_x16, dot16_q8_0_x16)
 from .repack import x16_type
 
 
@@ -148,7 +148,8 @@ def _x16_rows(dot, name: str):
 ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
     ("Q4_K", dot16_q4_k_x16), ("Q5_K", dot16_q5_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
-    ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16), ("Q5_0", dot16_q5_0_x16))})
+    ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16), ("Q5_0", dot16_q5_0_x16), ("Q4_1", dot16_q4_1_x16),
+    ("Q5_1", dot16_q5_1_x16), ("IQ4_NL", dot16_iq4_nl_x16))})
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 

@@ -56,7 +56,7 @@ def attention(out, q, k, v, q_pos, window, scale):
     D], v: [S, Hkv, Dv] holding position p in row p % S (a sliding-window ring: S is its
     capacity); out: [R, H, Dv]. Row r sees positions 0..q_pos[r] (the last `window` only, if > 0).
     scale: the q.k scale (1 / sqrt(D) unless the model sets its own, as Gemma does)."""
-    _attend(out, q, k, v, q_pos, window, np.float32(scale), np.empty(0, np.float32), False)
+    _attend(out, q, k, v, q_pos, window, np.float32(scale), np.empty(0, np.float32))
 
 
 @cached(fastmath=FM, nogil=True)
@@ -64,13 +64,16 @@ def attention_sinks(out, q, k, v, q_pos, window, scale, sinks):
     """`attention` with a q.k scale of its own and attention sinks (gpt-oss): sinks[h] is a
     logit of head h that joins the softmax's denominator and weights no value. k, v hold
     position p in row p % S, as in `attention`."""
-    _attend(out, q, k, v, q_pos, window, np.float32(scale), sinks, True)
+    _attend(out, q, k, v, q_pos, window, np.float32(scale), sinks.copy())  # (a copy: writable, as attention's)
 
 
 @cached(parallel=True, fastmath=FM, nogil=True)
-def _attend(out, q, k, v, q_pos, window, scale, sinks, has_sinks):
+def _attend(out, q, k, v, q_pos, window, scale, sinks):
     """The loops of `attention` and `attention_sinks` (scale: float32): a (row, head) a thread,
-    each in the order a serial loop would run it (the same bits whatever the threads)."""
+    each in the order a serial loop would run it (the same bits whatever the threads). sinks:
+    empty, or a logit per head (attention_sinks); one signature for both callers (it was compiled
+    for each, 2-3 s of CPU apiece)."""
+    has_sinks = sinks.shape[0] > 0
     R, H, D = q.shape
     S, Hkv, Dv = v.shape
     group = H // Hkv

@@ -10,9 +10,12 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...formats.quants import QTYPES_BY_NAME, X16_BLOCK as X16_BLOCK_BYTES, X16_Q5_BLOCK, X16_Q6_BLOCK, X16_ROWS
+from ...formats.quants import (QTYPES_BY_NAME, X16_BLOCK as X16_BLOCK_BYTES, X16_Q5_BLOCK, X16_Q6_BLOCK, X16_ROWS,
+                               iq4_values)
 from .ir_blocks import FAST, FLT, HALF, I16, I32, I64, I8, _const, _load, _splat, _vec
 from .int_dots import A, IQ4_PLUS128, MXFP4_PLUS12, PAIRS, _dpbusd, _pshufb
+
+IQ4_LEVELS = [int(v) for v in iq4_values()]  # (signed bytes: -127 .. 113)
 
 
 # -- Q4_K rows repacked sixteen to a group (AVX-512 VNNI) ------------------------------------
@@ -229,9 +232,17 @@ dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 # unsigned bytes, as PAIRS (MXFP4 through its table: the doubled e2m1 value + 12; Q4_0 as stored,
 # 0..15 = q + 8; Q5_0 with its fifth bit, 0..31 = q + 16), and c x each block's activation sum
 # comes off with the scales. The same bytes as the rows, so every shape stays.
-NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0")
+# Q4_1 and Q5_1 (a minimum m per block after d: weight = d q + m, q = 0..15 / 0..31 as stored) in
+# the same arrangement, the 16 rows' m after their d (then Q5_1's fifth bits): their dot adds m x
+# each block's activation sum where Q4_0's takes c x it off ("Q4_1_X16", "Q5_1_X16": Gemma 3's
+# Q5_K_M file holds Q5_1 matrices).
+# IQ4_NL (Q4_0's block, its nibbles index IQ4's 16 levels) likewise, through two vpshufb tables:
+# its level (signed) meets the low plane (unsigned), its level + 128 (unsigned) the high plane
+# (signed), and 128 x 256 x each block's d x the sum of its high bytes (`quantize_acts`, as
+# IQ4_XS_X16's) comes off with the scales.
+NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ4_NL")
 X16_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
-MXFP4_X16, Q4_0_X16, Q5_0_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
+MXFP4_X16, Q4_0_X16, Q5_0_X16, Q4_1_X16, Q5_1_X16, IQ4_NL_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
 # FIFTH[x]: the 4 bits of x (0..15) as 0x10 in bytes 0..3 of a word (bit b -> byte b).
 FIFTH = [sum(((x >> i) & 1) << (8 * i + 4) for i in range(4)) for x in range(16)]
 
@@ -247,12 +258,17 @@ def _fifths(b, qh, shift: int):
 
 def _nibble_x16_codegen(name: str):
     ts = QTYPES_BY_NAME[name].type_size
-    sb = ts - 16  # scale (and fifth-bit) bytes a row's block
-    c = float(PAIRS[name])
+    sb = ts - 16  # scale (minimum, fifth-bit) bytes a row's block
+    with_min = name in ("Q4_1", "Q5_1")  # (weight = d q + m: m x the activation sum, added)
+    fifths = name in ("Q5_0", "Q5_1")
+    wide = name == "IQ4_NL"  # (levels signed: the low plane meets them, the high plane level + 128)
+    c = 0.0 if with_min else float(PAIRS[name])
 
     def codegen(context, builder, sig, args):
         b = builder
-        nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, X16 * ts)
+        nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, X16 * ts)
+        if wide:
+            xm = b.gep(xm, [b.mul(nblk, _const(I64, 3))])  # each block's d x the sum of its high bytes
         V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
         acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
         off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
@@ -267,8 +283,10 @@ def _nibble_x16_codegen(name: str):
                 dw = b.bitcast(b.select(b.icmp_unsigned("<", e, ir.Constant(V16I, [2] * 16)), small, big), V16F)
             else:
                 dw = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
-            if name == "Q5_0":
-                qh = _load(b, blk, 32, V16I)
+            if with_min:
+                mw = b.fpext(_load(b, blk, 32, _vec(HALF, 16)), V16F)
+            if fifths:
+                qh = _load(b, blk, 64 if with_min else 32, V16I)
             first = b.mul(i, _const(I64, 32))
             hi_sum, lo_sum = zero, zero
             for k in range(4):
@@ -276,17 +294,26 @@ def _nibble_x16_codegen(name: str):
                 lo4, hi4 = b.and_(wv, ir.Constant(V64, [15] * 64)), b.lshr(wv, ir.Constant(V64, [4] * 64))
                 if name == "MXFP4":
                     lo4, hi4 = _pshufb(b, MXFP4_PLUS12, lo4), _pshufb(b, MXFP4_PLUS12, hi4)
-                elif name == "Q5_0":
+                elif wide:
+                    lo4, hi4 = (_pshufb(b, IQ4_PLUS128, lo4), _pshufb(b, IQ4_LEVELS, lo4)), (
+                        _pshufb(b, IQ4_PLUS128, hi4), _pshufb(b, IQ4_LEVELS, hi4))
+                elif fifths:
                     lo4, hi4 = b.or_(lo4, _fifths(b, qh, 4 * k)), b.or_(hi4, _fifths(b, qh, 16 + 4 * k))
                 for h, q in enumerate((lo4, hi4)):
                     at = b.add(first, _const(I64, 16 * h + 4 * k))
-                    hi_sum = _dpbusd(b, hi_sum, q, spread(hi_p, at))
-                    lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), q)
+                    qu, qs = q if wide else (q, q)  # (the unsigned and the signed side)
+                    hi_sum = _dpbusd(b, hi_sum, qu, spread(hi_p, at))
+                    lo_sum = _dpbusd(b, lo_sum, spread(lo_p, at), qs)
             isum = b.add(b.shl(hi_sum, ir.Constant(V16I, [8] * 16)), lo_sum)
             dx, mx = _splat(b, _load(b, xd, i, FLT, align=4), 16), _splat(b, _load(b, xm, i, FLT, align=4), 16)
             b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), b.fmul(dw, dx), flags=FAST), flags=FAST), acc)
-            b.store(b.fadd(b.load(off), b.fmul(dw, mx)), off)
-        store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [c] * 16))))
+            b.store(b.fadd(b.load(off), b.fmul(mw if with_min else dw, mx)), off)
+        if with_min:
+            store(b.fadd(b.load(acc), b.load(off)))
+        elif wide:
+            store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [32768.0] * 16))))
+        else:
+            store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [c] * 16))))
         return context.get_dummy_value()
 
     return codegen
@@ -298,6 +325,12 @@ dot16_q4_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_0")))
 dot16_q4_0_x16.__doc__ = """`dot16_q4_k_x16` for Q4_0_X16 weights."""
 dot16_q5_0_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q5_0")))
 dot16_q5_0_x16.__doc__ = """`dot16_q4_k_x16` for Q5_0_X16 weights."""
+dot16_q4_1_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q4_1")))
+dot16_q4_1_x16.__doc__ = """`dot16_q4_k_x16` for Q4_1_X16 weights."""
+dot16_q5_1_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("Q5_1")))
+dot16_q5_1_x16.__doc__ = """`dot16_q4_k_x16` for Q5_1_X16 weights."""
+dot16_iq4_nl_x16 = intrinsic(_x16_typer(_nibble_x16_codegen("IQ4_NL")))
+dot16_iq4_nl_x16.__doc__ = """`dot16_q4_k_x16` for IQ4_NL_X16 weights."""
 
 
 # IQ4_XS (256 weights a block: f16 d, the 8 sub-blocks' 6-bit scales as 2 high bits in a u16 and
