@@ -241,8 +241,9 @@ def _research(flag: str, help: str):
 PREDICT_OPTIONS = {
     "mode": typer.Option(None, "--moe-predict", help="Routing prediction feeding the expert pool's prefetch: "
                                                      "auto, off, router or block (default $ONEBIT_MOE_PREDICT, else "
-                                                     "auto: block when experts stream, the gate turning it off "
-                                                     "where it does not pay; off when every expert is resident)."),
+                                                     "auto: when experts stream, router on the cpu backend and block "
+                                                     "on a GPU, the gate turning it off where it does not pay; "
+                                                     "off when every expert is resident)."),
     "depth": _research("--moe-predict-depth", "Rank this many candidates per layer (default top-k)."),
     "margin": _research("--moe-predict-margin", "Read a deeper candidate only while its router logit is within "
                                                 "this of the best."),

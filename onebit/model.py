@@ -118,8 +118,8 @@ class Model:
         """(plan, pool, the pool's slot memory, backend, prediction settings) for backend class
         `backend`, which answers for itself (backends/base.py): its device, the budget's limits
         there, how it holds this file's tensors, where a pool's slots live. Prediction "auto"
-        resolves to block where experts stream (its gate turns it off where it does not pay)
-        and off where every expert is resident. Memory is planned on every load, against the
+        resolves to router (host backends) or block (a device) where experts stream (its gate
+        turns it off where it does not pay) and off where every expert is resident. Memory is planned on every load, against the
         detected budget or the one given (memory.plan.plan_load: the same plan `onebit plan`
         prints): routed experts stream through a pool when they do not all fit with margin. A
         plan that does not fit is refused when a budget, slots or a context were asked for; with
@@ -139,7 +139,11 @@ class Model:
         plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
                          slots=spec.slots, policy=policy, predict_when_streaming=auto)
         if auto:
-            predict = dataclasses.replace(predict, mode="block" if plan.streaming else "off")
+            # (where experts stream: router prediction on a host backend, whose cores the
+            # prediction takes from the forward, block on a device, beside which the host is
+            # idle; bench/results/trained-routing-30b-streaming-2026-12-07.md)
+            mode = ("router" if backend.runs_on_host else "block") if plan.streaming else "off"
+            predict = dataclasses.replace(predict, mode=mode)
         if not plan.fits:
             if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None:
                 raise PlanError(plan)

@@ -78,7 +78,7 @@ def test_prediction_is_on_by_default_where_experts_stream_and_off_where_all_are_
     resident = onebit.load(big_shape, budget="4GiB", backend="cpu")
     off = onebit.load(big_shape, budget="600MiB", backend="cpu", predict="off")
     try:
-        assert streamed.pool is not None and streamed.predictor is not None and streamed.predictor.s.mode == "block"
+        assert streamed.pool is not None and streamed.predictor is not None and streamed.predictor.s.mode == "router"
         assert streamed.net.predictor is streamed.predictor
         scratch = [i for i in streamed.plan.items if i.component == "predicted-layer scratch"][0]
         assert scratch.bytes > 0  # the plan reserved the predictor's scratch

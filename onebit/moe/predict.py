@@ -51,7 +51,7 @@ from ..memory.plan import parse_layers
 from ..memory.pool import PROMPT_SHARE
 from ..pause import NO_PAUSES, PauseClient, PauseContext
 
-MODES = ("auto", "off", "router", "block")  # auto: block where experts stream, else off (Model resolves it)
+MODES = ("auto", "off", "router", "block")  # auto: where experts stream router (host) or block (device), else off (Model resolves it)
 DEEP_ABOVE, AHEAD_ABOVE = 0.15, 0.50
 HOLD = 0.5  # the gate explores prediction off only while the ledger prices it at under this share of a step
 SETTLE = 2  # decode steps after a multi-row forward that the ledger does not measure
@@ -191,9 +191,14 @@ class Gate(SpeedGate):
 
     The gate starts off and looks first: prediction can at most take off a step what the step
     waits on the drive, so the first LOOK decode steps run without it and measure the share of
-    their time spent waiting on expert reads (the pool's stall). Under STALL_ON the reads are
-    cheap and prediction would cost more than it could win back: the gate stays off (a
-    prompt's chunks, several rows, predict meanwhile as before). Otherwise it turns on. From there on only timing decides: decode
+    their time spent waiting on expert reads (the pool's stall). Under STALL_ON prediction
+    would cost more than it could win back: its wrong guesses are reads too (drive time, and
+    for packed layouts the readers' CPU beside the forward's), and measured on the cpu backend
+    it paid only where the drive held decode steps more than half of their time (the 30B-A3B
+    shape at 8 GiB: 57% and 73% stalled, router prediction 1.1-1.2x off; the 0.86B MoE with
+    384 and 768 slots: 47% and 25% stalled, off the fastest; bench/results/
+    trained-routing-30b-streaming-2026-12-07.md). There the gate stays off (a prompt's
+    chunks, several rows, predict meanwhile as before). Otherwise it turns on. From there on only timing decides: decode
     forwards (one row) are timed start to start in windows of WINDOW; each window's median step
     goes to a running mean for the state it ran in; after FIRST windows the gate tries the other
     state for a window, then runs the faster one and tries the other again EXPLORE windows
@@ -202,7 +207,7 @@ class Gate(SpeedGate):
     ahead depends on the gate, never the output."""
 
     WINDOW, EXPLORE, DECAY, FIRST, CAP = 8, 6, 0.7, 2, 32
-    LOOK, STALL_ON = 2, 0.15
+    LOOK, STALL_ON = 2, 0.5
 
     def __init__(self):
         super().__init__(self.EXPLORE, self.DECAY, state={"on": False}, first=self.FIRST, cap=self.CAP)
