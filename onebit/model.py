@@ -143,7 +143,7 @@ class Model:
             # prediction takes from the forward, block on a device, beside which the host is
             # idle; bench/results/trained-routing-30b-streaming-2026-12-07.md)
             mode = ("router" if backend.runs_on_host else "block") if plan.streaming else "off"
-            predict = dataclasses.replace(predict, mode=mode)
+            predict = dataclasses.replace(predict, mode=mode, look=True)
         if not plan.fits:
             if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None:
                 raise PlanError(plan)

@@ -100,9 +100,9 @@ def test_serve_renders_with_chat_tokens(qwen3_model, monkeypatch):
     assert off != on  # the request's variables over the model's
     engine = Engine(m, sampling=Sampling())
     try:
-        assert engine._prompt_ids(Work(None, messages=msgs)) == off
-        assert engine._prompt_ids(Work(None, messages=msgs, template_kwargs={"enable_thinking": True})) == on
-        assert engine._prompt_ids(Work(None, messages=msgs, tools=[WEATHER])) == m.chat_tokens(msgs, tools=[WEATHER])
+        assert engine._prompt_ids(Work(None, messages=msgs), 4096) == off
+        assert engine._prompt_ids(Work(None, messages=msgs, template_kwargs={"enable_thinking": True}), 4096) == on
+        assert engine._prompt_ids(Work(None, messages=msgs, tools=[WEATHER]), 4096) == m.chat_tokens(msgs, tools=[WEATHER])
     finally:
         engine.stop()
         engine.thread.join(60)

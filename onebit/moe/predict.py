@@ -71,6 +71,7 @@ class PredictSettings:
     own: int = 1  # block mode: add this many of the current layer's top experts' output to the residual first
     out: Optional[str] = None  # per-token predicted / actual trace (JSONL)
     stats: bool = False  # print the per-layer table at exit
+    look: bool = False  # the gate looks at the stall before predicting (the default's; see Gate)
 
     @property
     def on(self) -> bool:
@@ -189,7 +190,8 @@ class _Pending:
 class Gate(SpeedGate):
     """Prediction on or off by measured decode time: whichever has made decode steps faster.
 
-    The gate starts off and looks first: prediction can at most take off a step what the step
+    Asked for by name (router, block), prediction starts on. As the default (auto), the gate
+    starts off and looks first (`look`): prediction can at most take off a step what the step
     waits on the drive, so the first LOOK decode steps run without it and measure the share of
     their time spent waiting on expert reads (the pool's stall). Under STALL_ON prediction
     would cost more than it could win back: its wrong guesses are reads too (drive time, and
@@ -209,12 +211,12 @@ class Gate(SpeedGate):
     WINDOW, EXPLORE, DECAY, FIRST, CAP = 8, 6, 0.7, 2, 32
     LOOK, STALL_ON = 2, 0.5
 
-    def __init__(self):
-        super().__init__(self.EXPLORE, self.DECAY, state={"on": False}, first=self.FIRST, cap=self.CAP)
+    def __init__(self, look: bool = True):
+        super().__init__(self.EXPLORE, self.DECAY, state={"on": not look}, first=self.FIRST, cap=self.CAP)
         self._t: Optional[float] = None
         self._acc: list[float] = []
         self._stall: Optional[float] = None  # the pool's stall seconds when the last one-row step started
-        self.looked = 0  # decode steps measured while looking
+        self.looked = 0 if look else self.LOOK  # decode steps measured while looking
         self.look = [0.0, 0.0]  # their seconds and their stall seconds
 
     def step(self, rows: int, pays: Optional[Callable[[float], bool]] = None, stall: float = 0.0) -> bool:
@@ -468,7 +470,7 @@ class Predictor(PauseClient):
         share = (1 - self.k / cfg.n_experts) if cfg.n_experts > self.k else 0.0
         self.bulk_rows = max(2, math.ceil(math.log(1 - PROMPT_SHARE) / math.log(share))) if share > 0 else 2
         self._bulk = False
-        self.gate = Gate()
+        self.gate = Gate(look=settings.look)
         self.active = True
         top = BLOCK if settings.mode == "block" and not settings.no_attn else ROUTER
         # layer l's own expert output is what block mode's residual lacks (bench_predict --why):
