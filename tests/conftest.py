@@ -133,3 +133,15 @@ def greedy_tokens(m, ids: np.ndarray, n: int) -> list[int]:
         out.append(tok)
         logits = m.net.forward(np.array([tok], np.int64), cache)
     return out
+
+
+def stop_process(proc) -> None:
+    """SIGTERM a server process the test started; kill it if it has not ended in 30 s."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 pytest.importorskip("fastapi")
 
-from conftest import fixture_path  # noqa: E402
+from conftest import fixture_path, stop_process  # noqa: E402
 from ggufedit import rewrite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,11 +71,7 @@ def server(tmp_path_factory):
     try:
         yield url, log
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 pytest.importorskip("fastapi")
 
-from conftest import fixture_path  # noqa: E402
+from conftest import fixture_path, stop_process  # noqa: E402
 from ggufedit import rewrite  # noqa: E402
 from test_serve import CTX, DEFAULT, QWEN3_TEMPLATE, call, start  # noqa: E402
 
@@ -38,14 +38,6 @@ OPEN_WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-def _stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except Exception:  # noqa: BLE001 - killed below
-        proc.kill()
-
-
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-one")
@@ -55,7 +47,7 @@ def one(tmp_path_factory):
     try:
         yield url, log
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +63,7 @@ def tools(tmp_path_factory):
     try:
         yield url, log
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +210,7 @@ def test_health_from_the_start(tmp_path):
             time.sleep(0.02)
         assert seen[-1] == (200, "ok") and set(seen[:-1]) <= {(503, "loading")}, seen
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 # -- 3. embeddings, logprobs, echo, n --------------------------------------------------------
@@ -581,7 +573,7 @@ def test_chat_template_file(tmp_path):
         want = m.chat_tokens([{"role": "user", "content": "Hi"}], tools=[OPEN_WEATHER])
         assert r.usage.prompt_tokens == len(want)  # Qwen3's template, showing the tool itself
     finally:
-        _stop(proc)
+        stop_process(proc)
     for args in (["--chat-template", str(tmp_path / "none")], ["--chat-template-file", str(tmp_path / "none")],
                  ["--chat-template", str(path), "--chat-template-file", str(path)]):
         r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", *args, "--port", "0"],
@@ -647,11 +639,7 @@ def browser(tmp_path):
         with ws_client.connect(ws_url, max_size=None, open_timeout=30) as ws:
             yield Page(ws)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def test_chat_page_streams_a_reply(tmp_path, browser):
