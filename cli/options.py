@@ -28,11 +28,15 @@ LOUD_BYTES = 1 << 30  # a resident load of a file this large says what the plan 
 def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
               budget: Optional[str] = None, policy: str = "global", device: Optional[str] = None, predict=None,
               threads: Optional[int] = None, template_kwargs: Optional[dict] = None):
-    """The LoadSpec of a command's load flags, checked before anything is loaded."""
+    """The LoadSpec of a command's load flags, checked before anything is loaded. A streamed
+    model keeps the experts it used most under the cache folder (`cache_dir()/experts`), read
+    first by its next load (none with $ONEBIT_CACHE_DIR=off)."""
     from onebit.model import LoadSpec
 
+    kept = cache_dir()
     spec = LoadSpec(path=model, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget, pool_policy=policy,
-                    device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}))
+                    device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}),
+                    warm_dir=None if kept is None else str(kept / "experts"))
     if ctx is not None:
         _check_ctx(spec.model_path(), ctx)
     if threads is not None and threads < 1:
