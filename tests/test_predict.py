@@ -409,12 +409,13 @@ def test_prefetch_never_evicts_what_the_current_layer_needs():
 @pytest.mark.parametrize("faster", [True, False])
 def test_gate_runs_whichever_state_makes_decode_faster(monkeypatch, faster):
     """With prediction on costing 1 s a step and off 2 s (or the reverse), the gate spends most
-    windows in the faster state and still tries the other now and then."""
+    windows in the faster state and still tries the other now and then (a mode asked for by
+    name: it starts on and does not look at the stall)."""
     import time as time_mod
 
     from onebit.moe.predict import Gate
 
-    g = Gate()
+    g = Gate(look=False)
     clock = [0.0]
     monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
     states = []
@@ -449,6 +450,27 @@ def test_gate_looks_at_the_stall_before_predicting(monkeypatch, stall_share, on)
     assert states[:2] == [False, False]  # looking
     assert all(s is on for s in states[2:])
     assert g.looked == Gate.LOOK
+
+
+@pytest.mark.parametrize("stall_share, tried", [(0.2, False), (0.7, True)])
+def test_a_gate_that_looked_tries_prediction_only_where_steps_stall(monkeypatch, stall_share, tried):
+    """After looking (a tenth of each step stalled: off), the default gate stays off while its
+    windows stall under STALL_ON: no trial of prediction, however many windows pass; where the
+    stall grows past it (a pool that got too small for the text), the trial comes as before."""
+    import time as time_mod
+
+    from onebit.moe.predict import Gate
+
+    g = Gate()
+    clock = [0.0]
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: clock[0])
+    states, stall = [], 0.0
+    for i in range(2 + 40 * Gate.WINDOW):
+        states.append(g.step(1, stall=stall))
+        clock[0] += 1.0
+        stall += 0.1 if i < 2 else stall_share
+    assert states[:3] == [False, False, False]
+    assert any(states) is tried
 
 
 def gate_states(gate, cost, windows):

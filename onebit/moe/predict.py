@@ -200,11 +200,16 @@ class Gate(SpeedGate):
     shape at 8 GiB: 57% and 73% stalled, router prediction 1.1-1.2x off; the 0.86B MoE with
     384 and 768 slots: 47% and 25% stalled, off the fastest; bench/results/
     trained-routing-30b-streaming-2026-12-07.md). There the gate stays off (a prompt's
-    chunks, several rows, predict meanwhile as before). Otherwise it turns on. From there on only timing decides: decode
-    forwards (one row) are timed start to start in windows of WINDOW; each window's median step
-    goes to a running mean for the state it ran in; after FIRST windows the gate tries the other
-    state for a window, then runs the faster one and tries the other again EXPLORE windows
-    later, the gap doubling (up to CAP windows) each time the trial loses (SpeedGate). Off means
+    chunks, several rows, predict meanwhile as before). Otherwise it turns on. From there on
+    timing decides: decode forwards (one row) are timed start to start in windows of WINDOW;
+    each window's median step goes to a running mean for the state it ran in; after FIRST
+    windows the gate tries the other state for a window, then runs the faster one and tries the
+    other again EXPLORE windows later, the gap doubling (up to CAP windows) each time the trial
+    loses (SpeedGate). A gate that looked keeps looking while off: a trial of prediction is due
+    only after a window stalled STALL_ON of its time or more (else it is skipped as lost), since
+    below that a trial costs its wrong reads and the prediction's compute for a step it cannot
+    shorten by more than the stall (the 0.86B MoE at 768 slots: trials held the default at
+    0.89-0.92 of off over 24 and 160 tokens, 3973c38). Off means
     no prediction at all (no prefetches, no prediction compute). Only which experts are read
     ahead depends on the gate, never the output."""
 
@@ -215,7 +220,9 @@ class Gate(SpeedGate):
         super().__init__(self.EXPLORE, self.DECAY, state={"on": not look}, first=self.FIRST, cap=self.CAP)
         self._t: Optional[float] = None
         self._acc: list[float] = []
+        self._acc_stall = 0.0  # the stall seconds of the window's steps
         self._stall: Optional[float] = None  # the pool's stall seconds when the last one-row step started
+        self.looks = look  # (a trial of prediction only where a window stalled STALL_ON)
         self.looked = 0 if look else self.LOOK  # decode steps measured while looking
         self.look = [0.0, 0.0]  # their seconds and their stall seconds
 
@@ -235,6 +242,7 @@ class Gate(SpeedGate):
                     self.state["on"] = True
             else:
                 self._acc.append(now - self._t)
+                self._acc_stall += stall - self._stall
         self._t, self._stall = (now, stall) if rows == 1 else (None, None)
         if looking:
             if self.looked == self.LOOK:
@@ -243,8 +251,10 @@ class Gate(SpeedGate):
             return rows > 1  # (a prompt's chunk predicts as before: it is no decode step to look at)
         if len(self._acc) >= self.WINDOW:
             m = sorted(self._acc)[len(self._acc) // 2]  # the window's median step
-            self._acc = []
-            if self.window(m, self.on and pays is not None and pays(m)):
+            calm = self._acc_stall < self.STALL_ON * sum(self._acc)
+            self._acc, self._acc_stall = [], 0.0
+            hold = (pays is not None and pays(m)) if self.on else (self.looks and calm)
+            if self.window(m, hold):
                 self._t = None  # the first step after a switch carries the old state's work
         return self.on
 
