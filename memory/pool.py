@@ -88,6 +88,8 @@ class _Slot:
     ready: threading.Event = field(default_factory=threading.Event)
     prefetched: bool = False  # loaded by a prefetch and not yet acquired
     error: Optional[BaseException] = None
+    parts_left: int = 0  # parts of the expert still to read (ready when none)
+    started: float = 0.0  # when the first of them started
 
 
 class _Source:
@@ -269,7 +271,7 @@ class ExpertPool(StreamedExperts):
         # per layer, for the predictor's ledger (moe/predict.py): prefetch hits, demand misses,
         # wasted prefetches, stall seconds, stall seconds of acquires that had a demand miss
         self.by_layer: dict[int, list] = {layer: [0, 0, 0, 0.0, 0.0] for layer in self.class_of_layer}
-        self.reads, self.read_seconds = 0, 0.0  # reads done and their summed durations (one expert each)
+        self.reads, self.read_seconds = 0, 0.0  # experts read and their summed durations (first part start to last end)
         self.read_cpu_seconds = 0.0  # the reader threads' CPU time for them (what a read takes from compute)
         self.lock = threading.Condition()
         # Acquires waiting in _victim for a slot to be unpinned. A release wakes the lock's
@@ -645,21 +647,25 @@ class ExpertPool(StreamedExperts):
         s.ready = threading.Event()
         s.error = None
         s.prefetched = priority == PREFETCH and guess
+        s.parts_left = len(EXPERT_PARTS)
         self.where[key] = s
         if priority == PREFETCH:
             self._to_lru(s)  # unpinned, but most recently used
-        heapq.heappush(self.queue, (priority, next(self.seq), s, key))
+        for part in EXPERT_PARTS:  # (each part its own read: readers pack one while others read)
+            heapq.heappush(self.queue, (priority, next(self.seq), s, key, part))
         self.lock.notify_all()
         return s
 
     def _work(self) -> None:
+        """A reader thread: one part of one expert at a time, demand reads first. The expert's
+        slot is ready when its last part is in (or one failed: the error is the slot's)."""
         while True:
             with self.lock:
                 while not self.queue and not self.closed:
                     self.lock.wait()
                 if self.closed:
                     return
-                _, _, s, key = heapq.heappop(self.queue)
+                _, _, s, key, part = heapq.heappop(self.queue)
                 if s.key != key:  # evicted before its read started
                     continue
                 # Demand reads bypass queued prefetches; pin while reading so it is not reused.
@@ -669,39 +675,43 @@ class ExpertPool(StreamedExperts):
                 if self.in_flight == 0:
                     self._busy_since = time.perf_counter()
                 self.in_flight += 1
+                if s.parts_left == len(EXPERT_PARTS):
+                    s.started = time.perf_counter()
             layer, e = key
             err = None
             n = 0
-            t0, c0 = time.perf_counter(), time.thread_time()
+            c0 = time.thread_time()
+            src = self.sources[(layer, part)]
             try:
-                for part in EXPERT_PARTS:
-                    src = self.sources[(layer, part)]
-                    dst = self.buffers[s.cls][part][s.index]
-                    at = src.offset + e * src.nbytes
-                    if src.pack is not None:
-                        n += self.readers[src.file].read_into(dst, at, src.shape, src.pack)
-                    else:
-                        n += self.readers[src.file].read_into(dst, at)
+                dst = self.buffers[s.cls][part][s.index]
+                at = src.offset + e * src.nbytes
+                if src.pack is not None:
+                    n = self.readers[src.file].read_into(dst, at, src.shape, src.pack)
+                else:
+                    n = self.readers[src.file].read_into(dst, at)
             except StreamReadError as ex:
                 err = ex
             except OSError as ex:
                 err = StreamReadError(f"{src.file}: read error while streaming experts ({ex.strerror or ex})")
-            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            cpu = time.thread_time() - c0
             with self.lock:
                 self.stats.bytes_read += n
-                self.reads += 1
-                self.gguf.reads += 1  # (the model checks the file after a forward when this moved)
-                self.read_seconds += dt
                 self.read_cpu_seconds += cpu
                 self.in_flight -= 1
                 if self.in_flight == 0:
                     self.stats.busy_seconds += time.perf_counter() - self._busy_since
-                s.error = err
+                if err is not None and s.error is None:
+                    s.error = err
                 s.pins -= 1
+                s.parts_left -= 1
+                if s.parts_left == 0:
+                    self.reads += 1
+                    self.gguf.reads += 1  # (the model checks the file after a forward when this moved)
+                    self.read_seconds += time.perf_counter() - s.started
+                    if s.error is not None and s.key == key:
+                        del self.where[key]
+                        s.key = None
+                    s.ready.set()
                 if s.pins == 0:
                     self._to_lru(s)
-                if err is not None and s.key == key:
-                    del self.where[key]
-                    s.key = None
-                s.ready.set()
                 self.lock.notify_all()
