@@ -328,8 +328,10 @@ def plan(
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context length to plan the KV cache for (default: as a "
                                                           "load picks it: min(model's, 4096), less when streaming)."),
     layers: str = typer.Option("", "--moe-predict-layers", "--layers",
-                               help="Layers whose next-layer routing is predicted, e.g. 1,2,5-9 "
-                                    "(default: as a load does: every MoE layer when streaming)."),
+                               help="Layers whose next-layer routing is predicted in block mode (their "
+                                    "scratch is counted), e.g. 1,2,5-9 (default: as a load does: every MoE "
+                                    "layer when streaming on a GPU; none on the cpu, whose default router "
+                                    "prediction needs no scratch)."),
     slots: str = typer.Option("auto", "--slots", help="Expert slots: a number, or auto (what fits)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Memory budget, e.g. 12GiB (default: detected)."),
     reserve: Optional[str] = typer.Option(None, "--reserve", help="Left for the OS when detecting (default 1GiB)."),
@@ -355,7 +357,8 @@ def plan(
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
-                  verify_rows=verify_rows, policy=cls.memory_policy(g), predict_when_streaming=not layers)
+                  verify_rows=verify_rows, policy=cls.memory_policy(g),
+                  predict_when_streaming=not layers and not cls.runs_on_host)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 

@@ -140,8 +140,11 @@ class Model:
         predict = as_settings(spec.predict)
         auto = predict.mode == "auto"
         b = detect_budget(spec.budget, **backend.device_limits(spec.device))
+        # scratch for block prediction only: router prediction (auto's on a host backend) needs
+        # one row's router logits a layer, no mixer's activations or K/V (106 MiB, 36 slots, on
+        # the 30B-A3B shape at 8 GiB)
         plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
-                         slots=spec.slots, policy=policy, predict_when_streaming=auto)
+                         slots=spec.slots, policy=policy, predict_when_streaming=auto and not backend.runs_on_host)
         if auto:
             # (where experts stream: router prediction on a host backend, whose cores the
             # prediction takes from the forward, block on a device, beside which the host is
@@ -401,11 +404,12 @@ def _free(be, pool, slots) -> None:
 
 
 def _predicted_layers(cfg, predict) -> str:
-    """The --layers spec a plan reserves prediction scratch for: the layers `predict` predicts."""
+    """The --layers spec a plan reserves prediction scratch for: the layers `predict` predicts in
+    block mode (a mixer run ahead into scratch K/V)."""
     from .moe.predict import as_settings
 
     predict = as_settings(predict)
-    if not predict.on:
+    if not predict.on or predict.mode == "router":  # (router prediction runs in no scratch: block's only)
         return ""
     if predict.layers:
         return predict.layers

@@ -81,12 +81,19 @@ def test_prediction_is_on_by_default_where_experts_stream_and_off_where_all_are_
         assert streamed.pool is not None and streamed.predictor is not None and streamed.predictor.s.mode == "router"
         assert streamed.net.predictor is streamed.predictor
         scratch = [i for i in streamed.plan.items if i.component == "predicted-layer scratch"][0]
-        assert scratch.bytes > 0  # the plan reserved the predictor's scratch
+        assert scratch.bytes == 0  # router prediction runs in no scratch: its slots get the memory
+        assert streamed.pool.n_slots == off.pool.n_slots
+        blocked = onebit.load(big_shape, budget="600MiB", backend="cpu", predict="block")
+        try:  # block prediction runs each layer's mixer ahead into scratch: reserved, fewer slots
+            scratch = [i for i in blocked.plan.items if i.component == "predicted-layer scratch"][0]
+            assert scratch.bytes > 0 and blocked.pool.n_slots < streamed.pool.n_slots
+        finally:
+            blocked.close()
         assert resident.pool is None and resident.predictor is None
         assert off.pool is not None and off.predictor is None
-        # what onebit plan prints for the same budget agrees (it reserves the same scratch)
+        # what onebit plan prints for the same budget agrees (the cpu's default reserves no scratch)
         shown = json.loads(cli("plan", str(big_shape), "--budget", "600MiB", "--backend", "cpu", "--json").stdout)
-        assert shown["slots"] == streamed.pool.n_slots and shown["predicted_layers"] == [0, 1]
+        assert shown["slots"] == streamed.pool.n_slots and shown["predicted_layers"] == []
     finally:
         for m in (streamed, resident, off):
             m.close()
