@@ -25,6 +25,8 @@ alternate within a round; figures are medians over rounds. What each line prints
   together (max(resident step, missed bytes / measured O_DIRECT rate); the bytes alone when
   no resident run was measured), and the ratio to each; "of run": a streamed run's decode
   against the same limit at the rate its own reads ran at while the drive was busy;
+- "cores": the process's CPU seconds per decode second (every thread: the kernels' and the
+  pool's readers, which read and repack each expert), out of the machine's cores;
 - "same": whether the greedy tokens equal the resident run's (or the first onebit run's).
 
 --cold adds, per configuration, a fresh process started with the page cache dropped (root):
@@ -166,12 +168,14 @@ def run_onebit(cfg: dict) -> dict:
     if trace:
         m.hook.phase = "decode"
     before = snap()
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     for _ in range(cfg["tokens"]):
         logits = m.net.forward(np.array([tok]), cache, hook=m.hook, last_only=True)
         tok = int(logits[-1].argmax())
         toks.append(tok)
     dt = time.perf_counter() - t0
+    out["cpu_per_token_s"] = (time.process_time() - cpu0) / cfg["tokens"]  # (every thread: kernels, readers)
     if trace:
         m.hook.close()
         m.hook = None
@@ -381,7 +385,7 @@ def report(path: str, info: dict, runs: dict, cold: dict) -> None:
     print(f"\n{path}")
     print(f"{'run':<40} {'prompt':>7} {'ttft':>6} {'decode':>7} {'vs llama':>8} {'hit':>6} {'pf hit':>6} "
           f"{'stall':>7} {'read':>8} {'drive':>6} {'limit':>6} {'of lim':>6} {'of run':>6} {'RSS':>6} "
-          f"{'reuse':>6} {'win8':>6} {'lru':>6} {'belady':>6} {'same':>5}" + (f" {'cold':>6}" if cold else ""))
+          f"{'reuse':>6} {'win8':>6} {'lru':>6} {'belady':>6} {'cores':>5} {'same':>5}" + (f" {'cold':>6}" if cold else ""))
     for name in runs:
         if not has(name, "decode_tps"):
             print(f"{name:<40} failed: {runs[name][0].get('error') if runs[name] else 'not run'}")
@@ -405,7 +409,7 @@ def report(path: str, info: dict, runs: dict, cold: dict) -> None:
                 f"{med(name, 'hit_rate'):6.1%} {med(name, 'prefetch_hits'):6.1f} {med(name, 'stall_ms'):6.0f}ms "
                 f"{read:6.0f}Mi {med(name, 'drive_gbs'):6.2f} {limit:6.2f} {dec / limit:6.2f} {of_run:6.2f} "
                 f"{med(name, 'peak_rss_gib'):6.2f} {med(name, 'reuse'):6.3f} {med(name, 'within8'):6.3f} "
-                f"{med(name, 'lru'):6.1%} {med(name, 'belady'):6.1%} {same:>5}")
+                f"{med(name, 'lru'):6.1%} {med(name, 'belady'):6.1%} {med(name, 'cpu_per_token_s') * dec:5.2f} {same:>5}")
         if cold:
             c = [x["start_to_token_s"] for x in cold.get(name, []) if "start_to_token_s" in x]
             line += f" {statistics.median(c):6.1f}" if c else f" {'-':>6}"
