@@ -51,6 +51,7 @@ class LoadSpec:
     # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
     repack_from: Optional[int] = None
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
+    sequences: int = 1  # caches the plan holds room for (serve's --parallel: sequences decoded together)
 
     def model_path(self) -> str:
         return self.path if self.path is not None else shipped_model_path()
@@ -137,7 +138,7 @@ class Model:
         auto = predict.mode == "auto"
         b = detect_budget(spec.budget, **backend.device_limits(spec.device))
         plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
-                         slots=spec.slots, policy=policy, predict_when_streaming=auto)
+                         slots=spec.slots, policy=policy, predict_when_streaming=auto, sequences=spec.sequences)
         if auto:
             # (where experts stream: router prediction on a host backend, whose cores the
             # prediction takes from the forward, block on a device, beside which the host is
