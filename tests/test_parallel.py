@@ -111,3 +111,46 @@ def test_a_backend_without_batches_is_refused():
             m.net.forward_batch([(a, m.new_cache()), (b, m.new_cache())])
     finally:
         del m.be.batches_sequences
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streamed_experts_read_once_per_step_for_every_sequence(backend):
+    """Experts streamed through a pool of 3 slots: the batched sequences' tokens equal the
+    resident model's alone; a step's experts are acquired once for all its rows, so the batched
+    run reads fewer expert bytes than the same sequences one after another."""
+    path = fixture_path("qwen3moe-f32.gguf")
+    resident = load("qwen3moe-f32", backend)
+    ids = prompts(resident, 4)
+    want = [alone(resident, p)[0] for p in ids]
+    apart = onebit.load(path, backend=backend, slots=3, budget="1GiB")
+    assert [alone(apart, p)[0] for p in ids] == want
+    together_ = onebit.load(path, backend=backend, slots=3, budget="1GiB")
+    assert together(together_, ids, joins=[0, 0, 0, 0])[0] == want
+    assert together_.pool.stats.bytes_read < apart.pool.stats.bytes_read
+    apart.close()
+    together_.close()
+
+
+def test_plan_counts_a_cache_per_sequence():
+    """`sequences`: the KV cache, the recurrent state and its checkpoints once per sequence; the
+    load's line says so."""
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.memory.budget import detect_budget
+    from onebit.memory.plan import plan_load
+    from onebit.models import network_class
+
+    for name in ("qwen3moe-f32", "qwen3next-f32"):
+        g = GGUFFile(fixture_path(f"{name}.gguf"))
+        cfg = network_class(g.architecture, g.path).config(g)
+        b = detect_budget("4GiB")
+        one, three = (plan_load(g, cfg, b, ctx=256, sequences=n) for n in (1, 3))
+        items = lambda p: {i.component: i.bytes for i in p.items}  # noqa: E731
+        for part in ("KV cache", "recurrent state", "recurrent checkpoints"):
+            if part in items(one):
+                assert items(three)[part] == 3 * items(one)[part] > 0
+        rest = {k: v for k, v in items(one).items() if k not in ("KV cache", "recurrent state", "recurrent checkpoints")}
+        assert rest == {k: v for k, v in items(three).items() if k in rest}
+        assert "context 256 for each of 3 sequences" in three.decision and "sequences" not in one.decision
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy", sequences=2)
+    assert "for each of 2 sequences" in m.decision
+    m.close()

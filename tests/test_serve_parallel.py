@@ -153,6 +153,32 @@ def test_hybrid_model_keeps_two_conversations(tmp_path):
         stop_process(proc)
 
 
+def test_embeddings_and_another_model_beside_running_requests(tmp_path):
+    """With --models-dir: a request for another model waits for the running ones to end, then
+    loads it; an embedding runs between the batch's steps; every answer is the one it gets alone."""
+    import shutil
+
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(fixture_path("qwen3moe-f32.gguf"), models / "other.gguf")
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", "512", "--temp", "0", "--parallel", "2",
+                       "--models-dir", str(models)], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        jobs = [lambda: c.completions.create(model="default", prompt=PROMPTS[0], max_tokens=20,
+                                             temperature=0).choices[0].text,
+                lambda: c.completions.create(model="other", prompt=PROMPTS[1], max_tokens=8,
+                                             temperature=0).choices[0].text,
+                lambda: c.embeddings.create(model="default", input="hello there").data[0].embedding,
+                lambda: c.completions.create(model="default", prompt=PROMPTS[3], max_tokens=12,
+                                             temperature=0).choices[0].text]
+        alone = [job() for job in jobs]
+        got = concurrently(lambda i: jobs[i](), len(jobs))
+        assert [got[i] for i in range(len(jobs))] == alone
+    finally:
+        stop_process(proc)
+
+
 def test_parallel_needs_a_backend_that_batches(capsys):
     """A backend that runs one sequence per forward (Vulkan) refuses --parallel > 1 at start."""
     import onebit

@@ -256,6 +256,7 @@ class Engine:
         self.batcher = Batcher(lambda: self.model) if parallel > 1 else None
         self.gate = threading.Condition()  # slots taken and given back; a switch waits for no running request
         self.users = 0  # requests running on the loaded model
+        self.switching = 0  # requests waiting for the running ones to end, to load another model
         self.counting = threading.Lock()
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.stopping = False
@@ -369,10 +370,22 @@ class Engine:
     @contextmanager
     def _model_turn(self, name: Optional[str]):
         """A request's use of the loaded model: `name` switched in first (`_switch`) where no other
-        request runs; a request for another model (or while none is loaded) waits for them to end."""
+        request runs. A request for another model (or while none is loaded) waits for the running
+        ones to end, and none starts before it meanwhile."""
+        def served() -> bool:
+            return self.model is not None and name in (None, "", self.model_id)
+
         with self.gate:
-            while self.users and not (self.model is not None and name in (None, "", self.model_id)):
-                self.gate.wait()
+            while self.users and (self.switching or not served()):
+                if served():
+                    self.gate.wait()
+                    continue
+                self.switching += 1
+                try:
+                    while self.users:
+                        self.gate.wait()
+                finally:
+                    self.switching -= 1
             if not self.users:
                 self._switch(name)
             self.users += 1
