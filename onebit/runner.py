@@ -89,8 +89,7 @@ class Runner(Decoder):
             (ids, cache), = seqs
             return [self.forward(ids, cache, hook, last_only[0])]
         if not self.be.batches_sequences:
-            raise UsageError(f"the {self.be.name} backend runs one sequence per forward "
-                             "(several in one: the numpy and cpu backends)")
+            raise UsageError(f"the {self.be.name} backend runs one sequence per forward")
         seqs = [(np.asarray(ids, dtype=np.int64), cache) for ids, cache in seqs]
         for ids, _ in seqs:
             check_ids(ids, self.cfg.vocab_size)

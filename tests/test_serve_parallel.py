@@ -192,6 +192,19 @@ def test_parallel_needs_a_backend_that_batches(capsys):
     m.close()
 
 
+def test_vulkan_refuses_parallel_requests():
+    """Vulkan runs one sequence per forward: `onebit serve --backend vulkan --parallel 2` stops
+    at start with one line and exit code 2 (tests run Vulkan on Mesa's lavapipe)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", DEFAULT, "--backend", "vulkan",
+                        "--parallel", "2", "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "onebit: error: --parallel 2: the vulkan backend runs one sequence per forward (use --parallel 1, "
+        "or a backend that batches sequences: --backend cpu or numpy)")
+
+
 def test_parallel_below_one_is_refused():
     import subprocess
 

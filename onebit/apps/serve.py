@@ -249,7 +249,7 @@ class Engine:
         self.first = (self.model_id, model.path)  # the model served at start stays one of them
         if parallel > 1 and not model.be.batches_sequences:
             raise UsageError(f"--parallel {parallel}: the {model.be.name} backend runs one sequence per forward "
-                             "(--parallel 1, or --backend cpu)")
+                             "(use --parallel 1, or a backend that batches sequences: --backend cpu or numpy)")
         self.parallel = parallel
         # what the last requests left, reused by the next
         self.slots = [Slot(i, PrefixCache(model.new_cache())) for i in range(parallel)]
