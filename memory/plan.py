@@ -217,8 +217,10 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
              PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
     items.append(PlanItem("KV cache", sequences * kv_cache_bytes(cfg, ctx, kv_elem_bytes),
                           (f"{sequences} sequences x " if sequences > 1 else "") + _kv_detail(cfg, ctx)))
-    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx)
-                          + policy.decoded_bytes(), f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
+    # sequences decoded together: a step holds one prompt chunk and the others' verify rows
+    rows, others = min(PREFILL_ROWS, ctx), (sequences - 1) * (verify_rows + 1)
+    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, rows + others, ctx) + policy.decoded_bytes(),
+                          f"{rows}-row prefill chunk" + (f" + {others} rows of the other sequences" if others else "")))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
     per_pred = policy.scratch_bytes(cfg, 1, ctx) + scratch_kv_bytes(cfg)
     pred_bytes = per_pred * len(predicted)

@@ -134,6 +134,7 @@ def test_streamed_experts_read_once_per_step_for_every_sequence(backend):
 def test_plan_counts_a_cache_per_sequence():
     """`sequences`: the KV cache, the recurrent state and its checkpoints once per sequence; the
     load's line says so."""
+    from onebit.backends.base import activation_bytes
     from onebit.formats.gguf_file import GGUFFile
     from onebit.memory.budget import detect_budget
     from onebit.memory.plan import plan_load
@@ -148,7 +149,11 @@ def test_plan_counts_a_cache_per_sequence():
         for part in ("KV cache", "recurrent state", "recurrent checkpoints"):
             if part in items(one):
                 assert items(three)[part] == 3 * items(one)[part] > 0
-        rest = {k: v for k, v in items(one).items() if k not in ("KV cache", "recurrent state", "recurrent checkpoints")}
+        # a step holds one 256-row prompt chunk and the 2 others' verify rows (1 + 8 each)
+        assert items(three)["compute scratch"] == activation_bytes(cfg, 256 + 2 * 9, 256)
+        assert items(one)["compute scratch"] == activation_bytes(cfg, 256, 256)
+        per_sequence = ("KV cache", "recurrent state", "recurrent checkpoints", "compute scratch")
+        rest = {k: v for k, v in items(one).items() if k not in per_sequence}
         assert rest == {k: v for k, v in items(three).items() if k in rest}
         assert "context 256 for each of 3 sequences" in three.decision and "sequences" not in one.decision
     m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy", sequences=2)

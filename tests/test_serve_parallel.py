@@ -13,6 +13,7 @@ import time
 from http.client import HTTPConnection
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -88,6 +89,20 @@ def test_four_concurrent_requests_equal_one_at_a_time(server, client):
     assert all(text for text, _ in alone)
     # they ran together: steps over several requests' rows
     assert metrics(server)["onebit_batched_steps_total"] > shared
+
+
+@pytest.mark.kernels_of(DEFAULT)
+def test_cpu_backend_concurrent_requests_equal_one_at_a_time(tmp_path):
+    proc, url = start([DEFAULT, "--backend", "cpu", "--ctx", "512", "--temp", "0", "--parallel", "4"],
+                      tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        alone = [ask(c, i) for i in range(4)]
+        got = concurrently(lambda i: ask(c, i), 4)
+        assert [got[i] for i in range(4)] == alone
+        assert metrics(url)["onebit_batched_steps_total"] > 0
+    finally:
+        stop_process(proc)
 
 
 def test_slots_and_metrics_show_the_slots(server, client):
@@ -177,6 +192,38 @@ def test_embeddings_and_another_model_beside_running_requests(tmp_path):
         assert [got[i] for i in range(len(jobs))] == alone
     finally:
         stop_process(proc)
+
+
+def test_a_step_holds_at_most_its_rows():
+    """The Batcher's steps: every member's hand-in once per step; fewest rows first, and a prompt
+    chunk past `step_rows` waits for the next step (the memory plan counts step_rows)."""
+    from types import SimpleNamespace
+
+    from onebit.apps.serve_batch import Batcher
+
+    steps = []
+
+    def forward_batch(seqs, hook=None, last_only=()):
+        steps.append(sorted(len(ids) for ids, _ in seqs))
+        return [np.zeros((1, 4), np.float32) for _ in seqs]
+
+    model = SimpleNamespace(net=SimpleNamespace(forward_batch=forward_batch), hook=None)
+    b = Batcher(lambda: model, step_rows=260)
+    hand_ins = [[1] * 256, [1] * 256, [1], [1] * 3]  # two prompt chunks, a decode row, verify rows
+    for _ in hand_ins:
+        b.join()
+
+    def member(rows):
+        b.forward(rows, None, True)
+        b.leave()
+
+    threads = [threading.Thread(target=member, args=(rows,)) for rows in hand_ins]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    b.close()
+    assert steps == [[1, 3, 256], [256]]
 
 
 def test_parallel_needs_a_backend_that_batches(capsys):

@@ -27,9 +27,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..cache import PrefixCache
+from ..cache import SWA_ROWS, PrefixCache
 from ..errors import OnebitError, UsageError
 from ..generate import stream_generate
+from ..lookup import MAX_DRAFTS
 from ..sample import make_logits_processors, make_sampler
 from ..chat_formats.think import reply_splitter
 from ..chat_formats.toolcall import CLOSE as CALL_CLOSE
@@ -253,7 +254,9 @@ class Engine:
         self.parallel = parallel
         # what the last requests left, reused by the next
         self.slots = [Slot(i, PrefixCache(model.new_cache())) for i in range(parallel)]
-        self.batcher = Batcher(lambda: self.model) if parallel > 1 else None
+        # a step: one prompt chunk and the others' verify rows (the memory plan counts as many)
+        self.batcher = Batcher(lambda: self.model, step_rows=SWA_ROWS + (parallel - 1) * (1 + MAX_DRAFTS)) \
+            if parallel > 1 else None
         self.gate = threading.Condition()  # slots taken and given back; a switch waits for no running request
         self.users = 0  # requests running on the loaded model
         self.switching = 0  # requests waiting for the running ones to end, to load another model

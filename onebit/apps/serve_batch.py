@@ -6,7 +6,9 @@ its forwards go through the `Batcher`, whose thread owns the model's forwards. A
 once every request in the batch has handed in its rows (a decode token, a prompt chunk,
 verify rows), as one `Runner.forward_batch`: the linear and expert ops see every row
 together, so a streamed expert is read once for all the requests routed to it. A request
-joins at the next step and leaves when it ends; no step waits for one that has left.
+joins at the next step and leaves when it ends; no step waits for one that has left. A step
+holds at most `step_rows` rows (the memory plan's count): the fewest-row hand-ins first, and a
+prompt chunk that does not fit rides in the next step.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ class _Turn:
 
 class Batcher:
     """Runs the forwards of the requests that `join`ed as one step each, on a thread of its own.
-    `model()` gives the loaded model (it changes only while no request runs)."""
+    `model()` gives the loaded model (it changes only while no request runs); a step runs at
+    most `step_rows` rows, or one hand-in of more."""
 
-    def __init__(self, model: Callable[[], Any]):
-        self.model = model
+    def __init__(self, model: Callable[[], Any], step_rows: int):
+        self.model, self.step_rows = model, step_rows
         self.cond = threading.Condition()
         self.members = 0  # requests in the batch: a step waits for each of them to hand in rows
         self.rows: list[_Turn] = []  # rows handed in for the next step
@@ -83,6 +86,17 @@ class Batcher:
     def _ready(self) -> bool:
         return bool(self.calls) or (bool(self.rows) and len(self.rows) >= self.members)
 
+    def _step_turns(self) -> list[_Turn]:
+        """The hand-ins the next step runs (taken out of `rows`): fewest rows first, within step_rows."""
+        take, n = [], 0
+        for t in sorted(self.rows, key=lambda t: len(t.ids)):  # (stable: arrival order among equals)
+            if not take or n + len(t.ids) <= self.step_rows:
+                take.append(t)
+                n += len(t.ids)
+        taken = {id(t) for t in take}
+        self.rows = [t for t in self.rows if id(t) not in taken]
+        return take
+
     def _loop(self) -> None:
         while True:
             with self.cond:
@@ -96,7 +110,7 @@ class Batcher:
                 if self.calls:
                     turns = [self.calls.pop(0)]
                 else:
-                    turns, self.rows = self.rows, []
+                    turns = self._step_turns()
             try:
                 if turns[0].fn is not None:
                     turns[0].result = turns[0].fn()
