@@ -27,13 +27,12 @@ LOUD_BYTES = 1 << 30  # a resident load of a file this large says what the plan 
 
 def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
               budget: Optional[str] = None, policy: str = "global", device: Optional[str] = None, predict=None,
-              threads: Optional[int] = None, template_kwargs: Optional[dict] = None, sequences: int = 1):
+              threads: Optional[int] = None, template_kwargs: Optional[dict] = None):
     """The LoadSpec of a command's load flags, checked before anything is loaded."""
     from onebit.model import LoadSpec
 
     spec = LoadSpec(path=model, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget, pool_policy=policy,
-                    device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}),
-                    sequences=sequences)
+                    device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}))
     if ctx is not None:
         _check_ctx(spec.model_path(), ctx)
     if threads is not None and threads < 1:
@@ -45,10 +44,12 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
           device: Optional[str] = None, predict=None, threads: Optional[int] = None,
           template_kwargs: Optional[dict] = None, sequences: int = 1):
+    import dataclasses
+
     import onebit
 
-    m = onebit.load(load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs,
-                              sequences))
+    spec = load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs)
+    m = onebit.load(dataclasses.replace(spec, sequences=sequences))
     if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES or sequences > 1:
         import sys
 

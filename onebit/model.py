@@ -47,11 +47,11 @@ class LoadSpec:
     device: Optional[str | int] = None  # the Vulkan device, an index or part of its name (None: the default)
     predict: Any = None  # routing prediction: a mode name or moe.predict.PredictSettings (None: auto)
     threads: Optional[int] = None  # the cpu backend's kernel threads (None: every core)
+    sequences: int = 1  # caches the plan holds room for (serve's --parallel: sequences decoded together)
     # files of at least this many bytes take the backend's own weight layouts (the cpu backend's
     # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
     repack_from: Optional[int] = None
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
-    sequences: int = 1  # caches the plan holds room for (serve's --parallel: sequences decoded together)
 
     def model_path(self) -> str:
         return self.path if self.path is not None else shipped_model_path()
