@@ -139,8 +139,10 @@ def serve(
         raise UsageError("--api-key is empty")
     if pooling not in POOLINGS:
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    if parallel < 1:
-        raise UsageError(f"--parallel must be at least 1, got {parallel}")
+    from onebit.apps.serve_app import MAX_CONNECTIONS
+
+    if not 1 <= parallel <= MAX_CONNECTIONS:  # (more slots than open connections would never fill)
+        raise UsageError(f"--parallel must be 1-{MAX_CONNECTIONS} (the open connections served), got {parallel}")
     template = _chat_template(chat_template, chat_template_file)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner

@@ -281,6 +281,9 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         if classes and sum(counts) > min_slots and slots not in ("auto", None):
             advice.append(f"use fewer expert slots (--slots {min_slots} is the minimum; each costs "
                           f"{format_bytes(classes[0].expert_bytes)})")
+        if sequences > 1:
+            advice.append(f"decode fewer sequences together (--parallel {sequences}: each holds "
+                          f"{format_bytes(_item(items, 'KV cache') // sequences)} of KV cache)")
         if ctx > 512:
             advice.append(f"use a shorter context (--ctx): the KV cache costs {format_bytes(_item(items, 'KV cache'))}")
         if predicted:

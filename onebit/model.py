@@ -47,7 +47,9 @@ class LoadSpec:
     device: Optional[str | int] = None  # the Vulkan device, an index or part of its name (None: the default)
     predict: Any = None  # routing prediction: a mode name or moe.predict.PredictSettings (None: auto)
     threads: Optional[int] = None  # the cpu backend's kernel threads (None: every core)
-    sequences: int = 1  # caches the plan holds room for (serve's --parallel: sequences decoded together)
+    # caches the plan holds room for (serve's --parallel: sequences decoded together); more than
+    # one asks for them, as a budget does: a plan that does not fit is refused
+    sequences: int = 1
     # files of at least this many bytes take the backend's own weight layouts (the cpu backend's
     # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
     repack_from: Optional[int] = None
@@ -146,7 +148,7 @@ class Model:
             mode = ("router" if backend.runs_on_host else "block") if plan.streaming else "off"
             predict = dataclasses.replace(predict, mode=mode, look=True)
         if not plan.fits:
-            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None:
+            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None or spec.sequences > 1:
                 raise PlanError(plan)
             sys.stderr.write(f"onebit: warning: {self.path} does not fit the memory budget (needs at least "
                              f"{_gib(plan.total)} GiB, {_gib(plan.budget.bytes)} GiB left): loading anyway, "

@@ -260,9 +260,35 @@ def test_vulkan_refuses_parallel_requests():
         "or a backend that batches sequences: --backend cpu or numpy)")
 
 
-def test_parallel_below_one_is_refused():
+def test_parallel_out_of_range_is_refused():
     import subprocess
 
-    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", DEFAULT, "--parallel", "0"],
+    for n in ("0", "65"):
+        r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", DEFAULT, "--parallel", n],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2
+        assert r.stderr.strip() == f"onebit: error: --parallel must be 1-64 (the open connections served), got {n}"
+
+
+def test_parallel_caches_that_do_not_fit_are_refused():
+    """--parallel asks for its caches: a plan that cannot hold them is refused, not loaded anyway."""
+    import subprocess
+
+    from onebit.backends.numpy_backend import NumpyBackend
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.memory.budget import detect_budget
+    from onebit.memory.plan import plan_load
+    from onebit.models import network_class
+
+    path = fixture_path("qwen3moe-f32.gguf")
+    g = GGUFFile(path)
+    cfg = network_class(g.architecture, g.path).config(g)
+    one, many = (plan_load(g, cfg, detect_budget("1GiB"), ctx=512, policy=NumpyBackend.memory_policy(g),
+                           sequences=n).total for n in (1, 64))
+    budget = (one + many) // 2  # room for one sequence's cache, not for 64
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", str(path), "--backend", "numpy",
+                        "--parallel", "64", "--ctx", "512", "--budget", str(budget), "--port", "0"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == "onebit: error: --parallel must be at least 1, got 0"
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("onebit: error: ") and "the memory plan needs" in last and "--parallel 64" in last
