@@ -339,6 +339,8 @@ def plan(
     backend: str = typer.Option("auto", "--backend", help="auto, cpu, numpy or vulkan; on vulkan (auto: on a GPU) "
                                                           "the device's heap and limits are in the budget."),
     device: Optional[str] = DEVICE,
+    parallel: int = typer.Option(1, "--parallel", "-np", help="Sequences decoded together (serve --parallel): "
+                                                              "a KV cache of the whole context for each."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Dry run of the memory plan: what is resident, how many expert slots fit, and whether it fits.
@@ -358,7 +360,7 @@ def plan(
     cfg = network_class(g.architecture, path).config(g)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
                   verify_rows=verify_rows, policy=cls.memory_policy(g),
-                  predict_when_streaming=not layers and not cls.runs_on_host)
+                  predict_when_streaming=not layers and not cls.runs_on_host, sequences=parallel)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 

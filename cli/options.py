@@ -47,11 +47,14 @@ def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slo
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
           device: Optional[str] = None, predict=None, threads: Optional[int] = None,
-          template_kwargs: Optional[dict] = None):
+          template_kwargs: Optional[dict] = None, sequences: int = 1):
+    import dataclasses
+
     import onebit
 
-    m = onebit.load(load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs))
-    if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES:
+    spec = load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs)
+    m = onebit.load(dataclasses.replace(spec, sequences=sequences))
+    if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES or sequences > 1:
         import sys
 
         sys.stderr.write(f"onebit: memory: {m.decision}\n")  # what the memory plan chose, in one line

@@ -96,6 +96,9 @@ def serve(
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
+    parallel: int = typer.Option(1, "--parallel", "-np", help="Requests decoded together, their forwards batched "
+                                 "(as llama-server's -np): a KV cache of the whole context each, counted by the "
+                                 "memory plan (cpu and numpy backends)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No log line per request."),
     cors: list[str] = typer.Option([], "--cors", help="Allow browser pages from this origin (e.g. "
                                    "https://app.example; '*': any). Repeatable. Pages on this machine "
@@ -136,6 +139,10 @@ def serve(
         raise UsageError("--api-key is empty")
     if pooling not in POOLINGS:
         raise UsageError(f"--pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    from onebit.apps.serve_app import MAX_CONNECTIONS
+
+    if not 1 <= parallel <= MAX_CONNECTIONS:  # (more slots than open connections would never fill)
+        raise UsageError(f"--parallel must be 1-{MAX_CONNECTIONS} (the open connections served), got {parallel}")
     template = _chat_template(chat_template, chat_template_file)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
@@ -146,7 +153,8 @@ def serve(
                "answers 503 until it is in", err=True)
     loading = LoadingAnswer(sock)
     try:
-        m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw)
+        m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw,
+                  sequences=parallel)
     finally:
         loading.stop()
     if template is not None:
@@ -154,8 +162,12 @@ def serve(
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                         repeat_penalty=repeat_penalty)
     found = lambda: {e.id: e.path for e in catalog.find(models_dir)}  # noqa: E731
-    engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict,  # (switches load as m.spec)
-                    name=model_name(given, model))
+    try:
+        engine = Engine(m, sampling, lookup=lookup, catalog=found if models_dir else dict,  # (switches load as m.spec)
+                        name=model_name(given, model), parallel=parallel)
+    except UsageError:
+        m.close()
+        raise
 
     log = logging.getLogger("onebit.apps.serve")
     handler = logging.StreamHandler(sys.stderr)

@@ -96,6 +96,7 @@ class MemoryPlan:
     advice: list[str] = field(default_factory=list)
 
     decision: str = ""  # what a load does with this plan, in one line (plan_load)
+    sequences: int = 1  # caches of the whole context held at once (serve --parallel)
 
     @property
     def total(self) -> int:
@@ -121,6 +122,7 @@ class MemoryPlan:
             "fits": self.fits,
             "streaming": self.streaming,
             "ctx": self.ctx,
+            "sequences": self.sequences,
             "predicted_layers": self.layers,
             "verify_rows": self.verify_rows,
             "slots": sum(self.slots),
@@ -187,16 +189,19 @@ def size_classes(g: GGUFFile, policy: Optional[MemoryPolicy] = None) -> list[Siz
 
 def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
               slots: str | int = "auto", verify_rows: int = 8, kv_elem_bytes: int = 4,
-              policy: Optional[MemoryPolicy] = None) -> MemoryPlan:
+              policy: Optional[MemoryPolicy] = None, sequences: int = 1) -> MemoryPlan:
     """The plan at one context and slot count. `policy`: the backend's answers for this file
     (`Backend.memory_policy`: the bytes it holds for each tensor, its scratch, whether it runs on
-    the host); None: the file's tensors as they are, read in place on the host."""
+    the host); None: the file's tensors as they are, read in place on the host. `sequences`:
+    caches held at once (serve's --parallel), each of the whole context."""
     policy = policy if policy is not None else MemoryPolicy(Backend, g)
     ctx = cfg.context_length if ctx is None else ctx
     if ctx < 1 or ctx > cfg.context_length:
         raise UsageError(f"--ctx {ctx} is out of range: the model supports 1-{cfg.context_length}")
     if verify_rows < 1:
         raise UsageError(f"verify rows must be >= 1, got {verify_rows}")
+    if sequences < 1:
+        raise UsageError(f"--parallel must be at least 1, got {sequences}")
     predicted = parse_layers(layers, cfg.n_layers)
     classes = size_classes(g, policy)
     expert_names = {t for t in g.tensors if _EXPERT_RE.match(t)}
@@ -210,9 +215,12 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         detail += f"; matrices repacked for the {policy.backend.name} kernels: +{format_bytes(grown)}"
     items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),
              PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
-    items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv_elem_bytes), _kv_detail(cfg, ctx)))
-    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx)
-                          + policy.decoded_bytes(), f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
+    items.append(PlanItem("KV cache", sequences * kv_cache_bytes(cfg, ctx, kv_elem_bytes),
+                          (f"{sequences} sequences x " if sequences > 1 else "") + _kv_detail(cfg, ctx)))
+    # sequences decoded together: a step holds one prompt chunk and the others' verify rows
+    rows, others = min(PREFILL_ROWS, ctx), (sequences - 1) * (verify_rows + 1)
+    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, rows + others, ctx) + policy.decoded_bytes(),
+                          f"{rows}-row prefill chunk" + (f" + {others} rows of the other sequences" if others else "")))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
     per_pred = policy.scratch_bytes(cfg, 1, ctx) + scratch_kv_bytes(cfg)
     pred_bytes = per_pred * len(predicted)
@@ -235,12 +243,13 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
                           f"{verify_rows} rows"))
     if cfg.recurrent_layers:  # constant per sequence, whatever its length
         state = recurrent_state_bytes(cfg)
-        items.append(PlanItem("recurrent state", state,
-                              f"{len(cfg.recurrent_layers)} DeltaNet layers, per sequence (not per token)"))
+        per = f" x {sequences} sequences" if sequences > 1 else ""
+        items.append(PlanItem("recurrent state", sequences * state,
+                              f"{len(cfg.recurrent_layers)} DeltaNet layers, per sequence (not per token){per}"))
         # copies to roll back to (a state cannot trim): a chat's checkpoints and lookup's one
         n = MAX_CHECKPOINTS + 1
-        items.append(PlanItem("recurrent checkpoints", n * state,
-                              f"{n} x {format_bytes(state)} (chat prefix reuse, lookup rollback)"))
+        items.append(PlanItem("recurrent checkpoints", sequences * n * state,
+                              f"{n} x {format_bytes(state)}{per} (chat prefix reuse, lookup rollback)"))
     fixed = sum(i.bytes for i in items)
     all_experts = sum(c.experts for c in classes)
     k = max(cfg.n_experts_used, 1)
@@ -266,12 +275,15 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     else:
         counts = []
     plan = MemoryPlan(g.path, budget, items, classes, counts, min_slots if classes else 0, all_experts, ctx,
-                      predicted, verify_rows, advice)
+                      predicted, verify_rows, advice, sequences=sequences)
     if not plan.fits:
         over = plan.total - budget.bytes
         if classes and sum(counts) > min_slots and slots not in ("auto", None):
             advice.append(f"use fewer expert slots (--slots {min_slots} is the minimum; each costs "
                           f"{format_bytes(classes[0].expert_bytes)})")
+        if sequences > 1:
+            advice.append(f"decode fewer sequences together (--parallel {sequences}: each holds "
+                          f"{format_bytes(_item(items, 'KV cache') // sequences)} of KV cache)")
         if ctx > 512:
             advice.append(f"use a shorter context (--ctx): the KV cache costs {format_bytes(_item(items, 'KV cache'))}")
         if predicted:
@@ -288,7 +300,7 @@ def _item(items: list[PlanItem], component: str) -> int:
 
 def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
               slots: str | int | None = None, verify_rows: int = 8, policy: Optional[MemoryPolicy] = None,
-              predict_when_streaming: bool = False) -> MemoryPlan:
+              predict_when_streaming: bool = False, sequences: int = 1) -> MemoryPlan:
     """The plan a load follows (`onebit.load`, chat, generate, bench, serve) and `onebit plan`
     prints: the same function, so they agree.
 
@@ -309,29 +321,30 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     - `predict_when_streaming`: routing prediction is on when the plan streams (a load's
       default): a streamed plan reserves every MoE layer's prediction scratch.
     - `policy`: the backend's memory policy for this file, as for make_plan.
+    - `sequences`: caches held at once (serve's --parallel N: N caches of the whole context).
     `decision` says what was chosen in one line.
     """
-    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy)
+    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences)
     if predict_when_streaming and plan.streaming and not layers:
         every = ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
-        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy)
+        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy, sequences)
     return plan
 
 
-def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy) -> MemoryPlan:
+def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences: int = 1) -> MemoryPlan:
     if slots is not None and slots != "auto":
         plan = make_plan(g, cfg, budget, ctx=ctx if ctx is not None else _default_ctx(cfg), layers=layers,
-                         slots=slots, verify_rows=verify_rows, policy=policy)
+                         slots=slots, verify_rows=verify_rows, policy=policy, sequences=sequences)
         plan.decision = _decision(plan, None)
         return plan
     asked = ctx
     ctx = ctx if ctx is not None else _default_ctx(cfg)
-    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy)
+    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy, sequences=sequences)
     if plan.classes:
         c = ctx
         while True:  # every expert resident within the margin, the default context halving for it
             everything = make_plan(g, cfg, budget, ctx=c, layers=layers, slots=plan.all_experts,
-                                   verify_rows=verify_rows, policy=policy)
+                                   verify_rows=verify_rows, policy=policy, sequences=sequences)
             if everything.total <= RESIDENT_SHARE * budget.bytes:
                 everything.decision = _decision(everything, ctx if c != ctx else None, "every expert stays resident")
                 return everything
@@ -340,14 +353,14 @@ def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy) -> Memor
             c = max(c // 2, min(MIN_CONTEXT, ctx))
         if not plan.streaming:  # everything fits, but not with the margin: the slots that fit within it
             within = make_plan(g, cfg, dataclasses.replace(budget, bytes=int(RESIDENT_SHARE * budget.bytes)),
-                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy)
+                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy, sequences=sequences)
             plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=max(sum(within.slots), within.min_slots),
-                             verify_rows=verify_rows, policy=policy)
+                             verify_rows=verify_rows, policy=policy, sequences=sequences)
     first = ctx
     while asked is None and ctx > min(MIN_CONTEXT, first) and plan.streaming and (
             not plan.fits or _context_bytes(plan) > CONTEXT_SHARE * _item(plan.items, "expert slots")):
         smaller = make_plan(g, cfg, budget, ctx=max(ctx // 2, min(MIN_CONTEXT, first)), layers=layers, slots="auto",
-                            verify_rows=verify_rows, policy=policy)
+                            verify_rows=verify_rows, policy=policy, sequences=sequences)
         ctx, plan = smaller.ctx, smaller
     plan.decision = _decision(plan, first if ctx != first else None)
     return plan
@@ -372,7 +385,8 @@ def _decision(plan: MemoryPlan, reduced_from: Optional[int], why: str = "the exp
     else:
         what = (f"streaming experts: {sum(plan.slots)} of {plan.all_experts} in slots "
                 f"({format_bytes(_item(plan.items, 'expert slots'))})")
-    ctx = f"context {plan.ctx}" + (f" (reduced from {reduced_from} so {why})" if reduced_from else "")
+    ctx = f"context {plan.ctx}" + (f" for each of {plan.sequences} sequences" if plan.sequences > 1 else "") + \
+        (f" (reduced from {reduced_from} so {why})" if reduced_from else "")
     return f"{what}, {ctx}, {b}"
 
 

@@ -202,15 +202,18 @@ def stream_generate(
     model, prompt_ids: Sequence[int], *, max_tokens: int, sampler: Sampler,
     processors: Sequence[LogitsProcessor] = (), stop: Sequence[str] = (), cache=None, hook=None,
     prompt_prefix: Sequence[int] = (), lookup: int = 0, lookup_stats: Optional[LookupStats] = None,
+    net: Optional["Decoder"] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens arrive; stops on EOS, a stop string, max_tokens or a full context.
     `prompt_prefix`: tokens the given cache already holds, in front of `prompt_ids`. `lookup`:
-    drafts verified per decode forward (0 = plain decoding), counted in `lookup_stats`."""
+    drafts verified per decode forward (0 = plain decoding), counted in `lookup_stats`. `net`:
+    what runs the forwards (default `model.net`; serve's parallel slots: a share of a batch)."""
     cache = model.new_cache() if cache is None else cache
     ctx = model.context_length
     n_prompt = len(prompt_prefix) + len(prompt_ids)
     t0 = time.perf_counter()
-    steps = generate_step(model.net, prompt_ids, cache, sampler, processors, hook=hook, history=prompt_prefix,
+    net = model.net if net is None else net
+    steps = generate_step(net, prompt_ids, cache, sampler, processors, hook=hook, history=prompt_prefix,
                           lookup=lookup, max_tokens=max_tokens, max_positions=ctx, stats=lookup_stats)
     try:
         yield from _responses(model, steps, max_tokens, stop, n_prompt, t0)

@@ -47,6 +47,9 @@ class LoadSpec:
     device: Optional[str | int] = None  # the Vulkan device, an index or part of its name (None: the default)
     predict: Any = None  # routing prediction: a mode name or moe.predict.PredictSettings (None: auto)
     threads: Optional[int] = None  # the cpu backend's kernel threads (None: every core)
+    # caches the plan holds room for (serve's --parallel: sequences decoded together); more than
+    # one asks for them, as a budget does: a plan that does not fit is refused
+    sequences: int = 1
     # files of at least this many bytes take the backend's own weight layouts (the cpu backend's
     # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
     repack_from: Optional[int] = None
@@ -144,7 +147,8 @@ class Model:
         # one row's router logits a layer, no mixer's activations or K/V (106 MiB, 36 slots, on
         # the 30B-A3B shape at 8 GiB)
         plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
-                         slots=spec.slots, policy=policy, predict_when_streaming=auto and not backend.runs_on_host)
+                         slots=spec.slots, policy=policy, predict_when_streaming=auto and not backend.runs_on_host,
+                         sequences=spec.sequences)
         if auto:
             # (where experts stream: router prediction on a host backend, whose cores the
             # prediction takes from the forward, block on a device, beside which the host is
@@ -152,7 +156,7 @@ class Model:
             mode = ("router" if backend.runs_on_host else "block") if plan.streaming else "off"
             predict = dataclasses.replace(predict, mode=mode, look=True)
         if not plan.fits:
-            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None:
+            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None or spec.sequences > 1:
                 raise PlanError(plan)
             sys.stderr.write(f"onebit: warning: {self.path} does not fit the memory budget (needs at least "
                              f"{_gib(plan.total)} GiB, {_gib(plan.budget.bytes)} GiB left): loading anyway, "

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from .cache import SWA_ROWS, Cache
-from .errors import NonFiniteError, OnebitError
+from .errors import NonFiniteError, OnebitError, UsageError
 from .models import blocks
 from .models.base import TransformerLM, check_ids
 from .pause import PauseClient, Pauses
@@ -75,6 +75,37 @@ class Runner(Decoder):
         self._check_file(unchanged)  # before these logits are used: they may come from a changed file
         if not finite:  # (each backend checks its logits: Vulkan on the device)
             raise self._nonfinite(ids, cache, last_only)
+        return logits
+
+    def forward_batch(self, seqs, hook=None, last_only=()) -> list[np.ndarray]:
+        """`forward` for several sequences in one pass, seqs = [(ids [R_i], cache_i)], each cache
+        a sequence of its own: logits per sequence ([R_i, vocab], or [1, vocab] where
+        last_only[i]). Each row's logits are those of its sequence's own forward (within float32
+        rounding: a product over more rows may sum in another order). One sequence runs
+        `forward` itself; several need a backend that `batches_sequences`. A predictor ranks
+        one-sequence forwards only (it reads one cache); the pool still reads what they route to."""
+        last_only = tuple(last_only) or (False,) * len(seqs)
+        if len(seqs) == 1:
+            (ids, cache), = seqs
+            return [self.forward(ids, cache, hook, last_only[0])]
+        if not self.be.batches_sequences:
+            raise UsageError(f"the {self.be.name} backend runs one sequence per forward")
+        seqs = [(np.asarray(ids, dtype=np.int64), cache) for ids, cache in seqs]
+        for ids, _ in seqs:
+            check_ids(ids, self.cfg.vocab_size)
+        self.rows_run += sum(len(ids) for ids, _ in seqs)
+        unchanged = self.gguf.check_unchanged
+        if self._file_reads() is None:
+            unchanged()
+        try:
+            logits, finite = self.be.forward_batch(self.arch, seqs, Pauses(hook, None), last_only)
+        except OnebitError:
+            unchanged()
+            raise
+        self._check_file(unchanged)
+        if not finite:
+            i = next(i for i, lg in enumerate(logits) if not np.isfinite(lg).all())
+            raise self._nonfinite(*seqs[i], last_only[i])
         return logits
 
     def _file_reads(self) -> int | None:

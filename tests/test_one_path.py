@@ -51,7 +51,7 @@ def serve(model, works: list[Work], lookup: int = 0) -> list[dict]:
             out.append(got)
     finally:
         engine.stop()  # (not close(): the model stays open for the caller)
-        engine.thread.join(60)
+        engine.join(60)
     return out
 
 
@@ -105,7 +105,7 @@ def test_serve_renders_with_chat_tokens(qwen3_model, monkeypatch):
         assert engine._prompt_ids(Work(None, messages=msgs, tools=[WEATHER]), 4096) == m.chat_tokens(msgs, tools=[WEATHER])
     finally:
         engine.stop()
-        engine.thread.join(60)
+        engine.join(60)
 
 
 # -- the reasoning splitter: think.reply_splitter for every caller -------------------------------

@@ -1,14 +1,16 @@
 """The OpenAI API over one loaded model: the engine side (no HTTP here; see serve_app.py).
 
-One worker thread owns the model and runs one request at a time, in arrival order (a FIFO
-queue: fair, and nothing is interleaved on the one KV cache). The cache outlives a request:
-the next request keeps the longest prefix it shares with what the cache holds (a continuing
-conversation re-runs only its new turn), as ChatSession does within a chat (cache.PrefixCache:
-with checkpoints where the model has recurrent state). A request whose
-client went away is cancelled: the worker stops it at the next token.
+Requests run in arrival order (a FIFO queue) on `parallel` slots, each a worker thread and a
+sequence's cache: one slot runs one request at a time, owning the model; several decode
+together, their forwards batched into one step (serve_batch.py). A slot's cache outlives a
+request: a request takes the free slot whose cache holds most of its prompt (a continuing
+conversation re-runs only its new turn), else the one used least recently (its prefix is the
+one dropped), as ChatSession keeps a chat's (cache.PrefixCache: with checkpoints where the
+model has recurrent state). A request whose client went away is cancelled: its slot stops it
+at the next token.
 
 A request names its model; with a models folder, a model other than the loaded one is
-loaded in its turn (the loaded one is closed first: one model at a time).
+loaded in its turn, once no request runs (the loaded one is closed first: one model at a time).
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ import queue
 import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..cache import PrefixCache
-from ..errors import OnebitError
+from ..cache import SWA_ROWS, PrefixCache
+from ..errors import OnebitError, UsageError
 from ..generate import stream_generate
+from ..lookup import MAX_DRAFTS
 from ..sample import make_logits_processors, make_sampler
 from ..chat_formats.think import reply_splitter
 from ..chat_formats.toolcall import CLOSE as CALL_CLOSE
 from ..chat_formats.toolcall import OPEN as CALL_OPEN
 from ..chat_formats.toolcall import ToolCall, parse_harmony, parse_tags, tool_format
 from .logprobs import LogprobRecorder, TokenLogprob
+from .serve_batch import BatchedDecoder, Batcher
 from .tool_prompt import generic_tool_messages, template_shows_tools
 
 log = logging.getLogger("onebit.apps.serve")
@@ -129,6 +134,19 @@ class Job:
         self.cancelled.set()
 
 
+@dataclass
+class Slot:
+    """One of the sequences served at once: its cache, kept from request to request, the request
+    it runs now (None: free) and when it was last used."""
+    id: int
+    prefix: PrefixCache
+    job: Optional[Job] = None
+    used: float = 0.0
+
+
+SIMILAR = 0.5  # a slot's cache goes on with a request whose prompt shares at least this share of it
+
+
 def model_id(path: str) -> str:
     name = Path(path).name
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
@@ -214,13 +232,14 @@ class ReplySplitter:
 
 
 class Engine:
-    """The loaded model, its KV cache, and the worker thread that runs requests in turn."""
+    """The loaded model, its slots (a cache each), and the worker threads that run requests."""
 
     def __init__(self, model, sampling: Sampling, lookup: int = 0, catalog: Callable[[], dict[str, str]] = dict,
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, parallel: int = 1):
         """`model`: the one served at start (its id: `name`, else its file name); a model a request
         picks loads with its LoadSpec (`model.spec`: backend, device, context, budget, threads, ...
-        as the command gave them)."""
+        as the command gave them). `parallel`: requests decoded together (their forwards batched:
+        the backend must `batches_sequences`)."""
         self.model = model
         self.model_id = name or model_id(model.path)
         self.vocab_size = model.cfg.vocab_size
@@ -229,15 +248,28 @@ class Engine:
         self.lookup = lookup
         self.found = catalog  # id -> path of the GGUF files (a models folder) a request may pick
         self.first = (self.model_id, model.path)  # the model served at start stays one of them
-        self.prefix = PrefixCache(model.new_cache())  # what the last requests left, reused by the next
+        if parallel > 1 and not model.be.batches_sequences:
+            raise UsageError(f"--parallel {parallel}: the {model.be.name} backend runs one sequence per forward "
+                             "(use --parallel 1, or a backend that batches sequences: --backend cpu or numpy)")
+        self.parallel = parallel
+        # what the last requests left, reused by the next
+        self.slots = [Slot(i, PrefixCache(model.new_cache())) for i in range(parallel)]
+        # a step: one prompt chunk and the others' verify rows (the memory plan counts as many)
+        self.batcher = Batcher(lambda: self.model, step_rows=SWA_ROWS + (parallel - 1) * (1 + MAX_DRAFTS)) \
+            if parallel > 1 else None
+        self.gate = threading.Condition()  # slots taken and given back; a switch waits for no running request
+        self.users = 0  # requests running on the loaded model
+        self.switching = 0  # requests waiting for the running ones to end, to load another model
+        self.counting = threading.Lock()
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self.current: Optional[Job] = None
         self.stopping = False
         self.served = 0
         self.generated = 0  # tokens generated over all requests (cancelled ones too)
         self.problem: Optional[str] = None  # why no model is loaded (a failed switch or reload): 503s
-        self.thread = threading.Thread(target=self._loop, name="onebit-serve-worker", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, name=f"onebit-serve-worker-{i}", daemon=True)
+                        for i in range(parallel)]
+        for t in self.threads:
+            t.start()
 
     # -- the event loop's side ----------------------------------------------------------
 
@@ -273,8 +305,12 @@ class Engine:
     def waiting(self) -> int:
         return self.queue.qsize()
 
+    def processing(self) -> int:
+        """Requests running now (one per busy slot)."""
+        return sum(s.job is not None for s in self.slots)
+
     def busy(self) -> bool:
-        return self.current is not None or self.queue.qsize() > 0
+        return self.processing() > 0 or self.queue.qsize() > 0
 
     def stop(self) -> None:
         """Refuse new requests, cancel the running and queued ones (the worker stops at the
@@ -288,15 +324,27 @@ class Engine:
             if job is not None:
                 job.cancel()
                 job.put("error", ApiError("the server is shutting down", 503, "server_error", "shutdown"))
-        if self.current is not None:
-            self.current.cancel()
-        self.queue.put(None)
+        for slot in self.slots:
+            job = slot.job
+            if job is not None:
+                job.cancel()
+        for _ in self.threads:
+            self.queue.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the workers to end (after `stop`); whether they did."""
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(end - time.monotonic(), 0.0))
+        return not any(t.is_alive() for t in self.threads)
 
     def close(self, timeout: float = 5.0) -> None:
         self.stop()
-        self.thread.join(timeout)
-        if not self.thread.is_alive() and self.model is not None:
-            self.model.close()
+        if self.join(timeout):
+            if self.batcher is not None:
+                self.batcher.close()
+            if self.model is not None:
+                self.model.close()
 
     # -- the worker thread ----------------------------------------------------------------
 
@@ -307,21 +355,71 @@ class Engine:
                 return
             if job.cancelled.is_set():
                 continue
-            self.current = job
             try:
-                self._run(job)
+                with self._model_turn(job.work.model):
+                    self._run(job)
             except ApiError as e:
                 job.put("error", e)
             except OnebitError as e:
                 job.put("error", ApiError(self.scrub(str(e)), 400 if e.exit_code == 2 else 500,
                                           "invalid_request_error" if e.exit_code == 2 else "server_error"))
-            except Exception as e:  # noqa: BLE001 - a bug: one log line, an error object, a fresh cache
+            except Exception as e:  # noqa: BLE001 - a bug: one log line, an error object (its slot: a fresh cache)
                 log.error("internal error in a request: %s: %s", type(e).__name__, e)
-                self._fresh_cache()
                 job.put("error", ApiError("internal error (the server log says more)", 500, "server_error"))
             finally:
-                self.current = None
-                self.served += 1
+                with self.counting:
+                    self.served += 1
+
+    @contextmanager
+    def _model_turn(self, name: Optional[str]):
+        """A request's use of the loaded model: `name` switched in first (`_switch`) where no other
+        request runs. A request for another model (or while none is loaded) waits for the running
+        ones to end, and none starts before it meanwhile."""
+        def served() -> bool:
+            return self.model is not None and name in (None, "", self.model_id)
+
+        with self.gate:
+            while self.users and (self.switching or not served()):
+                if served():
+                    self.gate.wait()
+                    continue
+                self.switching += 1
+                try:
+                    while self.users:
+                        self.gate.wait()
+                finally:
+                    self.switching -= 1
+            if not self.users:
+                self._switch(name)
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self.gate:
+                self.users -= 1
+                self.gate.notify_all()
+
+    def _take_slot(self, job: Job, ids: list[int]) -> Slot:
+        """The free slot whose cache goes on with `ids` (the longest prefix, where it shares at
+        least SIMILAR of what the slot holds), else the one used least recently: its cache is
+        dropped first."""
+        def shared(s: Slot) -> int:
+            n = 0
+            for a, b in zip(s.prefix.tokens, ids):
+                if a != b:
+                    break
+                n += 1
+            return n if n and n >= SIMILAR * len(s.prefix.tokens) else 0
+
+        with self.gate:
+            free = [s for s in self.slots if s.job is None]  # (never empty: a worker holds one slot at most)
+            slot = max(free, key=lambda s: (shared(s), -s.used))
+            slot.job = job
+            return slot
+
+    def _give_back(self, slot: Slot) -> None:
+        with self.gate:
+            slot.job, slot.used = None, time.monotonic()
 
     def scrub(self, message: str) -> str:
         """`message` as a client may see it: a served file's path replaced by its model id, any
@@ -340,13 +438,15 @@ class Engine:
             return self.scrub(str(e))
         return "internal error (the server log says more)"
 
-    def _fresh_cache(self) -> None:
+    def _fresh_cache(self, slots: Optional[list[Slot]] = None) -> None:
+        """An empty cache for `slots` (None: every slot, as after a load)."""
         if self.model is None:
             return
-        try:
-            self.prefix = PrefixCache(self.model.new_cache())
-        except Exception:  # noqa: BLE001 - the next request tries again
-            self.prefix.tokens, self.prefix.checkpoints = [], []
+        for slot in self.slots if slots is None else slots:
+            try:
+                slot.prefix = PrefixCache(self.model.new_cache())
+            except Exception:  # noqa: BLE001 - the next request tries again
+                slot.prefix.tokens, slot.prefix.checkpoints = [], []
 
     def _load(self, name: str, path: str) -> None:
         import onebit
@@ -472,13 +572,12 @@ class Engine:
 
     def _run(self, job: Job) -> None:
         work = job.work
-        self._switch(work.model)
         if self.model is None:
             raise self._unservable()
         m = self.model
-        if work.task is not None:
+        if work.task is not None:  # (with slots in parallel: run between their steps, on the batch's thread)
             job.put("start", {"model": self.model_id})
-            job.put("done", work.task(m))
+            job.put("done", work.task(m) if self.batcher is None else self.batcher.call(lambda: work.task(m)))
             return
         ctx = m.context_length
         ids = self._prompt_ids(work, ctx - 1)
@@ -494,7 +593,23 @@ class Engine:
         reply = ReplySplitter(m, ids, tools=work.tools is not None or work.forced_tools is not None,
                               constrained=constrained and work.messages is not None)
         max_tokens = ctx if work.max_tokens is None else work.max_tokens
-        prefix = self.prefix
+        slot = self._take_slot(job, ids)
+        net = m.net
+        if self.batcher is not None:
+            self.batcher.join()
+            net = BatchedDecoder(self.batcher)
+        try:
+            self._generate(job, slot, m, net, ids, sampler, procs, recorder, reply, max_tokens)
+        finally:
+            if self.batcher is not None:
+                self.batcher.leave()
+            self._give_back(slot)
+
+    def _generate(self, job: Job, slot: Slot, m, net, ids: list[int], sampler, procs, recorder, reply,
+                  max_tokens: int) -> None:
+        """The request's reply from `slot`'s cache, its forwards run by `net`."""
+        work = job.work
+        prefix = slot.prefix
         common = prefix.reuse(ids)
         job.put("start", {"model": self.model_id, "prompt_tokens": len(ids), "cached_tokens": common})
         generated: list[int] = []
@@ -505,12 +620,12 @@ class Engine:
         t0 = time.perf_counter()
         ahead = 0.0  # seconds of the prompt run before generation (recurrent state: up to a checkpoint)
         try:
-            held = prefix.prefill(m.net, ids, common, hook=m.hook)
+            held = prefix.prefill(net, ids, common, hook=m.hook)
             if held != common:
                 ahead = time.perf_counter() - t0
             replies = stream_generate(m, ids[held:], max_tokens=max_tokens, sampler=sampler, processors=procs,
                                       stop=work.stop, cache=prefix.cache, prompt_prefix=ids[:held], hook=m.hook,
-                                      lookup=self.lookup if recorder is None else 0)  # (one row a token)
+                                      lookup=self.lookup if recorder is None else 0, net=net)  # (one row a token)
             for r in replies:
                 if job.cancelled.is_set():
                     break
@@ -520,7 +635,8 @@ class Engine:
                         entry = recorder.entry(r.token)
                         if r.token not in m.tokenizer.stop_ids:  # (an end token is no part of the reply)
                             pending.append(entry)
-                self.generated += r.generation_tokens - counted
+                with self.counting:
+                    self.generated += r.generation_tokens - counted
                 counted = r.generation_tokens
                 last = r
                 if r.finish_reason is None and self.stopping:
@@ -530,12 +646,12 @@ class Engine:
                     d.logprobs, pending = pending, []
                     job.put("delta", d)
         except Exception:
-            self._fresh_cache()
+            self._fresh_cache([slot])
             raise
         finally:
             if replies is not None:
                 replies.close()  # the cache settles before we record what it holds
-            self.prefix.settle(ids + generated)
+            slot.prefix.settle(ids + generated)
         if last is None or last.finish_reason is None:
             job.put("error", ApiError("the request was cancelled", 499 if not self.stopping else 503,
                                       "server_error" if self.stopping else "invalid_request_error", "cancelled"))

@@ -135,7 +135,7 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
         async def props():
             m = loaded()
             s = engine.sampling
-            return {"model_path": m.path, "model_alias": engine.model_id, "total_slots": 1,
+            return {"model_path": m.path, "model_alias": engine.model_id, "total_slots": engine.parallel,
                     "n_ctx": m.context_length, "build_info": f"onebit {__version__}",
                     "chat_template": m.chat_template or "", "pooling": pooling,
                     "default_generation_settings": {
@@ -146,16 +146,19 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
         @app.get("/slots")
         async def slots():
             m = engine.model
-            return [{"id": 0, "n_ctx": m.context_length if m is not None else 0,
-                     "is_processing": engine.current is not None, "model": engine.model_id}]
+            return [{"id": s.id, "n_ctx": m.context_length if m is not None else 0, "is_processing": s.job is not None,
+                     "model": engine.model_id, "cached_tokens": len(s.prefix.tokens)} for s in engine.slots]
 
         @app.get("/metrics")
         async def metrics():
             lines = []
             for name, kind, value, text in (
-                    ("onebit_requests_total", "counter", engine.served, "Requests the worker finished."),
+                    ("onebit_requests_total", "counter", engine.served, "Requests the workers finished."),
                     ("onebit_tokens_generated_total", "counter", engine.generated, "Tokens generated."),
-                    ("onebit_requests_processing", "gauge", int(engine.current is not None), "Requests running."),
+                    ("onebit_requests_processing", "gauge", engine.processing(), "Requests running."),
+                    ("onebit_slots", "gauge", engine.parallel, "Requests that may run at once (--parallel)."),
+                    ("onebit_batched_steps_total", "counter", engine.batcher.shared if engine.batcher else 0,
+                     "Forwards that ran the rows of several requests together."),
                     ("onebit_requests_waiting", "gauge", engine.waiting(), "Requests queued.")):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
             return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -85,6 +85,9 @@ class Backend:
     # host's work overlaps this backend's compute, and whether the host may read a pool's slots
     overlaps_host = False
     host_reads_slots = True
+    # one forward may run the rows of several sequences, each over its own cache (`forward_batch`:
+    # serve's parallel slots)
+    batches_sequences = False
 
     @classmethod
     def memory_policy(cls, gguf, repack_from: Optional[int] = None) -> MemoryPolicy:

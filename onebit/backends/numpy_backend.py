@@ -39,6 +39,7 @@ class DequantizingPolicy(MemoryPolicy):
 class NumpyBackend(Backend):
     name = "numpy"
     reference = True
+    batches_sequences = True
 
     def __init__(self, gguf: GGUFFile, experts: Optional[ExpertSource] = None):
         self.gguf = gguf
@@ -82,6 +83,23 @@ class NumpyBackend(Backend):
             # (a sum is non-finite if any logit is, and one reduction costs less than isfinite's
             # array and its all(); a finite sum that overflows is told apart by the full check)
             return logits, math.isfinite(float(logits.sum())) or bool(np.isfinite(logits).all())
+
+    def forward_batch(self, model, seqs, pauses: Pauses = NO_PAUSES,
+                      last_only: tuple = ()) -> tuple[list[np.ndarray], bool]:
+        """`forward` over the rows of several sequences at once, seqs = [(ids [R_i], cache_i)]:
+        every row through each linear and expert op together (a layer's expert is applied once
+        to every row routed to it), attention and recurrent state per sequence over its own
+        cache. last_only[i]: sequence i's last row's logits only. (logits per sequence, whether
+        every logit is finite); each cache holds its rows."""
+        with np.errstate(all="ignore"):
+            step = BatchStep(self, seqs, pauses, last_only)
+            pauses.begin(len(step.ids))
+            logits = model.schedule(step, any(step.last_only))  # [sum of kept rows, vocab]
+            step.commit()
+            for ids, cache in seqs:
+                cache.offset += len(ids)
+            finite = math.isfinite(float(logits.sum())) or bool(np.isfinite(logits).all())
+            return np.split(logits, np.cumsum(step.kept[:-1])), finite
 
     # -- weights ------------------------------------------------------------------------
 
@@ -528,3 +546,76 @@ class EagerStep:
         o, state = self.be.delta_rule(q, k, v, g, beta, self.recurrent(layer).state, eps, tiled, chunk)
         self.stage(layer, state=state)
         return o
+
+
+class BatchStep(EagerStep):
+    """EagerStep over the rows of several sequences, each at its own cache's next positions
+    (NumpyBackend.forward_batch): rows of sequence i are rows[slices[i]]. The ops that read a
+    sequence's state (attention, the recurrent mixer) run per sequence over its own cache,
+    with the rows it would have alone; every other op runs over all rows."""
+
+    def __init__(self, be: NumpyBackend, seqs, pauses: Pauses = NO_PAUSES, last_only: tuple = ()):
+        counts = [len(ids) for ids, _ in seqs]
+        self.be, self.pauses = be, pauses
+        self.ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in seqs])  # [R]
+        self.caches = [cache for _, cache in seqs]
+        self.starts = [cache.offset for cache in self.caches]
+        ends = np.cumsum(counts)
+        self.slices = [slice(int(e - n), int(e)) for e, n in zip(ends, counts)]
+        self.pos = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(self.starts, counts)])
+        self.pos.flags.writeable = False
+        self.last_only = tuple(last_only) or (False,) * len(seqs)
+        self.kept = [1 if lo else n for lo, n in zip(self.last_only, counts)]  # logits rows per sequence
+        self._staged = [{} for _ in seqs]  # per sequence: recurrent layer -> (conv, state), as EagerStep's
+        self.tensor_names = be.gguf.tensors
+
+    def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
+                  scale: float | None = None, sinks: str | None = None) -> np.ndarray:
+        w = self.be.weight(sinks) if sinks is not None else None
+        out = []
+        for cache, start, sl in zip(self.caches, self.starts, self.slices):
+            keys, values = cache[layer].write(start, k[sl], v[sl])  # [S, Hkv, D], [S, Hkv, Dv]
+            out.append(self.be.attention(q[sl], keys, values, self.pos[sl], window, scale, w))
+        return np.concatenate(out)  # [R, H*Dv]
+
+    def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
+        """The hook's turn over all rows; no prediction (it ranks from one sequence's cache):
+        the experts op's acquire waits for what the rows route to, as without a predictor."""
+        self.pauses.at_pause(layer, ids, logits)
+        self.pauses.observe(layer, ids, logits)
+
+    def last_row(self, x: np.ndarray) -> np.ndarray:
+        rows = [np.arange(sl.start, sl.stop)[-1:] if lo else np.arange(sl.start, sl.stop)
+                for sl, lo in zip(self.slices, self.last_only)]
+        return x[np.concatenate(rows)]  # [sum of kept rows, ...]
+
+    def ssm_conv(self, layer: int, x: np.ndarray, name: str) -> np.ndarray:
+        w = self.be.weight(name)
+        out = []
+        for i, (cache, sl) in enumerate(zip(self.caches, self.slices)):
+            y, conv = self.be.ssm_conv(x[sl], cache[layer].conv, w)
+            self._stage(i, layer, conv=conv)
+            out.append(y)
+        return np.concatenate(out)  # [R, C]
+
+    def delta_rule(self, layer: int, q, k, v, g, beta, eps: float, tiled: bool = False) -> np.ndarray:
+        out = []
+        for i, (cache, sl) in enumerate(zip(self.caches, self.slices)):
+            chunk = DELTA_CHUNK if sl.stop - sl.start >= DELTA_CHUNK_MIN_ROWS else 0
+            o, state = self.be.delta_rule(q[sl], k[sl], v[sl], g[sl], beta[sl], cache[layer].state, eps, tiled, chunk)
+            self._stage(i, layer, state=state)
+            out.append(o)
+        return np.concatenate(out)  # [R, Hv, D]
+
+    def _stage(self, i: int, layer: int, conv=None, state=None) -> None:
+        old = self._staged[i].get(layer, (None, None))
+        self._staged[i][layer] = (conv if conv is not None else old[0], state if state is not None else old[1])
+
+    def commit(self) -> None:
+        for cache, staged in zip(self.caches, self._staged):
+            for layer, (conv, state) in staged.items():
+                if conv is not None:
+                    cache[layer].conv[...] = conv
+                if state is not None:
+                    cache[layer].state[...] = state
+            staged.clear()

@@ -1,0 +1,294 @@
+"""`onebit serve --parallel N` through real concurrent HTTP clients: requests decode together
+(their forwards batched), each greedy reply the one it gets sent alone; a dropped client leaves
+the others running; /slots and /metrics show the N slots; a hybrid (recurrent) model keeps two
+conversations' prefixes side by side, through checkpoints."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from http.client import HTTPConnection
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+pytest.importorskip("fastapi")
+
+from conftest import fixture_path, stop_process  # noqa: E402
+from test_serve import DEFAULT, call, start  # noqa: E402
+
+WAIT_S = 60  # bounds on polling loops (hang guards), never asserted as timings
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
+           "def fibonacci(n):"]
+LENGTHS = [24, 9, 17, 30]  # tokens each: the requests leave the batch at different steps
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", "512", "--temp", "0", "--parallel", "4"],
+                      tmp_path_factory.mktemp("parallel") / "server.log")
+    try:
+        yield url
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = call(url + "/metrics")[1]
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) (\S+)$", text, re.M)}
+
+
+# per request: a stop string; seeded sampling, each request its own sampler (on numpy a row's logits
+# beside others differ from alone in their last bits at most: no draw here lies that close to an edge)
+OPTIONS = [{}, {"temperature": 0.9, "seed": 11}, {"stop": [","]}, {"temperature": 0.7, "top_k": 20, "seed": 5}]
+
+
+def ask(client, i: int) -> tuple[str, str]:
+    """Request i: even ones through the completions API, odd ones as a streamed chat."""
+    kw = {"temperature": 0, **OPTIONS[i]}
+    if i % 2 == 0:
+        r = client.completions.create(model="default", prompt=PROMPTS[i], max_tokens=LENGTHS[i], **kw)
+        return r.choices[0].text, r.choices[0].finish_reason
+    parts, finish = [], None
+    extra = {"top_k": kw.pop("top_k")} if "top_k" in kw else None
+    for chunk in client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[i]}],
+                                                max_tokens=LENGTHS[i], stream=True, extra_body=extra, **kw):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    return "".join(parts), finish
+
+
+def concurrently(fn, n: int) -> dict[int, object]:
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            got[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return got
+
+
+def test_four_concurrent_requests_equal_one_at_a_time(server, client):
+    alone = [ask(client, i) for i in range(4)]
+    shared = metrics(server)["onebit_batched_steps_total"]
+    got = concurrently(lambda i: ask(client, i), 4)
+    assert [got[i] for i in range(4)] == alone
+    assert all(text for text, _ in alone)
+    assert alone[2][1] == "stop" and "," not in alone[2][0]  # (the stop string cut the reply)
+    # they ran together: steps over several requests' rows
+    assert metrics(server)["onebit_batched_steps_total"] > shared
+
+
+@pytest.mark.kernels_of(DEFAULT)
+def test_cpu_backend_concurrent_requests_equal_one_at_a_time(tmp_path):
+    proc, url = start([DEFAULT, "--backend", "cpu", "--ctx", "512", "--temp", "0", "--parallel", "4"],
+                      tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        alone = [ask(c, i) for i in range(4)]
+        got = concurrently(lambda i: ask(c, i), 4)
+        assert [got[i] for i in range(4)] == alone
+        assert metrics(url)["onebit_batched_steps_total"] > 0
+    finally:
+        stop_process(proc)
+
+
+def test_slots_and_metrics_show_the_slots(server, client):
+    slots = json.loads(call(server + "/slots")[1])
+    assert [s["id"] for s in slots] == [0, 1, 2, 3]
+    assert json.loads(call(server + "/props")[1])["total_slots"] == 4
+    m = metrics(server)
+    assert m["onebit_slots"] == 4 and m["onebit_requests_processing"] == 0
+    # a prompt sent again goes to the slot that holds it: its prefix is reused
+    first = client.completions.create(model="default", prompt=PROMPTS[0] + " Paris.", max_tokens=2, temperature=0)
+    again = client.completions.create(model="default", prompt=PROMPTS[0] + " Paris.", max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
+def test_dropped_client_leaves_the_others_running(server, client):
+    import onebit
+
+    ban = {str(t): -100 for t in onebit.load(DEFAULT, backend="numpy").tokenizer.stop_ids}
+    want = ask(client, 2)
+    before = metrics(server)["onebit_tokens_generated_total"]
+    u = re.match(r"http://([^:/]+):(\d+)", server)
+    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
+    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
+        "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400, "stream": True,
+        "temperature": 0, "logit_bias": ban}))
+    r = conn.getresponse()
+    assert r.status == 200
+    got = concurrently(lambda i: ask(client, 2), 2)  # two more beside the long one
+    for _ in range(6):
+        r.fp.readline()
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    assert got[0] == got[1] == want
+    deadline = time.monotonic() + WAIT_S
+    while metrics(server)["onebit_requests_processing"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m = metrics(server)
+    assert m["onebit_requests_processing"] == 0
+    assert m["onebit_tokens_generated_total"] - before < 2 * LENGTHS[2] + 400  # the long one stopped short
+
+
+def test_hybrid_model_keeps_two_conversations(tmp_path):
+    """qwen3next (Gated DeltaNet layers: their state cannot trim) with two slots: greedy replies
+    together equal to alone; a conversation that goes on after another one ran reuses its
+    prefix (a checkpoint of its slot), which one shared cache would have lost."""
+    proc, url = start([str(fixture_path("qwen3next-f32.gguf")), "--backend", "numpy", "--temp", "0",
+                       "--parallel", "2"], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        prompts = ["a b c d e f g h i j", "one two three four five six seven"]
+
+        def complete(p, n=12):
+            return c.completions.create(model="m", prompt=p, max_tokens=n, temperature=0)
+
+        alone = [complete(p).choices[0].text for p in prompts]
+        got = concurrently(lambda i: complete(prompts[i]).choices[0].text, 2)
+        assert [got[0], got[1]] == alone
+        a = complete(prompts[0])
+        complete(prompts[1])  # the other conversation, between A's turns
+        more = complete(prompts[0] + a.choices[0].text + " k l m")
+        assert more.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens - 1
+    finally:
+        stop_process(proc)
+
+
+def test_embeddings_and_another_model_beside_running_requests(tmp_path):
+    """With --models-dir: a request for another model waits for the running ones to end, then
+    loads it; an embedding runs between the batch's steps; every answer is the one it gets alone."""
+    import shutil
+
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(fixture_path("qwen3moe-f32.gguf"), models / "other.gguf")
+    proc, url = start([DEFAULT, "--backend", "numpy", "--ctx", "512", "--temp", "0", "--parallel", "2",
+                       "--models-dir", str(models)], tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        jobs = [lambda: c.completions.create(model="default", prompt=PROMPTS[0], max_tokens=20,
+                                             temperature=0).choices[0].text,
+                lambda: c.completions.create(model="other", prompt=PROMPTS[1], max_tokens=8,
+                                             temperature=0).choices[0].text,
+                lambda: c.embeddings.create(model="default", input="hello there").data[0].embedding,
+                lambda: c.completions.create(model="default", prompt=PROMPTS[3], max_tokens=12,
+                                             temperature=0).choices[0].text]
+        alone = [job() for job in jobs]
+        got = concurrently(lambda i: jobs[i](), len(jobs))
+        assert [got[i] for i in range(len(jobs))] == alone
+    finally:
+        stop_process(proc)
+
+
+def test_a_step_holds_at_most_its_rows():
+    """The Batcher's steps: every member's hand-in once per step; fewest rows first, and a prompt
+    chunk past `step_rows` waits for the next step (the memory plan counts step_rows)."""
+    from types import SimpleNamespace
+
+    from onebit.apps.serve_batch import Batcher
+
+    steps = []
+
+    def forward_batch(seqs, hook=None, last_only=()):
+        steps.append(sorted(len(ids) for ids, _ in seqs))
+        return [np.zeros((1, 4), np.float32) for _ in seqs]
+
+    model = SimpleNamespace(net=SimpleNamespace(forward_batch=forward_batch), hook=None)
+    b = Batcher(lambda: model, step_rows=260)
+    hand_ins = [[1] * 256, [1] * 256, [1], [1] * 3]  # two prompt chunks, a decode row, verify rows
+    for _ in hand_ins:
+        b.join()
+
+    def member(rows):
+        b.forward(rows, None, True)
+        b.leave()
+
+    threads = [threading.Thread(target=member, args=(rows,)) for rows in hand_ins]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    b.close()
+    assert steps == [[1, 3, 256], [256]]
+
+
+def test_parallel_needs_a_backend_that_batches(capsys):
+    """A backend that runs one sequence per forward (Vulkan) refuses --parallel > 1 at start."""
+    import onebit
+    from onebit.apps.serve import Engine, Sampling
+    from onebit.errors import UsageError
+
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy")
+    m.be.batches_sequences = False  # (as a backend class that declares none)
+    with pytest.raises(UsageError, match="--parallel 2: the numpy backend runs one sequence per forward"):
+        Engine(m, Sampling(), parallel=2)
+    m.close()
+
+
+def test_vulkan_refuses_parallel_requests():
+    """Vulkan runs one sequence per forward: `onebit serve --backend vulkan --parallel 2` stops
+    at start with one line and exit code 2 (tests run Vulkan on Mesa's lavapipe)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", DEFAULT, "--backend", "vulkan",
+                        "--parallel", "2", "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "onebit: error: --parallel 2: the vulkan backend runs one sequence per forward (use --parallel 1, "
+        "or a backend that batches sequences: --backend cpu or numpy)")
+
+
+def test_parallel_out_of_range_is_refused():
+    import subprocess
+
+    for n in ("0", "65"):
+        r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", DEFAULT, "--parallel", n],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2
+        assert r.stderr.strip() == f"onebit: error: --parallel must be 1-64 (the open connections served), got {n}"
+
+
+def test_parallel_caches_that_do_not_fit_are_refused():
+    """--parallel asks for its caches: a plan that cannot hold them is refused, not loaded anyway."""
+    import subprocess
+
+    from onebit.backends.numpy_backend import NumpyBackend
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.memory.budget import detect_budget
+    from onebit.memory.plan import plan_load
+    from onebit.models import network_class
+
+    path = fixture_path("qwen3moe-f32.gguf")
+    g = GGUFFile(path)
+    cfg = network_class(g.architecture, g.path).config(g)
+    one, many = (plan_load(g, cfg, detect_budget("1GiB"), ctx=512, policy=NumpyBackend.memory_policy(g),
+                           sequences=n).total for n in (1, 64))
+    budget = (one + many) // 2  # room for one sequence's cache, not for 64
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", str(path), "--backend", "numpy",
+                        "--parallel", "64", "--ctx", "512", "--budget", str(budget), "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("onebit: error: ") and "the memory plan needs" in last and "--parallel 64" in last
