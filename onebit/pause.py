@@ -50,7 +50,10 @@ class PauseContext:
 
 class PauseClient:
     """A client that acts at pause points (the routing predictor). Defaults: acts every forward,
-    reads no recurrent state ahead."""
+    reads no recurrent state ahead, reads one sequence's cache (`per_sequence`: a forward over
+    several sequences' rows, which has no one cache, does not call it)."""
+
+    per_sequence = True
 
     def begin(self, rows: int) -> bool:
         """A forward over `rows` rows starts; whether this client has work at its pauses."""

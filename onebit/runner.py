@@ -82,8 +82,9 @@ class Runner(Decoder):
         a sequence of its own: logits per sequence ([R_i, vocab], or [1, vocab] where
         last_only[i]). Each row's logits are those of its sequence's own forward (within float32
         rounding: a product over more rows may sum in another order). One sequence runs
-        `forward` itself; several need a backend that `batches_sequences`. A predictor ranks
-        one-sequence forwards only (it reads one cache); the pool still reads what they route to."""
+        `forward` itself; several need a backend that `batches_sequences`. A predictor that reads
+        one sequence's cache (`per_sequence`: block prediction) ranks one-sequence forwards only;
+        router prediction ranks these too."""
         last_only = tuple(last_only) or (False,) * len(seqs)
         if len(seqs) == 1:
             (ids, cache), = seqs
@@ -98,7 +99,8 @@ class Runner(Decoder):
         if self._file_reads() is None:
             unchanged()
         try:
-            logits, finite = self.be.forward_batch(self.arch, seqs, Pauses(hook, None), last_only)
+            pred = self.predictor if self.predictor is not None and not self.predictor.per_sequence else None
+            logits, finite = self.be.forward_batch(self.arch, seqs, Pauses(hook, pred), last_only)
         except OnebitError:
             unchanged()
             raise

@@ -135,6 +135,27 @@ def test_streamed_experts_read_once_per_step_for_every_sequence(backend):
     together_.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_prediction_reads_ahead_for_batched_sequences(backend):
+    """Router prediction ranks a forward over several sequences' rows (it reads their residual,
+    no cache): the next layer's experts for all of them are read ahead, and the tokens stay
+    those alone. Block prediction (one sequence's cache) is left out of such forwards."""
+    path = fixture_path("qwen3moe-f32.gguf")
+    resident = load("qwen3moe-f32", backend)
+    ids = prompts(resident, 3)
+    want = [alone(resident, p)[0] for p in ids]
+    for mode, predicts in (("router", True), ("block", False)):
+        m = onebit.load(path, backend=backend, slots=6, budget="1GiB", predict=mode)
+        try:
+            assert m.predictor.per_sequence is not predicts
+            # every step past the first is a batch of one decode row per sequence
+            assert together(m, ids, joins=[0, 0, 0])[0] == want
+            issued = sum(st.issued for st in m.predictor.stats.values())
+            assert (issued > 0) is predicts and (m.pool.stats.prefetches > 0 or not predicts), mode
+        finally:
+            m.close()
+
+
 def test_plan_counts_a_cache_per_sequence():
     """`sequences`: the KV cache, the recurrent state and its checkpoints once per sequence; the
     load's line says so."""

@@ -579,10 +579,13 @@ class BatchStep(EagerStep):
         return np.concatenate(out)  # [R, H*Dv]
 
     def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
-        """The hook's turn over all rows; no prediction (it ranks from one sequence's cache):
-        the experts op's acquire waits for what the rows route to, as without a predictor."""
-        self.pauses.at_pause(layer, ids, logits)
-        self.pauses.observe(layer, ids, logits)
+        """The hook's turn over all rows, then a predictor's that reads no cache (router
+        prediction: the runner passes no other): its context has no cache to show."""
+        p = self.pauses
+        p.at_pause(layer, ids, logits)
+        p.observe(layer, ids, logits)
+        if p.predicting:
+            p.predict(PauseContext(0, len(self.ids), None, None), layer, ids, logits, h)
 
     def last_row(self, x: np.ndarray) -> np.ndarray:
         rows = [np.arange(sl.start, sl.stop)[-1:] if lo else np.arange(sl.start, sl.stop)

@@ -585,6 +585,13 @@ class Predictor(PauseClient):
         return saved > HOLD * step
 
     @property
+    def per_sequence(self) -> bool:
+        """Whether its pauses read one sequence's cache: block mode runs the next layer's mixer
+        over it. Router prediction reads only the rows' residual, so it ranks a forward over
+        several sequences' rows too (serve --parallel: their experts' union is read ahead)."""
+        return self.s.mode == "block" and not self.s.no_attn
+
+    @property
     def pausing(self) -> bool:
         """Whether this forward's pause points have work for the predictor (when not, the
         Vulkan backend makes no host copies of h, ids and logits for it)."""
