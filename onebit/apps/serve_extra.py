@@ -13,9 +13,9 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from pydantic import Field
 
 from .. import __version__
-from .embed import embed
+from .embed import embed, input_ids
 from .serve import ApiError, Engine, Work
-from .serve_app import Run, _Strict, served_model, warn_unknown
+from .serve_app import Run, _Strict, parsed, served_model
 
 MAX_INPUTS = 2048  # texts of one embeddings request
 
@@ -38,9 +38,10 @@ async def run_task(engine: Engine, model: Optional[str], task: Callable[[Any], A
 
 
 def embedding_task(inputs: list, pooling: str) -> Callable[[Any], tuple[list[np.ndarray], int]]:
-    """A task: (one vector per input, the tokens read) for texts or token id lists."""
+    """A task: (one vector per input, the tokens read) for texts or token id lists; a text is
+    tokenized only as far as shows it is longer than the context (`input_ids`)."""
     def task(model):
-        ids = [model.tokenize(x) if isinstance(x, str) else list(x) for x in inputs]
+        ids = [input_ids(model, x) if isinstance(x, str) else list(x) for x in inputs]
         if any(not i for i in ids):
             raise ApiError("an input is empty", param="input")
         return embed(model, ids, pooling), sum(len(i) for i in ids)
@@ -93,15 +94,19 @@ def _vector(v: np.ndarray, fmt: str, dimensions: Optional[int]):
 
 def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI], None]:
     def add(app: FastAPI) -> None:
-        @app.post("/v1/embeddings")
-        @app.post("/embeddings")
-        async def embeddings(req: EmbeddingRequest, request: Request):
-            warn_unknown(req, request.url.path)
+        def inputs_of(req: EmbeddingRequest):
+            """(the model's name, the inputs) of an embeddings request (in `parsed`'s thread)."""
             inputs = embedding_inputs(req.input)
             if req.encoding_format not in ("float", "base64"):
                 raise ApiError("encoding_format must be float or base64", param="encoding_format")
             name = served_model(engine, req.model)
             engine.check_model(name)
+            return name, inputs
+
+        @app.post("/v1/embeddings")
+        @app.post("/embeddings")
+        async def embeddings(request: Request):
+            req, (name, inputs) = await parsed(request, EmbeddingRequest, inputs_of, MAX_INPUTS, ())
             model, (vectors, n) = await run_task(engine, name, embedding_task(inputs, pooling), request)
             data = [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format, req.dimensions)}
                     for i, v in enumerate(vectors)]
