@@ -26,7 +26,7 @@ from onebit.apps import serve_app  # noqa: E402
 from onebit.apps.serve import Engine, Sampling  # noqa: E402
 from onebit.apps.serve_app import create_app, uvicorn_options  # noqa: E402
 from onebit.apps.serve_routes import build_app  # noqa: E402
-from onebit.apps.serve_extra import EmbeddingRequest  # noqa: E402
+from onebit.apps.serve_extra import DetokenizeRequest, EmbeddingRequest, TokenizeRequest  # noqa: E402
 from onebit.apps.serve_ollama import OllamaChat, OllamaEmbed, OllamaGenerate  # noqa: E402
 from onebit.apps.serve_responses import ResponsesRequest  # noqa: E402
 from onebit.formats import catalog  # noqa: E402
@@ -209,12 +209,14 @@ def test_many_messages_are_refused_and_bodies_parsed_off_the_event_loop(served, 
 
 
 BIG = "word " * 1_000_000  # 5 MB of text: far past the context
-# Each route, its request's class, and a huge body for it
+# Each route, its request's class, and a huge body for it (/tokenize's not huge: it tokenizes all of it)
 HUGE = [("/v1/responses", ResponsesRequest, {"input": BIG, "max_output_tokens": 1}),
         ("/api/chat", OllamaChat, {"messages": [{"role": "user", "content": BIG}], "stream": False}),
         ("/api/generate", OllamaGenerate, {"prompt": BIG, "stream": False}),
         ("/api/embed", OllamaEmbed, {"input": BIG}),
-        ("/v1/embeddings", EmbeddingRequest, {"input": [BIG, "hi"]})]
+        ("/v1/embeddings", EmbeddingRequest, {"input": [BIG, "hi"]}),
+        ("/tokenize", TokenizeRequest, {"content": "word " * 2000}),
+        ("/detokenize", DetokenizeRequest, {"tokens": [1] * 1_000_000})]
 
 
 @pytest.mark.parametrize("route, cls, body", HUGE, ids=[h[0] for h in HUGE])
@@ -242,7 +244,12 @@ def test_a_huge_body_on_each_route_is_parsed_while_health_answers(tmp_path, monk
         release.set()
         big.join(WAIT_S)
         status, answer = got[0]
-        assert status == 400 and "context" in json.dumps(answer), (route, answer)
+        if route == "/tokenize":  # (llama-server's: every token, whatever the context)
+            assert status == 200 and len(answer["tokens"]) >= 2000, (route, answer)
+        elif route == "/detokenize":
+            assert status == 200 and isinstance(answer["content"], str), route
+        else:
+            assert status == 400 and "context" in json.dumps(answer), (route, answer)
         assert ask(s)[0] == 200
     finally:
         release.set()

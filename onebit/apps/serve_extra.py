@@ -118,8 +118,7 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
                 raise ApiError("no model is loaded now (one is being switched in)", 503, "server_error")
             return m
 
-        @app.post("/tokenize")
-        async def tokenize(req: TokenizeRequest):
+        def tokens_of(req: TokenizeRequest) -> dict:
             m = loaded()
             ids = m.tokenize(req.content, add_special=req.add_special)
             if not req.with_pieces:
@@ -127,14 +126,21 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
             return {"tokens": [{"id": t, "piece": m.tokenizer.token_bytes(t).decode("utf-8", "replace")}
                                for t in ids]}
 
-        @app.post("/detokenize")
-        async def detokenize(req: DetokenizeRequest):
+        def text_of(req: DetokenizeRequest) -> dict:
             m = loaded()
             bad = [t for t in req.tokens if not 0 <= t < m.cfg.vocab_size]
             if bad:
                 raise ApiError(f"token id {bad[0]} is out of range for a vocabulary of {m.cfg.vocab_size}",
                                param="tokens")
             return {"content": m.detokenize(req.tokens)}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):  # (parsed and tokenized in a thread, as every body)
+            return (await parsed(request, TokenizeRequest, tokens_of, 0, ()))[1]
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request):
+            return (await parsed(request, DetokenizeRequest, text_of, 0, ()))[1]
 
         @app.get("/props")
         async def props():
