@@ -2,11 +2,12 @@
 """Roofline of the cpu backend's products at real shapes: decode GB/s against the machine's
 memory bandwidth, prompt GFLOP/s against its float32 matrix-product peak.
 
-    python bench/bench_roofline.py [--runs 9] [--prompt 64] [--types Q4_K,Q6_K,...] [--root DIR]
+    python bench/bench_roofline.py [--runs 9] [--prompt 64] [--types Q4_K,Q6_K,...] [--shapes 30B,...] [--root DIR]
 
 Shapes (weight rows N x row length K): the 30B-A3B shape's attention (q 4096 x 2048, k/v 512 x
 2048, o 2048 x 4096) and its routed experts (8 of 128, gate/up 768 x 2048, down 2048 x 768, one
-`expert_ffn` call as a decode token makes), its output matrix (151936 x 2048); the 0.86B file's
+`expert_ffn` call as a decode token makes), its output matrix (151936 x 2048, and with one row
+more: 16 rows to a group and one left, as an odd vocabulary's output head); the 0.86B file's
 experts (8 of 64, 256 x 1024) and q (1024 x 1024); gpt-oss-20b's experts (4 of 32, 2880 x 2880);
 Gemma 3 270M's output (262144 x 640, Q8_0 and Q6_K-less: 640 is not a multiple of 256). Each in
 each --types type that fits the row length.
@@ -52,6 +53,7 @@ SHAPES = [  # label, kind, N, K (experts: hidden, dim, n_experts)
     ("30B attn o", "dense", 2048, 4096),
     ("30B experts 8/128", "experts", 768, 2048, 128),
     ("30B output", "dense", 151936, 2048),
+    ("30B output + 1 row", "dense", 151937, 2048),  # (not a multiple of 16: the X16 layouts' last row as a row)
     ("0.86B attn q", "dense", 1024, 1024),
     ("0.86B experts 8/64", "experts", 256, 1024, 64),
     ("gpt-oss-20b experts 4/32", "experts", 2880, 2880, 32, 4),
@@ -78,7 +80,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--types", default="Q4_K,Q4_K_X16,Q5_K,Q6_K,Q6_K_X16,Q8_0,Q8_0_X16,Q4_0,Q4_0_X16,Q5_0,"
-                    "Q5_0_X16,MXFP4,MXFP4_X16,IQ4_XS,IQ4_XS_X16,F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout "
+                    "Q5_0_X16,MXFP4,MXFP4_X16,IQ4_XS,IQ4_XS_X16,Q2_K,Q2_K_X16,Q3_K,Q3_K_X16,F16,BF16", help="Q4_K_X16: Q4_K in the cpu backend's repacked layout "
                     "(AVX-512 VNNI; backends/cpu.py X16_TYPES)")
     ap.add_argument("--shapes", default="", help="comma-separated label prefixes (default: all)")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])

@@ -304,12 +304,14 @@ def test_q6_k_x16_layout_by_hand(rng):
 @ALL_TYPES
 @pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
 @pytest.mark.parametrize("rows", [1, 3, 9])
-@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS", "Q8_0", "Q4_1", "Q5_1", "IQ4_NL",
+                                  "Q2_K", "Q3_K"])
 def test_x16_layout_products(rng, name, rows):
-    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1, Q5_1 and IQ4_NL, an odd
-    number of blocks a row (768 weights as the 30B-A3B shape's down experts; 288 for the
-    32-weight types, as gpt-oss's 2880 has 90): against the reference on the same rounded
-    activations and against the row kernel; serial == parallel repack."""
+    """The X16 layouts of Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0, Q4_1, Q5_1, IQ4_NL, Q2_K and
+    Q3_K, an odd number of blocks a row (768 weights as the 30B-A3B shape's down experts; 288 for
+    the 32-weight types, as gpt-oss's 2880 has 90): against the reference on the same rounded
+    activations and against the row kernel (Q2_K's and Q3_K's take float32 activations: against
+    those, to ACT_TOL); serial == parallel repack."""
     qt = QTYPES_BY_NAME[name]
     k = 288 if qt.block_size == 32 else 768
     w = random_blocks(name, (48, k), rng)
@@ -323,10 +325,91 @@ def test_x16_layout_products(rng, name, rows):
         got = np.full((rows, 48), np.nan, np.float32)
         kernel(got, x, packed, repack.x16_type(qt.type_id))
         close(got, rounded(x) @ wf, TOL[name], f"{name}_X16")
-        close(got, want, 1e-6, f"{name}_X16 against the row kernel")
+        if name in int_dots.INT_TYPES:
+            close(got, want, 1e-6, f"{name}_X16 against the row kernel")
+        else:
+            close(got, want, ACT_TOL, f"{name}_X16 against the row kernel")
     serial = np.empty_like(packed)
     repack.repack_x16_serial(ro(w), serial, qt.type_id)
     assert np.array_equal(serial, packed)
+
+
+@ALL_TYPES
+@pytest.mark.skipif(not int_dots.VNNI, reason="the X16 layouts are AVX-512 VNNI's")
+@pytest.mark.parametrize("n", [37, 21])
+@pytest.mark.parametrize("name", x16.X16_TYPES)
+def test_x16_layouts_hold_rows_past_the_last_group(rng, name, n):
+    """A matrix of n rows, not a multiple of 16 (an output head of an odd vocabulary): its groups
+    in the layout, its last n % 16 rows as they are right after them (then zeros to the array's
+    end); its products equal the row kernel's (the last rows through the type's own row dot;
+    Q2_K's and Q3_K's groups on rounded activations: against the reference on those), alone,
+    serial and in matmul3; serial == parallel repack."""
+    qt = QTYPES_BY_NAME[name]
+    k = 288 if qt.block_size == 32 else 512
+    w = random_blocks(name, (n, k), rng)
+    packed = repack.repack_x16(w, qt.type_id)
+    full, rb = n // 16 * 16, w.shape[1]
+    assert packed.shape == (n, x16_bytes(rb, qt.type_id)) and not packed.flags.writeable
+    tail = packed[full:].reshape(-1)
+    assert np.array_equal(tail[: (n - full) * rb], w[full:].reshape(-1)) and not tail[(n - full) * rb :].any()
+    serial = np.empty_like(packed)
+    repack.repack_x16_serial(ro(w), serial, qt.type_id)
+    assert np.array_equal(serial, packed)
+    wf = qt.dequantize(w).T
+    for rows in (1, 3):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        want = np.full((rows, n), np.nan, np.float32)
+        products.matmul(want, x, ro(w), qt.type_id)
+        for kernel in (products.matmul, products.matmul_serial):
+            got = np.full((rows, n), np.nan, np.float32)
+            kernel(got, x, packed, repack.x16_type(qt.type_id))
+            if name in int_dots.INT_TYPES:
+                close(got, want, 1e-6, f"{name}_X16 against the row kernel")
+            else:
+                close(got[:, :full], rounded(x) @ wf[:, :full], TOL[name], f"{name}_X16")
+                close(got[:, full:], want[:, full:], 1e-6, f"{name}_X16's last rows against the row kernel")
+        three = np.full((rows, 2 * n + 5), np.nan, np.float32)
+        five = random_blocks("Q8_0", (5, k), rng)
+        products.matmul3(three, x, packed, ro(five), packed, repack.x16_type(qt.type_id),
+                         QTYPES_BY_NAME["Q8_0"].type_id, repack.x16_type(qt.type_id))
+        got = np.full((rows, n), np.nan, np.float32)
+        products.matmul(got, x, packed, repack.x16_type(qt.type_id))
+        assert np.array_equal(three[:, :n], got) and np.array_equal(three[:, n + 5 :], got)
+
+
+@ALL_TYPES
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+def test_q2_k_q3_k_x16_layouts_by_hand(rng, name):
+    """A group of 16 Q2_K or Q3_K rows repacked: each weight rebuilt from the layout's fields as
+    the layout's comment (x16.py) places them equals the reference dequantization. Q2_K: d, dmin,
+    the scale byte of its 16 (scale & 15, min >> 4), its 2 bits at bits 2 j of its quant byte;
+    Q3_K: d, its 6-bit scale from the packed bytes, its 2 low bits and its hmask bit (u - 4)."""
+    if not int_dots.VNNI:
+        pytest.skip("the X16 layouts are AVX-512 VNNI's")
+    qt = QTYPES_BY_NAME[name]
+    w = random_blocks(name, (16, 512), rng)
+    p = repack.repack_x16(w, qt.type_id).reshape(2, 16 * qt.type_size)
+    want = qt.dequantize(w)
+    for i in range(2):
+        blk = p[i]
+        d = blk[:32].view(np.float16).astype(np.float32)  # [row]
+        for wi in range(256):
+            n, j, l = wi // 128, (wi % 128) // 32, wi % 32  # weight 128 n + 32 j + l
+            h, k, at, sub = l // 16, (l % 16) // 4, l % 4, wi // 16
+            if name == "Q2_K":
+                dmin = blk[32:64].view(np.float16).astype(np.float32)
+                sc = blk[64 + 16 * sub : 80 + 16 * sub].astype(np.int32)  # [row]
+                quant = blk[320 + 64 * (8 * h + 4 * n + k) :][:64].reshape(16, 4)[:, at].astype(np.int32)
+                got = d * (sc & 15) * ((quant >> (2 * j)) & 3) - dmin * (sc >> 4)
+            else:
+                packed_sc = blk[32:224].reshape(12, 16).astype(np.int32)  # [byte, row]
+                six = ((packed_sc[sub % 8] >> (4 * (sub // 8))) & 15) | (
+                    ((packed_sc[8 + sub % 4] >> (2 * (sub // 4))) & 3) << 4)
+                hm = blk[224 + 768 * h + 64 * k :][:64].reshape(16, 4)[:, at].astype(np.int32)
+                quant = blk[224 + 768 * h + 256 + 256 * n + 64 * k :][:64].reshape(16, 4)[:, at].astype(np.int32)
+                u = ((quant >> (2 * j)) & 3) | (((hm >> (4 * n + j)) & 1) << 2)
+                got = d * (six - 32) * (u - 4)
+            assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-6, atol=1e-6 * np.abs(want).max()), (i, wi)
 
 
 @ALL_TYPES

@@ -53,10 +53,10 @@ def test_plan_bytes_match_hand_computation():
     # Resident = every tensor but the expert parts, sized by gguf's own reader.
     r = gguf.GGUFReader(str(fixture_path(Q4K)))
     resident = sum(int(t.n_bytes) for t in r.tensors if "_exps." not in t.name)
-    # The cpu kernels hold [N, K] Q4_K matrices (N a multiple of 16; not the token embedding)
+    # The cpu kernels hold [N, K] Q4_K matrices (N of 16 or more; not the token embedding)
     # 16 rows to a group with their scales decoded: 64 bytes more per 16 x 144 (quants.X16_BLOCK).
     repacked = sum(int(t.n_bytes) for t in r.tensors if "_exps." not in t.name and t.tensor_type.name == "Q4_K"
-                   and len(t.shape) == 2 and int(t.shape[1]) % 16 == 0 and not t.name.startswith("token_embd"))
+                   and len(t.shape) == 2 and int(t.shape[1]) >= 16 and not t.name.startswith("token_embd"))
     assert repacked > 0
     assert items["resident weights"] == resident + repacked * 64 // (16 * 144)
     on_numpy = make_plan(g, cfg, budget(1 << 30), ctx=256, layers="0-1", verify_rows=8,

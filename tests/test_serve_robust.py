@@ -25,6 +25,10 @@ import onebit  # noqa: E402
 from onebit.apps import serve_app  # noqa: E402
 from onebit.apps.serve import Engine, Sampling  # noqa: E402
 from onebit.apps.serve_app import create_app, uvicorn_options  # noqa: E402
+from onebit.apps.serve_routes import build_app  # noqa: E402
+from onebit.apps.serve_extra import DetokenizeRequest, EmbeddingRequest, TokenizeRequest  # noqa: E402
+from onebit.apps.serve_ollama import OllamaChat, OllamaEmbed, OllamaGenerate  # noqa: E402
+from onebit.apps.serve_responses import ResponsesRequest  # noqa: E402
 from onebit.formats import catalog  # noqa: E402
 from ggufedit import rewrite  # noqa: E402
 
@@ -37,7 +41,7 @@ WAIT_S = 60  # bounds on loops and sockets (hang guards), never asserted as timi
 class Served:
     """A server in this process: `url`, `engine`, `models` (the folder), `stop()`."""
 
-    def __init__(self, tmp: Path, api_key=None, head_timeout=30.0, max_connections=64):
+    def __init__(self, tmp: Path, api_key=None, head_timeout=30.0, max_connections=64, every_route=False):
         self.models = tmp / "models"
         self.models.mkdir(exist_ok=True)
         shutil.copy(DEFAULT, self.models / "main.gguf")
@@ -48,7 +52,8 @@ class Served:
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
         self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-        config = uvicorn.Config(create_app(self.engine, api_key), log_level="warning", access_log=False,
+        app = build_app(self.engine, api_key) if every_route else create_app(self.engine, api_key)
+        config = uvicorn.Config(app, log_level="warning", access_log=False,
                                 lifespan="off", **uvicorn_options(head_timeout, max_connections))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -201,6 +206,72 @@ def test_many_messages_are_refused_and_bodies_parsed_off_the_event_loop(served, 
     body = {"messages": [{"role": "user", "content": "x"}] * 100_000}
     status, got = call(served.url + "/v1/chat/completions", "POST", body)
     assert status == 400 and got["error"]["code"] == "context_length_exceeded", got
+
+
+BIG = "word " * 1_000_000  # 5 MB of text: far past the context
+# Each route, its request's class, and a huge body for it (/tokenize's not huge: it tokenizes all of it)
+HUGE = [("/v1/responses", ResponsesRequest, {"input": BIG, "max_output_tokens": 1}),
+        ("/api/chat", OllamaChat, {"messages": [{"role": "user", "content": BIG}], "stream": False}),
+        ("/api/generate", OllamaGenerate, {"prompt": BIG, "stream": False}),
+        ("/api/embed", OllamaEmbed, {"input": BIG}),
+        ("/v1/embeddings", EmbeddingRequest, {"input": [BIG, "hi"]}),
+        ("/tokenize", TokenizeRequest, {"content": "word " * 2000}),
+        ("/detokenize", DetokenizeRequest, {"tokens": [1] * 1_000_000})]
+
+
+@pytest.mark.parametrize("route, cls, body", HUGE, ids=[h[0] for h in HUGE])
+def test_a_huge_body_on_each_route_is_parsed_while_health_answers(tmp_path, monkeypatch, route, cls, body):
+    """The request's validation held in its parse until /health has answered: /health answers
+    while the huge request is in flight (its parse is off the event loop), then the huge one gets
+    one 400 for its length, and the server keeps answering."""
+    s = Served(tmp_path, every_route=True)
+    entered, release = threading.Event(), threading.Event()
+    real = cls.model_validate
+
+    def held(obj, *a, **kw):
+        entered.set()
+        release.wait(WAIT_S)
+        return real(obj, *a, **kw)
+
+    monkeypatch.setattr(cls, "model_validate", held)
+    got = []
+    big = threading.Thread(target=lambda: got.append(call(s.url + route, "POST", body)))
+    try:
+        big.start()
+        assert entered.wait(WAIT_S), f"{route}: the body was not validated by the request's class"
+        status, health = call(s.url + "/health")
+        assert status == 200 and health["status"] == "ok" and big.is_alive() and not release.is_set()
+        release.set()
+        big.join(WAIT_S)
+        status, answer = got[0]
+        if route == "/tokenize":  # (llama-server's: every token, whatever the context)
+            assert status == 200 and len(answer["tokens"]) >= 2000, (route, answer)
+        elif route == "/detokenize":
+            assert status == 200 and isinstance(answer["content"], str), route
+        else:
+            assert status == 400 and "context" in json.dumps(answer), (route, answer)
+        assert ask(s)[0] == 200
+    finally:
+        release.set()
+        big.join(WAIT_S)
+        s.stop()
+
+
+def test_embedding_inputs_are_tokenized_only_as_far_as_the_context(tmp_path, monkeypatch):
+    s = Served(tmp_path, every_route=True)
+    try:
+        seen = []
+        model = s.engine.model
+        real = model.tokenize
+        monkeypatch.setattr(model, "tokenize", lambda text, **kw: seen.append(len(text)) or real(text, **kw))
+        for route in ("/v1/embeddings", "/api/embed"):
+            status, body = call(s.url + route, "POST", {"input": BIG})
+            assert status == 400 and "context" in json.dumps(body), body
+        assert seen and max(seen) < 100 * CTX, seen  # only prefixes were tokenized
+        status, body = call(s.url + "/v1/embeddings", "POST", {"input": "hi"})
+        assert status == 200 and len(body["data"][0]["embedding"]) == model.cfg.dim, body
+    finally:
+        s.stop()
 
 
 def test_a_chunked_body_over_the_limit_is_413(served, monkeypatch):

@@ -17,6 +17,7 @@ from ..models.base import check_ids
 
 POOLINGS = ("mean", "last", "cls")
 CHUNK = 256  # rows of one forward
+SLACK = 16  # tokens a prefix of a text may have beyond its part of the whole
 
 
 class HiddenStates:
@@ -53,6 +54,22 @@ def hidden_states(model, ids: Sequence[int]) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def input_ids(model, text: str) -> list[int]:
+    """Token ids of `text` (with the model's special tokens), or UsageError where they are more
+    than the context holds: prefixes four times longer each time are tokenized while the text
+    goes on, and one of more than the context + SLACK tokens ends it (a prefix cut mid-word may
+    tokenize to a few more tokens than its part of the whole), so a huge text costs what a text
+    of the context costs."""
+    limit = model.context_length
+    n = 4 * (limit + SLACK)  # characters
+    while n < len(text):
+        head = model.tokenize(text[:n])
+        if len(head) > limit + SLACK:
+            raise UsageError(f"the input is more than {len(head) - SLACK} tokens; this model's context holds {limit}")
+        n *= 4
+    return model.tokenize(text)
+
+
 def pool(h: np.ndarray, pooling: str) -> np.ndarray:
     """One unit vector [dim] from hidden states [R, dim]."""
     if pooling == "mean":
@@ -73,4 +90,4 @@ def embed(model, inputs: Sequence[Sequence[int]], pooling: str = "mean") -> list
     return [pool(hidden_states(model, ids), pooling) for ids in inputs]
 
 
-__all__ = ["POOLINGS", "HiddenStates", "embed", "hidden_states", "pool"]
+__all__ = ["POOLINGS", "HiddenStates", "embed", "hidden_states", "input_ids", "pool"]

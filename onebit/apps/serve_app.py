@@ -586,13 +586,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
 
 
 async def _parsed(request: Request, cls, to_work, engine: Engine) -> tuple:
-    """(the request, its Work): the body read (bounded by Gate), then parsed, checked and turned
-    into work in a thread, so a large body does not hold up the event loop's other clients."""
+    """(the request, its Work) for chat and completions (`parsed`, then the model named and
+    to_work in the same thread)."""
+    def work(req):
+        req.model = served_model(engine, req.model)
+        engine.check_model(req.model)
+        return to_work(req, engine.sampling, engine.vocab_size)
+
+    return await parsed(request, cls, work, engine.context_length())
+
+
+async def parsed(request: Request, cls, make: Callable, limit: int, lists=("messages", "prompt")) -> tuple:
+    """(the request as `cls`, make(it)): the body read (bounded by Gate), then parsed, checked and
+    given to `make` (the route's work) in a thread, so a large body does not hold up the event
+    loop's other clients. A list among `lists` longer than `limit` (each item is a token at least)
+    is refused before it is validated."""
     try:
         raw = await request.body()
     except ClientDisconnect:  # gone before its body was in: nobody to answer
         raise ApiError("the client went away while sending the body", 499, code="cancelled") from None
-    limit = engine.context_length()
 
     def parse():
         if not raw.strip():
@@ -603,7 +615,7 @@ async def _parsed(request: Request, cls, to_work, engine: Engine) -> tuple:
             raise ApiError(f"the request body is not valid JSON ({e})") from None
         if not isinstance(obj, dict):
             raise ApiError("the request body must be a JSON object")
-        for key in ("messages", "prompt"):  # a list longer than the context cannot fit: refused unread
+        for key in lists:  # a list longer than the context cannot fit: refused unread
             if isinstance(obj.get(key), list) and len(obj[key]) > limit:
                 raise ApiError(f"This model's maximum context length is {limit} tokens; {key} has "
                                f"{len(obj[key])} items", code="context_length_exceeded", param=key)
@@ -612,9 +624,7 @@ async def _parsed(request: Request, cls, to_work, engine: Engine) -> tuple:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
         warn_unknown(req, request.url.path)
-        req.model = served_model(engine, req.model)
-        engine.check_model(req.model)
-        return req, to_work(req, engine.sampling, engine.vocab_size)
+        return req, make(req)
 
     return await asyncio.to_thread(parse)
 

@@ -13,9 +13,9 @@ from fastapi.responses import HTMLResponse, PlainTextResponse
 from pydantic import Field
 
 from .. import __version__
-from .embed import embed
+from .embed import embed, input_ids
 from .serve import ApiError, Engine, Work
-from .serve_app import Run, _Strict, served_model, warn_unknown
+from .serve_app import Run, _Strict, parsed, served_model
 
 MAX_INPUTS = 2048  # texts of one embeddings request
 
@@ -38,9 +38,10 @@ async def run_task(engine: Engine, model: Optional[str], task: Callable[[Any], A
 
 
 def embedding_task(inputs: list, pooling: str) -> Callable[[Any], tuple[list[np.ndarray], int]]:
-    """A task: (one vector per input, the tokens read) for texts or token id lists."""
+    """A task: (one vector per input, the tokens read) for texts or token id lists; a text is
+    tokenized only as far as shows it is longer than the context (`input_ids`)."""
     def task(model):
-        ids = [model.tokenize(x) if isinstance(x, str) else list(x) for x in inputs]
+        ids = [input_ids(model, x) if isinstance(x, str) else list(x) for x in inputs]
         if any(not i for i in ids):
             raise ApiError("an input is empty", param="input")
         return embed(model, ids, pooling), sum(len(i) for i in ids)
@@ -93,15 +94,19 @@ def _vector(v: np.ndarray, fmt: str, dimensions: Optional[int]):
 
 def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI], None]:
     def add(app: FastAPI) -> None:
-        @app.post("/v1/embeddings")
-        @app.post("/embeddings")
-        async def embeddings(req: EmbeddingRequest, request: Request):
-            warn_unknown(req, request.url.path)
+        def inputs_of(req: EmbeddingRequest):
+            """(the model's name, the inputs) of an embeddings request (in `parsed`'s thread)."""
             inputs = embedding_inputs(req.input)
             if req.encoding_format not in ("float", "base64"):
                 raise ApiError("encoding_format must be float or base64", param="encoding_format")
             name = served_model(engine, req.model)
             engine.check_model(name)
+            return name, inputs
+
+        @app.post("/v1/embeddings")
+        @app.post("/embeddings")
+        async def embeddings(request: Request):
+            req, (name, inputs) = await parsed(request, EmbeddingRequest, inputs_of, MAX_INPUTS, ())
             model, (vectors, n) = await run_task(engine, name, embedding_task(inputs, pooling), request)
             data = [{"object": "embedding", "index": i, "embedding": _vector(v, req.encoding_format, req.dimensions)}
                     for i, v in enumerate(vectors)]
@@ -113,8 +118,7 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
                 raise ApiError("no model is loaded now (one is being switched in)", 503, "server_error")
             return m
 
-        @app.post("/tokenize")
-        async def tokenize(req: TokenizeRequest):
+        def tokens_of(req: TokenizeRequest) -> dict:
             m = loaded()
             ids = m.tokenize(req.content, add_special=req.add_special)
             if not req.with_pieces:
@@ -122,14 +126,21 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
             return {"tokens": [{"id": t, "piece": m.tokenizer.token_bytes(t).decode("utf-8", "replace")}
                                for t in ids]}
 
-        @app.post("/detokenize")
-        async def detokenize(req: DetokenizeRequest):
+        def text_of(req: DetokenizeRequest) -> dict:
             m = loaded()
             bad = [t for t in req.tokens if not 0 <= t < m.cfg.vocab_size]
             if bad:
                 raise ApiError(f"token id {bad[0]} is out of range for a vocabulary of {m.cfg.vocab_size}",
                                param="tokens")
             return {"content": m.detokenize(req.tokens)}
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):  # (parsed and tokenized in a thread, as every body)
+            return (await parsed(request, TokenizeRequest, tokens_of, 0, ()))[1]
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request):
+            return (await parsed(request, DetokenizeRequest, text_of, 0, ()))[1]
 
         @app.get("/props")
         async def props():

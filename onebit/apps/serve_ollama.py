@@ -5,6 +5,7 @@ connection, litellm's `ollama/` models, the `ollama` Python client): /api/chat a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -13,12 +14,13 @@ from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..errors import OnebitError
 from .serve import ApiError, Done, Engine, Work
 from .serve_app import (ChatRequest, CompletionRequest, Gone, _Strict, _collect, _start, chat_work,
-                        completion_work, served_model, warn_unknown)
+                        completion_work, parsed, served_model)
 from .serve_extra import embedding_inputs, embedding_task, run_task
 
 # ollama's option names -> the OpenAI request's
@@ -220,7 +222,7 @@ def add_ollama(engine: Engine, pooling: str = "mean"):
         @app.post("/api/show")
         async def show(request: Request):
             body = await _json(request)
-            name = _name(engine, body.get("model") or body.get("name"))
+            name = await asyncio.to_thread(_name, engine, body.get("model") or body.get("name"))
             path = engine.catalog().get(name or engine.model_id) or engine.model.path
             d = _details(path)
             m = engine.model
@@ -234,13 +236,11 @@ def add_ollama(engine: Engine, pooling: str = "mean"):
             return {"modelfile": "", "parameters": "", "template": template, "details": d, "model_info": info,
                     "capabilities": caps, "modified_at": _entry(name or engine.model_id, path)["modified_at"]}
 
-        @app.post("/api/chat")
-        async def chat(req: OllamaChat, request: Request):
-            warn_unknown(req, request.url.path)
+        def chat_of(req: OllamaChat):
+            """(the model's name, the chat work, or None for an empty chat: ollama loads the model)."""
             name = _name(engine, req.model)
-            if not req.messages:  # ollama: an empty chat loads the model
-                return {"model": name or engine.model_id, "created_at": _stamp(),
-                        "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"}
+            if not req.messages:
+                return name, None
             fields = _fields(req, req.options, req.format)
             if req.tools:
                 fields["tools"] = req.tools
@@ -248,18 +248,23 @@ def add_ollama(engine: Engine, pooling: str = "mean"):
                 creq = ChatRequest(model=name, messages=_messages(req.messages), **fields)
             except ValueError as e:
                 raise ApiError(f"the request is not valid: {e}") from None
-            work = chat_work(creq, engine.sampling, engine.vocab_size)
+            return name, chat_work(creq, engine.sampling, engine.vocab_size)
+
+        @app.post("/api/chat")
+        async def chat(request: Request):
+            req, (name, work) = await parsed(request, OllamaChat, chat_of, engine.context_length(), ("messages",))
+            if work is None:  # ollama: an empty chat loads the model
+                return {"model": name or engine.model_id, "created_at": _stamp(),
+                        "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"}
             return await _reply(engine, work, request, req.stream, chat=True)
 
-        @app.post("/api/generate")
-        async def generate(req: OllamaGenerate, request: Request):
-            warn_unknown(req, request.url.path)
+        def generate_of(req: OllamaGenerate):
+            """(the model's name, the work, or None for an empty prompt: ollama loads the model)."""
             name = _name(engine, req.model)
             if req.images:
                 raise ApiError("only text prompts are supported (the request has images)", param="images")
-            if not req.prompt:  # ollama: an empty prompt loads the model
-                return {"model": name or engine.model_id, "created_at": _stamp(), "response": "", "done": True,
-                        "done_reason": "load"}
+            if not req.prompt:
+                return name, None
             fields = _fields(req, req.options, req.format)
             try:
                 if req.raw:
@@ -275,15 +280,24 @@ def add_ollama(engine: Engine, pooling: str = "mean"):
                                      engine.vocab_size)
             except ValueError as e:
                 raise ApiError(f"the request is not valid: {e}") from None
+            return name, work
+
+        @app.post("/api/generate")
+        async def generate(request: Request):
+            req, (name, work) = await parsed(request, OllamaGenerate, generate_of, engine.context_length(), ())
+            if work is None:  # ollama: an empty prompt loads the model
+                return {"model": name or engine.model_id, "created_at": _stamp(), "response": "", "done": True,
+                        "done_reason": "load"}
             return await _reply(engine, work, request, req.stream, chat=False)
 
         @app.post("/api/embed")
         @app.post("/api/embeddings")
-        async def embed(req: OllamaEmbed, request: Request):
-            warn_unknown(req, request.url.path)
-            name = _name(engine, req.model)
+        async def embed(request: Request):
             legacy = request.url.path.endswith("/embeddings")
-            inputs = embedding_inputs(req.prompt if legacy else req.input)
+            req, (name, inputs) = await parsed(
+                request, OllamaEmbed, lambda req: (_name(engine, req.model),
+                                                   embedding_inputs(req.prompt if legacy else req.input)),
+                engine.context_length(), ())
             t0 = time.perf_counter()
             model, (vectors, n) = await run_task(engine, name, embedding_task(inputs, pooling), request)
             if legacy:
@@ -296,13 +310,22 @@ def add_ollama(engine: Engine, pooling: str = "mean"):
 
 
 async def _json(request: Request) -> dict:
+    """The request's body as a JSON object, parsed in a thread (not on the event loop)."""
     try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        raise ApiError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    return body
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body was in: nobody to answer
+        raise ApiError("the client went away while sending the body", 499, code="cancelled") from None
+
+    def parse():
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise ApiError("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError("the request body must be a JSON object")
+        return body
+
+    return await asyncio.to_thread(parse)
 
 
 __all__ = ["add_ollama"]

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .serve import ApiError, Done, Engine, new_id, now
-from .serve_app import ChatRequest, Gone, _collect, _start, _Strict, chat_work, served_model, warn_unknown
+from .serve_app import ChatRequest, Gone, _collect, _start, _Strict, chat_work, parsed, served_model
 
 
 class ResponsesRequest(_Strict):
@@ -114,19 +114,22 @@ def _call_item(c) -> dict:
 
 
 def add_responses(engine: Engine):
+    def to_work(req: ResponsesRequest):
+        """The chat work a Responses request means (in `parsed`'s thread)."""
+        body = chat_body(req)
+        body["model"] = served_model(engine, body["model"])
+        try:
+            creq = ChatRequest(**body)
+        except ValueError as e:
+            raise ApiError(f"the request is not valid: {e}") from None
+        engine.check_model(creq.model)
+        return chat_work(creq, engine.sampling, engine.vocab_size)
+
     def add(app: FastAPI) -> None:
         @app.post("/v1/responses")
         @app.post("/responses")
-        async def responses(req: ResponsesRequest, request: Request):
-            warn_unknown(req, request.url.path)
-            body = chat_body(req)
-            body["model"] = served_model(engine, body["model"])
-            try:
-                creq = ChatRequest(**body)
-            except ValueError as e:
-                raise ApiError(f"the request is not valid: {e}") from None
-            engine.check_model(creq.model)
-            work = chat_work(creq, engine.sampling, engine.vocab_size)
+        async def responses(request: Request):
+            req, work = await parsed(request, ResponsesRequest, to_work, engine.context_length(), ("input",))
             rid, mid, created = new_id("resp"), new_id("msg"), now()
 
             def response(info: dict, status: str, output: list, done: Optional[Done] = None) -> dict:

@@ -107,7 +107,7 @@ def _one_blas_thread() -> None:
 # its rows' GB/s on the 2-core VM (256 MiB matrices, K = 640-4096), and prompts' products run
 # 1.2-2.2x faster (bench_roofline.py; bench/results/issue34-kernels.md).
 X16_TYPES = frozenset(QTYPES_BY_NAME[n].type_id for n in ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_XS",
-                                                         "Q8_0", "Q4_1", "Q5_1", "IQ4_NL"))
+                                                         "Q8_0", "Q4_1", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K"))
 # A file takes the X16 layouts only from this many bytes of tensors (a load's `repack_from`
 # setting overrides it). The layouts pay where the products read weights from memory; a smaller
 # file's weights stay in the caches, and its first run on a machine would compile the layouts'
@@ -133,19 +133,19 @@ class X16Policy(MemoryPolicy):
         self.experts = X16Experts(self) if any(self.packs_experts(t) for t in tensors) else None
 
     def packs(self, t) -> bool:
-        """Whether matrix t (a gguf_file.Tensor) is held in an X16 layout: [N, K] of X16_TYPES, N a
-        multiple of 16; not the token embedding, whose rows lookups read as they are (a tied output
-        head reads it as it is too)."""
-        return (self.on and t.qtype in X16_TYPES and len(t.shape) == 2 and t.shape[0] % X16_ROWS == 0
+        """Whether matrix t (a gguf_file.Tensor) is held in an X16 layout: [N, K] of X16_TYPES, 16 rows
+        or more (the last N % 16 held as rows); not the token embedding, whose rows lookups read as
+        they are (a tied output head reads it as it is too)."""
+        return (self.on and t.qtype in X16_TYPES and len(t.shape) == 2 and t.shape[0] >= X16_ROWS
                 and not t.name.startswith("token_embd"))
 
     def packs_experts(self, t) -> bool:
         """Whether routed-expert tensor t ([E, N, K]) is held in an X16 layout, each expert's rows on
-        their own (a pool's slot is filled with one expert's): of X16_TYPES, N a multiple of 16, in
+        their own (a pool's slot is filled with one expert's): of X16_TYPES, N at least 16, in
         a layer whose experts take the kernels' expert path (every part of a type the kernels read;
         expert biases only in gpt-oss, whose clamped SwiGLU kernel takes them: a layer with biases
         elsewhere takes the numpy path, which reads the file's blocks)."""
-        if not (self.on and t.qtype in X16_TYPES and len(t.shape) == 3 and t.shape[1] % X16_ROWS == 0):
+        if not (self.on and t.qtype in X16_TYPES and len(t.shape) == 3 and t.shape[1] >= X16_ROWS):
             return False
         tensors, layer = self.gguf.tensors, t.name.split(".")[1]
         biased = f"blk.{layer}.ffn_gate_exps.bias" in tensors
@@ -164,7 +164,7 @@ class X16Policy(MemoryPolicy):
 
 class X16Experts:
     """The cpu backend's ExpertLayout (backends/experts.py) for one file: experts of X16_TYPES (Q4_K,
-    Q5_K, Q6_K, MXFP4, Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q8_0) in the kernels' X16 layouts on
+    Q5_K, Q6_K, Q2_K, Q3_K, MXFP4, Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q8_0) in the kernels' X16 layouts on
     AVX-512 VNNI, in layers
     whose experts take the kernels' expert path (every part of a type the kernels read; expert
     biases only in gpt-oss, whose kernel takes them: else the numpy path reads them as the file

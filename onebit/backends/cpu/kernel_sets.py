@@ -22,7 +22,8 @@ from .decode import _row_decoders
 from .int_dots import VNNI
 from .x16 import NIBBLE_X16, X16, X16_BLOCK
 from .repack import (repack_iq4_xs_x16, repack_iq4_xs_x16_serial, repack_k_x16, repack_k_x16_serial, repack_plain_x16,
-                     repack_plain_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial)
+                     repack_plain_x16_serial, repack_q23_k_x16, repack_q23_k_x16_serial, repack_q6_k_x16,
+                     repack_q6_k_x16_serial)
 from .rows import _ORDER, _dispatch, _is_int, _rows_of
 from .products import (SERIAL_WORK, acts, expert_ffn, expert_ffn_oai, gate_up, get_rows, matmul, matmul3, matmul_rows,
                        matmul_serial, one_expert, one_expert_oai)
@@ -31,7 +32,8 @@ from .small_ops import attention, attention_sinks, rms_norm, rope, route, routed
 
 SMALL_OPS = (rms_norm, rope, attention, attention_sinks, route, routed_rows)
 REPACKS = (repack_k_x16, repack_k_x16_serial, repack_q6_k_x16, repack_q6_k_x16_serial, repack_plain_x16,
-           repack_plain_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial)
+           repack_plain_x16_serial, repack_iq4_xs_x16, repack_iq4_xs_x16_serial, repack_q23_k_x16,
+           repack_q23_k_x16_serial)
 
 
 KERNELS = (matmul, matmul_serial, matmul3, get_rows, expert_ffn, matmul_rows, gate_up, one_expert, expert_ffn_oai,
@@ -80,11 +82,13 @@ WARM_PARTS = {"dense": ("matmul", "matmul_serial"), "fused": ("matmul3", "get_ro
                                                             "route", "routed_rows"),
               "repack": ("repack_k_x16", "repack_k_x16_serial", "repack_q6_k_x16", "repack_q6_k_x16_serial",
                          "repack_plain_x16", "repack_plain_x16_serial", "repack_iq4_xs_x16",
-                         "repack_iq4_xs_x16_serial")}
+                         "repack_iq4_xs_x16_serial", "repack_q23_k_x16", "repack_q23_k_x16_serial")}
 # The repack kernels of each type's X16 layout (a file's "repack" part compiles its types' only).
 REPACKS_OF = {"Q4_K": ("repack_k_x16", "repack_k_x16_serial"), "Q5_K": ("repack_k_x16", "repack_k_x16_serial"),
               "Q6_K": ("repack_q6_k_x16", "repack_q6_k_x16_serial"),
-              "IQ4_XS": ("repack_iq4_xs_x16", "repack_iq4_xs_x16_serial")}
+              "IQ4_XS": ("repack_iq4_xs_x16", "repack_iq4_xs_x16_serial"),
+              "Q2_K": ("repack_q23_k_x16", "repack_q23_k_x16_serial"),
+              "Q3_K": ("repack_q23_k_x16", "repack_q23_k_x16_serial")}
 REPACKS_OF.update({n: ("repack_plain_x16", "repack_plain_x16_serial") for n in NIBBLE_X16 + ("Q8_0",)})
 # What a part's cold compile costs, to balance the processes: CPU seconds on the 2-core VM
 # were about 2 + 1.6 per type for each part of products (Q8_0 + F32: 2.9-6.3; all 26 types:
@@ -337,7 +341,7 @@ def _warm_repack(kernels):
     """Call each repack kernel named in `kernels` on one group of 16 rows."""
     args = {"repack_k_x16": (144, X16_BLOCK // X16, 144, X16_BLOCK), "repack_q6_k_x16": (210, 210),
             "repack_plain_x16": (17, 17, 17, 16),
-            "repack_iq4_xs_x16": (136, 136)}
+            "repack_iq4_xs_x16": (136, 136), "repack_q23_k_x16": (84, 84, 84)}
     for name in kernels:
         row, out, *more = args[name.removesuffix("_serial")]
         globals()[name](_ro(np.zeros((X16, row), np.uint8)), np.empty((X16, out), np.uint8), *more)

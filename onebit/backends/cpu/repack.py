@@ -10,7 +10,7 @@ from numba import njit, prange
 from ...formats.quants import QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, type_name, x16_bytes
 from .base import cached
 from .int_dots import VNNI
-from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q6_Q, X16, X16_BLOCK, _q5_at_jit
+from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q2_Q, Q3_Q, Q6_Q, X16, X16_BLOCK, _q5_at_jit
 
 
 # The repacks index with unsigned 64-bit integers: a signed index makes numba test it for a
@@ -212,16 +212,70 @@ def repack_q6_k_x16_serial(raw, out):
         _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
 
 
+@njit(inline="always")
+def _repack_q23_group(r8, rb, o, o32, g, nb, ts):
+    """Group g of Q2_K rows (ts = 84 bytes a block) or Q3_K rows (ts = 110) (`_repack_iq4xs_group`'s
+    arguments) as Q2_K_X16 / Q3_K_X16, 4 quant bytes (a 32-bit word) at a time."""
+    for r in range(X16):
+        row = (g * U(X16) + U(r)) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * U(X16) * ts, row + U(i) * ts
+            if ts == U(84):  # scales[16], qs[64], d, dmin
+                o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s + U(80)], r8[s + U(81)]
+                o[base + U(32 + 2 * r)], o[base + U(33 + 2 * r)] = r8[s + U(82)], r8[s + U(83)]
+                for t in range(16):
+                    o[base + U(64 + 16 * t + r)] = r8[s + U(t)]
+                w0 = (base + U(Q2_Q)) // U(4) + U(r)
+                for h in range(2):
+                    for n in range(2):
+                        for k in range(4):
+                            o32[w0 + U(16 * (8 * h + 4 * n + k))] = _word(r8, s + U(16 + 32 * n + 16 * h + 4 * k))
+            else:  # hmask[32], qs[64], scales[12], d
+                o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s + U(108)], r8[s + U(109)]
+                for t in range(12):
+                    o[base + U(32 + 16 * t + r)] = r8[s + U(96 + t)]
+                w0 = (base + U(Q3_Q)) // U(4) + U(r)
+                for h in range(2):
+                    for k in range(4):
+                        o32[w0 + U(192 * h + 16 * k)] = _word(r8, s + U(16 * h + 4 * k))
+                        for n in range(2):
+                            o32[w0 + U(192 * h + 64 + 64 * n + 16 * k)] = _word(r8, s + U(32 + 32 * n + 16 * h + 4 * k))
+
+
+@cached(parallel=True, nogil=True)
+def repack_q23_k_x16(raw, out, ts):
+    """Q2_K rows raw (uint8 [N, K / 256 x 84]; ts = 84) or Q3_K rows ([N, K / 256 x 110], ts = 110)
+    -> out (the same shape) in their X16 layout, on every thread (the groups of 16 rows)."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in prange(raw.shape[0] // X16):
+        _repack_q23_group(r8, rb, o, o32, U(g), rb // U(ts), U(ts))
+
+
+@cached(nogil=True)
+def repack_q23_k_x16_serial(raw, out, ts):
+    """`repack_q23_k_x16` on the calling thread."""
+    r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
+    o32 = o.view(np.uint32)
+    for g in range(raw.shape[0] // X16):
+        _repack_q23_group(r8, rb, o, o32, U(g), rb // U(ts), U(ts))
+
+
 def x16_type(qtype: int) -> int:
     """The type id of qtype's X16 layout (Q4_K_X16, Q6_K_X16, ...: X16_TYPES)."""
     return qtype + 256
 
 
 def repack_x16(raw: np.ndarray, qtype: int = QTYPES_BY_NAME["Q4_K"].type_id) -> np.ndarray:
-    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (one of X16_TYPES; each [N,
-    row bytes] on its own: N a multiple of 16), on every thread."""
+    """A read-only X16 copy of rows raw [..., N, row bytes] of type qtype (one of X16_TYPES), each
+    [N, row bytes] on its own, on every thread."""
     out = np.empty((*raw.shape[:-1], x16_bytes(raw.shape[-1], qtype)), np.uint8)
-    _repacker(qtype, False)(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+    f = _repacker(qtype, False)
+    if raw.shape[-2] % X16 == 0:  # (the groups of every matrix at once)
+        f(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]))
+    else:
+        for a, o in zip(raw.reshape(-1, *raw.shape[-2:]), out.reshape(-1, *out.shape[-2:])):
+            f(a, o)
     out.flags.writeable = False
     return out
 
@@ -237,7 +291,25 @@ def repack_x16_serial(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
 
 
 def _repacker(qtype: int, serial: bool):
-    """f(raw, out): the repack kernel of qtype's X16 layout, serial or on every thread."""
+    """f(raw, out): the repack of qtype's X16 layout, serial or on every thread: the groups of 16
+    rows by its kernel, then the last N % 16 rows as they are, one after another from the first
+    one's place (the X16 row loops read them as rows, rows.py)."""
+    kernel = _kernel_of(qtype, serial)
+
+    def repack(raw, out):
+        full = raw.shape[0] // X16 * X16
+        kernel(raw[:full], out[:full])  # (whole groups: a word view of their bytes)
+        if full < raw.shape[0]:
+            if not out.flags.c_contiguous:
+                raise ValueError("an X16 layout's rows must be one C-ordered array")
+            tail, rest = raw[full:].reshape(-1), out.reshape(-1)[full * out.shape[1] :]
+            rest[: tail.size] = tail
+            rest[tail.size :] = 0  # (Q4_K's and Q5_K's rows are shorter than their layout's)
+    return repack
+
+
+def _kernel_of(qtype: int, serial: bool):
+    """f(raw, out): the repack kernel of qtype's X16 layout (its groups of 16 rows)."""
     name = type_name(qtype)
     if name in NIBBLE_X16 or name == "Q8_0":
         kernel, ts = (repack_plain_x16_serial if serial else repack_plain_x16), QTYPES_BY_NAME[name].type_size
@@ -247,6 +319,9 @@ def _repacker(qtype: int, serial: bool):
         return repack_q6_k_x16_serial if serial else repack_q6_k_x16
     if name == "IQ4_XS":
         return repack_iq4_xs_x16_serial if serial else repack_iq4_xs_x16
+    if name in ("Q2_K", "Q3_K"):
+        kernel, ts = (repack_q23_k_x16_serial if serial else repack_q23_k_x16), QTYPES_BY_NAME[name].type_size
+        return lambda raw, out: kernel(raw, out, ts)
     kernel = repack_k_x16_serial if serial else repack_k_x16  # Q4_K, Q5_K
     ts, xb = (176, X16_Q5_BLOCK) if name == "Q5_K" else (144, X16_BLOCK)
     return lambda raw, out: kernel(raw, out, ts, xb)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from numba import njit
 
-from ...formats.quants import QTYPES_BY_NAME
+from ...formats.quants import QTYPES_BY_NAME, X16_BLOCK, X16_Q5_BLOCK
 from .base import MORE_TYPES
-from .views import row_of
+from .views import row_of, rows_after
 from .float_dots import DOT1, DOT2, DOT4, DOT8, IR_TYPES
 from .int_dots import IDOT1, IDOT2, IDOT4, IDOT8, INT_TYPES, VNNI
-from .x16 import (X16, X16_TYPES, dot16_iq4_nl_x16, dot16_iq4_xs_x16, dot16_mxfp4_x16, dot16_q4_0_x16, dot16_q4_1_x16,
-                  dot16_q4_k_x16, dot16_q5_0_x16, dot16_q5_1_x16, dot16_q5_k_x16, dot16_q6_k_x16, dot16_q8_0_x16)
+from .x16 import (X16, X16_TYPES, dot16_iq4_nl_x16, dot16_iq4_xs_x16, dot16_mxfp4_x16, dot16_q2_k_x16, dot16_q3_k_x16,
+                  dot16_q4_0_x16, dot16_q4_1_x16, dot16_q4_k_x16, dot16_q5_0_x16, dot16_q5_1_x16, dot16_q5_k_x16,
+                  dot16_q6_k_x16, dot16_q8_0_x16)
 from .repack import x16_type
 
 
@@ -68,9 +69,10 @@ def _with_x16(names, x16: bool = True) -> tuple:
 
 
 def _is_int(names, x16: bool = True) -> dict:
-    """{"is_int": is_int(qt)}: whether qt is one of the INT_TYPES among `names` (and their X16
-    layouts if x16), whose products take x's int16 blocks (`acts`)."""
-    test = " or ".join(f"qt == {_tid(n)}" for n in _with_x16(_INT_ORDER) if n in _with_x16(names, x16)) or "False"
+    """{"is_int": is_int(qt)}: whether qt is one of the INT_TYPES among `names` or (if x16) an X16
+    layout of one of them, whose products take x's int16 blocks (`acts`)."""
+    test = " or ".join(f"qt == {_tid(n)}" for n in _with_x16(names, x16) if n in _INT_ORDER or n.endswith("_X16"))
+    test = test or "False"
     ns: dict = {}
     exec(f"def is_int(qt):\n    return {test}", ns)
     return {"is_int": njit(inline="always")(ns["is_int"])}
@@ -131,16 +133,35 @@ def _row_loop(name: str):
     return njit(inline="always")(ns["rows"])
 
 
+# The bytes of an X16 layout's row to those of the type's row, where they differ (decoded scales).
+X16_GROWTH = {"Q4_K": (X16_BLOCK // X16, 144), "Q5_K": (X16_Q5_BLOCK // X16, 176)}
+
+
 def _x16_rows(dot, name: str):
     """rows(w, out, x, aq, ad, am, n0, n1, col), the row loop of an X16 layout whose dot is `dot`
-    (n0, n1 multiples of 16): 16 weight rows a call, each activation row in turn against them
-    while they are in cache. Called, not inlined: inlined beside the other types' loops it
-    slowed them (Gemma 3 270M's Q5_0 gate and up products 88 -> 93 us)."""
-    ns = {"dot": dot, "X16": X16}
+    (n0 a multiple of 16): 16 weight rows a call, each activation row in turn against them while
+    they are in cache. A matrix of N rows holds its last N % 16 as the type's rows, one after
+    another from row N - N % 16's start (repack.py), dotted one at a time by the type's row dot.
+    Called, not inlined: inlined beside the other types' loops it slowed them (Gemma 3 270M's
+    Q5_0 gate and up products 88 -> 93 us)."""
+    base = name.removesuffix("_X16")
+    wide, narrow = X16_GROWTH.get(base, (1, 1))
+    if base in INT_TYPES:
+        one = "I1(row_of(t, n), aq, ad, am, r)"
+    else:
+        one = "F1(row_of(t, n), row_of(x, r))"
+    ns = {"dot": dot, "X16": X16, "row_of": row_of, "rows_after": rows_after, "I1": IDOT1.get(base),
+          "F1": _DOTS[1][base]}
     exec("def rows(w, out, x, aq, ad, am, n0, n1, col):\n"
-         "    for n in range(n0, n1, X16):\n"
+         "    full = n0 + (n1 - n0) // X16 * X16\n"
+         "    for n in range(n0, full, X16):\n"
          "        for r in range(x.shape[0]):\n"
-         "            dot(w, n, aq, ad, am, r, out, col + n)\n", ns)
+         "            dot(w, n, aq, ad, am, r, out, col + n)\n"
+         "    if full < n1:  # the last rows, as rows\n"
+         f"        t = rows_after(w, full, w.shape[1] // {wide} * {narrow})\n"
+         "        for n in range(n1 - full):\n"
+         "            for r in range(x.shape[0]):\n"
+         f"                out[r, col + full + n] = {one}\n", ns)
     ns["rows"].__qualname__ = ns["rows"].__name__ = f"rows_{name.lower()}"
     return njit(nogil=True)(ns["rows"])
 
@@ -149,7 +170,7 @@ ROWS = {n: _row_loop(n) for n in IR_TYPES}
 ROWS.update({f"{n}_X16": _x16_rows(dot, f"{n}_X16") for n, dot in (
     ("Q4_K", dot16_q4_k_x16), ("Q5_K", dot16_q5_k_x16), ("Q6_K", dot16_q6_k_x16), ("MXFP4", dot16_mxfp4_x16), ("Q4_0", dot16_q4_0_x16),
     ("IQ4_XS", dot16_iq4_xs_x16), ("Q8_0", dot16_q8_0_x16), ("Q5_0", dot16_q5_0_x16), ("Q4_1", dot16_q4_1_x16),
-    ("Q5_1", dot16_q5_1_x16), ("IQ4_NL", dot16_iq4_nl_x16))})
+    ("Q5_1", dot16_q5_1_x16), ("IQ4_NL", dot16_iq4_nl_x16), ("Q2_K", dot16_q2_k_x16), ("Q3_K", dot16_q3_k_x16))})
 _RA = "out, x, aq, ad, am, n0, n1, col"
 
 

@@ -1,4 +1,4 @@
-"""Array views that hold no reference, for use inside the kernels (`row_of`, `borrowed`, `lent`)
+"""Array views that hold no reference, for use inside the kernels (`row_of`, `rows_after`, `borrowed`, `lent`)
 and `keep_alive`, which keeps an array a kernel made alive past the loop that views it."""
 
 from __future__ import annotations
@@ -42,6 +42,29 @@ def row_of(typingctx, a, i):
         return _view(context, builder, sig.args[0], args[0], sig.return_type, at, 1)
 
     return types.Array(a.dtype, a.ndim - 1, "C", readonly=not a.mutable)(a, i), codegen
+
+
+@intrinsic
+def rows_after(typingctx, a, n, rb):
+    """The bytes of a 2-dimensional uint8 C array a from row n's start on, as rows of rb bytes
+    (a.shape[0] - n of them: an X16 layout's last rows, which it holds as rows, rows.py), a C
+    array that holds no reference."""
+    if not (isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype == types.uint8
+            and isinstance(n, types.Integer) and isinstance(rb, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        out = context.make_array(sig.return_type)(context, builder)
+        n, rb = (context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:]))
+        at = builder.mul(n, builder.extract_value(src.strides, 0))
+        data = builder.gep(builder.bitcast(src.data, cgutils.voidptr_t), [at])
+        populate_array(out, data=builder.bitcast(data, src.data.type),
+                       shape=[builder.sub(builder.extract_value(src.shape, 0), n), rb],
+                       strides=[rb, ir.Constant(rb.type, 1)], itemsize=src.itemsize, meminfo=None)
+        return out._getvalue()
+
+    return types.Array(types.uint8, 2, "C", readonly=not a.mutable)(a, n, rb), codegen
 
 
 @intrinsic

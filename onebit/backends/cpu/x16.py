@@ -1,7 +1,7 @@
 """The X16 layouts (AVX-512 VNNI): sixteen weight rows side by side per block, so one vpdpbusd
 meets 4 activation bytes broadcast to every lane. The layout of each type (Q4_K, Q5_K, Q6_K,
-MXFP4, Q4_0, Q5_0, IQ4_XS, Q8_0: X16_TYPES) and its 16-row dot intrinsic (`dot16_*`), generated
-as LLVM IR. repack.py makes the layouts from a file's rows."""
+Q2_K, Q3_K, MXFP4, Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, IQ4_XS, Q8_0: X16_TYPES) and its 16-row dot
+intrinsic (`dot16_*`), generated as LLVM IR. repack.py makes the layouts from a file's rows."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ dot16_q6_k_x16.__doc__ = """`dot16_q4_k_x16` for Q6_K_X16 weights."""
 # (signed), and 128 x 256 x each block's d x the sum of its high bytes (`quantize_acts`, as
 # IQ4_XS_X16's) comes off with the scales.
 NIBBLE_X16 = ("MXFP4", "Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ4_NL")
-X16_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16  # the types with an X16 layout
+X16_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_0") + NIBBLE_X16 + ("Q2_K", "Q3_K")  # the types with an X16 layout
 MXFP4_X16, Q4_0_X16, Q5_0_X16, Q4_1_X16, Q5_1_X16, IQ4_NL_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in NIBBLE_X16)
 # FIFTH[x]: the 4 bits of x (0..15) as 0x10 in bytes 0..3 of a word (bit b -> byte b).
 FIFTH = [sum(((x >> i) & 1) << (8 * i + 4) for i in range(4)) for x in range(16)]
@@ -447,3 +447,104 @@ def _x16_q8_0_codegen(context, builder, sig, args):
 
 dot16_q8_0_x16 = intrinsic(_x16_typer(_x16_q8_0_codegen))
 dot16_q8_0_x16.__doc__ = """`dot16_q4_k_x16` for Q8_0_X16 weights."""
+
+
+# Q2_K and Q3_K (256 weights a block in sub-blocks of 16; byte 32 n + l of the quants holds, in
+# bits 2 j and 2 j + 1, the low 2 bits of weight 128 n + 32 j + l) in the same arrangement
+# ("Q2_K_X16", "Q3_K_X16"): 4 bytes of 16 rows' quants (one vector) hold 4 weights of each row
+# in each of its 4 bit pairs, so one load feeds four vpdpbusd through a shift and a mask. A
+# group and block, 16 x the type's block bytes (the same bytes as the rows):
+# - Q2_K (weight = d (scale & 15) q - dmin (scale >> 4), q = 0..3): d of the 16 rows (f16),
+#   their dmin, the 16 scale bytes as [sub-block][row], then for h = 0, 1 (weights 0-15 or
+#   16-31 of each 32), n = 0, 1 and k = 0..3 the 16 rows' quant bytes 32 n + 16 h + 4 k .. + 3.
+# - Q3_K (weight = d (scale - 32) (u - 4), u = the 2 low bits + 4 x the hmask bit 4 n + j of
+#   byte l): d of the 16 rows, the 12 bytes of packed 6-bit scales as [byte][row], then for
+#   h = 0, 1: the 16 rows' hmask bytes 16 h + 4 k .. (k = 0..3), then their quant bytes as
+#   Q2_K's for n = 0 and n = 1.
+# The quants meet the activation planes unsigned (Q2_K's q, Q3_K's u); dmin x (scale >> 4) x
+# each 16 activations' sum (Q3_K: 4 x its scale x that sum) comes off with the scales.
+Q2_K_X16, Q3_K_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in ("Q2_K", "Q3_K"))
+Q2_Q, Q3_Q = 320, 224  # where the quants start in a group's block
+
+
+def _q3_scale(b, blk, sub: int):
+    """<16 x float>: the 16 rows' 6-bit scale of sub-block sub (0..15) - 32, from Q3_K_X16's
+    packed scale bytes (ggml's order: the low nibble of byte sub % 8, bits 2 (sub // 4) .. of byte
+    8 + sub % 4 above it)."""
+    V16B, V16I = _vec(I8, 16), _vec(I32, 16)
+    c = lambda v: ir.Constant(V16B, [v] * 16)  # noqa: E731
+    low = b.and_(b.lshr(_load(b, blk, 32 + 16 * (sub % 8), V16B), c(4 * (sub // 8))), c(15))
+    high = b.and_(b.lshr(_load(b, blk, 32 + 16 * (8 + sub % 4), V16B), c(2 * (sub // 4))), c(3))
+    six = b.zext(b.or_(low, b.shl(high, c(4))), V16I)
+    return b.sitofp(b.sub(six, ir.Constant(V16I, [32] * 16)), _vec(FLT, 16))
+
+
+def _x16_q23_codegen(three: bool):
+    """The dot of Q2_K_X16 weights, or (three) of Q3_K_X16."""
+    block = X16 * QTYPES_BY_NAME["Q3_K" if three else "Q2_K"].type_size
+
+    def codegen(context, builder, sig, args):
+        b = builder
+        nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, block)
+        xs = b.gep(xm, [nblk])  # each 16 values' sum
+        V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
+        acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+        off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
+        zero = ir.Constant(V16I, [0] * 16)
+        c8 = lambda v: ir.Constant(V64, [v] * 64)  # noqa: E731
+        shr = lambda v, k: b.lshr(v, c8(k)) if k else v  # noqa: E731
+
+        with cgutils.for_range(b, nb) as loop:
+            i = loop.index
+            blk = b.gep(w0, [b.mul(i, _const(I64, block))])
+            d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
+            if not three:
+                dmin = b.fpext(_load(b, blk, 32, _vec(HALF, 16)), V16F)
+            first = b.mul(i, _const(I64, 256))
+            for h in range(2):
+                for n in range(2):
+                    sums = [zero] * 8  # per j (sub-block 8 n + 2 j + h): high plane, low plane
+                    for k in range(4):
+                        if three:
+                            hv = _load(b, blk, Q3_Q + 768 * h + 64 * k, V64)
+                            qv = _load(b, blk, Q3_Q + 768 * h + 256 + 256 * n + 64 * k, V64)
+                        else:
+                            qv = _load(b, blk, Q2_Q + 64 * (8 * h + 4 * n + k), V64)
+                        for j in range(4):
+                            q = b.and_(shr(qv, 2 * j), c8(3))
+                            if three:
+                                q = b.or_(q, b.shl(b.and_(shr(hv, 4 * n + j), c8(1)), c8(2)))
+                            at = b.add(first, _const(I64, 128 * n + 32 * j + 16 * h + 4 * k))
+                            sums[2 * j] = _dpbusd(b, sums[2 * j], q, spread(hi_p, at))
+                            sums[2 * j + 1] = _dpbusd(b, sums[2 * j + 1], spread(lo_p, at), q)
+                    for j in range(4):
+                        sub = 8 * n + 2 * j + h
+                        isum = b.add(b.shl(sums[2 * j], ir.Constant(V16I, [8] * 16)), sums[2 * j + 1])
+                        s32 = b.add(b.mul(i, _const(I64, 8)), _const(I64, 4 * n + j))  # its block of 32
+                        dx = _splat(b, _load(b, xd, s32, FLT, align=4), 16)
+                        sx = _splat(b, _load(b, xs, b.add(b.mul(i, _const(I64, 16)), _const(I64, sub)), FLT, align=4),
+                                    16)
+                        if three:
+                            scale = b.fmul(b.fmul(d, _q3_scale(b, blk, sub)), dx)
+                            minus = b.fmul(scale, sx)
+                        else:
+                            byte = _load(b, blk, 64 + 16 * sub, _vec(I8, 16))
+                            sc = b.uitofp(b.and_(byte, ir.Constant(_vec(I8, 16), [15] * 16)), V16F)
+                            mn = b.uitofp(b.lshr(byte, ir.Constant(_vec(I8, 16), [4] * 16)), V16F)
+                            scale = b.fmul(b.fmul(d, sc), dx)
+                            minus = b.fmul(b.fmul(dmin, mn), b.fmul(dx, sx))
+                        b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), scale, flags=FAST), flags=FAST), acc)
+                        b.store(b.fadd(b.load(off), minus), off)
+        if three:
+            store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [4.0] * 16))))
+        else:
+            store(b.fsub(b.load(acc), b.load(off)))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+dot16_q2_k_x16 = intrinsic(_x16_typer(_x16_q23_codegen(False)))
+dot16_q2_k_x16.__doc__ = """`dot16_q4_k_x16` for Q2_K_X16 weights."""
+dot16_q3_k_x16 = intrinsic(_x16_typer(_x16_q23_codegen(True)))
+dot16_q3_k_x16.__doc__ = """`dot16_q4_k_x16` for Q3_K_X16 weights."""
