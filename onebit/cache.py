@@ -12,9 +12,116 @@ requests) roll back through `Cache.trim`, or, where a layer cannot trim, to a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from .errors import UsageError
+from .formats.quants import QTYPES_BY_NAME
 from .pause import PhasedHook
+
+# The types a KV cache stores keys and values in, by llama.cpp's names for them (--cache-type-k,
+# --cache-type-v): f32 (the default), or ggml's f16, q8_0 and q4_0 rows (the quantized ones in
+# blocks of 32 values along each head, an f16 scale each).
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
+
+
+@dataclass(frozen=True)
+class KVTypes:
+    """The types one cache's keys (`k`) and values (`v`) are stored in; a quantized type needs
+    head widths that are a multiple of its block (32)."""
+
+    k: str = "f32"
+    v: str = "f32"
+
+    def __post_init__(self):
+        for flag, name in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
+            if name not in KV_TYPES:
+                raise UsageError(f"{flag} {name!r} is not a cache type: use one of {', '.join(KV_TYPES)}")
+
+    @property
+    def plain(self) -> bool:
+        """Both float32: the cache holds plain arrays."""
+        return self.k == self.v == "f32"
+
+    def qtype(self, which: str):
+        """The quants class keys ("k") or values ("v") are stored as."""
+        return QTYPES_BY_NAME[(self.k if which == "k" else self.v).upper()]
+
+    def check(self, cfg) -> None:
+        """Refuse a quantized type whose blocks would cross a head of this model (as llama.cpp does)."""
+        for flag, which, width in (("--cache-type-k", "k", cfg.head_dim), ("--cache-type-v", "v", cfg.head_dim_v)):
+            block = self.qtype(which).block_size
+            if width % block:
+                raise UsageError(f"{flag} {getattr(self, which)}: this model's heads are {width} wide, not a "
+                                 f"multiple of the type's block of {block}; use f16 or f32")
+
+    def position_bytes(self, cfg) -> int:
+        """Bytes of one position's keys and values in one attention layer."""
+        return cfg.n_kv_heads * (self.qtype("k").row_bytes(cfg.head_dim) + self.qtype("v").row_bytes(cfg.head_dim_v))
+
+
+F32_KV = KVTypes()
+
+
+class KVRows:
+    """Keys or values of one layer stored in a ggml type other than f32: raw rows [positions, Hkv,
+    row bytes] of its blocks. Indexed like the float32 array [positions, Hkv, width] it stands for:
+    a read dequantizes (as ggml does), a write of float32 rows quantizes them (a write of KVRows
+    copies their blocks)."""
+
+    def __init__(self, qtype, raw: np.ndarray, width: int):
+        self.qtype, self.raw, self.width = qtype, raw, width
+
+    @classmethod
+    def zeros(cls, qtype, positions: int, heads: int, width: int) -> "KVRows":
+        return cls(qtype, np.zeros((positions, heads, qtype.row_bytes(width)), np.uint8), width)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.raw.shape[0], self.raw.shape[1], self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def fill(self, value: float) -> None:
+        self.raw[...] = self.qtype.quantize(np.full((1, 1, self.width), value, np.float32))
+
+    def __getitem__(self, index) -> np.ndarray:
+        raw = self.raw[index]  # [n, Hkv, row bytes]
+        if raw.size == 0:
+            return np.zeros((*raw.shape[:-1], self.width), np.float32)
+        return self.qtype.dequantize(raw)  # [n, Hkv, width]
+
+    def __setitem__(self, index, x) -> None:
+        self.raw[index] = x.raw if isinstance(x, KVRows) else self.qtype.quantize(x)
+
+    def head(self, n: int) -> "KVRows":
+        """A copy of the first n positions' blocks."""
+        return KVRows(self.qtype, self.raw[:n].copy(), self.width)
+
+    def grown(self, cap: int) -> "KVRows":
+        out = KVRows.zeros(self.qtype, cap, self.raw.shape[1], self.width)
+        out.raw[: self.raw.shape[0]] = self.raw
+        return out
+
+
+def kv_rows(types: KVTypes, which: str, positions: int, heads: int, width: int):
+    """Storage for one layer's keys ("k") or values ("v"): a float32 array, or KVRows of the type."""
+    if (types.k if which == "k" else types.v) == "f32":
+        return np.zeros((positions, heads, width), np.float32)
+    return KVRows.zeros(types.qtype(which), positions, heads, width)
+
+
+def _as_stored(a, x: np.ndarray) -> np.ndarray:
+    """Rows x as storage `a` reads them back once written (quantized and dequantized)."""
+    return a.qtype.dequantize(a.qtype.quantize(x)) if isinstance(a, KVRows) else x
+
+
+def _head(a, n: int):
+    """A copy of the first n positions of keys or values as stored (a snapshot's)."""
+    return a.head(n) if isinstance(a, KVRows) else a[:n].copy()
 
 
 class KVCache:
@@ -26,10 +133,11 @@ class KVCache:
     step = 256
     can_trim = True
 
-    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0):
+    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0,
+                 types: KVTypes = F32_KV):
         # capacity > 0: allocate (and touch) it all now, as the memory plan counted it
-        self.keys = np.zeros((capacity, n_kv_heads, head_dim), np.float32)  # [cap, Hkv, D]
-        self.values = np.zeros((capacity, n_kv_heads, head_dim_v), np.float32)  # [cap, Hkv, Dv]
+        self.keys = kv_rows(types, "k", capacity, n_kv_heads, head_dim)  # [cap, Hkv, D]
+        self.values = kv_rows(types, "v", capacity, n_kv_heads, head_dim_v)  # [cap, Hkv, Dv]
         if capacity:
             self.keys.fill(0)
             self.values.fill(0)
@@ -57,7 +165,7 @@ class KVCache:
         self.trim(0)
 
     def snapshot(self, length: int):
-        return self.keys[:length].copy(), self.values[:length].copy()
+        return _head(self.keys, length), _head(self.values, length)
 
     def restore(self, state) -> None:
         k, v = state
@@ -107,13 +215,13 @@ class RingKVCache:
     can_trim = True
 
     def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, window: int, capacity: int = 0,
-                 rows: int = SWA_ROWS):
+                 rows: int = SWA_ROWS, types: KVTypes = F32_KV):
         self.window = int(window)
         self.capacity = ring_capacity(self.window, rows)
         self.rows = self.rows_for(self.window, rows)  # rows a forward writes before reading, at most
         n = min(int(capacity), self.capacity)  # capacity > 0: allocate (and touch) it now, as planned
-        self.keys = np.zeros((n, n_kv_heads, head_dim), np.float32)  # [rows held, Hkv, D]
-        self.values = np.zeros((n, n_kv_heads, head_dim_v), np.float32)
+        self.keys = kv_rows(types, "k", n, n_kv_heads, head_dim)  # [rows held, Hkv, D]
+        self.values = kv_rows(types, "v", n, n_kv_heads, head_dim_v)
         if n:
             self.keys.fill(0)
             self.values.fill(0)
@@ -172,10 +280,11 @@ class RingKVCache:
             slots = np.arange(start, n) % C
             self.keys[slots] = k
             self.values[slots] = v
-            return self.keys, self.values
+            return self.keys[:C], self.values[:C]  # (KVRows: read back as float32)
         lo = self._need(start)
         old = np.arange(lo, start) % C
-        keys, values = np.concatenate([self.keys[old], k]), np.concatenate([self.values[old], v])
+        keys = np.concatenate([self.keys[old], _as_stored(self.keys, k)])
+        values = np.concatenate([self.values[old], _as_stored(self.values, v)])
         m = min(R, C)  # the ring keeps the last C positions
         last = np.arange(n - m, n) % C
         self.keys[last] = k[R - m :]
@@ -185,7 +294,7 @@ class RingKVCache:
 
     def snapshot(self, length: int):
         rows = self.keys.shape[0] if self.held_from or length > self.keys.shape[0] else length
-        return self.keys[:rows].copy(), self.values[:rows].copy(), self.held_from
+        return _head(self.keys, rows), _head(self.values, rows), self.held_from
 
     def restore(self, state) -> None:
         k, v, held_from = state
@@ -242,7 +351,9 @@ def recurrent_state_bytes(cfg, elem_bytes: int = 4) -> int:
     return len(cfg.recurrent_layers) * per * elem_bytes
 
 
-def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+def _grow(a, cap: int):
+    if isinstance(a, KVRows):
+        return a.grown(cap)
     out = np.zeros((cap, *a.shape[1:]), a.dtype)
     out[: a.shape[0]] = a
     return out
@@ -322,18 +433,18 @@ class Cache:
         return sum(c.nbytes for c in self.layers)
 
 
-def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
+def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS, types: KVTypes = F32_KV) -> Cache:
     """A cache per layer: recurrent (Gated DeltaNet) layers their state; sliding-window layers a
     ring sized for forwards of `swa_rows` rows (0: no rings, every attention layer holds every
-    position)."""
+    position); keys and values stored as `types` says."""
     def layer(i: int):
         if cfg.layer_is_recurrent(i):
             return RecurrentCache(cfg.ssm_conv_kernel, cfg.ssm_conv_channels, cfg.ssm_time_step_rank,
                                   cfg.ssm_state_size)
         w = cfg.layer_window(i)
         if w > 0 and swa_rows:
-            return RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, w, capacity, swa_rows)
-        return KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity)
+            return RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, w, capacity, swa_rows, types)
+        return KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity, types)
 
     return Cache([layer(i) for i in range(cfg.n_layers)])
 
@@ -347,10 +458,10 @@ def layer_positions(cfg, layer: int, n_ctx: int, swa_rows: int = SWA_ROWS) -> in
     return min(n_ctx, ring_capacity(w, swa_rows)) if w > 0 and swa_rows else n_ctx
 
 
-def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4, swa_rows: int = SWA_ROWS) -> int:
+def kv_cache_bytes(cfg, n_ctx: int, types: KVTypes = F32_KV, swa_rows: int = SWA_ROWS) -> int:
     """Bytes of every attention layer's keys and values for n_ctx positions (sliding-window
-    layers: their ring's positions)."""
-    per_pos = cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes
+    layers: their ring's positions), stored as `types` says."""
+    per_pos = types.position_bytes(cfg)
     return sum(layer_positions(cfg, i, n_ctx, swa_rows) for i in range(cfg.n_layers)) * per_pos
 
 

@@ -60,8 +60,9 @@ class NumpyBackend(Backend):
         front (a device backend records a step here)."""
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
-        """A cache for one sequence, in host memory (see cache.make_cache)."""
-        return make_cache(cfg, capacity, swa_rows)
+        """A cache for one sequence, in host memory (see cache.make_cache), keys and values stored
+        as `kv_types` says."""
+        return make_cache(cfg, capacity, swa_rows, self.kv_types)
 
     def greedy_chain(self, model, cache, limit=None):
         """Greedy steps queued ahead of the host: a device backend's (Vulkan); none here."""

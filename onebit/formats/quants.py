@@ -40,6 +40,13 @@ class QType:
             np.float32, copy=False
         )
 
+    @classmethod
+    def quantize(cls, x: np.ndarray) -> np.ndarray:
+        """float32 [..., n] -> uint8 [..., row_bytes], as ggml's reference quantizer writes it
+        (gguf's numpy twin of it; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and a few more)."""
+        q = gguf_quants.quantize(np.ascontiguousarray(x, dtype=np.float32), GGMLQuantizationType(cls.type_id))
+        return np.ascontiguousarray(q).view(np.uint8)
+
 
 def _gguf_type(name: str) -> type[QType]:
     qt = GGMLQuantizationType[name]
