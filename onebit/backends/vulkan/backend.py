@@ -39,6 +39,7 @@ class VulkanBackend(Backend):
     name = "vulkan"
     runs_on_host = False
     reads_map = False  # the model file is read at load, to record a new shape (gguf.reads counts those) and by a pool
+    cache_types = ("f32",)  # its set_rows and attention kernels read and write float32 K/V only
 
     @property
     def overlaps_host(self) -> bool:
