@@ -62,6 +62,21 @@ def test_q4_0_block_worked_by_hand():
     assert list(Q4_0.dequantize(raw[None])[0, :3]) == [16, -14, 2]
 
 
+@pytest.mark.parametrize("cls", (Q8_0, Q4_0), ids=("Q8_0", "Q4_0"))
+def test_dequantize_equals_gguf_on_random_blocks(cls):
+    """quants' own Q8_0 / Q4_0 decoders (what a quantized cache reads with) against gguf's."""
+    import gguf
+    from gguf import quants as gguf_quants
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (7, 3, cls.row_bytes(96)), dtype=np.uint8)
+    blocks = raw.reshape(-1, cls.type_size)
+    blocks[:, :2] = rng.standard_normal(len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    want = gguf_quants.dequantize(raw, gguf.GGMLQuantizationType(cls.type_id))
+    got = cls.dequantize(raw)
+    assert got.dtype == np.float32 and got.shape == (7, 3, 96) and np.array_equal(got, want)
+
+
 def _round_trip(t: str, x: np.ndarray) -> np.ndarray:
     """x as a cache of type t stores and reads it back, computed from the quants classes alone."""
     if t == "f32":
