@@ -213,8 +213,11 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
              PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
     kv_detail = _kv_detail(cfg, ctx) + ("" if kv.plain else f"; keys {kv.k}, values {kv.v}")
     items.append(PlanItem("KV cache", kv_cache_bytes(cfg, ctx, kv), kv_detail))
+    # a cache of ggml blocks: one layer's keys and values decoded to float32 for its attention
+    kv_decoded = 0 if kv.plain else ctx * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * 4
     items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, min(PREFILL_ROWS, ctx), ctx)
-                          + policy.decoded_bytes(), f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"))
+                          + policy.decoded_bytes() + kv_decoded, f"{min(PREFILL_ROWS, ctx)}-row prefill chunk"
+                          + (", a layer's K/V decoded" if kv_decoded else "")))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
     per_pred = policy.scratch_bytes(cfg, 1, ctx) + scratch_kv_bytes(cfg)
     pred_bytes = per_pred * len(predicted)

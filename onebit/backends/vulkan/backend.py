@@ -39,7 +39,6 @@ class VulkanBackend(Backend):
     name = "vulkan"
     runs_on_host = False
     reads_map = False  # the model file is read at load, to record a new shape (gguf.reads counts those) and by a pool
-    cache_types = ("f32",)  # its set_rows and attention kernels read and write float32 K/V only
 
     @property
     def overlaps_host(self) -> bool:
@@ -270,6 +269,18 @@ class GraphConsts:
             buf.write(w)
             self._buffers.append(buf)
             s = self._vecs[name] = buf.slice(0, max(w.nbytes, 16))
+        return s
+
+    def rows(self, n: int) -> Slice:
+        """An int32 buffer holding 0 .. n-1 (the rows a quantized KV cache's layer decodes)."""
+        key = f"rows:{n}"
+        s = self._vecs.get(key)
+        if s is None:
+            w = np.arange(n, dtype=np.int32)
+            buf = self.be.dev.buffer(max(w.nbytes, 16))
+            buf.write(w)
+            self._buffers.append(buf)
+            s = self._vecs[key] = buf.slice(0, max(w.nbytes, 16))
         return s
 
     def array(self, values: np.ndarray) -> Slice:

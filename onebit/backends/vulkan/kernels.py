@@ -775,6 +775,27 @@ class Kernels:
         seq.dispatch(p, (src, pos, dst), _push("4I", n, src_stride or n, dst_stride or n, dst_rows),
                      (math.ceil(n / self.wg), n_rows, 1), writes=(2,))
 
+    def set_rows_q(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int, type_name: str,
+                   row_bytes: int, dst_rows: int = 0) -> None:
+        """set_rows into a KV cache stored as ggml blocks of `type_name` (F16, Q8_0, Q4_0): row r
+        of src quantized into row pos[r] (% dst_rows) of dst, `row_bytes` bytes a row."""
+        p = self.pipeline(f"set_rows_{type_name}", 3, (self.wg,))
+        seq.dispatch(p, (src, pos, dst), _push("4I", n, n, row_bytes, dst_rows),
+                     (math.ceil(math.ceil(n / 32) / self.wg), n_rows, 1), writes=(2,))
+
+    def kv_rows(self, seq: Sequence, cache: Slice, rows: Slice, out: Slice, n_kv: int, n: int, type_name: str) -> None:
+        """out[i, :n] = row i of a KV cache stored as ggml blocks, dequantized (get_rows over
+        rows 0 .. n_kv-1; `rows`: those ids, int32)."""
+        self._check_rows("get_rows", type_name, n, n)
+        p = self.pipeline(f"get_rows_{type_name}", 3, (self.wg,))
+        gx = math.ceil(n // 4 / self.wg)
+        chunk = 1 << 15  # (a grid's y at most 65535)
+        for r0 in range(0, n_kv, chunk):
+            m = min(chunk, n_kv - r0)
+            ids = Slice(rows.buffer, rows.offset + 4 * r0, 4 * m)
+            part = Slice(out.buffer, out.offset + 4 * n * r0, 4 * n * m)
+            seq.dispatch(p, (cache, ids, part), _push("4I", n, n_kv, 0, n), (gx, m, 1), writes=(2,))
+
     # -- Gated DeltaNet ----------------------------------------------------------------------
 
     def cols(self, seq: Sequence, a: Slice, out: Slice, n_rows: int, n: int, c0: int, w: int) -> None:

@@ -110,11 +110,29 @@ class Recorder:
         kv = self.rec.kv
         kc, vc = kv.k_slice(layer), kv.v_slice(layer)
         n_kv = kv.rows(layer)  # position p in row p % n_kv (a sliding-window ring wraps)
-        self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
-        self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
+        if kv.types.plain:
+            self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
+            self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
+        else:  # ggml blocks: the attention reads every row decoded into float32 scratch
+            kf = self._store_blocks(k, kc, kv.types.k, kv.keys[layer], n_kv)  # [n_kv, Hkv, D]
+            vf = self._store_blocks(v, vc, kv.types.v, kv.values[layer], n_kv)  # [n_kv, Hkv, Dv]
+            kc, vc = kf.s, vf.s
         out = self._new((R, H * Dv))
         sk = self.be.consts.vec(sinks) if sinks is not None else None
         self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, n_kv, window, scale, sk)
+        return out
+
+    def _store_blocks(self, x: Val, cache: Slice, type_name: str, rows, n_kv: int) -> Val:
+        """Write rows x [R, Hkv, W] into a layer's K or V cache of ggml blocks (`rows`: its host
+        view, KVRows) at the rows' positions; return every row of it decoded: [n_kv, Hkv, W]."""
+        R, Hkv, W = x.shape
+        t = type_name.upper()
+        if t == "F32":  # (one of K and V quantized, the other not)
+            self.k.set_rows(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, dst_rows=n_kv)
+            return Val(cache, (n_kv, Hkv, W))
+        self.k.set_rows_q(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, t, rows.raw[0].nbytes, dst_rows=n_kv)
+        out = self._new((n_kv, Hkv, W))
+        self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t)
         return out
 
     def residual(self, x: Val, y: Val) -> Val:
