@@ -26,6 +26,37 @@ from .pause import PhasedHook
 KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 
 
+def hadamard_size(which: str, width: int) -> int:
+    """The Walsh-Hadamard rotation a quantized cache applies to each head's keys ("k") or values
+    ("v") of `width` before quantizing, as llama.cpp does (llama-kv-cache.cpp, attn_rot_k / _v):
+    for heads a multiple of 64 wide, keys in chunks of the largest power of two dividing the
+    width, values in chunks of 64; 0 (none) for other widths. Spreading an outlier over the
+    chunk keeps the blocks' scales small. Rotating Q and K alike leaves q.k as it is, so the
+    cache rotates back what it reads (H is its own inverse) and the attention runs unchanged."""
+    if width % 64:
+        return 0
+    if which == "v":
+        return 64
+    n = 64
+    while width % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def hadamard(x: np.ndarray, n: int) -> np.ndarray:
+    """x [..., W] with every chunk of n values (W a multiple of n, n a power of two) times the
+    n x n Walsh-Hadamard matrix in Sylvester's order over sqrt(n) (ggml_gen_hadamard's), by the
+    fast transform: log2(n) rounds of sums and differences."""
+    shape = x.shape
+    y = np.array(x, np.float32).reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
+        y = np.concatenate([y[:, :, :1] + y[:, :, 1:], y[:, :, :1] - y[:, :, 1:]], axis=2)
+        h *= 2
+    return (y.reshape(shape) * np.float32(1 / np.sqrt(n))).astype(np.float32, copy=False)
+
+
 @dataclass(frozen=True)
 class KVTypes:
     """The types one cache's keys (`k`) and values (`v`) are stored in; a quantized type needs
@@ -68,14 +99,15 @@ class KVRows:
     """Keys or values of one layer stored in a ggml type other than f32: raw rows [positions, Hkv,
     row bytes] of its blocks. Indexed like the float32 array [positions, Hkv, width] it stands for:
     a read dequantizes (as ggml does), a write of float32 rows quantizes them (a write of KVRows
-    copies their blocks)."""
+    copies their blocks). `rot` > 0: each head rotated in chunks of `rot` before quantizing and
+    back after dequantizing (`hadamard_size`)."""
 
-    def __init__(self, qtype, raw: np.ndarray, width: int):
-        self.qtype, self.raw, self.width = qtype, raw, width
+    def __init__(self, qtype, raw: np.ndarray, width: int, rot: int = 0):
+        self.qtype, self.raw, self.width, self.rot = qtype, raw, width, rot
 
     @classmethod
-    def zeros(cls, qtype, positions: int, heads: int, width: int) -> "KVRows":
-        return cls(qtype, np.zeros((positions, heads, qtype.row_bytes(width)), np.uint8), width)
+    def zeros(cls, qtype, positions: int, heads: int, width: int, rot: int = 0) -> "KVRows":
+        return cls(qtype, np.zeros((positions, heads, qtype.row_bytes(width)), np.uint8), width, rot)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -92,31 +124,47 @@ class KVRows:
         raw = self.raw[index]  # [n, Hkv, row bytes]
         if raw.size == 0:
             return np.zeros((*raw.shape[:-1], self.width), np.float32)
-        return self.qtype.dequantize(raw)  # [n, Hkv, width]
+        x = self.qtype.dequantize(raw)  # [n, Hkv, width]
+        return hadamard(x, self.rot) if self.rot else x
 
     def __setitem__(self, index, x) -> None:
-        self.raw[index] = x.raw if isinstance(x, KVRows) else self.qtype.quantize(x)
+        if isinstance(x, KVRows):
+            self.raw[index] = x.raw
+        else:
+            self.raw[index] = self.qtype.quantize(hadamard(x, self.rot) if self.rot else x)
+
+    def stored(self, x: np.ndarray) -> np.ndarray:
+        """Rows x as they read back once written."""
+        y = self.qtype.dequantize(self.qtype.quantize(hadamard(x, self.rot) if self.rot else x))
+        return hadamard(y, self.rot) if self.rot else y
 
     def head(self, n: int) -> "KVRows":
         """A copy of the first n positions' blocks."""
-        return KVRows(self.qtype, self.raw[:n].copy(), self.width)
+        return KVRows(self.qtype, self.raw[:n].copy(), self.width, self.rot)
 
     def grown(self, cap: int) -> "KVRows":
-        out = KVRows.zeros(self.qtype, cap, self.raw.shape[1], self.width)
+        out = KVRows.zeros(self.qtype, cap, self.raw.shape[1], self.width, self.rot)
         out.raw[: self.raw.shape[0]] = self.raw
         return out
 
 
 def kv_rows(types: KVTypes, which: str, positions: int, heads: int, width: int):
     """Storage for one layer's keys ("k") or values ("v"): a float32 array, or KVRows of the type."""
-    if (types.k if which == "k" else types.v) == "f32":
+    name = types.k if which == "k" else types.v
+    if name == "f32":
         return np.zeros((positions, heads, width), np.float32)
-    return KVRows.zeros(types.qtype(which), positions, heads, width)
+    return KVRows.zeros(types.qtype(which), positions, heads, width, kv_rotation(name, which, width))
+
+
+def kv_rotation(name: str, which: str, width: int) -> int:
+    """The rotation (`hadamard_size`) a cache of type `name` applies to keys or values: quantized
+    types only (llama.cpp's ggml_is_quantized: not f16)."""
+    return hadamard_size(which, width) if name in ("q8_0", "q4_0") else 0
 
 
 def _as_stored(a, x: np.ndarray) -> np.ndarray:
     """Rows x as storage `a` reads them back once written (quantized and dequantized)."""
-    return a.qtype.dequantize(a.qtype.quantize(x)) if isinstance(a, KVRows) else x
+    return a.stored(x) if isinstance(a, KVRows) else x
 
 
 def _head(a, n: int):

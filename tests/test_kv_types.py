@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import onebit
-from onebit.cache import F32_KV, KVCache, KVRows, KVTypes, RingKVCache, kv_cache_bytes
+from onebit.cache import F32_KV, KVCache, KVRows, KVTypes, RingKVCache, hadamard, hadamard_size, kv_cache_bytes
 from onebit.errors import UsageError
 from onebit.formats.quants import Q4_0, Q8_0
 from onebit.model import shipped_model_path
@@ -77,14 +77,42 @@ def test_dequantize_equals_gguf_on_random_blocks(cls):
     assert got.dtype == np.float32 and got.shape == (7, 3, 96) and np.array_equal(got, want)
 
 
-def _round_trip(t: str, x: np.ndarray) -> np.ndarray:
-    """x as a cache of type t stores and reads it back, computed from the quants classes alone."""
+def _hadamard_matrix(n: int) -> np.ndarray:
+    """ggml_gen_hadamard's matrix, written out: 1/sqrt(n) at [0, 0], then [[H, H], [H, -H]]."""
+    h = np.full((1, 1), 1 / np.sqrt(n))
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def test_hadamard_rotation():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 2, 256)).astype(np.float32)
+    for n in (64, 128, 256):
+        want = (x.reshape(-1, n).astype(np.float64) @ _hadamard_matrix(n)).reshape(x.shape)
+        assert np.abs(hadamard(x, n) - want).max() < 1e-5
+        assert np.abs(hadamard(hadamard(x, n), n) - x).max() < 1e-5  # its own inverse
+    # llama.cpp's sizes (llama-kv-cache.cpp): heads a multiple of 64 wide; keys the largest power
+    # of two dividing the width, values 64
+    assert [hadamard_size("k", w) for w in (32, 64, 96, 128, 192, 256)] == [0, 64, 0, 128, 64, 256]
+    assert [hadamard_size("v", w) for w in (32, 64, 128, 256)] == [0, 64, 64, 64]
+
+
+def _round_trip(t: str, x: np.ndarray, which: str = "k") -> np.ndarray:
+    """x as a cache of type t stores and reads it back, from the quants classes and the rotation
+    (quantized types, heads a multiple of 64 wide)."""
     if t == "f32":
         return x
     if t == "f16":
         return x.astype(np.float16).astype(np.float32)
     cls = {"q8_0": Q8_0, "q4_0": Q4_0}[t]
-    return cls.dequantize(cls.quantize(x))
+    n = hadamard_size(which, x.shape[-1])
+    if not n:
+        return cls.dequantize(cls.quantize(x))
+    h = _hadamard_matrix(n)
+    turned = (x.reshape(-1, n).astype(np.float64) @ h).astype(np.float32).reshape(x.shape)
+    back = cls.dequantize(cls.quantize(turned))
+    return (back.reshape(-1, n).astype(np.float64) @ h).astype(np.float32).reshape(x.shape)
 
 
 @pytest.mark.parametrize("t", QTYPES)
@@ -97,16 +125,20 @@ def test_cache_rows_read_back_as_stored(t):
     c.write(0, k1, v1)
     keys, values = c.write(5, k2, v2)  # grows past one step of 256
     assert keys.dtype == np.float32 and keys.shape == (305, 2, 64) and values.shape == (305, 2, 32)
-    assert np.array_equal(keys, _round_trip(t, np.concatenate([k1, k2])))
-    assert np.array_equal(values, _round_trip(t, np.concatenate([v1, v2])))
+    # (the rotation's float sums differ from the matrix product's in the last bits, so a value
+    # on a rounding edge may take the next code: a step of the block's scale at most)
+    tol = {"f16": 0, "q8_0": 0.05, "q4_0": 0.8}[t]
+    assert np.abs(keys - _round_trip(t, np.concatenate([k1, k2]))).max() <= tol
+    assert np.array_equal(values, _round_trip(t, np.concatenate([v1, v2]), "v"))  # (32 wide: not rotated)
     per_pos = 2 * (KVTypes(t, t).qtype("k").row_bytes(64) + KVTypes(t, t).qtype("v").row_bytes(32))
     assert c.nbytes == 512 * per_pos  # (two steps of 256 positions)
     # snapshot, overwrite, restore: the blocks come back as they were
     state = c.snapshot(200)
     c.write(100, k2[:50], v2[:50])
     c.restore(state)
+    before = keys[:200]
     keys, _ = c.write(200, k2[195:200], v2[195:200])
-    assert np.array_equal(keys, _round_trip(t, np.concatenate([k1, k2]))[:205])
+    assert np.array_equal(keys[:200], before)
 
 
 @pytest.mark.parametrize("t", ("q8_0", "q4_0"))
@@ -173,12 +205,21 @@ def test_logits_against_the_f32_cache(path):
         assert not np.array_equal(got, base)  # the cache type is in effect
 
 
+def _same_greedy(got, ref, tie: float = 0.02):
+    """Greedy tokens equal, but where the reference's best two are within `tie` (a 4-bit code
+    flips on the last bits of float K/V, which backends sum in their own orders)."""
+    a, b = got.argmax(-1), ref.argmax(-1)
+    rows = np.arange(len(ref))
+    assert (a == b).mean() >= 0.9
+    assert np.all((a == b) | (ref[rows, b] - ref[rows, a] <= tie)), (a, b)
+
+
 def test_cpu_backend_equals_numpy_with_a_quantized_cache():
     ids = (np.arange(1, 41) * 5) % 200
     for t in ("q8_0", "q4_0"):
         ref, got = _logits(MOE64, "numpy", t, ids), _logits(MOE64, "cpu", t, ids)
         assert _cos(got, ref).min() >= 0.9999
-        assert np.array_equal(got.argmax(-1), ref.argmax(-1))
+        _same_greedy(got, ref)
 
 
 @pytest.fixture
@@ -206,8 +247,8 @@ def test_vulkan_equals_numpy_with_a_cache_of_blocks(vulkan, path, k, v):
             if be == "vulkan":  # the host's view of the device blocks reads back as numpy's cache holds them
                 layer = cache[0]
                 assert isinstance(layer.keys, KVRows) or k == "f32"
-    assert _cos(out["vulkan"], out["numpy"]).min() >= 0.99999
-    assert np.array_equal(out["vulkan"].argmax(-1), out["numpy"].argmax(-1))
+    assert _cos(out["vulkan"], out["numpy"]).min() >= 0.9999
+    _same_greedy(out["vulkan"], out["numpy"])
 
 
 def test_vulkan_cache_of_blocks_snapshot_restore_trim(vulkan):

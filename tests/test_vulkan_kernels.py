@@ -514,6 +514,12 @@ def test_set_rows_wraps_into_a_ring(ops, rng):
     np.testing.assert_array_equal(ops.set_rows(dst, src, pos, wrap=True), want)
 
 
+@pytest.mark.parametrize("n", [64, 256])
+def test_hadamard(ops, rng, n):
+    x = rng.standard_normal((3, 2, 512)).astype(np.float32)
+    close(ops.hadamard(x, n), ref.hadamard(x, n), rng, tol=1e-5, what=f"hadamard {n}")
+
+
 @pytest.mark.parametrize("type_name", ["F16", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("wrap", [False, True])
 def test_set_rows_into_blocks(ops, rng, type_name, wrap):

@@ -783,6 +783,14 @@ class Kernels:
         seq.dispatch(p, (src, pos, dst), _push("4I", n, n, row_bytes, dst_rows),
                      (math.ceil(math.ceil(n / 32) / self.wg), n_rows, 1), writes=(2,))
 
+    def hadamard(self, seq: Sequence, x: Slice, out: Slice, n_values: int, n: int) -> None:
+        """out = x with every chunk of n floats rotated by the n x n Walsh-Hadamard matrix over
+        sqrt(n) (numpy twin: cache.hadamard; n a power of two)."""
+        p = self.pipeline("hadamard", 2, (64, n))
+        chunks = n_values // n
+        gx, gy = self._grid(math.ceil(chunks / 64))
+        seq.dispatch(p, (x, out), _push("If", chunks, float(np.float32(1 / np.sqrt(n)))), (gx, gy, 1), writes=(1,))
+
     def kv_rows(self, seq: Sequence, cache: Slice, rows: Slice, out: Slice, n_kv: int, n: int, type_name: str) -> None:
         """out[i, :n] = row i of a KV cache stored as ggml blocks, dequantized (get_rows over
         rows 0 .. n_kv-1; `rows`: those ids, int32)."""

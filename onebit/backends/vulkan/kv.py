@@ -12,7 +12,8 @@ import weakref
 
 import numpy as np
 
-from ...cache import F32_KV, SWA_ROWS, Cache, KVCache, KVRows, KVTypes, RecurrentCache, RingKVCache, layer_positions
+from ...cache import (F32_KV, SWA_ROWS, Cache, KVCache, KVRows, KVTypes, RecurrentCache, RingKVCache, kv_rotation,
+                      layer_positions)
 from .device import Buffer, Slice, VulkanKernelError
 
 MAX_ROWS = 256  # the most rows one recorded forward has: longer ones run as chunks (runner.row_chunks)
@@ -69,7 +70,8 @@ class DeviceKV:
                 vb.destroy()
                 raise VulkanKernelError("KV cache: the device has no host-visible memory")
             self.buffers.append((kb, vb))
-            k, v = _rows(kb, kq, kshape, cfg.head_dim), _rows(vb, vq, vshape, cfg.head_dim_v)
+            k = _rows(kb, kq, kshape, cfg.head_dim, kv_rotation(self.types.k, "k", cfg.head_dim))
+            v = _rows(vb, vq, vshape, cfg.head_dim_v, kv_rotation(self.types.v, "v", cfg.head_dim_v))
             k.fill(0)
             v.fill(0)
             self.keys.append(k)
@@ -131,12 +133,13 @@ class DeviceKV:
             sum(self.conv[l].nbytes + self.state[l].nbytes for l in self.conv)
 
 
-def _rows(buf: Buffer, qtype, shape, width: int):
-    """A buffer's K or V as the host sees it: float32 [n, Hkv, width], or KVRows of its blocks."""
+def _rows(buf: Buffer, qtype, shape, width: int, rot: int):
+    """A buffer's K or V as the host sees it: float32 [n, Hkv, width], or KVRows of its blocks
+    (rotated in chunks of `rot`, 0: not)."""
     if qtype.name == "F32":
         return buf.view(np.float32, (shape[0], shape[1], width))
     raw = buf.view(np.uint8, (buf.size,))[: int(np.prod(shape))].reshape(shape)
-    return KVRows(qtype, raw, width)
+    return KVRows(qtype, raw, width, rot)
 
 
 class _DeviceKVView:

@@ -235,6 +235,10 @@ class VulkanOps:
         return self._run(lambda s: self.k.set_rows_q(s, ss, ps, d, len(pos), src.shape[1], type_name, row_bytes,
                                                      dst_rows=rows), out)
 
+    def hadamard(self, x: np.ndarray, n: int) -> np.ndarray:
+        xs, out = self._in(x), self._out(x.shape)
+        return self._run(lambda s: self.k.hadamard(s, xs, out[0], x.size, n), out)
+
     def kv_rows(self, raw: np.ndarray, type_name: str, n: int) -> np.ndarray:
         """Every row of a KV cache of ggml blocks (uint8 [rows, row bytes]), decoded: [rows, n]."""
         cs = self._in(np.concatenate([raw.reshape(-1), np.zeros(-raw.size % 4, np.uint8)]).view(np.uint32), np.uint32)

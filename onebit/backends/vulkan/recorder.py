@@ -124,15 +124,24 @@ class Recorder:
 
     def _store_blocks(self, x: Val, cache: Slice, type_name: str, rows, n_kv: int) -> Val:
         """Write rows x [R, Hkv, W] into a layer's K or V cache of ggml blocks (`rows`: its host
-        view, KVRows) at the rows' positions; return every row of it decoded: [n_kv, Hkv, W]."""
+        view, KVRows, which says the rotation) at the rows' positions; return every row of it
+        decoded (and rotated back): [n_kv, Hkv, W]."""
         R, Hkv, W = x.shape
         t = type_name.upper()
         if t == "F32":  # (one of K and V quantized, the other not)
             self.k.set_rows(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, dst_rows=n_kv)
             return Val(cache, (n_kv, Hkv, W))
+        if rows.rot:
+            turned = self._new(x.shape)
+            self.k.hadamard(self.seq, x.s, turned.s, R * Hkv * W, rows.rot)
+            x = turned
         self.k.set_rows_q(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, t, rows.raw[0].nbytes, dst_rows=n_kv)
         out = self._new((n_kv, Hkv, W))
         self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t)
+        if rows.rot:
+            back = self._new((n_kv, Hkv, W))
+            self.k.hadamard(self.seq, out.s, back.s, n_kv * Hkv * W, rows.rot)
+            out = back
         return out
 
     def residual(self, x: Val, y: Val) -> Val:

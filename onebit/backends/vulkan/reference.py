@@ -126,6 +126,13 @@ def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray, wrap: bool = Fal
     return out
 
 
+def hadamard(x: np.ndarray, n: int) -> np.ndarray:
+    """x with every chunk of n values rotated by the n x n Walsh-Hadamard matrix over sqrt(n)."""
+    from ...cache import hadamard as rotate
+
+    return rotate(x, n)
+
+
 def set_rows_q(dst: np.ndarray, src: np.ndarray, pos: np.ndarray, type_name: str, wrap: bool = False) -> np.ndarray:
     """dst (raw ggml blocks, uint8 [rows, row bytes]) with row pos[r] (wrap: % rows) set to src[r]
     (float32 [R, n]) quantized as ggml's reference quantizer does (`quants.<T>.quantize`)."""
