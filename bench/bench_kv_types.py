@@ -39,7 +39,8 @@ def main() -> None:
                 got[t].append((r["prompt_tps"], r["decode_tps"]))
         print(f"{args.file}, backend {models[types[0]].be.name}, prompt {args.prompt}, decode {args.gen}, "
               f"{args.rounds} rounds (medians)")
-        print(f"{'type':6s} {'KV bytes at ctx':>16s} {'prompt tok/s':>13s} {'decode tok/s':>13s} {'decode vs ' + types[0]:>14s}")
+        print(f"{'type':6s} {'KV bytes at ctx':>16s} {'prompt tok/s':>13s} {'decode tok/s':>13s} "
+              f"{'decode vs ' + types[0]:>14s}")
         base = statistics.median(d for _, d in got[types[0]])
         for t in types:
             p, d = statistics.median(p for p, _ in got[t]), statistics.median(d for _, d in got[t])

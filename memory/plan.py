@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onebit.backends.base import Backend, MemoryPolicy
-from onebit.cache import (F32_KV, MAX_CHECKPOINTS, SWA_ROWS, KVTypes, kv_cache_bytes, layer_positions, recurrent_state_bytes,
-                          scratch_kv_bytes, scratch_state_bytes)
+from onebit.cache import (F32_KV, MAX_CHECKPOINTS, SWA_ROWS, KVTypes, kv_cache_bytes, layer_positions,
+                          recurrent_state_bytes, scratch_kv_bytes, scratch_state_bytes)
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.formats.gguf_file import EXPERT_PARTS, GGUFFile
@@ -332,7 +332,8 @@ def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, kv) -> M
         return plan
     asked = ctx
     ctx = ctx if ctx is not None else _default_ctx(cfg)
-    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy, kv=kv)
+    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy,
+                     kv=kv)
     if plan.classes:
         c = ctx
         while True:  # every expert resident within the margin, the default context halving for it

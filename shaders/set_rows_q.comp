@@ -2,8 +2,9 @@
 // Scatter rows into a KV cache stored as ggml blocks (KV_F16, KV_Q8_0 or KV_Q4_0): row r of src
 // (floats) goes to row pos[r] of dst (row pos[r] % dst_rows with dst_rows > 0, a ring), each 32
 // values one block as ggml's reference quantizer writes it (numpy twin: quants.<T>.quantize).
-// One thread a block (F16: 32 values, fewer at the end of a row). Blocks of 34 and 18 bytes straddle 32-bit words: the words a block fills
-// are stored, the ones it shares with a neighbouring block take its bytes by atomicAnd / atomicOr.
+// One thread a block (F16: 32 values, fewer at the end of a row). Blocks of 34 and 18 bytes
+// straddle 32-bit words: the words a block fills are stored, the ones it shares with a
+// neighbouring block take its bytes by atomicAnd / atomicOr.
 #include "common.glsl"
 
 layout(local_size_x_id = 0) in;

@@ -320,7 +320,7 @@ def test_a_quantized_cache_leaves_the_slots_more_room():
     f32 = make_plan(g, cfg, budget, ctx=512)
     q4 = make_plan(g, cfg, budget, ctx=512, kv=KVTypes("q4_0", "q4_0"))
     assert f32.fits and q4.fits and sum(f32.slots) == sum(whole.slots) - 3
-    saved = _item(f32, "KV cache") + _item(f32, "compute scratch") - _item(q4, "KV cache") - _item(q4, "compute scratch")
+    saved = sum(_item(f32, c) - _item(q4, c) for c in ("KV cache", "compute scratch"))
     assert saved > slot and sum(q4.slots) == sum(f32.slots) + saved // slot
 
 
@@ -335,7 +335,8 @@ def test_cli_cache_type_flags():
     r = _onebit("plan", str(MOE64), "--backend", "numpy", "--ctx", "512", "-ctk", "q8_0", "--cache-type-v", "q4_0")
     assert r.returncode == 0, r.stderr
     assert "keys q8_0, values q4_0" in r.stdout
-    r = _onebit("generate", "-m", str(MOE64), "--backend", "numpy", "-p", "hi", "-n", "3", "-ctk", "q4_0", "-ctv", "f16")
+    r = _onebit("generate", "-m", str(MOE64), "--backend", "numpy", "-p", "hi", "-n", "3", "-ctk", "q4_0",
+                "-ctv", "f16")
     assert r.returncode == 0, r.stderr
     for bad, msg in ((("-ctk", "q3_k"), "not a cache type"), (("-ctv", "q8_0", "-m", str(FIXTURES / "llama-f32.gguf")),
                                                               "multiple of the type's block")):

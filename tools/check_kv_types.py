@@ -17,9 +17,10 @@ says what the cache type costs, the first whether onebit's costs it the way llam
 
 llama.cpp (this build) rotates Q, K and V by a Walsh-Hadamard matrix when a cache type is
 quantized and the head width a multiple of 64 (llama-kv-cache.cpp, `attn_rot_k` / `attn_rot_v`),
-which onebit does not: `refs --no-rotation` runs llama.cpp with that off (its
-LLAMA_ATTN_ROT_DISABLE=1), the plain ggml blocks onebit stores. With flash attention on,
-llama.cpp casts an f32 cache to f16 for the attention, so its f32 and f16 rows agree exactly.
+and onebit's cache does the same (cache.hadamard_size); `refs --no-rotation` runs llama.cpp with
+it off (its LLAMA_ATTN_ROT_DISABLE=1), which shows what the rotation changes there (onebit
+against that reference is then not like for like). With flash attention on, llama.cpp casts an
+f32 cache to f16 for the attention, so its f32 and f16 rows agree exactly.
 """
 
 from __future__ import annotations
