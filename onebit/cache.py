@@ -31,8 +31,9 @@ def hadamard_size(which: str, width: int) -> int:
     ("v") of `width` before quantizing, as llama.cpp does (llama-kv-cache.cpp, attn_rot_k / _v):
     for heads a multiple of 64 wide, keys in chunks of the largest power of two dividing the
     width, values in chunks of 64; 0 (none) for other widths. Spreading an outlier over the
-    chunk keeps the blocks' scales small. Rotating Q and K alike leaves q.k as it is, so the
-    cache rotates back what it reads (H is its own inverse) and the attention runs unchanged."""
+    chunk keeps the blocks' scales small. Rotating q and k alike leaves q.k as it is (H is
+    orthonormal and its own inverse): the attention reads the rotated rows, rotates q (R rows,
+    not the cache's n) and rotates its output back where values are rotated."""
     if width % 64:
         return 0
     if which == "v":
@@ -100,7 +101,8 @@ class KVRows:
     row bytes] of its blocks. Indexed like the float32 array [positions, Hkv, width] it stands for:
     a read dequantizes (as ggml does), a write of float32 rows quantizes them (a write of KVRows
     copies their blocks). `rot` > 0: each head rotated in chunks of `rot` before quantizing and
-    back after dequantizing (`hadamard_size`)."""
+    back after dequantizing (`hadamard_size`); `read` gives the rows still rotated, as the
+    attention takes them."""
 
     def __init__(self, qtype, raw: np.ndarray, width: int, rot: int = 0):
         self.qtype, self.raw, self.width, self.rot = qtype, raw, width, rot
@@ -127,6 +129,13 @@ class KVRows:
         x = self.qtype.dequantize(raw)  # [n, Hkv, width]
         return hadamard(x, self.rot) if self.rot else x
 
+    def read(self, index) -> np.ndarray:
+        """Rows as stored, dequantized but not rotated back."""
+        raw = self.raw[index]
+        if raw.size == 0:
+            return np.zeros((*raw.shape[:-1], self.width), np.float32)
+        return self.qtype.dequantize(raw)
+
     def __setitem__(self, index, x) -> None:
         if isinstance(x, KVRows):
             self.raw[index] = x.raw
@@ -134,9 +143,8 @@ class KVRows:
             self.raw[index] = self.qtype.quantize(hadamard(x, self.rot) if self.rot else x)
 
     def stored(self, x: np.ndarray) -> np.ndarray:
-        """Rows x as they read back once written."""
-        y = self.qtype.dequantize(self.qtype.quantize(hadamard(x, self.rot) if self.rot else x))
-        return hadamard(y, self.rot) if self.rot else y
+        """Rows x as `read` gives them back once written."""
+        return self.qtype.dequantize(self.qtype.quantize(hadamard(x, self.rot) if self.rot else x))
 
     def head(self, n: int) -> "KVRows":
         """A copy of the first n positions' blocks."""
@@ -163,8 +171,17 @@ def kv_rotation(name: str, which: str, width: int) -> int:
 
 
 def _as_stored(a, x: np.ndarray) -> np.ndarray:
-    """Rows x as storage `a` reads them back once written (quantized and dequantized)."""
+    """Rows x as storage `a` gives them to the attention once written (quantized, dequantized)."""
     return a.stored(x) if isinstance(a, KVRows) else x
+
+
+def _read(a, index) -> np.ndarray:
+    """Keys or values as the attention takes them: float32 rows (KVRows: still rotated)."""
+    return a[index] if type(a) is np.ndarray else a.read(index)
+
+
+def _rotation(a) -> int:
+    return a.rot if isinstance(a, KVRows) else 0
 
 
 def _head(a, n: int):
@@ -192,7 +209,7 @@ class KVCache:
 
     def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return every
-        key and value up to the last of them: [start + R, Hkv, *]."""
+        key and value up to the last of them: [start + R, Hkv, *] (rotated as `rotation` says)."""
         n = start + k.shape[0]
         if n > self.keys.shape[0]:
             cap = (n + self.step - 1) // self.step * self.step
@@ -200,7 +217,13 @@ class KVCache:
             self.values = _grow(self.values, cap)
         self.keys[start:n] = k
         self.values[start:n] = v
-        return self.keys[:n], self.values[:n]
+        return _read(self.keys, slice(0, n)), _read(self.values, slice(0, n))
+
+    @property
+    def rotation(self) -> tuple[int, int]:
+        """The Hadamard chunk (`hadamard_size`; 0: none) of the keys and of the values `write`
+        returns: the attention rotates q by the first and its output back by the second."""
+        return _rotation(self.keys), _rotation(self.values)
 
     def trim(self, length: int) -> None:
         """The sequence is now `length` positions long (nothing to do: see the class note)."""
@@ -328,17 +351,19 @@ class RingKVCache:
             slots = np.arange(start, n) % C
             self.keys[slots] = k
             self.values[slots] = v
-            return self.keys[:C], self.values[:C]  # (KVRows: read back as float32)
+            return _read(self.keys, slice(0, C)), _read(self.values, slice(0, C))
         lo = self._need(start)
         old = np.arange(lo, start) % C
-        keys = np.concatenate([self.keys[old], _as_stored(self.keys, k)])
-        values = np.concatenate([self.values[old], _as_stored(self.values, v)])
+        keys = np.concatenate([_read(self.keys, old), _as_stored(self.keys, k)])
+        values = np.concatenate([_read(self.values, old), _as_stored(self.values, v)])
         m = min(R, C)  # the ring keeps the last C positions
         last = np.arange(n - m, n) % C
         self.keys[last] = k[R - m :]
         self.values[last] = v[R - m :]
         shift = lo % (n - lo)  # row p % (n - lo) holds position p
         return np.roll(keys, shift, axis=0), np.roll(values, shift, axis=0)
+
+    rotation = KVCache.rotation
 
     def snapshot(self, length: int):
         rows = self.keys.shape[0] if self.held_from or length > self.keys.shape[0] else length

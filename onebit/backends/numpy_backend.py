@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..cache import SWA_ROWS, Cache, make_cache
+from ..cache import SWA_ROWS, Cache, hadamard, make_cache
 from ..formats.gguf_file import EXPERT_PARTS, GGUFFile, Tensor
 from ..pause import NO_PAUSES, PauseContext, Pauses
 from ..formats.quants import QTYPES
@@ -422,10 +422,16 @@ class EagerStep:
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
                   scale: float | None = None, sinks: str | None = None) -> np.ndarray:
-        keys, values = self.cache[layer].write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        c = self.cache[layer]
+        keys, values = c.write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        rk, rv = c.rotation  # a quantized cache's heads, rotated (cache.hadamard_size)
+        if rk:
+            q = hadamard(q, rk)  # q.k as before the rotation
         if sinks is None:
-            return self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
-        return self.be.attention(q, keys, values, self.pos, window, scale, self.be.weight(sinks))
+            out = self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
+        else:
+            out = self.be.attention(q, keys, values, self.pos, window, scale, self.be.weight(sinks))
+        return hadamard(out, rv) if rv else out
 
     @staticmethod
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
