@@ -46,16 +46,30 @@ def hadamard_size(which: str, width: int) -> int:
 
 def hadamard(x: np.ndarray, n: int) -> np.ndarray:
     """x [..., W] with every chunk of n values (W a multiple of n, n a power of two) times the
-    n x n Walsh-Hadamard matrix in Sylvester's order over sqrt(n) (ggml_gen_hadamard's), by the
-    fast transform: log2(n) rounds of sums and differences."""
-    shape = x.shape
-    y = np.array(x, np.float32).reshape(-1, n)
-    h = 1
-    while h < n:
-        y = y.reshape(-1, n // (2 * h), 2, h)
-        y = np.concatenate([y[:, :, :1] + y[:, :, 1:], y[:, :, :1] - y[:, :, 1:]], axis=2)
-        h *= 2
-    return (y.reshape(shape) * np.float32(1 / np.sqrt(n))).astype(np.float32, copy=False)
+    n x n Walsh-Hadamard matrix in Sylvester's order over sqrt(n) (ggml_gen_hadamard's). That
+    matrix is H_a (x) H_b for n = a b, so a chunk as an a x b matrix X becomes H_a X H_b: two
+    small products whatever n (a few calls for the one row of a decode step)."""
+    a, b = _hadamard_factors(n)
+    y = np.asarray(x, np.float32).reshape(-1, a.shape[0], b.shape[0])  # [chunks, a, b]
+    return np.matmul(np.matmul(a, y), b).reshape(x.shape)
+
+
+_FACTORS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _hadamard_factors(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H_a / sqrt(a), H_b / sqrt(b)) with a b = n, a <= b, Sylvester's order, float32."""
+    f = _FACTORS.get(n)
+    if f is None:
+        def sylvester(m: int) -> np.ndarray:
+            h = np.ones((1, 1))
+            while len(h) < m:
+                h = np.block([[h, h], [h, -h]])
+            return (h / np.sqrt(m)).astype(np.float32)
+
+        a = 1 << (n.bit_length() - 1) // 2
+        f = _FACTORS[n] = (sylvester(a), sylvester(n // a))
+    return f
 
 
 @dataclass(frozen=True)

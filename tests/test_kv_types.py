@@ -64,7 +64,7 @@ def test_q4_0_block_worked_by_hand():
 
 @pytest.mark.parametrize("cls", (Q8_0, Q4_0), ids=("Q8_0", "Q4_0"))
 def test_dequantize_equals_gguf_on_random_blocks(cls):
-    """quants' own Q8_0 / Q4_0 decoders (what a quantized cache reads with) against gguf's."""
+    """quants' own Q8_0 / Q4_0 decoders and quantizers (what a quantized cache uses) against gguf's."""
     import gguf
     from gguf import quants as gguf_quants
 
@@ -75,6 +75,12 @@ def test_dequantize_equals_gguf_on_random_blocks(cls):
     want = gguf_quants.dequantize(raw, gguf.GGMLQuantizationType(cls.type_id))
     got = cls.dequantize(raw)
     assert got.dtype == np.float32 and got.shape == (7, 3, 96) and np.array_equal(got, want)
+    for scale in (1e-3, 1.0, 100.0):  # and their quantizers, halves and zero blocks among the values
+        x = (rng.standard_normal((13, 2, 96)) * scale).astype(np.float32)
+        x[0, 0, :32] = 0
+        x[1, 0, :6] = [0.5, -0.5, 2.5, -2.5, 127, 0.49999997]
+        x[2, 1, :32] = np.round(x[2, 1, :32] * 4) / 4
+        assert np.array_equal(cls.quantize(x), gguf_quants.quantize(x, gguf.GGMLQuantizationType(cls.type_id)))
 
 
 def _hadamard_matrix(n: int) -> np.ndarray:

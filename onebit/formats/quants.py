@@ -69,7 +69,8 @@ Q4_0 = _gguf_type("Q4_0")
 
 
 # Q8_0 and Q4_0 in a few whole-array steps (gguf's generic path costs more than the arithmetic
-# on the short rows a quantized KV cache reads every step); the same products as gguf's.
+# on the short rows a quantized KV cache writes and reads every step); the same results as
+# gguf's (its twin of ggml's reference quantizer), bit for bit.
 def _q8_0(cls, raw: np.ndarray) -> np.ndarray:
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     b = raw.reshape(-1, 34)
@@ -85,8 +86,36 @@ def _q4_0(cls, raw: np.ndarray) -> np.ndarray:
     return out.reshape(*raw.shape[:-1], raw.shape[-1] // 18 * 32)
 
 
+def _quantize_q8_0(cls, x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    b = x.reshape(-1, 32)
+    d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    v = b * inv
+    a = np.abs(v)
+    f = np.floor(a)
+    q = np.sign(v) * (f + np.floor(2 * (a - f)))  # roundf: halves away from zero, exactly
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), q.astype(np.int8).view(np.uint8)], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+def _quantize_q4_0(cls, x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    b = x.reshape(-1, 32)
+    m = np.take_along_axis(b, np.abs(b).argmax(axis=1, keepdims=True), axis=1)  # first of the largest |x|
+    d = m / np.float32(-8)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    q = np.minimum(np.trunc(b * inv + np.float32(8.5)), np.float32(15)).astype(np.uint8)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), q[:, :16] | (q[:, 16:] << np.uint8(4))], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 18)
+
+
 Q8_0.dequantize = classmethod(_q8_0)
 Q4_0.dequantize = classmethod(_q4_0)
+Q8_0.quantize = classmethod(_quantize_q8_0)
+Q4_0.quantize = classmethod(_quantize_q4_0)
 Q4_1 = _gguf_type("Q4_1")
 Q5_0 = _gguf_type("Q5_0")
 Q5_1 = _gguf_type("Q5_1")
