@@ -211,12 +211,18 @@ class KVCache:
 
     step = 256
     can_trim = True
+    plain = True  # float32 keys and values (else KVRows of ggml blocks)
+    # the Hadamard chunk (`hadamard_size`; 0: none) of the keys and of the values `write`
+    # returns: the attention rotates q by the first and its output back by the second
+    rotation = (0, 0)
 
     def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0,
                  types: KVTypes = F32_KV):
         # capacity > 0: allocate (and touch) it all now, as the memory plan counted it
         self.keys = kv_rows(types, "k", capacity, n_kv_heads, head_dim)  # [cap, Hkv, D]
         self.values = kv_rows(types, "v", capacity, n_kv_heads, head_dim_v)  # [cap, Hkv, Dv]
+        if not types.plain:
+            self.plain, self.rotation = False, (_rotation(self.keys), _rotation(self.values))
         if capacity:
             self.keys.fill(0)
             self.values.fill(0)
@@ -231,13 +237,9 @@ class KVCache:
             self.values = _grow(self.values, cap)
         self.keys[start:n] = k
         self.values[start:n] = v
+        if self.plain:
+            return self.keys[:n], self.values[:n]
         return _read(self.keys, slice(0, n)), _read(self.values, slice(0, n))
-
-    @property
-    def rotation(self) -> tuple[int, int]:
-        """The Hadamard chunk (`hadamard_size`; 0: none) of the keys and of the values `write`
-        returns: the attention rotates q by the first and its output back by the second."""
-        return _rotation(self.keys), _rotation(self.values)
 
     def trim(self, length: int) -> None:
         """The sequence is now `length` positions long (nothing to do: see the class note)."""
@@ -298,6 +300,8 @@ class RingKVCache:
 
     step = 256
     can_trim = True
+    plain = KVCache.plain
+    rotation = KVCache.rotation
 
     def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, window: int, capacity: int = 0,
                  rows: int = SWA_ROWS, types: KVTypes = F32_KV):
@@ -307,6 +311,8 @@ class RingKVCache:
         n = min(int(capacity), self.capacity)  # capacity > 0: allocate (and touch) it now, as planned
         self.keys = kv_rows(types, "k", n, n_kv_heads, head_dim)  # [rows held, Hkv, D]
         self.values = kv_rows(types, "v", n, n_kv_heads, head_dim_v)
+        if not types.plain:
+            self.plain, self.rotation = False, (_rotation(self.keys), _rotation(self.values))
         if n:
             self.keys.fill(0)
             self.values.fill(0)
@@ -365,6 +371,8 @@ class RingKVCache:
             slots = np.arange(start, n) % C
             self.keys[slots] = k
             self.values[slots] = v
+            if self.plain:
+                return self.keys, self.values
             return _read(self.keys, slice(0, C)), _read(self.values, slice(0, C))
         lo = self._need(start)
         old = np.arange(lo, start) % C
@@ -376,8 +384,6 @@ class RingKVCache:
         self.values[last] = v[R - m :]
         shift = lo % (n - lo)  # row p % (n - lo) holds position p
         return np.roll(keys, shift, axis=0), np.roll(values, shift, axis=0)
-
-    rotation = KVCache.rotation
 
     def snapshot(self, length: int):
         rows = self.keys.shape[0] if self.held_from or length > self.keys.shape[0] else length

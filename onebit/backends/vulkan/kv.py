@@ -156,6 +156,15 @@ class _DeviceKVView:
     def values(self) -> np.ndarray:
         return self.storage.values[self.layer]
 
+    @property
+    def plain(self) -> bool:
+        return self.storage.types.plain
+
+    @property
+    def rotation(self) -> tuple[int, int]:
+        k, v = self.keys, self.values
+        return (k.rot if isinstance(k, KVRows) else 0), (v.rot if isinstance(v, KVRows) else 0)
+
 
 class DeviceKVCache(_DeviceKVView, KVCache):
     """One layer's view of a `DeviceKV`: a `KVCache` whose keys and values are device memory."""
