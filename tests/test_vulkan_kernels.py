@@ -539,7 +539,10 @@ def test_set_rows_into_blocks(ops, rng, type_name, wrap):
     want = ref.set_rows_q(dst, src, pos, type_name, wrap=wrap)
     got = ops.set_rows_q(dst, src, pos, type_name, wrap=wrap)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(ops.kv_rows(want, type_name, n), qt.dequantize(want))
+    np.testing.assert_array_equal(ops.kv_rows(want, type_name, n, 20), qt.dequantize(want))
+    got = ops.kv_rows(want, type_name, n, 5)  # the rows up to position 5 only (the rest: poison)
+    np.testing.assert_array_equal(got[:6], qt.dequantize(want)[:6])
+    assert np.isnan(got[6:]).all()
 
 
 def test_set_rows(ops, rng):

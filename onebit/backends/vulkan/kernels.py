@@ -791,18 +791,20 @@ class Kernels:
         gx, gy = self._grid(math.ceil(chunks / 64))
         seq.dispatch(p, (x, out), _push("If", chunks, float(np.float32(1 / np.sqrt(n)))), (gx, gy, 1), writes=(1,))
 
-    def kv_rows(self, seq: Sequence, cache: Slice, rows: Slice, out: Slice, n_kv: int, n: int, type_name: str) -> None:
+    def kv_rows(self, seq: Sequence, cache: Slice, rows: Slice, out: Slice, n_kv: int, n: int, type_name: str,
+                pos: Slice, n_rows: int) -> None:
         """out[i, :n] = row i of a KV cache stored as ggml blocks, dequantized (get_rows over
-        rows 0 .. n_kv-1; `rows`: those ids, int32)."""
+        rows 0 .. n_kv-1; `rows`: those ids, int32), the rows up to the forward's last position
+        only (pos[n_rows - 1], read on the device; the attention reads no other)."""
         self._check_rows("get_rows", type_name, n, n)
-        p = self.pipeline(f"get_rows_{type_name}", 3, (self.wg,))
+        p = self.pipeline(f"kv_rows_{type_name}", 4, (self.wg,))
         gx = math.ceil(n // 4 / self.wg)
         chunk = 1 << 15  # (a grid's y at most 65535)
         for r0 in range(0, n_kv, chunk):
             m = min(chunk, n_kv - r0)
             ids = Slice(rows.buffer, rows.offset + 4 * r0, 4 * m)
             part = Slice(out.buffer, out.offset + 4 * n * r0, 4 * n * m)
-            seq.dispatch(p, (cache, ids, part), _push("4I", n, n_kv, 0, n), (gx, m, 1), writes=(2,))
+            seq.dispatch(p, (cache, ids, part, pos), _push("5I", n, n_kv, 0, n, n_rows - 1), (gx, m, 1), writes=(2,))
 
     # -- Gated DeltaNet ----------------------------------------------------------------------
 

@@ -239,11 +239,13 @@ class VulkanOps:
         xs, out = self._in(x), self._out(x.shape)
         return self._run(lambda s: self.k.hadamard(s, xs, out[0], x.size, n), out)
 
-    def kv_rows(self, raw: np.ndarray, type_name: str, n: int) -> np.ndarray:
-        """Every row of a KV cache of ggml blocks (uint8 [rows, row bytes]), decoded: [rows, n]."""
+    def kv_rows(self, raw: np.ndarray, type_name: str, n: int, last: int) -> np.ndarray:
+        """The rows of a KV cache of ggml blocks (uint8 [rows, row bytes]) up to row `last`
+        (a forward's last position), decoded: [rows, n]; the others are left unwritten."""
         cs = self._in(np.concatenate([raw.reshape(-1), np.zeros(-raw.size % 4, np.uint8)]).view(np.uint32), np.uint32)
         ids, out = self._in(np.arange(len(raw)), np.int32), self._out((len(raw), n))
-        return self._run(lambda s: self.k.kv_rows(s, cs, ids, out[0], len(raw), n, type_name), out)
+        pos = self._in(np.array([last]), np.int32)
+        return self._run(lambda s: self.k.kv_rows(s, cs, ids, out[0], len(raw), n, type_name, pos, 1), out)
 
     # -- Gated DeltaNet (signatures as in reference.py) -------------------------------------
 

@@ -146,7 +146,7 @@ class Recorder:
             x = turned
         self.k.set_rows_q(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, t, rows.raw[0].nbytes, dst_rows=n_kv)
         out = self._new((n_kv, Hkv, W))
-        self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t)
+        self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t, self.rec.pos, R)
         return out, rows.rot
 
     def residual(self, x: Val, y: Val) -> Val:
