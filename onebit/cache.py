@@ -134,7 +134,9 @@ class KVRows:
         return self.raw.nbytes
 
     def fill(self, value: float) -> None:
-        self.raw[...] = self.qtype.quantize(np.full((1, 1, self.width), value, np.float32))
+        """Every value `value`, as stored (one row quantized, its blocks copied to every row)."""
+        row = np.full((1, 1, self.width), value, np.float32)
+        self.raw[...] = self.qtype.quantize(hadamard(row, self.rot) if self.rot else row)
 
     def __getitem__(self, index) -> np.ndarray:
         raw = self.raw[index]  # [n, Hkv, row bytes]
