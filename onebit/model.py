@@ -138,9 +138,6 @@ class Model:
         spec = self.spec
         kv = KVTypes(spec.cache_type_k, spec.cache_type_v)
         kv.check(cfg)
-        if not {kv.k, kv.v} <= set(backend.cache_types):
-            raise BackendUnavailableError(f"the {backend.name} backend stores its KV cache as "
-                                          f"{', '.join(backend.cache_types)} only")
         dev = backend.open_device(spec.device)
         policy = backend.memory_policy(self.gguf, spec.repack_from)
         predict = as_settings(spec.predict)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..cache import F32_KV, KV_TYPES, KVTypes
+from ..cache import F32_KV, KVTypes
 from .experts import ExpertLayout
 
 # A prompt's attention scores hold at most this many elements at once (query rows in tiles):
@@ -86,8 +86,7 @@ class Backend:
     # host's work overlaps this backend's compute, and whether the host may read a pool's slots
     overlaps_host = False
     host_reads_slots = True
-    cache_types: tuple[str, ...] = KV_TYPES  # the types its KV cache can store keys and values in
-    kv_types: KVTypes = F32_KV  # what this one's caches store (set by the loader after `open`)
+    kv_types: KVTypes = F32_KV  # what its KV caches store keys and values as (set by the loader after `open`)
 
     @classmethod
     def memory_policy(cls, gguf, repack_from: Optional[int] = None) -> MemoryPolicy:
