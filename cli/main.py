@@ -15,7 +15,7 @@ from onebit.errors import OnebitError, UsageError, json_object
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
                       STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
                       CPU_TARGET, _model, _template_kwargs, cache_dir, cpu_target, default_model_path, load_spec,
-                      predict_options)
+                      predict_options, cache_type_options)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run GGUF mixture-of-experts language models.")
@@ -65,6 +65,7 @@ def _same_file(a: str, b: str) -> bool:
 
 @app.command(cls=Command)
 @predict_options()
+@cache_type_options
 def generate(
     model: Optional[str] = MODEL_ARG,
     model_opt: Optional[str] = MODEL_OPT,
@@ -96,6 +97,7 @@ def generate(
     threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
+    cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     ray_address: Optional[str] = typer.Option(
@@ -166,10 +168,11 @@ def generate(
                        repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, show_reasoning=show_reasoning)
             generate_on_ray(ray_address, workers, worker_cpus, stats, input, input_format, results, on_error, done,
                             load_spec(model, backend, ctx, slots, budget, pool_policy, device, predict, threads,
-                                      template_kw),
+                                      template_kw, cache_types),
                             dict(raw=raw, system=system, seed=seed, gen=gen))
             return
-        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw)
+        m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw,
+                  cache_types)
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -322,6 +325,7 @@ def devices() -> None:
 
 
 @app.command(cls=Command)
+@cache_type_options
 def plan(
     model: Optional[str] = MODEL_ARG,
     model_opt: Optional[str] = MODEL_OPT,
@@ -341,6 +345,7 @@ def plan(
     device: Optional[str] = DEVICE,
     parallel: int = typer.Option(1, "--parallel", "-np", help="Sequences decoded together (serve --parallel): "
                                                               "a KV cache of the whole context for each."),
+    cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Dry run of the memory plan: what is resident, how many expert slots fit, and whether it fits.
@@ -358,15 +363,17 @@ def plan(
     b = detect_budget(budget, reserve, **cls.device_limits(device))
     g = GGUFFile(path)
     cfg = network_class(g.architecture, path).config(g)
+    cache_types.check(cfg)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
                   verify_rows=verify_rows, policy=cls.memory_policy(g),
-                  predict_when_streaming=not layers and not cls.runs_on_host, sequences=parallel)
+                  predict_when_streaming=not layers and not cls.runs_on_host, sequences=parallel, kv=cache_types)
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
 
 
 @app.command(cls=Command)
 @predict_options()
+@cache_type_options
 def chat(
     model: Optional[str] = MODEL_ARG,
     model_opt: Optional[str] = MODEL_OPT,
@@ -389,6 +396,7 @@ def chat(
     threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
+    cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     show_reasoning: bool = SHOW_REASONING,
 ) -> None:
@@ -401,7 +409,8 @@ def chat(
     _check_sampling(max_tokens, temperature, top_k, top_p, min_p, repeat_penalty)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=0 if trace else DEFAULT_DRAFTS)
-    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw,
+              cache_types)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))
@@ -417,6 +426,7 @@ def chat(
 
 @app.command(cls=Command)
 @predict_options()
+@cache_type_options
 def bench(
     model: Optional[str] = MODEL_ARG,
     model_opt: Optional[str] = MODEL_OPT,
@@ -435,6 +445,7 @@ def bench(
     stats: bool = STATS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
+    cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Prompt and decode tok/s on this machine (median of runs)."""
@@ -442,7 +453,8 @@ def bench(
     if prompt_tokens < 1 or gen_tokens < 1 or runs < 1:
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
     lookup = _lookup(lookup, default=0)  # a benchmark of plain decoding unless asked
-    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict, threads=threads)
+    m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict, threads=threads,
+              cache_types=cache_types)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, not no_warmup)
     finally:

@@ -27,16 +27,19 @@ LOUD_BYTES = 1 << 30  # a resident load of a file this large says what the plan 
 
 def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
               budget: Optional[str] = None, policy: str = "global", device: Optional[str] = None, predict=None,
-              threads: Optional[int] = None, template_kwargs: Optional[dict] = None):
-    """The LoadSpec of a command's load flags, checked before anything is loaded. A streamed
-    model keeps the experts it used most under the cache folder (`cache_dir()/experts`), read
-    first by its next load (none with $ONEBIT_CACHE_DIR=off)."""
+              threads: Optional[int] = None, template_kwargs: Optional[dict] = None, cache_types=None):
+    """The LoadSpec of a command's load flags, checked before anything is loaded (`cache_types`:
+    a cache.KVTypes from the --cache-type options, None: f32). A streamed model keeps the experts
+    it used most under the cache folder (`cache_dir()/experts`), read first by its next load
+    (none with $ONEBIT_CACHE_DIR=off)."""
+    from onebit.cache import F32_KV
     from onebit.model import LoadSpec
 
+    kv = cache_types or F32_KV
     kept = cache_dir()
     spec = LoadSpec(path=model, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget, pool_policy=policy,
                     device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}),
-                    warm_dir=None if kept is None else str(kept / "experts"))
+                    cache_type_k=kv.k, cache_type_v=kv.v, warm_dir=None if kept is None else str(kept / "experts"))
     if ctx is not None:
         _check_ctx(spec.model_path(), ctx)
     if threads is not None and threads < 1:
@@ -47,12 +50,13 @@ def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slo
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
           device: Optional[str] = None, predict=None, threads: Optional[int] = None,
-          template_kwargs: Optional[dict] = None, sequences: int = 1):
+          template_kwargs: Optional[dict] = None, sequences: int = 1, cache_types=None):
     import dataclasses
 
     import onebit
 
-    spec = load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs)
+    spec = load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs,
+                     cache_types)
     m = onebit.load(dataclasses.replace(spec, sequences=sequences))
     if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES or sequences > 1:
         import sys
@@ -290,6 +294,35 @@ def predict_options(*without: str):
         return run
 
     return wrap
+
+
+CACHE_TYPE_OPTIONS = {
+    "k": typer.Option("f32", "--cache-type-k", "-ctk", help="Type the KV cache stores keys in: f32 (the default), "
+                                                          "f16, q8_0 or q4_0 (as llama.cpp's -ctk; a quantized "
+                                                          "cache takes less memory, leaving experts more)."),
+    "v": typer.Option("f32", "--cache-type-v", "-ctv", help="Type the KV cache stores values in: f32 (the "
+                                                          "default), f16, q8_0 or q4_0 (as llama.cpp's -ctv)."),
+}
+
+
+def cache_type_options(command):
+    """Decorator: a command's `cache_types` parameter becomes --cache-type-k / --cache-type-v
+    (-ctk / -ctv), and the command is called with one cache.KVTypes of them (checked first)."""
+    sig = inspect.signature(command)
+    params = [p for p in sig.parameters.values() if p.name != "cache_types"]
+    params += [inspect.Parameter(f"cache_type_{n}", inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=str)
+               for n, opt in CACHE_TYPE_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def run(**kw):
+        from onebit.cache import KVTypes
+
+        kv = KVTypes(kw.pop("cache_type_k").lower(), kw.pop("cache_type_v").lower())
+        return command(**kw, cache_types=kv)
+
+    run.__signature__ = sig.replace(parameters=params)
+    run.__annotations__ = {**{p.name: p.annotation for p in params}, "return": sig.return_annotation}
+    return run
 
 
 class Command(typer.core.TyperCommand):

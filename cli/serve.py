@@ -15,7 +15,7 @@ from onebit.errors import UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SLOTS, TEMPLATE_KWARGS,
                       THREADS, Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs,
-                      model_name, model_stores, predict_options)
+                      model_name, model_stores, predict_options, cache_type_options)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
                                                    "(loaded in its turn, one model at a time). Repeatable.")
@@ -71,6 +71,7 @@ def _loopback(host: str) -> bool:
 
 
 @predict_options("out", "stats")
+@cache_type_options
 def serve(
     model: Optional[str] = MODEL_ARG,
     model_opt: Optional[str] = MODEL_OPT,
@@ -95,6 +96,7 @@ def serve(
     threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
+    cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     parallel: int = typer.Option(1, "--parallel", "-np", help="Requests decoded together, their forwards batched "
                                  "(as llama-server's -np): a KV cache of the whole context each, counted by the "
@@ -154,7 +156,7 @@ def serve(
     loading = LoadingAnswer(sock)
     try:
         m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw,
-                  sequences=parallel)
+                  sequences=parallel, cache_types=cache_types)
     finally:
         loading.stop()
     if template is not None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from onebit.backends.base import Backend, MemoryPolicy
-from onebit.cache import (MAX_CHECKPOINTS, SWA_ROWS, kv_cache_bytes, layer_positions, recurrent_state_bytes,
-                          scratch_kv_bytes, scratch_state_bytes)
+from onebit.cache import (F32_KV, MAX_CHECKPOINTS, SWA_ROWS, KVTypes, kv_cache_bytes, layer_positions,
+                          recurrent_state_bytes, scratch_kv_bytes, scratch_state_bytes)
 from onebit.config import ModelConfig, layer_of
 from onebit.errors import OnebitError, UsageError
 from onebit.formats.gguf_file import EXPERT_PARTS, GGUFFile
@@ -188,12 +188,13 @@ def size_classes(g: GGUFFile, policy: Optional[MemoryPolicy] = None) -> list[Siz
 
 
 def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
-              slots: str | int = "auto", verify_rows: int = 8, kv_elem_bytes: int = 4,
+              slots: str | int = "auto", verify_rows: int = 8, kv: KVTypes = F32_KV,
               policy: Optional[MemoryPolicy] = None, sequences: int = 1) -> MemoryPlan:
     """The plan at one context and slot count. `policy`: the backend's answers for this file
     (`Backend.memory_policy`: the bytes it holds for each tensor, its scratch, whether it runs on
-    the host); None: the file's tensors as they are, read in place on the host. `sequences`:
-    caches held at once (serve's --parallel), each of the whole context."""
+    the host); None: the file's tensors as they are, read in place on the host. `kv`: the types
+    the KV cache stores keys and values in (its bytes per position). `sequences`: caches held at
+    once (serve's --parallel), each of the whole context."""
     policy = policy if policy is not None else MemoryPolicy(Backend, g)
     ctx = cfg.context_length if ctx is None else ctx
     if ctx < 1 or ctx > cfg.context_length:
@@ -215,12 +216,17 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         detail += f"; matrices repacked for the {policy.backend.name} kernels: +{format_bytes(grown)}"
     items = [PlanItem("runtime", RUNTIME_BYTES, "interpreter, numpy, numba and the loaded kernels (measured)"),
              PlanItem("resident weights", sum(by_type.values()) + grown, detail)]
-    items.append(PlanItem("KV cache", sequences * kv_cache_bytes(cfg, ctx, kv_elem_bytes),
-                          (f"{sequences} sequences x " if sequences > 1 else "") + _kv_detail(cfg, ctx)))
+    kv_detail = _kv_detail(cfg, ctx) + ("" if kv.plain else f"; keys {kv.k}, values {kv.v}")
+    items.append(PlanItem("KV cache", sequences * kv_cache_bytes(cfg, ctx, kv),
+                          (f"{sequences} sequences x " if sequences > 1 else "") + kv_detail))
+    # a cache of ggml blocks: one layer's keys and values decoded to float32 for its attention
+    kv_decoded = 0 if kv.plain else ctx * cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * 4
     # sequences decoded together: a step holds one prompt chunk and the others' verify rows
     rows, others = min(PREFILL_ROWS, ctx), (sequences - 1) * (verify_rows + 1)
-    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, rows + others, ctx) + policy.decoded_bytes(),
-                          f"{rows}-row prefill chunk" + (f" + {others} rows of the other sequences" if others else "")))
+    items.append(PlanItem("compute scratch", policy.scratch_bytes(cfg, rows + others, ctx) + policy.decoded_bytes()
+                          + kv_decoded, f"{rows}-row prefill chunk"
+                          + (f" + {others} rows of the other sequences" if others else "")
+                          + (", a layer's K/V decoded" if kv_decoded else "")))
     # a predicted layer: one decode row's activations, and its scratch K/V (moe/predict.py)
     per_pred = policy.scratch_bytes(cfg, 1, ctx) + scratch_kv_bytes(cfg)
     pred_bytes = per_pred * len(predicted)
@@ -300,7 +306,7 @@ def _item(items: list[PlanItem], component: str) -> int:
 
 def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
               slots: str | int | None = None, verify_rows: int = 8, policy: Optional[MemoryPolicy] = None,
-              predict_when_streaming: bool = False, sequences: int = 1) -> MemoryPlan:
+              predict_when_streaming: bool = False, sequences: int = 1, kv: KVTypes = F32_KV) -> MemoryPlan:
     """The plan a load follows (`onebit.load`, chat, generate, bench, serve) and `onebit plan`
     prints: the same function, so they agree.
 
@@ -320,31 +326,34 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     - `ctx` given: kept as asked; a plan that cannot fit it is refused by the caller (PlanError).
     - `predict_when_streaming`: routing prediction is on when the plan streams (a load's
       default): a streamed plan reserves every MoE layer's prediction scratch.
-    - `policy`: the backend's memory policy for this file, as for make_plan.
+    - `policy`: the backend's memory policy for this file, and `kv` the KV cache's types, as
+      for make_plan (a quantized cache leaves the expert slots more room).
     - `sequences`: caches held at once (serve's --parallel N: N caches of the whole context).
     `decision` says what was chosen in one line.
     """
-    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences)
+    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences, kv)
     if predict_when_streaming and plan.streaming and not layers:
         every = ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
-        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy, sequences)
+        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy, sequences, kv)
     return plan
 
 
-def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences: int = 1) -> MemoryPlan:
+def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences: int = 1,
+               kv: KVTypes = F32_KV) -> MemoryPlan:
     if slots is not None and slots != "auto":
         plan = make_plan(g, cfg, budget, ctx=ctx if ctx is not None else _default_ctx(cfg), layers=layers,
-                         slots=slots, verify_rows=verify_rows, policy=policy, sequences=sequences)
+                         slots=slots, verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
         plan.decision = _decision(plan, None)
         return plan
     asked = ctx
     ctx = ctx if ctx is not None else _default_ctx(cfg)
-    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy, sequences=sequences)
+    plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy,
+                     sequences=sequences, kv=kv)
     if plan.classes:
         c = ctx
         while True:  # every expert resident within the margin, the default context halving for it
             everything = make_plan(g, cfg, budget, ctx=c, layers=layers, slots=plan.all_experts,
-                                   verify_rows=verify_rows, policy=policy, sequences=sequences)
+                                   verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
             if everything.total <= RESIDENT_SHARE * budget.bytes:
                 everything.decision = _decision(everything, ctx if c != ctx else None, "every expert stays resident")
                 return everything
@@ -353,14 +362,15 @@ def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequence
             c = max(c // 2, min(MIN_CONTEXT, ctx))
         if not plan.streaming:  # everything fits, but not with the margin: the slots that fit within it
             within = make_plan(g, cfg, dataclasses.replace(budget, bytes=int(RESIDENT_SHARE * budget.bytes)),
-                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy, sequences=sequences)
+                               ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy,
+                               sequences=sequences, kv=kv)
             plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=max(sum(within.slots), within.min_slots),
-                             verify_rows=verify_rows, policy=policy, sequences=sequences)
+                             verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
     first = ctx
     while asked is None and ctx > min(MIN_CONTEXT, first) and plan.streaming and (
             not plan.fits or _context_bytes(plan) > CONTEXT_SHARE * _item(plan.items, "expert slots")):
         smaller = make_plan(g, cfg, budget, ctx=max(ctx // 2, min(MIN_CONTEXT, first)), layers=layers, slots="auto",
-                            verify_rows=verify_rows, policy=policy, sequences=sequences)
+                            verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
         ctx, plan = smaller.ctx, smaller
     plan.decision = _decision(plan, first if ctx != first else None)
     return plan

@@ -12,9 +12,197 @@ requests) roll back through `Cache.trim`, or, where a layer cannot trim, to a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from .errors import UsageError
+from .formats.quants import QTYPES_BY_NAME
 from .pause import PhasedHook
+
+# The types a KV cache stores keys and values in, by llama.cpp's names for them (--cache-type-k,
+# --cache-type-v): f32 (the default), or ggml's f16, q8_0 and q4_0 rows (the quantized ones in
+# blocks of 32 values along each head, an f16 scale each).
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
+
+
+def hadamard_size(which: str, width: int) -> int:
+    """The Walsh-Hadamard rotation a quantized cache applies to each head's keys ("k") or values
+    ("v") of `width` before quantizing, as llama.cpp does (llama-kv-cache.cpp, attn_rot_k / _v):
+    for heads a multiple of 64 wide, keys in chunks of the largest power of two dividing the
+    width, values in chunks of 64; 0 (none) for other widths. Spreading an outlier over the
+    chunk keeps the blocks' scales small. Rotating q and k alike leaves q.k as it is (H is
+    orthonormal and its own inverse): the attention reads the rotated rows, rotates q (R rows,
+    not the cache's n) and rotates its output back where values are rotated."""
+    if width % 64:
+        return 0
+    if which == "v":
+        return 64
+    n = 64
+    while width % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def hadamard(x: np.ndarray, n: int) -> np.ndarray:
+    """x [..., W] with every chunk of n values (W a multiple of n, n a power of two) times the
+    n x n Walsh-Hadamard matrix in Sylvester's order over sqrt(n) (ggml_gen_hadamard's). That
+    matrix is H_a (x) H_b for n = a b, so a chunk as an a x b matrix X becomes H_a X H_b: two
+    small products whatever n (a few calls for the one row of a decode step)."""
+    a, b = _hadamard_factors(n)
+    y = np.asarray(x, np.float32).reshape(-1, a.shape[0], b.shape[0])  # [chunks, a, b]
+    return np.matmul(np.matmul(a, y), b).reshape(x.shape)
+
+
+_FACTORS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _hadamard_factors(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(H_a / sqrt(a), H_b / sqrt(b)) with a b = n, a <= b, Sylvester's order, float32."""
+    f = _FACTORS.get(n)
+    if f is None:
+        def sylvester(m: int) -> np.ndarray:
+            h = np.ones((1, 1))
+            while len(h) < m:
+                h = np.block([[h, h], [h, -h]])
+            return (h / np.sqrt(m)).astype(np.float32)
+
+        a = 1 << (n.bit_length() - 1) // 2
+        f = _FACTORS[n] = (sylvester(a), sylvester(n // a))
+    return f
+
+
+@dataclass(frozen=True)
+class KVTypes:
+    """The types one cache's keys (`k`) and values (`v`) are stored in; a quantized type needs
+    head widths that are a multiple of its block (32)."""
+
+    k: str = "f32"
+    v: str = "f32"
+
+    def __post_init__(self):
+        for flag, name in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
+            if name not in KV_TYPES:
+                raise UsageError(f"{flag} {name!r} is not a cache type: use one of {', '.join(KV_TYPES)}")
+
+    @property
+    def plain(self) -> bool:
+        """Both float32: the cache holds plain arrays."""
+        return self.k == self.v == "f32"
+
+    def qtype(self, which: str):
+        """The quants class keys ("k") or values ("v") are stored as."""
+        return QTYPES_BY_NAME[(self.k if which == "k" else self.v).upper()]
+
+    def check(self, cfg) -> None:
+        """Refuse a quantized type whose blocks would cross a head of this model (as llama.cpp does)."""
+        for flag, which, width in (("--cache-type-k", "k", cfg.head_dim), ("--cache-type-v", "v", cfg.head_dim_v)):
+            block = self.qtype(which).block_size
+            if width % block:
+                raise UsageError(f"{flag} {getattr(self, which)}: this model's heads are {width} wide, not a "
+                                 f"multiple of the type's block of {block}; use f16 or f32")
+
+    def position_bytes(self, cfg) -> int:
+        """Bytes of one position's keys and values in one attention layer."""
+        return cfg.n_kv_heads * (self.qtype("k").row_bytes(cfg.head_dim) + self.qtype("v").row_bytes(cfg.head_dim_v))
+
+
+F32_KV = KVTypes()
+
+
+class KVRows:
+    """Keys or values of one layer stored in a ggml type other than f32: raw rows [positions, Hkv,
+    row bytes] of its blocks. Indexed like the float32 array [positions, Hkv, width] it stands for:
+    a read dequantizes (as ggml does), a write of float32 rows quantizes them (a write of KVRows
+    copies their blocks). `rot` > 0: each head rotated in chunks of `rot` before quantizing and
+    back after dequantizing (`hadamard_size`); `read` gives the rows still rotated, as the
+    attention takes them."""
+
+    def __init__(self, qtype, raw: np.ndarray, width: int, rot: int = 0):
+        self.qtype, self.raw, self.width, self.rot = qtype, raw, width, rot
+
+    @classmethod
+    def zeros(cls, qtype, positions: int, heads: int, width: int, rot: int = 0) -> "KVRows":
+        return cls(qtype, np.zeros((positions, heads, qtype.row_bytes(width)), np.uint8), width, rot)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.raw.shape[0], self.raw.shape[1], self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def fill(self, value: float) -> None:
+        """Every value `value`, as stored (one row quantized, its blocks copied to every row)."""
+        row = np.full((1, 1, self.width), value, np.float32)
+        self.raw[...] = self.qtype.quantize(hadamard(row, self.rot) if self.rot else row)
+
+    def __getitem__(self, index) -> np.ndarray:
+        raw = self.raw[index]  # [n, Hkv, row bytes]
+        if raw.size == 0:
+            return np.zeros((*raw.shape[:-1], self.width), np.float32)
+        x = self.qtype.dequantize(raw)  # [n, Hkv, width]
+        return hadamard(x, self.rot) if self.rot else x
+
+    def read(self, index) -> np.ndarray:
+        """Rows as stored, dequantized but not rotated back."""
+        raw = self.raw[index]
+        if raw.size == 0:
+            return np.zeros((*raw.shape[:-1], self.width), np.float32)
+        return self.qtype.dequantize(raw)
+
+    def __setitem__(self, index, x) -> None:
+        if isinstance(x, KVRows):
+            self.raw[index] = x.raw
+        else:
+            self.raw[index] = self.qtype.quantize(hadamard(x, self.rot) if self.rot else x)
+
+    def stored(self, x: np.ndarray) -> np.ndarray:
+        """Rows x as `read` gives them back once written."""
+        return self.qtype.dequantize(self.qtype.quantize(hadamard(x, self.rot) if self.rot else x))
+
+    def head(self, n: int) -> "KVRows":
+        """A copy of the first n positions' blocks."""
+        return KVRows(self.qtype, self.raw[:n].copy(), self.width, self.rot)
+
+    def grown(self, cap: int) -> "KVRows":
+        out = KVRows.zeros(self.qtype, cap, self.raw.shape[1], self.width, self.rot)
+        out.raw[: self.raw.shape[0]] = self.raw
+        return out
+
+
+def kv_rows(types: KVTypes, which: str, positions: int, heads: int, width: int):
+    """Storage for one layer's keys ("k") or values ("v"): a float32 array, or KVRows of the type."""
+    name = types.k if which == "k" else types.v
+    if name == "f32":
+        return np.zeros((positions, heads, width), np.float32)
+    return KVRows.zeros(types.qtype(which), positions, heads, width, kv_rotation(name, which, width))
+
+
+def kv_rotation(name: str, which: str, width: int) -> int:
+    """The rotation (`hadamard_size`) a cache of type `name` applies to keys or values: quantized
+    types only (llama.cpp's ggml_is_quantized: not f16)."""
+    return hadamard_size(which, width) if name in ("q8_0", "q4_0") else 0
+
+
+def _as_stored(a, x: np.ndarray) -> np.ndarray:
+    """Rows x as storage `a` gives them to the attention once written (quantized, dequantized)."""
+    return a.stored(x) if isinstance(a, KVRows) else x
+
+
+def _read(a, index) -> np.ndarray:
+    """Keys or values as the attention takes them: float32 rows (KVRows: still rotated)."""
+    return a[index] if type(a) is np.ndarray else a.read(index)
+
+
+def _rotation(a) -> int:
+    return a.rot if isinstance(a, KVRows) else 0
+
+
+def _head(a, n: int):
+    """A copy of the first n positions of keys or values as stored (a snapshot's)."""
+    return a.head(n) if isinstance(a, KVRows) else a[:n].copy()
 
 
 class KVCache:
@@ -25,18 +213,25 @@ class KVCache:
 
     step = 256
     can_trim = True
+    plain = True  # float32 keys and values (else KVRows of ggml blocks)
+    # the Hadamard chunk (`hadamard_size`; 0: none) of the keys and of the values `write`
+    # returns: the attention rotates q by the first and its output back by the second
+    rotation = (0, 0)
 
-    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0):
+    def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, capacity: int = 0,
+                 types: KVTypes = F32_KV):
         # capacity > 0: allocate (and touch) it all now, as the memory plan counted it
-        self.keys = np.zeros((capacity, n_kv_heads, head_dim), np.float32)  # [cap, Hkv, D]
-        self.values = np.zeros((capacity, n_kv_heads, head_dim_v), np.float32)  # [cap, Hkv, Dv]
+        self.keys = kv_rows(types, "k", capacity, n_kv_heads, head_dim)  # [cap, Hkv, D]
+        self.values = kv_rows(types, "v", capacity, n_kv_heads, head_dim_v)  # [cap, Hkv, Dv]
+        if not types.plain:
+            self.plain, self.rotation = False, (_rotation(self.keys), _rotation(self.values))
         if capacity:
             self.keys.fill(0)
             self.values.fill(0)
 
     def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return every
-        key and value up to the last of them: [start + R, Hkv, *]."""
+        key and value up to the last of them: [start + R, Hkv, *] (rotated as `rotation` says)."""
         n = start + k.shape[0]
         if n > self.keys.shape[0]:
             cap = (n + self.step - 1) // self.step * self.step
@@ -44,7 +239,9 @@ class KVCache:
             self.values = _grow(self.values, cap)
         self.keys[start:n] = k
         self.values[start:n] = v
-        return self.keys[:n], self.values[:n]
+        if self.plain:
+            return self.keys[:n], self.values[:n]
+        return _read(self.keys, slice(0, n)), _read(self.values, slice(0, n))
 
     def trim(self, length: int) -> None:
         """The sequence is now `length` positions long (nothing to do: see the class note)."""
@@ -57,7 +254,7 @@ class KVCache:
         self.trim(0)
 
     def snapshot(self, length: int):
-        return self.keys[:length].copy(), self.values[:length].copy()
+        return _head(self.keys, length), _head(self.values, length)
 
     def restore(self, state) -> None:
         k, v = state
@@ -105,15 +302,19 @@ class RingKVCache:
 
     step = 256
     can_trim = True
+    plain = KVCache.plain
+    rotation = KVCache.rotation
 
     def __init__(self, n_kv_heads: int, head_dim: int, head_dim_v: int, window: int, capacity: int = 0,
-                 rows: int = SWA_ROWS):
+                 rows: int = SWA_ROWS, types: KVTypes = F32_KV):
         self.window = int(window)
         self.capacity = ring_capacity(self.window, rows)
         self.rows = self.rows_for(self.window, rows)  # rows a forward writes before reading, at most
         n = min(int(capacity), self.capacity)  # capacity > 0: allocate (and touch) it now, as planned
-        self.keys = np.zeros((n, n_kv_heads, head_dim), np.float32)  # [rows held, Hkv, D]
-        self.values = np.zeros((n, n_kv_heads, head_dim_v), np.float32)
+        self.keys = kv_rows(types, "k", n, n_kv_heads, head_dim)  # [rows held, Hkv, D]
+        self.values = kv_rows(types, "v", n, n_kv_heads, head_dim_v)
+        if not types.plain:
+            self.plain, self.rotation = False, (_rotation(self.keys), _rotation(self.values))
         if n:
             self.keys.fill(0)
             self.values.fill(0)
@@ -172,10 +373,13 @@ class RingKVCache:
             slots = np.arange(start, n) % C
             self.keys[slots] = k
             self.values[slots] = v
-            return self.keys, self.values
+            if self.plain:
+                return self.keys, self.values
+            return _read(self.keys, slice(0, C)), _read(self.values, slice(0, C))
         lo = self._need(start)
         old = np.arange(lo, start) % C
-        keys, values = np.concatenate([self.keys[old], k]), np.concatenate([self.values[old], v])
+        keys = np.concatenate([_read(self.keys, old), _as_stored(self.keys, k)])
+        values = np.concatenate([_read(self.values, old), _as_stored(self.values, v)])
         m = min(R, C)  # the ring keeps the last C positions
         last = np.arange(n - m, n) % C
         self.keys[last] = k[R - m :]
@@ -185,7 +389,7 @@ class RingKVCache:
 
     def snapshot(self, length: int):
         rows = self.keys.shape[0] if self.held_from or length > self.keys.shape[0] else length
-        return self.keys[:rows].copy(), self.values[:rows].copy(), self.held_from
+        return _head(self.keys, rows), _head(self.values, rows), self.held_from
 
     def restore(self, state) -> None:
         k, v, held_from = state
@@ -242,7 +446,9 @@ def recurrent_state_bytes(cfg, elem_bytes: int = 4) -> int:
     return len(cfg.recurrent_layers) * per * elem_bytes
 
 
-def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+def _grow(a, cap: int):
+    if isinstance(a, KVRows):
+        return a.grown(cap)
     out = np.zeros((cap, *a.shape[1:]), a.dtype)
     out[: a.shape[0]] = a
     return out
@@ -322,18 +528,18 @@ class Cache:
         return sum(c.nbytes for c in self.layers)
 
 
-def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
+def make_cache(cfg, capacity: int = 0, swa_rows: int = SWA_ROWS, types: KVTypes = F32_KV) -> Cache:
     """A cache per layer: recurrent (Gated DeltaNet) layers their state; sliding-window layers a
     ring sized for forwards of `swa_rows` rows (0: no rings, every attention layer holds every
-    position)."""
+    position); keys and values stored as `types` says."""
     def layer(i: int):
         if cfg.layer_is_recurrent(i):
             return RecurrentCache(cfg.ssm_conv_kernel, cfg.ssm_conv_channels, cfg.ssm_time_step_rank,
                                   cfg.ssm_state_size)
         w = cfg.layer_window(i)
         if w > 0 and swa_rows:
-            return RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, w, capacity, swa_rows)
-        return KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity)
+            return RingKVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, w, capacity, swa_rows, types)
+        return KVCache(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim_v, capacity, types)
 
     return Cache([layer(i) for i in range(cfg.n_layers)])
 
@@ -347,10 +553,10 @@ def layer_positions(cfg, layer: int, n_ctx: int, swa_rows: int = SWA_ROWS) -> in
     return min(n_ctx, ring_capacity(w, swa_rows)) if w > 0 and swa_rows else n_ctx
 
 
-def kv_cache_bytes(cfg, n_ctx: int, elem_bytes: int = 4, swa_rows: int = SWA_ROWS) -> int:
+def kv_cache_bytes(cfg, n_ctx: int, types: KVTypes = F32_KV, swa_rows: int = SWA_ROWS) -> int:
     """Bytes of every attention layer's keys and values for n_ctx positions (sliding-window
-    layers: their ring's positions)."""
-    per_pos = cfg.n_kv_heads * (cfg.head_dim + cfg.head_dim_v) * elem_bytes
+    layers: their ring's positions), stored as `types` says."""
+    per_pos = types.position_bytes(cfg)
     return sum(layer_positions(cfg, i, n_ctx, swa_rows) for i in range(cfg.n_layers)) * per_pos
 
 

@@ -53,6 +53,10 @@ class LoadSpec:
     # files of at least this many bytes take the backend's own weight layouts (the cpu backend's
     # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
     repack_from: Optional[int] = None
+    # the types the KV cache stores keys and values in: f32, f16, q8_0 or q4_0 (llama.cpp's
+    # --cache-type-k / --cache-type-v; a quantized cache takes less memory, the plan counts it)
+    cache_type_k: str = "f32"
+    cache_type_v: str = "f32"
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
     # a folder where a streamed model keeps the experts its pool was asked for most, per file, and
     # reads them first at the next load of that file (memory/warm.py); None: nothing kept
@@ -132,12 +136,15 @@ class Model:
         plan that does not fit is refused when a budget, slots or a context were asked for; with
         none of them the load goes ahead with what the plan chose (the most it can) and says so
         in one line."""
+        from .cache import KVTypes
         from .memory.budget import detect_budget
         from .memory.plan import PlanError, plan_load
         from .memory.pool import ExpertPool
         from .moe.predict import as_settings
 
         spec = self.spec
+        kv = KVTypes(spec.cache_type_k, spec.cache_type_v)
+        kv.check(cfg)
         dev = backend.open_device(spec.device)
         policy = backend.memory_policy(self.gguf, spec.repack_from)
         predict = as_settings(spec.predict)
@@ -148,7 +155,7 @@ class Model:
         # the 30B-A3B shape at 8 GiB)
         plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
                          slots=spec.slots, policy=policy, predict_when_streaming=auto and not backend.runs_on_host,
-                         sequences=spec.sequences)
+                         sequences=spec.sequences, kv=kv)
         if auto:
             # (where experts stream: router prediction on a host backend, whose cores the
             # prediction takes from the forward, block on a device, beside which the host is
@@ -175,6 +182,7 @@ class Model:
                 self._map_weights(skip=lambda t: policy.packs(t) or (experts is not None and experts.packs(t)))
             be = backend.open(self.gguf, experts=pool, device=dev, slot_arrays=slots, policy=policy,
                               threads=spec.threads)
+            be.kv_types = kv
             be.repack(experts=plan.fits)
             return plan, pool, slots, be, predict
         except BaseException:

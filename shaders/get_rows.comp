@@ -11,12 +11,20 @@ layout(local_size_x_id = 0) in;
 
 layout(binding = 1, std430) readonly buffer Ids { int ids[]; };
 layout(binding = 2, std430) writeonly buffer Out { vec4 out4[]; };
+#ifdef KV_ROWS
+// a KV cache of ggml blocks decoded for the attention: rows past the forward's last position
+// (pos[last]) are not read by it, so not decoded (a ring that wrapped: every row is)
+layout(binding = 3, std430) readonly buffer Pos { int pos[]; };
+#endif
 
 layout(push_constant) uniform Push {
     uint ncols;       // weights per row
     uint nrows;       // rows in this binding part
     uint row0;        // first row in this part
     uint out_stride;  // floats between output rows (multiple of 4)
+#ifdef KV_ROWS
+    uint last;        // the forward's last row
+#endif
 } pc;
 
 void main() {
@@ -29,5 +37,10 @@ void main() {
     if (id < 0 || id >= int(pc.nrows)) {
         return;
     }
+#ifdef KV_ROWS
+    if (ids[r] > pos[pc.last]) {
+        return;
+    }
+#endif
     out4[(r * pc.out_stride) / 4u + gi] = dequant4_at(uint(id) * (pc.ncols / QK), gi * 4u);
 }

@@ -86,6 +86,10 @@ def variants() -> list[Variant]:
                  "cols", "gdn_gates", "ssm_conv", "delta_rule", "delta_chunk",  # the last five: Gated DeltaNet models
                  "moe_sum", "moe_group", "nonfinite"):
         out.append(Variant(name, f"{name}.comp"))
+    for t in ("F16", "Q8_0", "Q4_0"):  # K/V into a cache stored as ggml blocks (--cache-type-k / -v), and out
+        out.append(Variant(f"set_rows_{t}", "set_rows_q.comp", ((f"KV_{t}", ""),)))
+        out.append(Variant(f"kv_rows_{t}", "get_rows.comp", (("TYPE_" + t, ""), ("KV_ROWS", ""))))
+    out.append(Variant("hadamard", "hadamard.comp"))  # a quantized cache's rotation of each head
     out.append(Variant("greedy_next", "argmax.comp", (("GREEDY_NEXT", ""),)))  # a greedy step's tail (GreedyChain)
     for name in ("softmax_topk", "sigmoid_topk"):  # routers that also write streamed experts' slots
         out.append(Variant(f"{name}_lut", f"{name}.comp", (("SLOT_LUT", ""),)))

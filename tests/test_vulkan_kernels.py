@@ -514,6 +514,37 @@ def test_set_rows_wraps_into_a_ring(ops, rng):
     np.testing.assert_array_equal(ops.set_rows(dst, src, pos, wrap=True), want)
 
 
+@pytest.mark.parametrize("n", [64, 256])
+def test_hadamard(ops, rng, n):
+    x = rng.standard_normal((3, 2, 512)).astype(np.float32)
+    close(ops.hadamard(x, n), ref.hadamard(x, n), rng, tol=1e-5, what=f"hadamard {n}")
+
+
+@pytest.mark.parametrize("type_name", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("wrap", [False, True])
+def test_set_rows_into_blocks(ops, rng, type_name, wrap):
+    """K/V rows quantized into a cache of ggml blocks (--cache-type-k / -v) == quants' quantizer,
+    byte for byte; rows of blocks that straddle 32-bit words, written side by side in one
+    dispatch, keep their neighbours' bytes. Then read back as the attention reads them."""
+    from onebit.formats.quants import QTYPES_BY_NAME
+
+    qt = QTYPES_BY_NAME[type_name]
+    # 3 blocks a row: Q8_0 rows of 102 bytes, Q4_0 of 54 (neither a multiple of 4); F16 rows end mid-block
+    n = 3 * 32 if type_name != "F16" else 2 * 32 + 16
+    dst = qt.quantize(rng.standard_normal((9, n)).astype(np.float32))  # [9, row bytes]
+    src = (rng.standard_normal((5, n)) * 3).astype(np.float32)
+    src[0, :32] = 0  # an all-zero block: scale 0
+    src[1, 5] = 50.0  # one value sets a block's scale
+    pos = np.array([12, 4, 5, 6, 1]) if wrap else np.array([3, 4, 5, 6, 8])
+    want = ref.set_rows_q(dst, src, pos, type_name, wrap=wrap)
+    got = ops.set_rows_q(dst, src, pos, type_name, wrap=wrap)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ops.kv_rows(want, type_name, n, 20), qt.dequantize(want))
+    got = ops.kv_rows(want, type_name, n, 5)  # the rows up to position 5 only (the rest: poison)
+    np.testing.assert_array_equal(got[:6], qt.dequantize(want)[:6])
+    assert np.isnan(got[6:]).all()
+
+
 def test_set_rows(ops, rng):
     dst = rng.standard_normal((10, 2, 8)).astype(np.float32)
     src = rng.standard_normal((2, 2, 8)).astype(np.float32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..cache import F32_KV, KVTypes
 from .experts import ExpertLayout
 
 # A prompt's attention scores hold at most this many elements at once (query rows in tiles):
@@ -88,6 +89,7 @@ class Backend:
     # one forward may run the rows of several sequences, each over its own cache (`forward_batch`:
     # serve's parallel slots)
     batches_sequences = False
+    kv_types: KVTypes = F32_KV  # what its KV caches store keys and values as (set by the loader after `open`)
 
     @classmethod
     def memory_policy(cls, gguf, repack_from: Optional[int] = None) -> MemoryPolicy:

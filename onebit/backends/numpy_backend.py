@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..cache import SWA_ROWS, Cache, make_cache
+from ..cache import SWA_ROWS, Cache, hadamard, make_cache
 from ..formats.gguf_file import EXPERT_PARTS, GGUFFile, Tensor
 from ..pause import NO_PAUSES, PauseContext, Pauses
 from ..formats.quants import QTYPES
@@ -61,8 +61,9 @@ class NumpyBackend(Backend):
         front (a device backend records a step here)."""
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> Cache:
-        """A cache for one sequence, in host memory (see cache.make_cache)."""
-        return make_cache(cfg, capacity, swa_rows)
+        """A cache for one sequence, in host memory (see cache.make_cache), keys and values stored
+        as `kv_types` says."""
+        return make_cache(cfg, capacity, swa_rows, self.kv_types)
 
     def greedy_chain(self, model, cache, limit=None):
         """Greedy steps queued ahead of the host: a device backend's (Vulkan); none here."""
@@ -439,10 +440,16 @@ class EagerStep:
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
                   scale: float | None = None, sinks: str | None = None) -> np.ndarray:
-        keys, values = self.cache[layer].write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        c = self.cache[layer]
+        keys, values = c.write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        rk, rv = c.rotation  # a quantized cache's heads, rotated (cache.hadamard_size)
+        if rk:
+            q = hadamard(q, rk)  # q.k as before the rotation
         if sinks is None:
-            return self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
-        return self.be.attention(q, keys, values, self.pos, window, scale, self.be.weight(sinks))
+            out = self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
+        else:
+            out = self.be.attention(q, keys, values, self.pos, window, scale, self.be.weight(sinks))
+        return hadamard(out, rv) if rv else out
 
     @staticmethod
     def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:

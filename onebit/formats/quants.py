@@ -40,6 +40,13 @@ class QType:
             np.float32, copy=False
         )
 
+    @classmethod
+    def quantize(cls, x: np.ndarray) -> np.ndarray:
+        """float32 [..., n] -> uint8 [..., row_bytes], as ggml's reference quantizer writes it
+        (gguf's numpy twin of it; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and a few more)."""
+        q = gguf_quants.quantize(np.ascontiguousarray(x, dtype=np.float32), GGMLQuantizationType(cls.type_id))
+        return np.ascontiguousarray(q).view(np.uint8)
+
 
 def _gguf_type(name: str) -> type[QType]:
     qt = GGMLQuantizationType[name]
@@ -59,6 +66,56 @@ BF16.dequantize = classmethod(
 )
 Q8_0 = _gguf_type("Q8_0")
 Q4_0 = _gguf_type("Q4_0")
+
+
+# Q8_0 and Q4_0 in a few whole-array steps (gguf's generic path costs more than the arithmetic
+# on the short rows a quantized KV cache writes and reads every step); the same results as
+# gguf's (its twin of ggml's reference quantizer), bit for bit.
+def _q8_0(cls, raw: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    b = raw.reshape(-1, 34)
+    out = b[:, 2:].view(np.int8).astype(np.float32) * b[:, :2].view(np.float16).astype(np.float32)
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // 34 * 32)
+
+
+def _q4_0(cls, raw: np.ndarray) -> np.ndarray:
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    b = raw.reshape(-1, 18)
+    q = np.concatenate([b[:, 2:] & 15, b[:, 2:] >> 4], axis=1).view(np.int8) - np.int8(8)  # value j: low nibble
+    out = q.astype(np.float32) * b[:, :2].view(np.float16).astype(np.float32)  # of byte j, j + 16: high nibble
+    return out.reshape(*raw.shape[:-1], raw.shape[-1] // 18 * 32)
+
+
+def _quantize_q8_0(cls, x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    b = x.reshape(-1, 32)
+    d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    v = b * inv
+    a = np.abs(v)
+    f = np.floor(a)
+    q = np.sign(v) * (f + np.floor(2 * (a - f)))  # roundf: halves away from zero, exactly
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), q.astype(np.int8).view(np.uint8)], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 34)
+
+
+def _quantize_q4_0(cls, x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    b = x.reshape(-1, 32)
+    m = np.take_along_axis(b, np.abs(b).argmax(axis=1, keepdims=True), axis=1)  # first of the largest |x|
+    d = m / np.float32(-8)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    q = np.minimum(np.trunc(b * inv + np.float32(8.5)), np.float32(15)).astype(np.uint8)
+    out = np.concatenate([d.astype(np.float16).view(np.uint8), q[:, :16] | (q[:, 16:] << np.uint8(4))], axis=1)
+    return out.reshape(*x.shape[:-1], x.shape[-1] // 32 * 18)
+
+
+Q8_0.dequantize = classmethod(_q8_0)
+Q4_0.dequantize = classmethod(_q4_0)
+Q8_0.quantize = classmethod(_quantize_q8_0)
+Q4_0.quantize = classmethod(_quantize_q4_0)
 Q4_1 = _gguf_type("Q4_1")
 Q5_0 = _gguf_type("Q5_0")
 Q5_1 = _gguf_type("Q5_1")

@@ -271,6 +271,18 @@ class GraphConsts:
             s = self._vecs[name] = buf.slice(0, max(w.nbytes, 16))
         return s
 
+    def rows(self, n: int) -> Slice:
+        """An int32 buffer holding 0 .. n-1 (the rows a quantized KV cache's layer decodes)."""
+        key = f"rows:{n}"
+        s = self._vecs.get(key)
+        if s is None:
+            w = np.arange(n, dtype=np.int32)
+            buf = self.be.dev.buffer(max(w.nbytes, 16))
+            buf.write(w)
+            self._buffers.append(buf)
+            s = self._vecs[key] = buf.slice(0, max(w.nbytes, 16))
+        return s
+
     def array(self, values: np.ndarray) -> Slice:
         """A float32 buffer holding `values` (arrays the config computes: YaRN's RoPE divisors)."""
         w = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)

@@ -775,6 +775,37 @@ class Kernels:
         seq.dispatch(p, (src, pos, dst), _push("4I", n, src_stride or n, dst_stride or n, dst_rows),
                      (math.ceil(n / self.wg), n_rows, 1), writes=(2,))
 
+    def set_rows_q(self, seq: Sequence, src: Slice, pos: Slice, dst: Slice, n_rows: int, n: int, type_name: str,
+                   row_bytes: int, dst_rows: int = 0) -> None:
+        """set_rows into a KV cache stored as ggml blocks of `type_name` (F16, Q8_0, Q4_0): row r
+        of src quantized into row pos[r] (% dst_rows) of dst, `row_bytes` bytes a row."""
+        p = self.pipeline(f"set_rows_{type_name}", 3, (self.wg,))
+        seq.dispatch(p, (src, pos, dst), _push("4I", n, n, row_bytes, dst_rows),
+                     (math.ceil(math.ceil(n / 32) / self.wg), n_rows, 1), writes=(2,))
+
+    def hadamard(self, seq: Sequence, x: Slice, out: Slice, n_values: int, n: int) -> None:
+        """out = x with every chunk of n floats rotated by the n x n Walsh-Hadamard matrix over
+        sqrt(n) (numpy twin: cache.hadamard; n a power of two)."""
+        p = self.pipeline("hadamard", 2, (64, n))
+        chunks = n_values // n
+        gx, gy = self._grid(math.ceil(chunks / 64))
+        seq.dispatch(p, (x, out), _push("If", chunks, float(np.float32(1 / np.sqrt(n)))), (gx, gy, 1), writes=(1,))
+
+    def kv_rows(self, seq: Sequence, cache: Slice, rows: Slice, out: Slice, n_kv: int, n: int, type_name: str,
+                pos: Slice, n_rows: int) -> None:
+        """out[i, :n] = row i of a KV cache stored as ggml blocks, dequantized (get_rows over
+        rows 0 .. n_kv-1; `rows`: those ids, int32), the rows up to the forward's last position
+        only (pos[n_rows - 1], read on the device; the attention reads no other)."""
+        self._check_rows("get_rows", type_name, n, n)
+        p = self.pipeline(f"kv_rows_{type_name}", 4, (self.wg,))
+        gx = math.ceil(n // 4 / self.wg)
+        chunk = 1 << 15  # (a grid's y at most 65535)
+        for r0 in range(0, n_kv, chunk):
+            m = min(chunk, n_kv - r0)
+            ids = Slice(rows.buffer, rows.offset + 4 * r0, 4 * m)
+            part = Slice(out.buffer, out.offset + 4 * n * r0, 4 * n * m)
+            seq.dispatch(p, (cache, ids, part, pos), _push("5I", n, n_kv, 0, n, n_rows - 1), (gx, m, 1), writes=(2,))
+
     # -- Gated DeltaNet ----------------------------------------------------------------------
 
     def cols(self, seq: Sequence, a: Slice, out: Slice, n_rows: int, n: int, c0: int, w: int) -> None:

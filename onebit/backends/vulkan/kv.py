@@ -12,7 +12,8 @@ import weakref
 
 import numpy as np
 
-from ...cache import SWA_ROWS, Cache, KVCache, RecurrentCache, RingKVCache, layer_positions
+from ...cache import (F32_KV, SWA_ROWS, Cache, KVCache, KVRows, KVTypes, RecurrentCache, RingKVCache, kv_rotation,
+                      layer_positions)
 from .device import Buffer, Slice, VulkanKernelError
 
 MAX_ROWS = 256  # the most rows one recorded forward has: longer ones run as chunks (runner.row_chunks)
@@ -21,10 +22,11 @@ MAX_ROWS = 256  # the most rows one recorded forward has: longer ones run as chu
 class DeviceKV:
     """Every layer's keys [cap, Hkv, D] and values [cap, Hkv, Dv] in mapped device buffers; a
     sliding-window layer's ring holds at most its `ring_capacity` positions (`swa_rows`: the
-    rows its forwards are sized for, 0: no rings), position p in row p % its rows."""
+    rows its forwards are sized for, 0: no rings), position p in row p % its rows. Stored as
+    `types` says: float32 arrays, or ggml blocks (the host sees `KVRows` over the same memory)."""
 
-    def __init__(self, dev, cfg, capacity: int, swa_rows: int = SWA_ROWS):
-        self.dev, self.cfg = dev, cfg
+    def __init__(self, dev, cfg, capacity: int, swa_rows: int = SWA_ROWS, types: KVTypes = F32_KV):
+        self.dev, self.cfg, self.types = dev, cfg, types
         self.capacity = int(capacity)
         self.swa_rows = int(swa_rows)
         self.rings = [i for i in range(cfg.n_layers) if swa_rows and cfg.layer_window(i) > 0]
@@ -57,25 +59,29 @@ class DeviceKV:
         self.values: list[np.ndarray] = []
         for layer in range(cfg.n_layers):
             n = max(1, layer_positions(cfg, layer, cap, self.swa_rows))  # a DeltaNet layer keeps no K/V
-            kshape, vshape = (n, cfg.n_kv_heads, cfg.head_dim), (n, cfg.n_kv_heads, cfg.head_dim_v)
-            kb = self.dev.buffer(int(np.prod(kshape)) * 4, host_visible=True)
-            vb = self.dev.buffer(int(np.prod(vshape)) * 4, host_visible=True)
+            kq, vq = self.types.qtype("k"), self.types.qtype("v")
+            kshape = (n, cfg.n_kv_heads, kq.row_bytes(cfg.head_dim))  # [n, Hkv, D] as bytes
+            vshape = (n, cfg.n_kv_heads, vq.row_bytes(cfg.head_dim_v))
+            # (blocks of 34 or 18 bytes: whole words, so the kernel's last word stays inside)
+            kb = self.dev.buffer(-(-int(np.prod(kshape)) // 4) * 4, host_visible=True)
+            vb = self.dev.buffer(-(-int(np.prod(vshape)) // 4) * 4, host_visible=True)
             if not (kb.host_visible and vb.host_visible):
                 kb.destroy()
                 vb.destroy()
                 raise VulkanKernelError("KV cache: the device has no host-visible memory")
             self.buffers.append((kb, vb))
-            k, v = kb.view(np.float32, kshape), vb.view(np.float32, vshape)
+            k = _rows(kb, kq, kshape, cfg.head_dim, kv_rotation(self.types.k, "k", cfg.head_dim))
+            v = _rows(vb, vq, vshape, cfg.head_dim_v, kv_rotation(self.types.v, "v", cfg.head_dim_v))
             k.fill(0)
             v.fill(0)
             self.keys.append(k)
             self.values.append(v)
 
     def k_slice(self, layer: int) -> Slice:
-        return self.buffers[layer][0].slice(0, self.keys[layer].nbytes)
+        return self.buffers[layer][0].slice(0, -(-self.keys[layer].nbytes // 4) * 4)
 
     def v_slice(self, layer: int) -> Slice:
-        return self.buffers[layer][1].slice(0, self.values[layer].nbytes)
+        return self.buffers[layer][1].slice(0, -(-self.values[layer].nbytes // 4) * 4)
 
     def rows(self, layer: int) -> int:
         """Positions layer's buffers hold (position p in row p % rows)."""
@@ -127,6 +133,15 @@ class DeviceKV:
             sum(self.conv[l].nbytes + self.state[l].nbytes for l in self.conv)
 
 
+def _rows(buf: Buffer, qtype, shape, width: int, rot: int):
+    """A buffer's K or V as the host sees it: float32 [n, Hkv, width], or KVRows of its blocks
+    (rotated in chunks of `rot`, 0: not)."""
+    if qtype.name == "F32":
+        return buf.view(np.float32, (shape[0], shape[1], width))
+    raw = buf.view(np.uint8, (buf.size,))[: int(np.prod(shape))].reshape(shape)
+    return KVRows(qtype, raw, width, rot)
+
+
 class _DeviceKVView:
     """A layer cache whose keys and values are layer `layer`'s buffers in a `DeviceKV`."""
 
@@ -140,6 +155,15 @@ class _DeviceKVView:
     @property
     def values(self) -> np.ndarray:
         return self.storage.values[self.layer]
+
+    @property
+    def plain(self) -> bool:
+        return self.storage.types.plain
+
+    @property
+    def rotation(self) -> tuple[int, int]:
+        k, v = self.keys, self.values
+        return (k.rot if isinstance(k, KVRows) else 0), (v.rot if isinstance(v, KVRows) else 0)
 
 
 class DeviceKVCache(_DeviceKVView, KVCache):

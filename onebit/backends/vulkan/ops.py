@@ -225,6 +225,28 @@ class VulkanOps:
         rows = len(dst) if wrap else 0
         return self._run(lambda s: self.k.set_rows(s, ss, ps, d, len(pos), n, dst_rows=rows), out)
 
+    def set_rows_q(self, dst: np.ndarray, src: np.ndarray, pos: np.ndarray, type_name: str,
+                   wrap: bool = False) -> np.ndarray:
+        row_bytes = dst.shape[1]
+        d = self._in(np.concatenate([dst.reshape(-1), np.zeros(-dst.size % 4, np.uint8)]).view(np.uint32), np.uint32)
+        out = (d, dst.shape, np.dtype(np.uint8))
+        ss, ps = self._in(src), self._in(pos, np.int32)
+        rows = len(dst) if wrap else 0
+        return self._run(lambda s: self.k.set_rows_q(s, ss, ps, d, len(pos), src.shape[1], type_name, row_bytes,
+                                                     dst_rows=rows), out)
+
+    def hadamard(self, x: np.ndarray, n: int) -> np.ndarray:
+        xs, out = self._in(x), self._out(x.shape)
+        return self._run(lambda s: self.k.hadamard(s, xs, out[0], x.size, n), out)
+
+    def kv_rows(self, raw: np.ndarray, type_name: str, n: int, last: int) -> np.ndarray:
+        """The rows of a KV cache of ggml blocks (uint8 [rows, row bytes]) up to row `last`
+        (a forward's last position), decoded: [rows, n]; the others are left unwritten."""
+        cs = self._in(np.concatenate([raw.reshape(-1), np.zeros(-raw.size % 4, np.uint8)]).view(np.uint32), np.uint32)
+        ids, out = self._in(np.arange(len(raw)), np.int32), self._out((len(raw), n))
+        pos = self._in(np.array([last]), np.int32)
+        return self._run(lambda s: self.k.kv_rows(s, cs, ids, out[0], len(raw), n, type_name, pos, 1), out)
+
     # -- Gated DeltaNet (signatures as in reference.py) -------------------------------------
 
     def cols(self, a: np.ndarray, c0: int, w: int) -> np.ndarray:

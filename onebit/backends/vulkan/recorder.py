@@ -110,12 +110,44 @@ class Recorder:
         kv = self.rec.kv
         kc, vc = kv.k_slice(layer), kv.v_slice(layer)
         n_kv = kv.rows(layer)  # position p in row p % n_kv (a sliding-window ring wraps)
-        self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
-        self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
+        rk = rv = 0
+        if kv.types.plain:
+            self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
+            self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
+        else:  # ggml blocks: the attention reads every row decoded into float32 scratch
+            kf, rk = self._store_blocks(k, kc, kv.types.k, kv.keys[layer], n_kv)  # [n_kv, Hkv, D]
+            vf, rv = self._store_blocks(v, vc, kv.types.v, kv.values[layer], n_kv)  # [n_kv, Hkv, Dv]
+            kc, vc = kf.s, vf.s
+            if rk:  # rotated heads (cache.hadamard_size): q too, so q.k is as before
+                turned = self._new(q.shape)
+                self.k.hadamard(self.seq, q.s, turned.s, q.size, rk)
+                q = turned
         out = self._new((R, H * Dv))
         sk = self.be.consts.vec(sinks) if sinks is not None else None
         self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, n_kv, window, scale, sk)
+        if rv:  # and the output back
+            back = self._new(out.shape)
+            self.k.hadamard(self.seq, out.s, back.s, out.size, rv)
+            out = back
         return out
+
+    def _store_blocks(self, x: Val, cache: Slice, type_name: str, rows, n_kv: int) -> tuple[Val, int]:
+        """Write rows x [R, Hkv, W] into a layer's K or V cache of ggml blocks (`rows`: its host
+        view, KVRows, which says the rotation) at the rows' positions; return every row of it
+        decoded, still rotated: [n_kv, Hkv, W], and the rotation (0: none)."""
+        R, Hkv, W = x.shape
+        t = type_name.upper()
+        if t == "F32":  # (one of K and V quantized, the other not)
+            self.k.set_rows(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, dst_rows=n_kv)
+            return Val(cache, (n_kv, Hkv, W)), 0
+        if rows.rot:
+            turned = self._new(x.shape)
+            self.k.hadamard(self.seq, x.s, turned.s, R * Hkv * W, rows.rot)
+            x = turned
+        self.k.set_rows_q(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, t, rows.raw[0].nbytes, dst_rows=n_kv)
+        out = self._new((n_kv, Hkv, W))
+        self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t, self.rec.pos, R)
+        return out, rows.rot
 
     def residual(self, x: Val, y: Val) -> Val:
         """x + y where the schedule uses neither again: when y's last ops can add into x's

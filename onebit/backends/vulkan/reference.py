@@ -126,6 +126,23 @@ def set_rows(dst: np.ndarray, src: np.ndarray, pos: np.ndarray, wrap: bool = Fal
     return out
 
 
+def hadamard(x: np.ndarray, n: int) -> np.ndarray:
+    """x with every chunk of n values rotated by the n x n Walsh-Hadamard matrix over sqrt(n)."""
+    from ...cache import hadamard as rotate
+
+    return rotate(x, n)
+
+
+def set_rows_q(dst: np.ndarray, src: np.ndarray, pos: np.ndarray, type_name: str, wrap: bool = False) -> np.ndarray:
+    """dst (raw ggml blocks, uint8 [rows, row bytes]) with row pos[r] (wrap: % rows) set to src[r]
+    (float32 [R, n]) quantized as ggml's reference quantizer does (`quants.<T>.quantize`)."""
+    from ...formats.quants import QTYPES_BY_NAME
+
+    out = dst.copy()
+    out[pos % len(dst) if wrap else pos] = QTYPES_BY_NAME[type_name].quantize(src)
+    return out
+
+
 # Byte offsets of the f16 scales in each block type; random bytes elsewhere are all valid.
 _F16_SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q1_0": (0,),
                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),

@@ -77,14 +77,16 @@ class GraphRunner:
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> DeviceCache:
         want = max(int(capacity), 1)
-        free = [s for s in self.storages if not s.in_use and s.cfg is cfg and s.swa_rows == swa_rows]
+        types = self.be.kv_types
+        free = [s for s in self.storages if not s.in_use and s.cfg is cfg and s.swa_rows == swa_rows
+                and s.types == types]
         pick = next((s for s in free if s.capacity >= want), None)
         for s in free:  # idle storages that will not be reused: give their memory back
             if s is not pick:
                 self.storages.remove(s)
                 s.destroy()
         if pick is None:  # positions past a reused storage's length are never read: no clearing
-            pick = DeviceKV(self.be.dev, cfg, int(capacity) if capacity else MIN_CAPACITY, swa_rows)
+            pick = DeviceKV(self.be.dev, cfg, int(capacity) if capacity else MIN_CAPACITY, swa_rows, types)
             self.storages.append(pick)
         return DeviceCache(pick)
 
