@@ -172,7 +172,7 @@ def generate(
                             dict(raw=raw, system=system, seed=seed, gen=gen))
             return
         m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw,
-                  cache_types)
+                  cache_types=cache_types)
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -410,7 +410,7 @@ def chat(
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=0 if trace else DEFAULT_DRAFTS)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw,
-              cache_types)
+              cache_types=cache_types)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))
