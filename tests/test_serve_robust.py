@@ -375,6 +375,9 @@ def test_names_with_control_characters_are_logged_escaped(served):
     try:
         status, _ = ask(served, "x\nonebit serve: FORGED\x1b[31m")
         assert status == 404
+        deadline = time.monotonic() + 10  # (the request's line is logged as its response ends: maybe after)
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
