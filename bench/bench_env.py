@@ -5,8 +5,7 @@ for comparing a flag's values.
     python bench/bench_env.py FILE.gguf --variant OMP_WAIT_POLICY=ACTIVE --variant OMP_WAIT_POLICY=PASSIVE \
         [--args "--budget 8GiB"] [--tokens 32] [--rounds 3]
 
-Each run is a fresh process (cpu backend, greedy, lookup off, a cache folder of its own so no
-run starts from the expert counts another kept) on bench_predict_default's prose prompt; a
+Each run is a fresh process (cpu backend, greedy, lookup off) on bench_predict_default's prose prompt; a
 variant is `NAME=VALUE[,NAME=VALUE...]` set for its runs (an empty one: `--variant ""`, the
 environment as it is). Variants take turns within a round; medians over rounds, with each
 variant's ratio to the first.
@@ -21,17 +20,14 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 
 from bench_predict_default import PROMPT
 
 
 def run(model: str, tokens: int, extra: list[str], env: dict) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        cmd = ["onebit", "generate", "-m", model, "-p", PROMPT, "-n", str(tokens), "--backend", "cpu",
-               "--lookup", "0", "--json", *extra]
-        r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600,
-                           env={**os.environ, "ONEBIT_CACHE_DIR": d, **env})
+    cmd = ["onebit", "generate", "-m", model, "-p", PROMPT, "-n", str(tokens), "--backend", "cpu",
+           "--lookup", "0", "--json", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600, env={**os.environ, **env})
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -7,8 +7,7 @@ with auto's ratio to the better of off and block.
 
 Each run is a fresh `onebit generate` process (cpu backend, greedy, lookup decoding off so that
 only prediction differs) on the same real-prose prompt; the figure is its own generation_tps
-(decode tokens over decode seconds, the first token's forward included), each with a cache folder of
-its own (no process starts from the expert counts another kept). Modes alternate within
+(decode tokens over decode seconds, the first token's forward included). Modes alternate within
 a round; medians over rounds. The target: auto >= 0.95 of max(off, block) everywhere.
 """
 
@@ -16,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 PROMPT = ("The history of the printing press begins in the workshops of goldsmiths and wine makers along "
           "the Rhine. Movable type had been known in Korea and China for centuries, but the alphabet made "
@@ -28,14 +25,9 @@ PROMPT = ("The history of the printing press begins in the workshops of goldsmit
 
 
 def run(model: str, mode: str, tokens: int, memory: list[str], backend: str) -> float:
-    with tempfile.TemporaryDirectory() as d:  # (a cache folder of its own: no run starts warm from another's counts)
-        return _run(model, mode, tokens, memory, backend, {**os.environ, "ONEBIT_CACHE_DIR": d})
-
-
-def _run(model: str, mode: str, tokens: int, memory: list[str], backend: str, env: dict) -> float:
     cmd = ["onebit", "generate", "-m", model, "-p", PROMPT, "-n", str(tokens), "--moe-predict", mode,
            "--backend", backend, "--lookup", "0", "--json", *memory]
-    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=3600)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     return float(json.loads(r.stdout.strip().splitlines()[-1])["generation_tps"])

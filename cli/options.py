@@ -29,17 +29,14 @@ def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slo
               budget: Optional[str] = None, policy: str = "global", device: Optional[str] = None, predict=None,
               threads: Optional[int] = None, template_kwargs: Optional[dict] = None, cache_types=None):
     """The LoadSpec of a command's load flags, checked before anything is loaded (`cache_types`:
-    a cache.KVTypes from the --cache-type options, None: f32). A streamed model keeps the experts
-    it used most under the cache folder (`cache_dir()/experts`), read first by its next load
-    (none with $ONEBIT_CACHE_DIR=off)."""
+    a cache.KVTypes from the --cache-type options, None: f32)."""
     from onebit.cache import F32_KV
     from onebit.model import LoadSpec
 
     kv = cache_types or F32_KV
-    kept = cache_dir()
     spec = LoadSpec(path=model, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget, pool_policy=policy,
                     device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}),
-                    cache_type_k=kv.k, cache_type_v=kv.v, warm_dir=None if kept is None else str(kept / "experts"))
+                    cache_type_k=kv.k, cache_type_v=kv.v)
     if ctx is not None:
         _check_ctx(spec.model_path(), ctx)
     if threads is not None and threads < 1:

@@ -58,7 +58,6 @@ class PoolStats:
     stall_seconds: float = 0.0  # time acquire spent waiting for reads
     acquires: int = 0
     busy_seconds: float = 0.0  # wall time with at least one read in flight (bytes_read / it: drive rate)
-    warm_reads: int = 0  # reads of experts an earlier process used most (warm), none of them asked for yet
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -76,7 +75,7 @@ class PoolStats:
         return (f"hit rate {rate} ({self.hits} hits, {self.prefetch_hits} prefetch hits, {self.demand_misses} "
                 f"misses); prefetches {self.prefetches}, wasted {self.wasted_prefetches}; per token: "
                 f"{self.bytes_read / n / 2**20:.2f} MiB read, {1000 * self.stall_seconds / n:.1f} ms stalled; "
-                f"reads at {gbs:.2f} GB/s while busy" + (f"; {self.warm_reads} warm reads" if self.warm_reads else ""))
+                f"reads at {gbs:.2f} GB/s while busy")
 
 
 @dataclass
@@ -264,9 +263,6 @@ class ExpertPool(StreamedExperts):
             for s in ss:
                 self._to_lru(s)
         self.stats = PoolStats()
-        # uses[layer, expert]: how often an acquire that was no scan asked for it (memory/warm.py)
-        self.uses = np.zeros((max(self.class_of_layer) + 1, max(s.n_experts for s in self.sources.values())),
-                             np.float32)
         self.table: Optional[np.ndarray] = None  # see track()
         # per layer, for the predictor's ledger (moe/predict.py): prefetch hits, demand misses,
         # wasted prefetches, stall seconds, stall seconds of acquires that had a demand miss
@@ -342,8 +338,6 @@ class ExpertPool(StreamedExperts):
             if scan:
                 self._drop_unrouted(layer, experts)
                 self._read_ahead(ci, layer)
-            else:
-                self.uses[layer, experts] += 1
         for s in waits:
             if not s.ready.is_set():
                 s.ready.wait()
@@ -413,7 +407,6 @@ class ExpertPool(StreamedExperts):
             table, where, lru = self.table, self.where, self.lru
             for layer, experts in used:
                 self.stats.acquires += 1
-                self.uses[layer, list(experts)] += 1
                 for e in experts:
                     s = where.get((layer, e))
                     if s is None or table is None or table[layer, e] != s.index:
@@ -456,28 +449,6 @@ class ExpertPool(StreamedExperts):
                 self._claim(layer, key, PREFETCH, victim)
                 avoid.add(key)
                 self.stats.prefetches += 1
-                queued += 1
-        return queued
-
-    def warm(self, experts: Iterable[tuple[int, int]]) -> int:
-        """Queue reads of (layer, expert) pairs, in order, into empty slots (lowest first: the
-        stream region, at the end, last), behind every demand read: experts an earlier process
-        used most (memory/warm.py), resident as if used before, not counted as prefetches (no
-        guess of this process's). Stops where a class has no empty slot left; returns how many
-        reads were queued."""
-        queued = 0
-        with self.lock:
-            if self.closed:
-                return 0
-            empty = [[s for s in reversed(ss) if s.key is None and s.pins == 0] for ss in self.slots]
-            for layer, e in experts:
-                ci = self.class_of_layer.get(int(layer))
-                key = (int(layer), int(e))
-                if ci is None or not empty[ci] or key in self.where \
-                        or not 0 <= key[1] < self.sources[(key[0], EXPERT_PARTS[0])].n_experts:
-                    continue
-                self._claim(key[0], key, PREFETCH, empty[ci].pop(), guess=False)
-                self.stats.warm_reads += 1
                 queued += 1
         return queued
 
@@ -628,11 +599,9 @@ class ExpertPool(StreamedExperts):
                 return s
         return None
 
-    def _claim(self, layer: int, key: tuple[int, int], priority: int, victim: Optional[_Slot] = None,
-               guess: bool = True) -> _Slot:
+    def _claim(self, layer: int, key: tuple[int, int], priority: int, victim: Optional[_Slot] = None) -> _Slot:
         """Slot `victim` (or the least recently used this layer may use) for `key`, its read
-        queued at `priority`; a PREFETCH read is unpinned and most recently used, and a guess
-        (`prefetched`) unless `guess` is False (a warm read)."""
+        queued at `priority` (a PREFETCH read: unpinned, most recently used, `prefetched`)."""
         ci = self.class_of_layer[layer]
         s = victim if victim is not None else self._victim(layer, ci)
         self._off_lru(s)
@@ -646,7 +615,7 @@ class ExpertPool(StreamedExperts):
         s.key = key
         s.ready = threading.Event()
         s.error = None
-        s.prefetched = priority == PREFETCH and guess
+        s.prefetched = priority == PREFETCH
         s.parts_left = len(EXPERT_PARTS)
         self.where[key] = s
         if priority == PREFETCH:

@@ -58,9 +58,6 @@ class LoadSpec:
     cache_type_k: str = "f32"
     cache_type_v: str = "f32"
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
-    # a folder where a streamed model keeps the experts its pool was asked for most, per file, and
-    # reads them first at the next load of that file (memory/warm.py); None: nothing kept
-    warm_dir: Optional[str] = None
 
     def model_path(self) -> str:
         return self.path if self.path is not None else shipped_model_path()
@@ -83,7 +80,6 @@ class Model:
         if spec.threads is not None and spec.threads < 1:
             raise UsageError(f"threads must be >= 1, got {spec.threads}")
         self.hook = None  # called between every MoE router and its experts (e.g. a TraceWriter)
-        self.warm = None  # (memory.warm.WarmStore, the counts it held at load) when a pool keeps them
         self.template_kwargs: dict = dict(spec.template_kwargs)  # extra chat-template variables
         from .memory.guard import MemoryGuard
 
@@ -174,7 +170,6 @@ class Model:
                 slots = backend.slot_allocator(dev)
                 pool = ExpertPool(self.gguf, plan.classes, plan.slots, policy=spec.pool_policy, allocate=slots,
                                   layout=policy.experts)
-                self.warm = self._warm(pool)  # (read while the rest loads)
                 if backend.reads_map:
                     self._copy_resident(skip=policy.packs)
             elif backend.reads_map and plan.fits:
@@ -188,20 +183,6 @@ class Model:
         except BaseException:
             _free(be, pool, slots)
             raise
-
-    def _warm(self, pool):
-        """Queue reads of the experts earlier processes used most into `pool`'s empty slots (as
-        many as its slots outside the stream region hold); (store, kept counts), or None where
-        nothing is kept (`LoadSpec.warm_dir` None)."""
-        from .memory.warm import WarmStore, warm_order
-
-        if self.spec.warm_dir is None:
-            return None
-        store = WarmStore(self.spec.warm_dir, self.gguf)
-        kept = store.load(pool.uses.shape)
-        if kept is not None:
-            pool.warm(warm_order(kept, pool.streamed_layers, pool.n_slots))
-        return store, kept
 
     def _copy_resident(self, skip=lambda t: False) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
@@ -303,9 +284,6 @@ class Model:
         self.closed = True
         if self.net.predictor is not None:
             self.net.predictor.close()  # (its stats and table stay readable)
-        if self.warm is not None and self.pool is not None and self.pool.uses.any():
-            store, kept = self.warm
-            store.save(self.pool.uses, kept)
         self._free_parts()
 
     def _free_parts(self) -> None:
