@@ -155,9 +155,11 @@ def main() -> None:
 
     import openai
 
-    import onebit
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.formats.tokenizer import Tokenizer
 
-    ban = {str(t): -100 for t in onebit.load(args.model, backend="numpy").tokenizer.stop_ids}
+    # (the tokenizer from the file's header only: no weights in this process beside the servers')
+    ban = {str(t): -100 for t in Tokenizer.from_metadata(GGUFFile(args.model).metadata, args.model).stop_ids}
     tmp = tempfile.TemporaryDirectory()
     procs, urls = [], {}
     rows: dict[tuple[str, int], list[dict]] = {}
