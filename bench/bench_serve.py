@@ -71,10 +71,7 @@ def start_onebit(args, log_path: Path) -> tuple[subprocess.Popen, str]:
         cmd += ["--budget", args.budget]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(proc, url, log_path)
-    return proc, url
+    return launch(cmd, port, log_path)
 
 
 def start_llama(args, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -83,6 +80,11 @@ def start_llama(args, log_path: Path) -> tuple[subprocess.Popen, str]:
            str(args.parallel), "-c", str(args.ctx * args.parallel), "--jinja", "--no-webui"]
     if args.threads:
         cmd += ["-t", str(args.threads)]
+    return launch(cmd, port, log_path)
+
+
+def launch(cmd: list[str], port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """Start a server's command, its output to log_path; (process, its URL) once it answers."""
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, url, log_path)

@@ -293,21 +293,33 @@ def test_sixteen_concurrent_clients(client):
     assert all(isinstance(got[i], str) and got[i] for i in range(16))
 
 
+def long_stream(url: str, ban: dict, max_tokens: int):
+    """A streamed chat request for a long story, its end-of-generation tokens banned: (its
+    connection, its response), the status checked."""
+    u = re.match(r"http://([^:/]+):(\d+)", url)
+    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
+    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
+        "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": max_tokens,
+        "stream": True, "temperature": 0, "logit_bias": ban}))
+    r = conn.getresponse()
+    assert r.status == 200
+    return conn, r
+
+
+def drop_stream(conn, r) -> None:
+    """Read a few streamed lines, then go away mid-stream."""
+    for _ in range(6):
+        r.fp.readline()
+    conn.sock.close()
+    conn.close()
+
+
 def test_dropped_client_frees_the_model(server, client, ban):
     url = server[0]
     health = lambda: json.loads(call(url + "/health")[1])  # noqa: E731
     before = health()["generated"]
     u = re.match(r"http://([^:/]+):(\d+)", url)
-    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
-    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
-        "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 300, "stream": True,
-        "temperature": 0, "logit_bias": ban}))
-    r = conn.getresponse()
-    assert r.status == 200
-    for _ in range(6):
-        r.fp.readline()
-    conn.sock.close()  # the client goes away mid-stream
-    conn.close()
+    drop_stream(*long_stream(url, ban, 300))
     # the next request runs, and the dropped one stopped far short of its 300 tokens
     r = chat(client, "Hello", max_tokens=3)
     assert r.choices[0].finish_reason == "length"

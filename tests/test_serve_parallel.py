@@ -10,7 +10,6 @@ import re
 import sys
 import threading
 import time
-from http.client import HTTPConnection
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ pytest.importorskip("llguidance")
 pytest.importorskip("fastapi")
 
 from conftest import fixture_path, stop_process  # noqa: E402
-from test_serve import DEFAULT, call, start  # noqa: E402
+from test_serve import DEFAULT, ban, call, drop_stream, long_stream, start  # noqa: E402, F401 (ban is a fixture)
 
 WAIT_S = 60  # bounds on polling loops (hang guards), never asserted as timings
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,",
@@ -125,24 +124,12 @@ def test_slots_and_metrics_show_the_slots(server, client):
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
 
 
-def test_dropped_client_leaves_the_others_running(server, client):
-    import onebit
-
-    ban = {str(t): -100 for t in onebit.load(DEFAULT, backend="numpy").tokenizer.stop_ids}
+def test_dropped_client_leaves_the_others_running(server, client, ban):
     want = ask(client, 2)
     before = metrics(server)["onebit_tokens_generated_total"]
-    u = re.match(r"http://([^:/]+):(\d+)", server)
-    conn = HTTPConnection(u.group(1), int(u.group(2)), timeout=300)
-    conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"}, body=json.dumps({
-        "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400, "stream": True,
-        "temperature": 0, "logit_bias": ban}))
-    r = conn.getresponse()
-    assert r.status == 200
+    conn, r = long_stream(server, ban, 400)
     got = concurrently(lambda i: ask(client, 2), 2)  # two more beside the long one
-    for _ in range(6):
-        r.fp.readline()
-    conn.sock.close()  # the client goes away mid-stream
-    conn.close()
+    drop_stream(conn, r)  # the client goes away mid-stream
     assert got[0] == got[1] == want
     deadline = time.monotonic() + WAIT_S
     while metrics(server)["onebit_requests_processing"] and time.monotonic() < deadline:

@@ -56,16 +56,16 @@ def refs(args) -> None:
                               type_k=GGML_TYPE[t], type_v=GGML_TYPE[t], verbose=False)
         if tokens is None:
             tokens = np.array(llm.tokenize(TEXT.encode("utf-8"), add_bos=True, special=False)[: args.tokens], np.int64)
-        llm.reset()
-        llm.eval([int(x) for x in tokens])
-        out[f"llama_{t}"] = np.array(llm.scores[: len(tokens)], dtype=np.float32, copy=True)
+        out[f"llama_{t}"] = mf.llama_logits(llm, tokens)
         del llm
         print(f"llama.cpp {t}: {len(tokens)} positions", file=sys.stderr)
     np.savez(args.out, tokens=tokens, **out)
 
 
 def figures(a: np.ndarray, b: np.ndarray) -> str:
-    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+    from oracle_figures import cosine
+
+    cos = cosine(a, b)
     return (f"cos min {cos.min():.6f} median {np.median(cos):.6f} >=0.999 {int((cos >= 0.999).sum()):3d}/{len(a)}  "
             f"max|d| {np.abs(a - b).max():7.4f}  "
             f"argmax {int((a.argmax(-1) == b.argmax(-1)).sum())}/{len(a)}")
