@@ -564,6 +564,7 @@ class BatchStep(EagerStep):
     def __init__(self, be: NumpyBackend, seqs, pauses: Pauses = NO_PAUSES, last_only: tuple = ()):
         counts = [len(ids) for ids, _ in seqs]
         self.be, self.pauses = be, pauses
+        self._pause_ctx = None  # what a predictor's pauses get (router prediction reads no cache)
         self.ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in seqs])  # [R]
         self.caches = [cache for _, cache in seqs]
         self.starts = [cache.offset for cache in self.caches]
@@ -592,7 +593,9 @@ class BatchStep(EagerStep):
         p.at_pause(layer, ids, logits)
         p.observe(layer, ids, logits)
         if p.predicting:
-            p.predict(PauseContext(0, len(self.ids), None, None), layer, ids, logits, h)
+            if self._pause_ctx is None:  # (once a forward)
+                self._pause_ctx = PauseContext(0, len(self.ids), None, None)
+            p.predict(self._pause_ctx, layer, ids, logits, h)
 
     def last_row(self, x: np.ndarray) -> np.ndarray:
         rows = [np.arange(sl.start, sl.stop)[-1:] if lo else np.arange(sl.start, sl.stop)
