@@ -113,13 +113,19 @@ def _k_x16_codegen(five: bool):
     return lambda context, builder, sig, args: _k_x16_code(context, builder, sig, args, block, five)
 
 
-def _k_x16_code(context, builder, sig, args, block: int, five: bool):
-    b = builder
-    nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, block)
+def _accumulators(b):
+    """The dots' vector types (16 floats, 16 int32, 64 bytes) and their accumulators: acc and off
+    (16 floats each, zeroed, on the stack) and a zero of 16 int32."""
     V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
     acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
     off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-    zero = ir.Constant(V16I, [0] * 16)
+    return V16F, V16I, V64, acc, off, ir.Constant(V16I, [0] * 16)
+
+
+def _k_x16_code(context, builder, sig, args, block: int, five: bool):
+    b = builder
+    nb, w0, lo_p, hi_p, xd, xm, _, store, spread = _x16_frame(context, b, sig, args, block)
+    V16F, V16I, V64, acc, off, zero = _accumulators(b)
 
     with cgutils.for_range(b, nb) as loop:
         i = loop.index
@@ -178,10 +184,7 @@ def _x16_q6_codegen(context, builder, sig, args):
     b = builder
     nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, X16_Q6_BLOCK)
     xs = b.gep(xm, [nblk])  # each 16 values' sum
-    V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
-    acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-    off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-    zero = ir.Constant(V16I, [0] * 16)
+    V16F, V16I, V64, acc, off, zero = _accumulators(b)
     nib, two = ir.Constant(V64, [15] * 64), ir.Constant(V64, [3] * 64)
 
     def shr(v, k):
@@ -269,10 +272,7 @@ def _nibble_x16_codegen(name: str):
         nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, X16 * ts)
         if wide:
             xm = b.gep(xm, [b.mul(nblk, _const(I64, 3))])  # each block's d x the sum of its high bytes
-        V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
-        acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-        off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-        zero = ir.Constant(V16I, [0] * 16)
+        V16F, V16I, V64, acc, off, zero = _accumulators(b)
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(w0, [b.mul(i, _const(I64, X16 * ts))])
@@ -487,10 +487,7 @@ def _x16_q23_codegen(three: bool):
         b = builder
         nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, block)
         xs = b.gep(xm, [nblk])  # each 16 values' sum
-        V16F, V16I, V64 = _vec(FLT, 16), _vec(I32, 16), _vec(I8, 64)
-        acc = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-        off = cgutils.alloca_once_value(b, ir.Constant(V16F, [0.0] * 16))
-        zero = ir.Constant(V16I, [0] * 16)
+        V16F, V16I, V64, acc, off, zero = _accumulators(b)
         c8 = lambda v: ir.Constant(V64, [v] * 64)  # noqa: E731
         shr = lambda v, k: b.lshr(v, c8(k)) if k else v  # noqa: E731
 
