@@ -297,6 +297,9 @@ def _repacker(qtype: int, serial: bool):
     kernel = _kernel_of(qtype, serial)
 
     def repack(raw, out):
+        if out.shape != (raw.shape[0], x16_bytes(raw.shape[1], qtype)):  # (the kernels index without bounds checks)
+            raise ValueError(f"{type_name(qtype)} rows {raw.shape} repack into {x16_bytes(raw.shape[1], qtype)} bytes "
+                             f"a row, not into {out.shape}")
         full = raw.shape[0] // X16 * X16
         kernel(raw[:full], out[:full])  # (whole groups: a word view of their bytes)
         if full < raw.shape[0]:
