@@ -12,6 +12,7 @@ requests) roll back through `Cache.trim`, or, where a layer cannot trim, to a
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -634,6 +635,109 @@ class PrefixCache:
         self.tokens = list(fed[: self.cache.offset])
         if not self.cache.can_trim:
             self.checkpoint()
+
+
+def common_length(a, b) -> int:
+    """How many tokens sequences a and b share from their start."""
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+def state_bytes(state) -> int:
+    """Bytes of the arrays in a snapshot or checkpoint (nested tuples, lists and dicts of them)."""
+    if isinstance(state, (np.ndarray, KVRows)):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (tuple, list)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+@dataclass
+class SavedPrefix:
+    """A PrefixCache's content copied out of its cache: the tokens, the cache's snapshot at their
+    end, the checkpoints to go back to, and the bytes they take."""
+
+    tokens: np.ndarray  # [n] int32
+    state: object  # Cache.snapshot()
+    checkpoints: list
+    nbytes: int
+
+
+class PromptCache:
+    """Prefixes kept beside the caches of serve's slots, in host memory, as llama-server's prompt
+    cache (--cache-ram): when a request would drop most of what its slot's cache holds, that
+    content is saved here first (`save`), and a request that shares more with a saved prefix
+    than with its slot gets it back (`take` it out, `restore` it into the slot's cache). At most `budget`
+    bytes (the memory plan's "prompt cache"); the least recently used prefix is dropped first.
+    Thread-safe: each slot's worker saves and loads on its own thread."""
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.entries: list[SavedPrefix] = []  # least recently used first
+        self.lock = threading.Lock()
+        self.saves = self.loads = self.drops = 0  # prefixes saved, loaded back, dropped for room
+        self.tokens_loaded = 0  # tokens of requests' prompts the loaded prefixes held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def save(self, prefix: PrefixCache) -> bool:
+        """Copy `prefix`'s content in (replacing a saved prefix of the same tokens), dropping the
+        least recently used ones until it fits; False where it alone is over the budget."""
+        if not prefix.tokens:
+            return False
+        cache = prefix.cache
+        state = cache.snapshot()
+        nbytes = state_bytes(state) + state_bytes(prefix.checkpoints)
+        if nbytes > self.budget:
+            return False
+        tokens = np.asarray(prefix.tokens, np.int32)
+        with self.lock:
+            self.entries = [e for e in self.entries if not np.array_equal(e.tokens, tokens)]
+            while self.entries and self.nbytes + nbytes > self.budget:
+                self.entries.pop(0)
+                self.drops += 1
+            self.entries.append(SavedPrefix(tokens, state, list(prefix.checkpoints), nbytes))
+            self.saves += 1
+        return True
+
+    def recall(self, prefix: PrefixCache, ids, similar: float) -> None:
+        """Before `prefix`'s cache runs `ids`: the saved prefix that shares more of them than it
+        does is moved into it, and what it held is saved first where it is replaced so, or
+        where `ids` keep less than the share `similar` of it."""
+        keep = common_length(prefix.tokens, ids)
+        saved = self.take(ids, keep)
+        if saved is not None or keep < similar * len(prefix.tokens):
+            self.save(prefix)
+        if saved is not None:
+            self.restore(prefix, saved)
+
+    def take(self, ids, more_than: int) -> SavedPrefix | None:
+        """The saved prefix sharing the most tokens with `ids`, out of the cache, where it shares
+        more than `more_than` (what the slot's cache holds of them already); else None."""
+        with self.lock:
+            n, i = max(((common_length(e.tokens, ids), i) for i, e in enumerate(self.entries)), default=(0, -1))
+            if n <= more_than:
+                return None
+            self.loads += 1
+            self.tokens_loaded += n
+            return self.entries.pop(i)
+
+    @staticmethod
+    def restore(prefix: PrefixCache, saved: SavedPrefix) -> None:
+        """`prefix`'s cache back to `saved` (what it held is overwritten: `save` it first)."""
+        prefix.cache.restore(saved.state)
+        prefix.tokens, prefix.checkpoints = saved.tokens.tolist(), saved.checkpoints
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries = []
 
 
 def scratch_kv_bytes(cfg, rows: int = 1) -> int:

@@ -163,6 +163,41 @@ def test_hybrid_model_keeps_two_conversations(tmp_path):
         stop_process(proc)
 
 
+def test_prompt_cache_keeps_conversations_beyond_the_slots(tmp_path):
+    """Two chats taking turns on one slot: with --cache-ram each turn gets its conversation's
+    prefix back from the prompt cache (the other's was saved, not dropped), counted by /metrics;
+    every greedy reply is the one a server without saved prefixes gives."""
+    servers = [start([DEFAULT, "--backend", "numpy", "--ctx", "512", "--temp", "0", "--cache-ram", ram],
+                     tmp_path / f"server-{ram}.log") for ram in ("64", "0")]
+    try:
+        turns = {}
+        for (_, url), ram in zip(servers, ("64", "0")):
+            c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            chats = {"a": [{"role": "user", "content": "Tell me about the history of the city of Rome."}],
+                     "b": [{"role": "user", "content": "Write a short poem about autumn leaves falling."}]}
+            got = []
+            for who in "abab":
+                r = c.chat.completions.create(model="m", messages=chats[who], max_tokens=8, temperature=0)
+                text = r.choices[0].message.content
+                chats[who] += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+                got.append((text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+            turns[ram] = got, metrics(url)
+        (cached, m), (fresh, m0) = turns["64"], turns["0"]
+        assert [t[0] for t in cached] == [t[0] for t in fresh]
+        for first, again in ((cached[0], cached[2]), (cached[1], cached[3])):  # each chat's second turn
+            assert again[2] >= first[1]  # its whole first prompt was held
+        for first, again in ((fresh[0], fresh[2]), (fresh[1], fresh[3])):
+            assert again[2] < first[1] - 1  # one slot, no saved prefixes: the other chat's turn overwrote it
+        assert m["onebit_prompt_cache_loads_total"] == 2 and m0["onebit_prompt_cache_loads_total"] == 0
+        assert m["onebit_prompt_cache_saves_total"] == 3  # a, then b, then a again
+        assert m["onebit_prompt_cache_budget_bytes"] == 64 << 20 and m0["onebit_prompt_cache_budget_bytes"] == 0
+        assert m["onebit_prompt_tokens_cached_total"] == sum(t[2] for t in cached)
+        assert m["onebit_prompt_tokens_total"] == sum(t[1] for t in cached)
+    finally:
+        for proc, _ in servers:
+            stop_process(proc)
+
+
 def test_embeddings_and_another_model_beside_running_requests(tmp_path):
     """With --models-dir: a request for another model waits for the running ones to end, then
     loads it; an embedding runs between the batch's steps; every answer is the one it gets alone."""
