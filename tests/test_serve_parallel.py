@@ -314,3 +314,45 @@ def test_parallel_caches_that_do_not_fit_are_refused():
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert last.startswith("onebit: error: ") and "the memory plan needs" in last and "--parallel 64" in last
+
+
+def test_prompt_cache_is_planned():
+    """`onebit plan --cache-ram` counts the saved prefixes (auto: what the plan leaves within its
+    margin); serve refuses a negative --cache-ram, and one its budget cannot hold, in one line."""
+    import subprocess
+
+    from onebit.backends.numpy_backend import NumpyBackend
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.memory.budget import detect_budget
+    from onebit.memory.plan import DEFAULT_PROMPT_CACHE, RESIDENT_SHARE, plan_load, prompt_cache_bytes
+    from onebit.models import network_class
+
+    path = fixture_path("qwen3moe-f32.gguf")
+    g = GGUFFile(path)
+    cfg = network_class(g.architecture, g.path).config(g)
+    policy = NumpyBackend.memory_policy(g)
+
+    def plan(budget, cache):
+        return plan_load(g, cfg, detect_budget(budget), ctx=512, policy=policy, sequences=2, prompt_cache=cache)
+
+    none, some = plan("1GiB", 0), plan("1GiB", 100 << 20)
+    assert prompt_cache_bytes(none) == 0 and prompt_cache_bytes(some) == 100 << 20
+    assert some.total - none.total == 100 << 20
+    auto = plan("1GiB", None)  # (the room left within the margin)
+    assert prompt_cache_bytes(auto) == int(RESIDENT_SHARE * (1 << 30)) - none.total
+    assert prompt_cache_bytes(plan("64GiB", None)) == DEFAULT_PROMPT_CACHE
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "plan", str(path), "--backend", "numpy", "--ctx",
+                        "512", "--parallel", "2", "--cache-ram", "100", "--budget", "1GiB", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    items = {i["component"]: i["bytes"] for i in json.loads(r.stdout)["items"]}
+    assert r.returncode == 0 and items["prompt cache"] == 100 << 20
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", str(path), "--cache-ram", "-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "onebit: error: --cache-ram must be at least 0 MiB (0: no saved prefixes), got -1"
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", str(path), "--backend", "numpy", "--ctx",
+                        "512", "--budget", "1GiB", "--cache-ram", "2048", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("onebit: error: ") and "--cache-ram 2048" in last
