@@ -163,6 +163,10 @@ class KVRows:
         """Rows x as `read` gives them back once written."""
         return self.qtype.dequantize(self.qtype.quantize(hadamard(x, self.rot) if self.rot else x))
 
+    def view(self, n: int) -> "KVRows":
+        """The first n positions' blocks, not copied."""
+        return KVRows(self.qtype, self.raw[:n], self.width, self.rot)
+
     def head(self, n: int) -> "KVRows":
         """A copy of the first n positions' blocks."""
         return KVRows(self.qtype, self.raw[:n].copy(), self.width, self.rot)
@@ -195,6 +199,11 @@ def _as_stored(a, x: np.ndarray) -> np.ndarray:
 def _read(a, index) -> np.ndarray:
     """Keys or values as the attention takes them: float32 rows (KVRows: still rotated)."""
     return a[index] if type(a) is np.ndarray else a.read(index)
+
+
+def _view(a, n: int):
+    """The first n positions of keys or values as stored, not copied."""
+    return a.view(n) if isinstance(a, KVRows) else a[:n]
 
 
 def _rotation(a) -> int:
@@ -230,9 +239,11 @@ class KVCache:
             self.keys.fill(0)
             self.values.fill(0)
 
-    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def write(self, start: int, k: np.ndarray, v: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return every
-        key and value up to the last of them: [start + R, Hkv, *] (rotated as `rotation` says)."""
+        key and value up to the last of them: [start + R, Hkv, *] (rotated as `rotation` says).
+        `blocks`: a quantized cache's as stored (KVRows, not decoded: for an attention that
+        reads the blocks, `Backend.reads_kv_blocks`)."""
         n = start + k.shape[0]
         if n > self.keys.shape[0]:
             cap = (n + self.step - 1) // self.step * self.step
@@ -242,6 +253,8 @@ class KVCache:
         self.values[start:n] = v
         if self.plain:
             return self.keys[:n], self.values[:n]
+        if blocks:
+            return _view(self.keys, n), _view(self.values, n)
         return _read(self.keys, slice(0, n)), _read(self.values, slice(0, n))
 
     def trim(self, length: int) -> None:
@@ -360,11 +373,12 @@ class RingKVCache:
             self.keys = _grow(self.keys, cap)
             self.values = _grow(self.values, cap)
 
-    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def write(self, start: int, k: np.ndarray, v: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return keys and
         values holding every position these rows read, position p in row p % (their length)
         (the attention op's contract): the ring itself, or, for a forward of more rows than the
-        ring is sized for, the earlier positions they read and their own, read before writing."""
+        ring is sized for, the earlier positions they read and their own, read before writing.
+        `blocks`: the ring of a quantized cache as stored (KVCache.write)."""
         R = k.shape[0]
         n = start + R
         self.advance(start, R)
@@ -374,7 +388,7 @@ class RingKVCache:
             slots = np.arange(start, n) % C
             self.keys[slots] = k
             self.values[slots] = v
-            if self.plain:
+            if self.plain or blocks:
                 return self.keys, self.values
             return _read(self.keys, slice(0, C)), _read(self.values, slice(0, C))
         lo = self._need(start)
