@@ -200,15 +200,23 @@ def _turn(m, prefix, ids: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
 @pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen3next-f32", "gemma3-f32"])
-def test_prompt_cache_brings_a_conversation_back(name):
+def test_prompt_cache_brings_a_conversation_back(name, backend, monkeypatch):
     """Two conversations taking turns on one slot (serve --parallel 1): the second saves the
     first's cache to the PromptCache, the first's next turn gets it back and runs only its new
     tokens; its greedy reply is the one a fresh cache gives. The hybrid model (qwen3next) goes
-    back through the checkpoints saved with it; gemma3 through its sliding-window rings."""
+    back through the checkpoints saved with it; gemma3 through its sliding-window rings; Vulkan
+    (Mesa's lavapipe here) copies its caches out of device memory and back."""
     from onebit.cache import PrefixCache, PromptCache
 
-    m = load(name, "numpy")
+    if backend == "vulkan":
+        from onebit.backends import BACKENDS
+        from onebit.backends.vulkan.backend import VulkanBackend
+
+        monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)  # (lavapipe: asked for by name)
+    m = load(name, backend)
+    assert m.be.name == backend
     a, b = (p.tolist() for p in prompts(m, 4)[2:4])
     slot, saved = PrefixCache(m.new_cache()), PromptCache(1 << 30)
     saved.recall(slot, a, 0.5)
