@@ -464,6 +464,7 @@ class Engine:
         self._fresh_cache()
 
     def _unload(self) -> None:
+        self.prompts.clear()  # (the next model's load is planned without them)
         if self.model is not None:
             self.model.close()
             self.model = None
