@@ -43,7 +43,8 @@ def main() -> None:
     args = ap.parse_args()
     base = decode_cpu(args.file, "f32", False, args.context, args.tokens, args.reps)
     print(f"decode at a {args.context}-token context, CPU ms a token (x f32's tokens per CPU-second)")
-    print(f"| cache | decoded each step | blocks read as stored |\n|---|---:|---:|\n| f32 | {base * 1e3:.1f} (1.00x) | |")
+    print("| cache | decoded each step | blocks read as stored |\n|---|---:|---:|")
+    print(f"| f32 | {base * 1e3:.1f} (1.00x) | |")
     for t in args.types.split(","):
         old, new = (decode_cpu(args.file, t, b, args.context, args.tokens, args.reps) for b in (False, True))
         print(f"| {t} | {old * 1e3:.1f} ({base / old:.2f}x) | {new * 1e3:.1f} ({base / new:.2f}x) |")

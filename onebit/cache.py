@@ -7,7 +7,8 @@ delta-rule state: a constant size, no positions, so it cannot trim). Every layer
 whether it can `trim` (drop the last positions in place) and gives a `snapshot` / `restore`
 of its state; speculative decoding and prefix reuse (`PrefixCache`: a chat's turns, serve's
 requests) roll back through `Cache.trim`, or, where a layer cannot trim, to a
-`Cache.checkpoint` taken at the position to return to.
+`Cache.checkpoint` taken at the position to return to. `PromptCache` keeps copies of several
+PrefixCaches' content beside them (serve's --cache-ram), least recently used dropped first.
 """
 
 from __future__ import annotations
@@ -686,9 +687,10 @@ class PromptCache:
     """Prefixes kept beside the caches of serve's slots, in host memory, as llama-server's prompt
     cache (--cache-ram): when a request would drop most of what its slot's cache holds, that
     content is saved here first (`save`), and a request that shares more with a saved prefix
-    than with its slot gets it back (`take` it out, `restore` it into the slot's cache). At most `budget`
-    bytes (the memory plan's "prompt cache"); the least recently used prefix is dropped first.
-    Thread-safe: each slot's worker saves and loads on its own thread."""
+    than with its slot gets it back (`take` it out, `restore` it into the slot's cache: `recall`
+    does both). At most `budget` bytes (the memory plan's "prompt cache"); the least recently
+    used prefix is dropped first. Thread-safe: each slot's worker saves and loads on its own
+    thread."""
 
     def __init__(self, budget: int):
         self.budget = int(budget)

@@ -1,7 +1,8 @@
 """`onebit serve --parallel N` through real concurrent HTTP clients: requests decode together
 (their forwards batched), each greedy reply the one it gets sent alone; a dropped client leaves
 the others running; /slots and /metrics show the N slots; a hybrid (recurrent) model keeps two
-conversations' prefixes side by side, through checkpoints."""
+conversations' prefixes side by side, through checkpoints; the prompt cache (--cache-ram) keeps
+conversations' prefixes beyond the slots, counted by /metrics and by the memory plan."""
 
 from __future__ import annotations
 
