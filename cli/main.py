@@ -345,6 +345,9 @@ def plan(
     device: Optional[str] = DEVICE,
     parallel: int = typer.Option(1, "--parallel", "-np", help="Sequences decoded together (serve --parallel): "
                                                               "a KV cache of the whole context for each."),
+    cache_ram: str = typer.Option("0", "--cache-ram", "-cram", help="MiB for serve's saved prompt prefixes, or "
+                                                                    "auto (what the plan leaves, at most 8192: "
+                                                                    "serve's default)."),
     cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -366,9 +369,23 @@ def plan(
     cache_types.check(cfg)
     p = plan_load(g, cfg, b, ctx=ctx, layers=layers, slots=None if slots == "auto" else slots,
                   verify_rows=verify_rows, policy=cls.memory_policy(g),
-                  predict_when_streaming=not layers and not cls.runs_on_host, sequences=parallel, kv=cache_types)
+                  predict_when_streaming=not layers and not cls.runs_on_host, sequences=parallel, kv=cache_types,
+                  prompt_cache=_cache_ram(cache_ram))
     typer.echo(json.dumps(p.to_dict(), indent=2) if as_json else p.table())
     raise typer.Exit(0 if p.fits else 1)
+
+
+def _cache_ram(value: str) -> Optional[int]:
+    """plan's --cache-ram: MiB as bytes, None for auto (serve's default)."""
+    if value == "auto":
+        return None
+    try:
+        mib = int(value)
+    except ValueError:
+        raise UsageError(f"--cache-ram must be a number of MiB or auto, got {value!r}") from None
+    if mib < 0:
+        raise UsageError(f"--cache-ram must be at least 0 MiB, got {mib}")
+    return mib << 20
 
 
 @app.command(cls=Command)

@@ -47,14 +47,15 @@ def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slo
 def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
           device: Optional[str] = None, predict=None, threads: Optional[int] = None,
-          template_kwargs: Optional[dict] = None, sequences: int = 1, cache_types=None):
+          template_kwargs: Optional[dict] = None, sequences: int = 1, cache_types=None,
+          prompt_cache: Optional[int] = 0):
     import dataclasses
 
     import onebit
 
     spec = load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs,
                      cache_types)
-    m = onebit.load(dataclasses.replace(spec, sequences=sequences))
+    m = onebit.load(dataclasses.replace(spec, sequences=sequences, prompt_cache=prompt_cache))
     if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES or sequences > 1:
         import sys
 

@@ -101,6 +101,10 @@ def serve(
     parallel: int = typer.Option(1, "--parallel", "-np", help="Requests decoded together, their forwards batched "
                                  "(as llama-server's -np): a KV cache of the whole context each, counted by the "
                                  "memory plan (cpu and numpy backends)."),
+    cache_ram: Optional[int] = typer.Option(None, "--cache-ram", "-cram", help="MiB of host memory for prompt "
+                                            "prefixes saved beside the slots' caches (as llama-server's), "
+                                            "counted by the memory plan; the least recently used is dropped "
+                                            "first (default: what the plan leaves, at most 8192; 0: none)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No log line per request."),
     cors: list[str] = typer.Option([], "--cors", help="Allow browser pages from this origin (e.g. "
                                    "https://app.example; '*': any). Repeatable. Pages on this machine "
@@ -145,6 +149,8 @@ def serve(
 
     if not 1 <= parallel <= MAX_CONNECTIONS:  # (more slots than open connections would never fill)
         raise UsageError(f"--parallel must be 1-{MAX_CONNECTIONS} (the open connections served), got {parallel}")
+    if cache_ram is not None and cache_ram < 0:
+        raise UsageError(f"--cache-ram must be at least 0 MiB (0: no saved prefixes), got {cache_ram}")
     template = _chat_template(chat_template, chat_template_file)
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=DEFAULT_DRAFTS)  # as chat and generate: the same tokens, sooner
@@ -156,7 +162,8 @@ def serve(
     loading = LoadingAnswer(sock)
     try:
         m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw,
-                  sequences=parallel, cache_types=cache_types)
+                  sequences=parallel, cache_types=cache_types,
+                  prompt_cache=None if cache_ram is None else cache_ram << 20)
     finally:
         loading.stop()
     if template is not None:

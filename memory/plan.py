@@ -29,6 +29,7 @@ DEFAULT_CONTEXT = 4096  # the context a load gets when none is asked for (at mos
 RUNTIME_BYTES = 256 << 20
 RESIDENT_SHARE = 0.9  # a load holds every expert resident only when that plan takes <= 90% of the budget
 CONTEXT_SHARE = 0.25  # a default context may take at most this share of what the expert slots get ...
+DEFAULT_PROMPT_CACHE = 8 << 30  # serve's saved prefixes (--cache-ram) at most, by default (llama-server's 8192 MiB)
 MIN_CONTEXT = 1024  # ... shrinking by halves, not below this (nor below what the caller asked for)
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 
@@ -189,12 +190,13 @@ def size_classes(g: GGUFFile, policy: Optional[MemoryPolicy] = None) -> list[Siz
 
 def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
               slots: str | int = "auto", verify_rows: int = 8, kv: KVTypes = F32_KV,
-              policy: Optional[MemoryPolicy] = None, sequences: int = 1) -> MemoryPlan:
+              policy: Optional[MemoryPolicy] = None, sequences: int = 1, prompt_cache: int = 0) -> MemoryPlan:
     """The plan at one context and slot count. `policy`: the backend's answers for this file
     (`Backend.memory_policy`: the bytes it holds for each tensor, its scratch, whether it runs on
     the host); None: the file's tensors as they are, read in place on the host. `kv`: the types
     the KV cache stores keys and values in (its bytes per position). `sequences`: caches held at
-    once (serve's --parallel), each of the whole context."""
+    once (serve's --parallel), each of the whole context. `prompt_cache`: bytes of the prefixes
+    serve saves beside them (--cache-ram)."""
     policy = policy if policy is not None else MemoryPolicy(Backend, g)
     ctx = cfg.context_length if ctx is None else ctx
     if ctx < 1 or ctx > cfg.context_length:
@@ -256,6 +258,8 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         n = MAX_CHECKPOINTS + 1
         items.append(PlanItem("recurrent checkpoints", sequences * n * state,
                               f"{n} x {format_bytes(state)}{per} (chat prefix reuse, lookup rollback)"))
+    if prompt_cache:
+        items.append(_prompt_cache_item(prompt_cache, sequences))
     fixed = sum(i.bytes for i in items)
     all_experts = sum(c.experts for c in classes)
     k = max(cfg.n_experts_used, 1)
@@ -290,6 +294,8 @@ def make_plan(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
         if sequences > 1:
             advice.append(f"decode fewer sequences together (--parallel {sequences}: each holds "
                           f"{format_bytes(_item(items, 'KV cache') // sequences)} of KV cache)")
+        if prompt_cache:
+            advice.append(f"keep fewer saved prefixes (--cache-ram {prompt_cache >> 20})")
         if ctx > 512:
             advice.append(f"use a shorter context (--ctx): the KV cache costs {format_bytes(_item(items, 'KV cache'))}")
         if predicted:
@@ -306,7 +312,8 @@ def _item(items: list[PlanItem], component: str) -> int:
 
 def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] = None, layers: str = "",
               slots: str | int | None = None, verify_rows: int = 8, policy: Optional[MemoryPolicy] = None,
-              predict_when_streaming: bool = False, sequences: int = 1, kv: KVTypes = F32_KV) -> MemoryPlan:
+              predict_when_streaming: bool = False, sequences: int = 1, kv: KVTypes = F32_KV,
+              prompt_cache: Optional[int] = 0) -> MemoryPlan:
     """The plan a load follows (`onebit.load`, chat, generate, bench, serve) and `onebit plan`
     prints: the same function, so they agree.
 
@@ -329,31 +336,53 @@ def plan_load(g: GGUFFile, cfg: ModelConfig, budget: Budget, ctx: Optional[int] 
     - `policy`: the backend's memory policy for this file, and `kv` the KV cache's types, as
       for make_plan (a quantized cache leaves the expert slots more room).
     - `sequences`: caches held at once (serve's --parallel N: N caches of the whole context).
+    - `prompt_cache`: bytes for the prefixes serve saves beside them (--cache-ram), counted like
+      the caches; None: what the plan leaves within RESIDENT_SHARE of the budget, at most
+      DEFAULT_PROMPT_CACHE (none where experts stream: the room is theirs), added last.
     `decision` says what was chosen in one line.
     """
-    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences, kv)
+    if prompt_cache is not None and prompt_cache < 0:
+        raise UsageError(f"--cache-ram must be at least 0 MiB, got {prompt_cache >> 20}")
+    explicit = prompt_cache or 0
+    plan = _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences, kv, explicit)
     if predict_when_streaming and plan.streaming and not layers:
         every = ",".join(str(i) for i in range(cfg.n_layers) if cfg.layer_is_moe(i))
-        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy, sequences, kv)
+        plan = _plan_load(g, cfg, budget, ctx, every, slots, verify_rows, policy, sequences, kv, explicit)
+    if prompt_cache is None:
+        room = int(RESIDENT_SHARE * budget.bytes) - plan.total
+        plan.items.append(_prompt_cache_item(min(DEFAULT_PROMPT_CACHE, max(room, 0)) if not plan.streaming else 0,
+                                             sequences))
     return plan
 
 
+def _prompt_cache_item(n: int, sequences: int) -> PlanItem:
+    return PlanItem("prompt cache", n, f"prefixes saved beside the {sequences} sequence caches (--cache-ram "
+                    f"{n >> 20}), least recently used dropped first" if n else "no saved prefixes (--cache-ram 0)")
+
+
+def prompt_cache_bytes(plan: MemoryPlan) -> int:
+    """Bytes the plan holds for serve's saved prefixes (0: none)."""
+    return next((i.bytes for i in plan.items if i.component == "prompt cache"), 0)
+
+
 def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequences: int = 1,
-               kv: KVTypes = F32_KV) -> MemoryPlan:
+               kv: KVTypes = F32_KV, prompt_cache: int = 0) -> MemoryPlan:
     if slots is not None and slots != "auto":
         plan = make_plan(g, cfg, budget, ctx=ctx if ctx is not None else _default_ctx(cfg), layers=layers,
-                         slots=slots, verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
+                         slots=slots, verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv,
+                         prompt_cache=prompt_cache)
         plan.decision = _decision(plan, None)
         return plan
     asked = ctx
     ctx = ctx if ctx is not None else _default_ctx(cfg)
     plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy,
-                     sequences=sequences, kv=kv)
+                     sequences=sequences, kv=kv, prompt_cache=prompt_cache)
     if plan.classes:
         c = ctx
         while True:  # every expert resident within the margin, the default context halving for it
             everything = make_plan(g, cfg, budget, ctx=c, layers=layers, slots=plan.all_experts,
-                                   verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
+                                   verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv,
+                                   prompt_cache=prompt_cache)
             if everything.total <= RESIDENT_SHARE * budget.bytes:
                 everything.decision = _decision(everything, ctx if c != ctx else None, "every expert stays resident")
                 return everything
@@ -363,14 +392,16 @@ def _plan_load(g, cfg, budget, ctx, layers, slots, verify_rows, policy, sequence
         if not plan.streaming:  # everything fits, but not with the margin: the slots that fit within it
             within = make_plan(g, cfg, dataclasses.replace(budget, bytes=int(RESIDENT_SHARE * budget.bytes)),
                                ctx=ctx, layers=layers, slots="auto", verify_rows=verify_rows, policy=policy,
-                               sequences=sequences, kv=kv)
+                               sequences=sequences, kv=kv, prompt_cache=prompt_cache)
             plan = make_plan(g, cfg, budget, ctx=ctx, layers=layers, slots=max(sum(within.slots), within.min_slots),
-                             verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
+                             verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv,
+                             prompt_cache=prompt_cache)
     first = ctx
     while asked is None and ctx > min(MIN_CONTEXT, first) and plan.streaming and (
             not plan.fits or _context_bytes(plan) > CONTEXT_SHARE * _item(plan.items, "expert slots")):
         smaller = make_plan(g, cfg, budget, ctx=max(ctx // 2, min(MIN_CONTEXT, first)), layers=layers, slots="auto",
-                            verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv)
+                            verify_rows=verify_rows, policy=policy, sequences=sequences, kv=kv,
+                            prompt_cache=prompt_cache)
         ctx, plan = smaller.ctx, smaller
     plan.decision = _decision(plan, first if ctx != first else None)
     return plan

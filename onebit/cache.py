@@ -7,11 +7,13 @@ delta-rule state: a constant size, no positions, so it cannot trim). Every layer
 whether it can `trim` (drop the last positions in place) and gives a `snapshot` / `restore`
 of its state; speculative decoding and prefix reuse (`PrefixCache`: a chat's turns, serve's
 requests) roll back through `Cache.trim`, or, where a layer cannot trim, to a
-`Cache.checkpoint` taken at the position to return to.
+`Cache.checkpoint` taken at the position to return to. `PromptCache` keeps copies of several
+PrefixCaches' content beside them (serve's --cache-ram), least recently used dropped first.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +164,10 @@ class KVRows:
         """Rows x as `read` gives them back once written."""
         return self.qtype.dequantize(self.qtype.quantize(hadamard(x, self.rot) if self.rot else x))
 
+    def view(self, n: int) -> "KVRows":
+        """The first n positions' blocks, not copied."""
+        return KVRows(self.qtype, self.raw[:n], self.width, self.rot)
+
     def head(self, n: int) -> "KVRows":
         """A copy of the first n positions' blocks."""
         return KVRows(self.qtype, self.raw[:n].copy(), self.width, self.rot)
@@ -194,6 +200,11 @@ def _as_stored(a, x: np.ndarray) -> np.ndarray:
 def _read(a, index) -> np.ndarray:
     """Keys or values as the attention takes them: float32 rows (KVRows: still rotated)."""
     return a[index] if type(a) is np.ndarray else a.read(index)
+
+
+def _view(a, n: int):
+    """The first n positions of keys or values as stored, not copied."""
+    return a.view(n) if isinstance(a, KVRows) else a[:n]
 
 
 def _rotation(a) -> int:
@@ -229,9 +240,11 @@ class KVCache:
             self.keys.fill(0)
             self.values.fill(0)
 
-    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def write(self, start: int, k: np.ndarray, v: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return every
-        key and value up to the last of them: [start + R, Hkv, *] (rotated as `rotation` says)."""
+        key and value up to the last of them: [start + R, Hkv, *] (rotated as `rotation` says).
+        `blocks`: a quantized cache's as stored (KVRows, not decoded: for an attention that
+        reads the blocks, `Backend.reads_kv_blocks`)."""
         n = start + k.shape[0]
         if n > self.keys.shape[0]:
             cap = (n + self.step - 1) // self.step * self.step
@@ -241,6 +254,8 @@ class KVCache:
         self.values[start:n] = v
         if self.plain:
             return self.keys[:n], self.values[:n]
+        if blocks:
+            return _view(self.keys, n), _view(self.values, n)
         return _read(self.keys, slice(0, n)), _read(self.values, slice(0, n))
 
     def trim(self, length: int) -> None:
@@ -359,11 +374,12 @@ class RingKVCache:
             self.keys = _grow(self.keys, cap)
             self.values = _grow(self.values, cap)
 
-    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def write(self, start: int, k: np.ndarray, v: np.ndarray, blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Store k: [R, Hkv, D], v: [R, Hkv, Dv] at positions start..start+R-1; return keys and
         values holding every position these rows read, position p in row p % (their length)
         (the attention op's contract): the ring itself, or, for a forward of more rows than the
-        ring is sized for, the earlier positions they read and their own, read before writing."""
+        ring is sized for, the earlier positions they read and their own, read before writing.
+        `blocks`: the ring of a quantized cache as stored (KVCache.write)."""
         R = k.shape[0]
         n = start + R
         self.advance(start, R)
@@ -373,7 +389,7 @@ class RingKVCache:
             slots = np.arange(start, n) % C
             self.keys[slots] = k
             self.values[slots] = v
-            if self.plain:
+            if self.plain or blocks:
                 return self.keys, self.values
             return _read(self.keys, slice(0, C)), _read(self.values, slice(0, C))
         lo = self._need(start)
@@ -634,6 +650,110 @@ class PrefixCache:
         self.tokens = list(fed[: self.cache.offset])
         if not self.cache.can_trim:
             self.checkpoint()
+
+
+def common_length(a, b) -> int:
+    """How many tokens sequences a and b share from their start."""
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+def state_bytes(state) -> int:
+    """Bytes of the arrays in a snapshot or checkpoint (nested tuples, lists and dicts of them)."""
+    if isinstance(state, (np.ndarray, KVRows)):
+        return state.nbytes
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (tuple, list)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+@dataclass
+class SavedPrefix:
+    """A PrefixCache's content copied out of its cache: the tokens, the cache's snapshot at their
+    end, the checkpoints to go back to, and the bytes they take."""
+
+    tokens: np.ndarray  # [n] int32
+    state: object  # Cache.snapshot()
+    checkpoints: list
+    nbytes: int
+
+
+class PromptCache:
+    """Prefixes kept beside the caches of serve's slots, in host memory, as llama-server's prompt
+    cache (--cache-ram): when a request would drop most of what its slot's cache holds, that
+    content is saved here first (`save`), and a request that shares more with a saved prefix
+    than with its slot gets it back (`take` it out, `restore` it into the slot's cache: `recall`
+    does both). At most `budget` bytes (the memory plan's "prompt cache"); the least recently
+    used prefix is dropped first. Thread-safe: each slot's worker saves and loads on its own
+    thread."""
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.entries: list[SavedPrefix] = []  # least recently used first
+        self.lock = threading.Lock()
+        self.saves = self.loads = self.drops = 0  # prefixes saved, loaded back, dropped for room
+        self.tokens_loaded = 0  # tokens of requests' prompts the loaded prefixes held
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def save(self, prefix: PrefixCache) -> bool:
+        """Copy `prefix`'s content in (replacing a saved prefix of the same tokens), dropping the
+        least recently used ones until it fits; False where it alone is over the budget."""
+        if not prefix.tokens:
+            return False
+        cache = prefix.cache
+        state = cache.snapshot()
+        nbytes = state_bytes(state) + state_bytes(prefix.checkpoints)
+        if nbytes > self.budget:
+            return False
+        tokens = np.asarray(prefix.tokens, np.int32)
+        with self.lock:
+            self.entries = [e for e in self.entries if not np.array_equal(e.tokens, tokens)]
+            while self.entries and self.nbytes + nbytes > self.budget:
+                self.entries.pop(0)
+                self.drops += 1
+            self.entries.append(SavedPrefix(tokens, state, list(prefix.checkpoints), nbytes))
+            self.saves += 1
+        return True
+
+    def recall(self, prefix: PrefixCache, ids, similar: float) -> None:
+        """Before `prefix`'s cache runs `ids`: the saved prefix that shares more of them than it
+        does is moved into it, and what it held is saved first where it is replaced so, or
+        where `ids` keep less than the share `similar` of it."""
+        keep = common_length(prefix.tokens, ids)
+        saved = self.take(ids, keep)
+        if saved is not None or keep < similar * len(prefix.tokens):
+            self.save(prefix)
+        if saved is not None:
+            self.restore(prefix, saved)
+
+    def take(self, ids, more_than: int) -> SavedPrefix | None:
+        """The saved prefix sharing the most tokens with `ids`, out of the cache, where it shares
+        more than `more_than` (what the slot's cache holds of them already); else None."""
+        with self.lock:
+            n, i = max(((common_length(e.tokens, ids), i) for i, e in enumerate(self.entries)), default=(0, -1))
+            if n <= more_than:
+                return None
+            self.loads += 1
+            self.tokens_loaded += n
+            return self.entries.pop(i)
+
+    @staticmethod
+    def restore(prefix: PrefixCache, saved: SavedPrefix) -> None:
+        """`prefix`'s cache back to `saved` (what it held is overwritten: `save` it first)."""
+        prefix.cache.restore(saved.state)
+        prefix.tokens, prefix.checkpoints = saved.tokens.tolist(), saved.checkpoints
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries = []
 
 
 def scratch_kv_bytes(cfg, rows: int = 1) -> int:

@@ -50,6 +50,9 @@ class LoadSpec:
     # caches the plan holds room for (serve's --parallel: sequences decoded together); more than
     # one asks for them, as a budget does: a plan that does not fit is refused
     sequences: int = 1
+    # bytes for the prefixes serve saves beside those caches (--cache-ram; None: what the plan
+    # leaves, as memory.plan.plan_load says); 0: none
+    prompt_cache: Optional[int] = 0
     # files of at least this many bytes take the backend's own weight layouts (the cpu backend's
     # X16 on AVX-512 VNNI); None: the backend's default (cpu: 64 MiB), 0: every file
     repack_from: Optional[int] = None
@@ -151,7 +154,7 @@ class Model:
         # the 30B-A3B shape at 8 GiB)
         plan = plan_load(self.gguf, cfg, b, ctx=spec.n_ctx, layers="" if auto else _predicted_layers(cfg, predict),
                          slots=spec.slots, policy=policy, predict_when_streaming=auto and not backend.runs_on_host,
-                         sequences=spec.sequences, kv=kv)
+                         sequences=spec.sequences, kv=kv, prompt_cache=spec.prompt_cache)
         if auto:
             # (where experts stream: router prediction on a host backend, whose cores the
             # prediction takes from the forward, block on a device, beside which the host is
@@ -159,7 +162,8 @@ class Model:
             mode = ("router" if backend.runs_on_host else "block") if plan.streaming else "off"
             predict = dataclasses.replace(predict, mode=mode, look=True)
         if not plan.fits:
-            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None or spec.sequences > 1:
+            if spec.slots is not None or spec.budget is not None or spec.n_ctx is not None or spec.sequences > 1 \
+                    or spec.prompt_cache:
                 raise PlanError(plan)
             sys.stderr.write(f"onebit: warning: {self.path} does not fit the memory budget (needs at least "
                              f"{_gib(plan.total)} GiB, {_gib(plan.budget.bytes)} GiB left): loading anyway, "

@@ -352,3 +352,46 @@ def test_cli_cache_type_flags():
                                                               "multiple of the type's block")):
         r = _onebit("generate", "--backend", "numpy", "-p", "hi", "-n", "1", *bad)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("k, v", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "q8_0"), ("q4_0", "f16")])
+def test_cpu_attention_reads_the_blocks(k, v):
+    """The cpu backend's decode attention over a cache's blocks as stored (kv_attention.py)
+    against the numpy reference's over the float32 rows they decode to: GQA, rows at several
+    positions, a sliding window over a ring (position p in row p % S)."""
+    from onebit.backends.cpu.backend import CpuBackend
+    from onebit.backends.numpy_backend import NumpyBackend
+    from onebit.formats.gguf_file import GGUFFile
+
+    be = CpuBackend(GGUFFile(MOE64))
+    rng = np.random.default_rng(3)
+    H, Hkv, D, S = 4, 2, 64, 40
+    keys = KVRows.zeros(KVTypes(k, v).qtype("k"), S, Hkv, D)
+    values = KVRows.zeros(KVTypes(k, v).qtype("v"), S, Hkv, D)
+    keys[:] = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    values[:] = rng.standard_normal((S, Hkv, D)).astype(np.float32)
+    q = rng.standard_normal((3, H, D)).astype(np.float32)
+    for pos, window in (([5, 6, 7], 0), ([37, 38, 39], 0), ([50, 51, 52], 16)):  # (the last: a ring)
+        pos = np.array(pos, np.int64)
+        got = be.attention(q, keys, values, pos, window)
+        want = NumpyBackend.attention(be, q, keys.read(slice(None)), values.read(slice(None)), pos, window)
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("backend", ("numpy", "cpu"))
+def test_sequences_together_with_a_rotated_cache(backend):
+    """forward_batch (serve --parallel) over caches of q8_0 keys and q4_0 values whose heads are
+    rotated (64 wide: cache.hadamard_size): each sequence's logits are its own forward's."""
+    with onebit.load(MOE64, backend=backend, cache_type_k="q8_0", cache_type_v="q4_0") as m:
+        assert m.net.make_cache()[0].rotation == (64, 64)
+        a, b = (np.arange(1, 13) * 7) % 200, (np.arange(1, 8) * 11) % 200
+        alone = []
+        for ids in (a, b):  # a prompt, then a decode step (the cpu backend's: over the cache's blocks)
+            c = m.net.make_cache()
+            alone.append(np.concatenate([m.net.forward(ids[:-1], c), m.net.forward(ids[-1:], c)]))
+        ca, cb = m.net.make_cache(), m.net.make_cache()
+        together = m.net.forward_batch([(a[:-1], ca), (b[:-1], cb)])
+        together = [np.concatenate([t, s]) for t, s in
+                    zip(together, m.net.forward_batch([(a[-1:], ca), (b[-1:], cb)]))]
+        for got, want in zip(together, alone):
+            assert np.allclose(got, want, rtol=1e-4, atol=1e-4), np.abs(got - want).max()

@@ -184,3 +184,77 @@ def test_plan_counts_a_cache_per_sequence():
     m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy", sequences=2)
     assert "for each of 2 sequences" in m.decision
     m.close()
+
+
+def _turn(m, prefix, ids: list[int], n: int) -> list[int]:
+    """One request as serve runs it on a slot's PrefixCache: the prefix kept, the rest of the
+    prompt run, n greedy tokens, the cache settled."""
+    common = prefix.reuse(ids)
+    held = prefix.prefill(m.net, ids, common)
+    logits = m.net.forward(np.asarray(ids[held:], np.int64), prefix.cache, last_only=True)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(logits[-1])))
+        logits = m.net.forward(np.array([out[-1]], np.int64), prefix.cache)
+    prefix.settle(ids + out)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["numpy", "vulkan"])
+@pytest.mark.parametrize("name", ["qwen3moe-f32", "qwen3next-f32", "gemma3-f32"])
+def test_prompt_cache_brings_a_conversation_back(name, backend, monkeypatch):
+    """Two conversations taking turns on one slot (serve --parallel 1): the second saves the
+    first's cache to the PromptCache, the first's next turn gets it back and runs only its new
+    tokens; its greedy reply is the one a fresh cache gives. The hybrid model (qwen3next) goes
+    back through the checkpoints saved with it; gemma3 through its sliding-window rings; Vulkan
+    (Mesa's lavapipe here) copies its caches out of device memory and back."""
+    from onebit.cache import PrefixCache, PromptCache
+
+    if backend == "vulkan":
+        from onebit.backends import BACKENDS
+        from onebit.backends.vulkan.backend import VulkanBackend
+
+        monkeypatch.setitem(BACKENDS, "vulkan", VulkanBackend)  # (lavapipe: asked for by name)
+    m = load(name, backend)
+    assert m.be.name == backend
+    a, b = (p.tolist() for p in prompts(m, 4)[2:4])
+    slot, saved = PrefixCache(m.new_cache()), PromptCache(1 << 30)
+    saved.recall(slot, a, 0.5)
+    reply = _turn(m, slot, a, 5)
+    saved.recall(slot, b, 0.5)  # B keeps nothing of A: A is saved
+    assert saved.saves == 1 and saved.loads == 0
+    _turn(m, slot, b, 5)
+    a2 = a + reply[:-1] + [5, 6, 7]  # (a reply edited at its end)
+    saved.recall(slot, a2, 0.5)  # A's prefix back in the slot, B's saved
+    assert saved.loads == 1 and saved.saves == 2
+    held = slot.reuse(a2)
+    # the recurrent state cannot trim: back to the checkpoint at A's prompt but its last token
+    assert held == (len(a) - 1 if name == "qwen3next-f32" else len(a) + len(reply) - 1)
+    assert _turn(m, slot, a2, 6) == _turn(m, PrefixCache(m.new_cache()), a2, 6)
+
+
+def test_prompt_cache_drops_the_least_recently_used():
+    """A budget for two saved prefixes: a third drops the oldest; taking one out frees its room;
+    a prefix over the whole budget is not saved."""
+    from onebit.cache import PrefixCache, PromptCache
+
+    m = load("qwen3moe-f32", "numpy")
+    convs = [[10 * i + j + 3 for j in range(10)] for i in range(3)]  # three conversations of 10 tokens
+    slots = []
+    for ids in convs:
+        slot = PrefixCache(m.new_cache())
+        m.net.forward(np.asarray(ids, np.int64), slot.cache)
+        slot.settle(ids)
+        slots.append(slot)
+    one = PromptCache(1 << 30)
+    one.save(slots[0])
+    size = one.nbytes
+    assert size == m.cfg.n_layers * 10 * m.cfg.n_kv_heads * (m.cfg.head_dim + m.cfg.head_dim_v) * 4  # f32 K/V
+    cache = PromptCache(2 * size)
+    for s in slots:
+        assert cache.save(s)
+    assert cache.drops == 1 and cache.nbytes == 2 * size
+    assert cache.take(convs[0] + [1], 0) is None  # the oldest went
+    got = cache.take(convs[1] + [1], 0)
+    assert got is not None and got.tokens.tolist() == convs[1] and cache.nbytes == size
+    assert not PromptCache(size - 1).save(slots[2])

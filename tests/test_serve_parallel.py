@@ -1,7 +1,8 @@
 """`onebit serve --parallel N` through real concurrent HTTP clients: requests decode together
 (their forwards batched), each greedy reply the one it gets sent alone; a dropped client leaves
 the others running; /slots and /metrics show the N slots; a hybrid (recurrent) model keeps two
-conversations' prefixes side by side, through checkpoints."""
+conversations' prefixes side by side, through checkpoints; the prompt cache (--cache-ram) keeps
+conversations' prefixes beyond the slots, counted by /metrics and by the memory plan."""
 
 from __future__ import annotations
 
@@ -163,6 +164,43 @@ def test_hybrid_model_keeps_two_conversations(tmp_path):
         stop_process(proc)
 
 
+@pytest.mark.parametrize("model", [DEFAULT, str(fixture_path("qwen3next-f32.gguf"))], ids=["default", "hybrid"])
+def test_prompt_cache_keeps_conversations_beyond_the_slots(tmp_path, model):
+    """Two chats taking turns on one slot: with --cache-ram each turn gets its conversation's
+    prefix back from the prompt cache (the other's was saved, not dropped), counted by /metrics;
+    every greedy reply is the one a server without saved prefixes gives. The hybrid model
+    (qwen3next: recurrent state) gets its checkpoints back with it."""
+    servers = [start([model, "--backend", "numpy", "--ctx", "512", "--temp", "0", "--cache-ram", ram],
+                     tmp_path / f"server-{ram}.log") for ram in ("64", "0")]
+    try:
+        turns = {}
+        for (_, url), ram in zip(servers, ("64", "0")):
+            c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            chats = {"a": [{"role": "user", "content": "Tell me about the history of the city of Rome."}],
+                     "b": [{"role": "user", "content": "Write a short poem about autumn leaves falling."}]}
+            got = []
+            for who in "abab":
+                r = c.chat.completions.create(model="m", messages=chats[who], max_tokens=8, temperature=0)
+                text = r.choices[0].message.content
+                chats[who] += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+                got.append((text, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+            turns[ram] = got, metrics(url)
+        (cached, m), (fresh, m0) = turns["64"], turns["0"]
+        assert [t[0] for t in cached] == [t[0] for t in fresh]
+        for first, again in ((cached[0], cached[2]), (cached[1], cached[3])):  # each chat's second turn
+            assert again[2] >= first[1] - 1  # its first prompt was held (recurrent state: but its last token)
+        for first, again in ((fresh[0], fresh[2]), (fresh[1], fresh[3])):
+            assert again[2] < first[1] - 1  # one slot, no saved prefixes: the other chat's turn overwrote it
+        assert m["onebit_prompt_cache_loads_total"] == 2 and m0["onebit_prompt_cache_loads_total"] == 0
+        assert m["onebit_prompt_cache_saves_total"] == 3  # a, then b, then a again
+        assert m["onebit_prompt_cache_budget_bytes"] == 64 << 20 and m0["onebit_prompt_cache_budget_bytes"] == 0
+        assert m["onebit_prompt_tokens_cached_total"] == sum(t[2] for t in cached)
+        assert m["onebit_prompt_tokens_total"] == sum(t[1] for t in cached)
+    finally:
+        for proc, _ in servers:
+            stop_process(proc)
+
+
 def test_embeddings_and_another_model_beside_running_requests(tmp_path):
     """With --models-dir: a request for another model waits for the running ones to end, then
     loads it; an embedding runs between the batch's steps; every answer is the one it gets alone."""
@@ -279,3 +317,45 @@ def test_parallel_caches_that_do_not_fit_are_refused():
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert last.startswith("onebit: error: ") and "the memory plan needs" in last and "--parallel 64" in last
+
+
+def test_prompt_cache_is_planned():
+    """`onebit plan --cache-ram` counts the saved prefixes (auto: what the plan leaves within its
+    margin); serve refuses a negative --cache-ram, and one its budget cannot hold, in one line."""
+    import subprocess
+
+    from onebit.backends.numpy_backend import NumpyBackend
+    from onebit.formats.gguf_file import GGUFFile
+    from onebit.memory.budget import detect_budget
+    from onebit.memory.plan import DEFAULT_PROMPT_CACHE, RESIDENT_SHARE, plan_load, prompt_cache_bytes
+    from onebit.models import network_class
+
+    path = fixture_path("qwen3moe-f32.gguf")
+    g = GGUFFile(path)
+    cfg = network_class(g.architecture, g.path).config(g)
+    policy = NumpyBackend.memory_policy(g)
+
+    def plan(budget, cache):
+        return plan_load(g, cfg, detect_budget(budget), ctx=512, policy=policy, sequences=2, prompt_cache=cache)
+
+    none, some = plan("1GiB", 0), plan("1GiB", 100 << 20)
+    assert prompt_cache_bytes(none) == 0 and prompt_cache_bytes(some) == 100 << 20
+    assert some.total - none.total == 100 << 20
+    auto = plan("1GiB", None)  # (the room left within the margin)
+    assert prompt_cache_bytes(auto) == int(RESIDENT_SHARE * (1 << 30)) - none.total
+    assert prompt_cache_bytes(plan("64GiB", None)) == DEFAULT_PROMPT_CACHE
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "plan", str(path), "--backend", "numpy", "--ctx",
+                        "512", "--parallel", "2", "--cache-ram", "100", "--budget", "1GiB", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    items = {i["component"]: i["bytes"] for i in json.loads(r.stdout)["items"]}
+    assert r.returncode == 0 and items["prompt cache"] == 100 << 20
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", str(path), "--cache-ram", "-1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "onebit: error: --cache-ram must be at least 0 MiB (0: no saved prefixes), got -1"
+    r = subprocess.run([sys.executable, "-m", "onebit.cli.main", "serve", str(path), "--backend", "numpy", "--ctx",
+                        "512", "--budget", "1GiB", "--cache-ram", "2048", "--port", "0"],
+                       capture_output=True, text=True, timeout=120)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("onebit: error: ") and "--cache-ram 2048" in last

@@ -4,10 +4,13 @@ Requests run in arrival order (a FIFO queue) on `parallel` slots, each a worker 
 sequence's cache: one slot runs one request at a time, owning the model; several decode
 together, their forwards batched into one step (serve_batch.py). A slot's cache outlives a
 request: a request takes the free slot whose cache holds most of its prompt (a continuing
-conversation re-runs only its new turn), else the one used least recently (its prefix is the
-one dropped), as ChatSession keeps a chat's (cache.PrefixCache: with checkpoints where the
-model has recurrent state). A request whose client went away is cancelled: its slot stops it
-at the next token.
+conversation re-runs only its new turn), else the one used least recently, as ChatSession
+keeps a chat's (cache.PrefixCache: with checkpoints where the model has recurrent state).
+Beside the slots, the prompt cache (cache.PromptCache, --cache-ram, counted by the memory
+plan) keeps more conversations: a request that would drop most of what its slot holds saves
+that first, and gets back the saved prefix that shares most with its prompt, so conversations
+that take turns on fewer slots keep their prefixes. A request whose client went away is
+cancelled: its slot stops it at the next token.
 
 A request names its model; with a models folder, a model other than the loaded one is
 loaded in its turn, once no request runs (the loaded one is closed first: one model at a time).
@@ -27,10 +30,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from ..cache import SWA_ROWS, PrefixCache
+from ..cache import SWA_ROWS, PrefixCache, PromptCache, common_length
 from ..errors import OnebitError, UsageError
 from ..generate import stream_generate
 from ..lookup import MAX_DRAFTS
+from ..memory.plan import prompt_cache_bytes
 from ..sample import make_logits_processors, make_sampler
 from ..chat_formats.think import reply_splitter
 from ..chat_formats.toolcall import CLOSE as CALL_CLOSE
@@ -144,7 +148,9 @@ class Slot:
     used: float = 0.0
 
 
-SIMILAR = 0.5  # a slot's cache goes on with a request whose prompt shares at least this share of it
+# a slot's cache goes on with a request whose prompt shares at least this share of it (else
+# what it holds is saved to the prompt cache first, as llama-server does)
+SIMILAR = 0.5
 
 
 def model_id(path: str) -> str:
@@ -254,6 +260,7 @@ class Engine:
         self.parallel = parallel
         # what the last requests left, reused by the next
         self.slots = [Slot(i, PrefixCache(model.new_cache())) for i in range(parallel)]
+        self.prompts = PromptCache(prompt_cache_bytes(model.plan))  # prefixes saved beside the slots
         # a step: one prompt chunk and the others' verify rows (the memory plan counts as many)
         self.batcher = Batcher(lambda: self.model, step_rows=SWA_ROWS + (parallel - 1) * (1 + MAX_DRAFTS)) \
             if parallel > 1 else None
@@ -265,6 +272,7 @@ class Engine:
         self.stopping = False
         self.served = 0
         self.generated = 0  # tokens generated over all requests (cancelled ones too)
+        self.prompt_tokens = self.cached_tokens = 0  # of the prompts run, and of them: tokens not run again
         self.problem: Optional[str] = None  # why no model is loaded (a failed switch or reload): 503s
         self.threads = [threading.Thread(target=self._loop, name=f"onebit-serve-worker-{i}", daemon=True)
                         for i in range(parallel)]
@@ -401,14 +409,10 @@ class Engine:
 
     def _take_slot(self, job: Job, ids: list[int]) -> Slot:
         """The free slot whose cache goes on with `ids` (the longest prefix, where it shares at
-        least SIMILAR of what the slot holds), else the one used least recently: its cache is
-        dropped first."""
+        least SIMILAR of what the slot holds), else the one used least recently (what it holds
+        goes to the prompt cache: PromptCache.recall)."""
         def shared(s: Slot) -> int:
-            n = 0
-            for a, b in zip(s.prefix.tokens, ids):
-                if a != b:
-                    break
-                n += 1
+            n = common_length(s.prefix.tokens, ids)
             return n if n and n >= SIMILAR * len(s.prefix.tokens) else 0
 
         with self.gate:
@@ -442,6 +446,8 @@ class Engine:
         """An empty cache for `slots` (None: every slot, as after a load)."""
         if self.model is None:
             return
+        if slots is None:  # (another model: the saved prefixes are the last one's)
+            self.prompts = PromptCache(prompt_cache_bytes(self.model.plan))
         for slot in self.slots if slots is None else slots:
             try:
                 slot.prefix = PrefixCache(self.model.new_cache())
@@ -458,6 +464,7 @@ class Engine:
         self._fresh_cache()
 
     def _unload(self) -> None:
+        self.prompts.clear()  # (the next model's load is planned without them)
         if self.model is not None:
             self.model.close()
             self.model = None
@@ -610,7 +617,11 @@ class Engine:
         """The request's reply from `slot`'s cache, its forwards run by `net`."""
         work = job.work
         prefix = slot.prefix
+        self.prompts.recall(prefix, ids, SIMILAR)
         common = prefix.reuse(ids)
+        with self.counting:
+            self.prompt_tokens += len(ids)
+            self.cached_tokens += common
         job.put("start", {"model": self.model_id, "prompt_tokens": len(ids), "cached_tokens": common})
         generated: list[int] = []
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is not given out yet

@@ -170,7 +170,22 @@ def add_openai_extra(engine: Engine, pooling: str = "mean") -> Callable[[FastAPI
                     ("onebit_slots", "gauge", engine.parallel, "Requests that may run at once (--parallel)."),
                     ("onebit_batched_steps_total", "counter", engine.batcher.shared if engine.batcher else 0,
                      "Forwards that ran the rows of several requests together."),
-                    ("onebit_requests_waiting", "gauge", engine.waiting(), "Requests queued.")):
+                    ("onebit_requests_waiting", "gauge", engine.waiting(), "Requests queued."),
+                    ("onebit_prompt_tokens_total", "counter", engine.prompt_tokens, "Prompt tokens of the requests."),
+                    ("onebit_prompt_tokens_cached_total", "counter", engine.cached_tokens,
+                     "Of them, tokens a cache held already (a slot's or a saved prefix): not run again."),
+                    ("onebit_prompt_cache_loads_total", "counter", engine.prompts.loads,
+                     "Saved prefixes moved back into a slot (--cache-ram)."),
+                    ("onebit_prompt_cache_tokens_loaded_total", "counter", engine.prompts.tokens_loaded,
+                     "Prompt tokens those saved prefixes held."),
+                    ("onebit_prompt_cache_saves_total", "counter", engine.prompts.saves,
+                     "Prefixes saved from a slot's cache."),
+                    ("onebit_prompt_cache_dropped_total", "counter", engine.prompts.drops,
+                     "Saved prefixes dropped for room, least recently used first."),
+                    ("onebit_prompt_cache_prefixes", "gauge", len(engine.prompts.entries), "Saved prefixes held."),
+                    ("onebit_prompt_cache_bytes", "gauge", engine.prompts.nbytes, "Bytes they take."),
+                    ("onebit_prompt_cache_budget_bytes", "gauge", engine.prompts.budget,
+                     "Bytes the memory plan holds for them (--cache-ram).")):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
             return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -89,6 +89,9 @@ class Backend:
     # one forward may run the rows of several sequences, each over its own cache (`forward_batch`:
     # serve's parallel slots)
     batches_sequences = False
+    # its attention takes a quantized KV cache's blocks as stored (cache.KVRows) rather than
+    # float32 rows decoded from them (cache.KVCache.write's `blocks`)
+    reads_kv_blocks = False
     kv_types: KVTypes = F32_KV  # what its KV caches store keys and values as (set by the loader after `open`)
 
     @classmethod

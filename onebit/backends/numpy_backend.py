@@ -441,7 +441,8 @@ class EagerStep:
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
                   scale: float | None = None, sinks: str | None = None) -> np.ndarray:
         c = self.cache[layer]
-        keys, values = c.write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        keys, values = c.write(self.start, k, v, blocks=True) if self.be.reads_kv_blocks else \
+            c.write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
         rk, rv = c.rotation  # a quantized cache's heads, rotated (cache.hadamard_size)
         if rk:
             q = hadamard(q, rk)  # q.k as before the rotation
@@ -582,8 +583,12 @@ class BatchStep(EagerStep):
         w = self.be.weight(sinks) if sinks is not None else None
         out = []
         for cache, start, sl in zip(self.caches, self.starts, self.slices):
-            keys, values = cache[layer].write(start, k[sl], v[sl])  # [S, Hkv, D], [S, Hkv, Dv]
-            out.append(self.be.attention(q[sl], keys, values, self.pos[sl], window, scale, w))
+            c = cache[layer]
+            keys, values = c.write(start, k[sl], v[sl], blocks=True) if self.be.reads_kv_blocks else \
+                c.write(start, k[sl], v[sl])  # [S, Hkv, D], [S, Hkv, Dv]
+            rk, rv = c.rotation  # a quantized cache's heads, rotated (as EagerStep.attention)
+            o = self.be.attention(hadamard(q[sl], rk) if rk else q[sl], keys, values, self.pos[sl], window, scale, w)
+            out.append(hadamard(o, rv) if rv else o)
         return np.concatenate(out)  # [R, H*Dv]
 
     def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:

@@ -23,6 +23,7 @@ from ...errors import BackendUnavailableError, UsageError
 from ...formats.gguf_file import EXPERT_PARTS
 from ...formats.quants import QTYPES_BY_NAME, X16_ROWS, x16_bytes
 from ..base import MemoryPolicy
+from ...cache import SWA_ROWS, KVRows
 from ..experts import FileExperts, read_only
 from ..numpy_backend import NumpyBackend
 from .threads import wait_policy
@@ -80,6 +81,11 @@ def default_threads() -> int:
 
 
 @functools.cache  # (a step asks several times: the import once)
+def _decoded(a):
+    """Keys or values as float32 rows (KVRows: decoded, still rotated, as the attention takes them)."""
+    return a.read(slice(None)) if isinstance(a, KVRows) else a
+
+
 def _kernels():
     """The kernels (the package's `kernels` module), or BackendUnavailableError where numba is
     missing or broken."""
@@ -384,9 +390,40 @@ class CpuBackend(NumpyBackend):
         self.K.rope(out, _ro32(x), _ro64(pos), inv, float(scale), bool(neox))
         return out
 
+    reads_kv_blocks = True  # decode attention reads a quantized cache's blocks (kv_attention.py)
+
+    def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS):
+        if not self.kv_types.plain:
+            self._blocks_kernel()  # (compiled, or loaded from the disk cache, before a request needs it)
+        return super().make_cache(cfg, capacity, swa_rows)
+
+    _kv_blocks = None
+
+    def _blocks_kernel(self):
+        """(kv_attention.attention_blocks, its type codes), run once on a tiny input first
+        (compiled, or loaded from numba's disk cache)."""
+        if self._kv_blocks is None:
+            from .kv_attention import KV_CODES, attention_blocks
+
+            q = np.zeros((1, 1, 32), np.float32)
+            kv = np.zeros((1, 1, 34), np.uint8)  # (one q8_0 block)
+            attention_blocks(np.empty_like(q), q, kv, 1, kv, 1, np.zeros(1, np.int64), 0, np.float32(1),
+                             self.K.LUT, self.K.M)
+            self._kv_blocks = attention_blocks, KV_CODES
+        return self._kv_blocks
+
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, window: int = 0,
                   scale: float | None = None, sinks: np.ndarray | None = None):
         R, H, D = q.shape
+        if isinstance(k, KVRows) or isinstance(v, KVRows):  # a quantized cache's blocks (reads_kv_blocks)
+            if R > FEW_ROWS or sinks is not None or not (isinstance(k, KVRows) and isinstance(v, KVRows)):
+                k, v = _decoded(k), _decoded(v)
+            else:
+                kernel, codes = self._blocks_kernel()
+                out = np.empty((R, H, v.shape[2]), np.float32)  # [R, H, Dv]
+                kernel(out, _ro32(q), k.raw, codes[k.qtype.name], v.raw, codes[v.qtype.name], _ro64(q_pos),
+                       int(window), np.float32(1.0 / math.sqrt(D) if scale is None else scale), self.K.LUT, self.K.M)
+                return out.reshape(R, -1)  # [R, H*Dv]
         if sinks is not None:  # gpt-oss: its own q.k scale too
             if R > FEW_ROWS:
                 return super().attention(q, k, v, q_pos, window, scale, sinks)
