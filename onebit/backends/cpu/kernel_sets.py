@@ -137,7 +137,7 @@ class Kernels:
         the routing only with experts, attention with sinks only with gpt-oss's experts; of the
         repacks the serial one of each of this set's types' layouts (all of them for the
         all-types set)."""
-        parts = parts or self.parts
+        parts = self.parts if parts is None else parts
         out = []
         for p in parts:
             for n in WARM_PARTS[p]:
@@ -210,26 +210,29 @@ class Kernels:
                 progress(sum(_cached(k) for k in todo), len(todo))
 
     def plan(self, cores: int) -> tuple[list[list[str]], bool]:
-        """The cold kernels in groups, one per process of `_fill` (at most `cores`), balanced by
-        their cost (longest first, onto the least loaded), and whether matmul_rows is cold. Then
-        the first product of ROWS_USERS compiles it, first in the first group; the others are
-        last in their groups and wait for it in the disk cache (each compiled it again before:
-        5-6 s of CPU for Gemma 3 270M's types)."""
+        """The cold kernels in groups, one per process of `_fill` (at most `cores`), and whether
+        matmul_rows is cold. Then matmul (else another of ROWS_USERS) compiles it, first in the
+        first group, and the other groups' ROWS_USERS wait for it in the disk cache, after their
+        other kernels (a worker that compiled it too would spend 5-6 s of CPU on it again for
+        Gemma 3 270M's types). The groups are balanced by the kernels' costs (`_cost`), the
+        longest first onto the group that finishes it first: the other kernels, then ROWS_USERS,
+        which start in a worker no sooner than matmul_rows is cached."""
         todo = [n for n in self.names_of(self.cold_parts()) if not _cached(getattr(self, n))]
         rows_cold = any(n in ROWS_USERS for n in todo) and not _cached(self.matmul_rows)
         groups = [[] for _ in range(max(1, min(cores, len(todo))))]
-        load = [0.0] * len(groups)
+        load, ready = [0.0] * len(groups), 0.0  # (ready: when matmul_rows is cached)
         if rows_cold:
-            first = min((n for n in todo if n in ROWS_USERS), key=lambda n: n != "matmul")  # (matmul if cold)
+            first = min((n for n in todo if n in ROWS_USERS), key=lambda n: n != "matmul")
             groups[0].append(first)
-            load[0] = self._cost(first) + self._cost("rows")
+            ready = self._cost("rows")
+            load[0] = ready + self._cost(first)
             todo.remove(first)
-        for n in sorted(todo, key=self._cost, reverse=True):
-            g = load.index(min(load))
-            groups[g].append(n)
-            load[g] += self._cost(n)
-        if rows_cold:  # (sorted is stable: each group's own order otherwise)
-            groups[1:] = [sorted(g, key=lambda n: n in ROWS_USERS) for g in groups[1:]]
+        for phase in (False, True):  # the other kernels, then ROWS_USERS
+            for n in sorted((n for n in todo if (n in ROWS_USERS) == phase), key=self._cost, reverse=True):
+                ends = [max(t, ready if phase and g else 0.0) + self._cost(n) for g, t in enumerate(load)]
+                g = ends.index(min(ends))
+                groups[g].append(n)
+                load[g] = ends[g]
         return [g for g in groups if g], rows_cold
 
     def _fill(self) -> float:
