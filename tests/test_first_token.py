@@ -163,23 +163,33 @@ def test_a_files_set_holds_only_the_kernels_its_forward_calls():
 
 
 def test_the_compile_plan_compiles_matmul_rows_once(monkeypatch):
-    """A cold set's kernels in one group per core, each kernel once: matmul first in the first
-    group (it compiles matmul_rows, the row loops of every type of the set), the other products
-    that call matmul_rows last in the other groups (they wait for it in the disk cache);
-    matmul_rows already cached: no such order."""
+    """A cold set's kernels, each once, in the order the compile's processes take them: matmul
+    first (this process's: it compiles matmul_rows, the row loops of every type of the set), the
+    other products that call matmul_rows last (a worker waits for it in the disk cache); one
+    process a core, at most one a kernel. matmul_rows already cached: no such order."""
     k = kernel_sets.Kernels(("Q4_K", "Q6_K", "F32"), ("dense", "fused", "experts", "small", "repack"))
     monkeypatch.setattr(kernel_sets, "_cached", lambda kernel: False)
-    for cores in (1, 2, 3, 16):
-        groups, rows_cold = k.plan(cores)
-        assert rows_cold and (len(groups) == min(cores, 2) if cores <= 2 else len(groups) <= cores)
-        assert sorted(n for g in groups for n in g) == sorted(k.names_of())
-        assert groups[0][0] == "matmul"
-        for g in groups[1:]:
-            uses = [n in kernel_sets.ROWS_USERS for n in g]
-            assert uses == sorted(uses), g  # (False before True)
+    for cores in (1, 2, 16):
+        order, processes, rows_cold = k.plan(cores)
+        assert rows_cold and processes == min(cores, len(k.names_of())) and sorted(order) == sorted(k.names_of())
+        uses = [n in kernel_sets.ROWS_USERS for n in order]
+        assert order[0] == "matmul" and uses[1:] == sorted(uses[1:]) and sum(uses) == 4, order
     monkeypatch.setattr(kernel_sets, "_cached", lambda kernel: kernel is k.matmul_rows)
-    groups, rows_cold = k.plan(2)
-    assert not rows_cold and sorted(n for g in groups for n in g) == sorted(k.names_of())
+    order, _, rows_cold = k.plan(2)
+    assert not rows_cold and sorted(order) == sorted(k.names_of())
+
+
+def test_each_kernel_is_compiled_by_the_process_that_claims_it_first(tmp_path, monkeypatch):
+    """`_compile` with a folder of claims calls only the kernels no other process has claimed,
+    in order, and claims them."""
+    k = kernel_sets.Kernels(("Q8_0", "F32"), ("dense", "small"))
+    called = []
+    monkeypatch.setattr(k, "_warm_one", called.append)
+    assert kernel_sets._claim(str(tmp_path), "rope") and not kernel_sets._claim(str(tmp_path), "rope")
+    k._compile(["rms_norm", "rope", "attention"], 0, str(tmp_path))
+    assert called == ["rms_norm", "attention"]
+    k._compile(["rms_norm", "rope", "attention"], 0, str(tmp_path))
+    assert called == ["rms_norm", "attention"] and sorted(os.listdir(tmp_path)) == ["attention", "rms_norm", "rope"]
 
 
 def test_a_worker_links_matmul_rows_from_the_disk_cache(tmp_path):

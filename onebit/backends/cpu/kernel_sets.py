@@ -96,7 +96,7 @@ ROUTING, SINKS = ("route", "routed_rows"), ("attention_sinks",)
 # The products that call matmul_rows (the row loops of every type of the set): the first of them
 # compiled compiles it, the others link it from numba's disk cache (`_fill` orders them so).
 ROWS_USERS = frozenset({"matmul", "matmul_serial", "matmul3", "expert_ffn", "expert_ffn_oai"})
-# What each kernel's cold compile costs, to balance the processes of `_fill`: (CPU seconds, and
+# What each kernel's cold compile costs, to start the longest first (`plan`): (CPU seconds, and
 # more per quant type of the set), measured on the shared 2-core VM (bench/bench_compile.py,
 # Gemma 3 270M's Q8_0, Q4_K, Q6_K, Q5_0 with their X16 layouts: 39 s of CPU in all); "rows" is
 # matmul_rows, paid by the first of ROWS_USERS.
@@ -209,61 +209,56 @@ class Kernels:
             if said[0] is not None and said[0] != len(todo):
                 progress(sum(_cached(k) for k in todo), len(todo))
 
-    def plan(self, cores: int) -> tuple[list[list[str]], bool]:
-        """The cold kernels in groups, one per process of `_fill` (at most `cores`), and whether
-        matmul_rows is cold. Then matmul (else another of ROWS_USERS) compiles it, first in the
-        first group, and the other groups' ROWS_USERS wait for it in the disk cache, after their
-        other kernels (a worker that compiled it too would spend 5-6 s of CPU on it again for
-        Gemma 3 270M's types). The groups are balanced by the kernels' costs (`_cost`), the
-        longest first onto the group that finishes it first: the other kernels, then ROWS_USERS,
-        which start in a worker no sooner than matmul_rows is cached."""
+    def plan(self, cores: int) -> tuple[list[str], int, bool]:
+        """The cold kernels in the order the processes of `_fill` take them (each the next that
+        no other has taken: the slowest process sets the compile's time, and the costs are only
+        estimates), how many processes, and whether matmul_rows is cold. Then matmul (else
+        another of ROWS_USERS) is first: this process takes it and compiles matmul_rows with it;
+        the other ROWS_USERS come last, and a worker starts one no sooner than matmul_rows is in
+        the disk cache (a worker that compiled it too would spend 5-6 s of CPU on it again for
+        Gemma 3 270M's types). Otherwise the longest first (`_cost`)."""
         todo = [n for n in self.names_of(self.cold_parts()) if not _cached(getattr(self, n))]
         rows_cold = any(n in ROWS_USERS for n in todo) and not _cached(self.matmul_rows)
-        groups = [[] for _ in range(max(1, min(cores, len(todo))))]
-        load, ready = [0.0] * len(groups), 0.0  # (ready: when matmul_rows is cached)
-        if rows_cold:
-            first = min((n for n in todo if n in ROWS_USERS), key=lambda n: n != "matmul")
-            groups[0].append(first)
-            ready = self._cost("rows")
-            load[0] = ready + self._cost(first)
-            todo.remove(first)
-        for phase in (False, True):  # the other kernels, then ROWS_USERS
-            for n in sorted((n for n in todo if (n in ROWS_USERS) == phase), key=self._cost, reverse=True):
-                ends = [max(t, ready if phase and g else 0.0) + self._cost(n) for g, t in enumerate(load)]
-                g = ends.index(min(ends))
-                groups[g].append(n)
-                load[g] = ends[g]
-        return [g for g in groups if g], rows_cold
+        first = [min((n for n in todo if n in ROWS_USERS), key=lambda n: n != "matmul")] if rows_cold else []
+        rest = sorted((n for n in todo if n not in first), key=self._cost, reverse=True)
+        order = first + [n for n in rest if n not in ROWS_USERS] + [n for n in rest if n in ROWS_USERS]
+        return order, min(cores, len(order)), rows_cold
 
     def _fill(self) -> float:
-        """Compile the cold kernels side by side (`plan`): this process the first group, worker
-        processes the others."""
+        """Compile the cold kernels side by side (`plan`): this process and worker processes,
+        each taking the next kernel of the plan that no other has taken (a file of its name in a
+        folder of claims)."""
+        import shutil
         import subprocess
         import sys
+        import tempfile
         import time
 
         t0 = time.perf_counter()
-        groups, rows_cold = self.plan(os.cpu_count() or 1)
-        if not groups:
+        order, processes, rows_cold = self.plan(os.cpu_count() or 1)
+        if not order:
             return 0.0
         root = str(Path(os.path.abspath(__file__)).parents[3])  # (this tree's onebit, first on the worker's path)
         code = (f"import sys; sys.path.insert(0, {root!r}); from onebit.backends.cpu.kernel_sets import Kernels; "
                 "names = sys.argv[1]; "
                 "Kernels(None if names == '*' else names.split(','), (), sys.argv[2] == 'x16')"
-                "._compile(sys.argv[4:], int(sys.argv[3]))")
+                "._compile(sys.argv[5:], int(sys.argv[3]), sys.argv[4])")
         names = "*" if self.everything else ",".join(self.names)
         wait = str(os.getpid() if rows_cold else 0)
+        claims = tempfile.mkdtemp(prefix="onebit-compile-")
         procs = []
         try:
-            for g in groups[1:]:
+            _claim(claims, order[0])  # (this process's: with matmul_rows cold, the one that compiles it)
+            for _ in range(processes - 1):
                 try:
                     procs.append(subprocess.Popen([sys.executable, "-c", code, names, "x16" if self.x16 else "rows",
-                                                   wait, *g],
+                                                   wait, claims, *order[1:]],
                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                   stderr=subprocess.DEVNULL))
-                except OSError:  # no interpreter to start: warm_up compiles in this process instead
+                except OSError:  # no interpreter to start: this process compiles the rest
                     break
-            self._compile(groups[0])
+            self._warm_one(order[0])
+            self._compile(order[1:], 0, claims)
             for p in procs:
                 p.wait()  # a kernel that failed is compiled again by warm_up, which reports it
         finally:
@@ -271,16 +266,20 @@ class Kernels:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            shutil.rmtree(claims, ignore_errors=True)
         return time.perf_counter() - t0
 
-    def _compile(self, names, wait: int = 0) -> None:
-        """Call (compile, or load) the kernels `names` in order; with `wait` (the pid of the process
-        that compiles matmul_rows), those of ROWS_USERS only once matmul_rows is in the disk cache,
-        or that process has gone, or after ROWS_WAIT seconds."""
+    def _compile(self, names, wait: int = 0, claims: str | None = None) -> None:
+        """Call (compile, or load) the kernels `names` in order: with `claims` (a folder), only
+        those this process claims first (`_claim`); with `wait` (the pid of the process that
+        compiles matmul_rows), those of ROWS_USERS only once matmul_rows is in the disk cache, or
+        that process has gone, or after ROWS_WAIT seconds."""
         import time
 
         t0 = time.monotonic()
         for n in names:
+            if claims is not None and not _claim(claims, n):
+                continue
             if wait and n in ROWS_USERS:
                 while (not _cached(self.matmul_rows) and os.getppid() == wait
                        and time.monotonic() - t0 < ROWS_WAIT):
@@ -418,6 +417,15 @@ def _warm_repack(name: str) -> None:
             "repack_iq4_xs_x16": (136, 136), "repack_q23_k_x16": (84, 84, 84)}
     row, out, *more = args[name.removesuffix("_serial")]
     globals()[name](_ro(np.zeros((X16, row), np.uint8)), np.empty((X16, out), np.uint8), *more)
+
+
+def _claim(folder: str, name: str) -> bool:
+    """Whether this process is the first to claim `name` in `folder` (creates a file of that name)."""
+    try:
+        os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _cached(kernel) -> bool:
