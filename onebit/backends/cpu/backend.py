@@ -196,8 +196,44 @@ class X16Experts:
         K.repack_x16_serial(read_only(src), dst, t.qtype)
 
     def pack_all(self, t, raw: np.ndarray) -> np.ndarray:
-        K = _kernels()
-        return K.repack_x16(read_only(raw), t.qtype)
+        raw = read_only(raw)  # [E, N, row bytes]
+        out = np.empty((*raw.shape[:-1], x16_bytes(raw.shape[-1], t.qtype)), np.uint8)
+        if raw.shape[-2] % X16_ROWS == 0:  # (the groups of every expert at once)
+            repack_on_threads(raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1]), t.qtype)
+        else:
+            for a, o in zip(raw.reshape(-1, *raw.shape[-2:]), out.reshape(-1, *out.shape[-2:])):
+                repack_on_threads(a, o, t.qtype)
+        out.flags.writeable = False
+        return out
+
+
+@functools.cache
+def _repack_pool(threads: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(threads, thread_name_prefix="onebit-repack")
+
+
+def repack_on_threads(raw: np.ndarray, out: np.ndarray, qtype: int) -> None:
+    """Rows raw [N, row bytes] (read only) of type qtype into out in their X16 layout, on the
+    kernels' threads (numba's count for the calling thread): each thread runs the serial repack
+    (repack_x16_serial, nogil) on a run of whole groups of 16 rows, the last run also the N % 16
+    rows after them; the same bytes as the repack of the whole. The repacks' parallel kernels
+    are not used: their first compile took 3-4 times the serial ones' (Gemma 3 270M's three
+    layouts: 18.3 s against 4.6 on the shared 2-core VM, bench/bench_compile.py)."""
+    K = _kernels()
+    import numba
+
+    threads, groups = numba.get_num_threads(), raw.shape[0] // X16_ROWS
+    per = -(-groups // threads) * X16_ROWS if groups else raw.shape[0]  # rows a thread (whole groups)
+    starts = list(range(0, raw.shape[0], per)) or [0]
+    if len(starts) == 1:
+        K.repack_x16_serial(raw, out, qtype)
+        return
+    ends = starts[1:] + [raw.shape[0]]
+    for f in [_repack_pool(threads).submit(K.repack_x16_serial, raw[a:b], out[a:b], qtype)
+              for a, b in zip(starts, ends)]:
+        f.result()
 
 
 class CpuBackend(NumpyBackend):
@@ -308,7 +344,7 @@ class CpuBackend(NumpyBackend):
         rows = max(16, REPACK_PART // raw.shape[1] // 16 * 16)
         for a in range(0, raw.shape[0], rows):  # (a part at a time, each part's pages given back
             # as it is done: the map's pages and the copy are never both whole in memory)
-            K.repack_x16_into(raw[a : a + rows], packed[a : a + rows], t.qtype)
+            repack_on_threads(raw[a : a + rows], packed[a : a + rows], t.qtype)
             self.gguf.release(t, uncache=True, lo=a * raw.shape[1], hi=(a + rows) * raw.shape[1])
         packed.flags.writeable = False
         return t, K.x16_type(t.qtype), packed
