@@ -118,9 +118,10 @@ def _k_scales(b, blk):
 
 def _igroups(b, name, blk):
     """One block of an INT_TYPES type at byte pointer blk, as integers: ([(first weight, <32 x
-    i16> weights, scale)], scales, offsets). scale: a float (the group's), <16 x float> (a scale
-    per pair lane, Q6_K's two per group), or, where `scales` (<8 x float>, Q4_K and Q5_K: the 8
-    sub-blocks' scales) is given, the group's lane in it; offsets: what each block of 32 adds to
+    i16> weights, scale)], scales, offsets). scale: a float (the group's), or, where `scales` is
+    given (<8 x float>, Q4_K and Q5_K: the 8 sub-blocks' scales; <16 x float>, Q6_K: the 16
+    scales of its groups of 16), the group's lane in it (Q4_K, Q5_K) or the lane of each of the
+    16 pair lanes (Q6_K: two scales per group); offsets: what each block of 32 adds to
     every weight (weight = scale * q + offset), a float (one block) or <8 x float> (Q4_K, Q5_K:
     minus the 8 sub-blocks' minimums), or None."""
     V16 = _vec(I16)
@@ -140,10 +141,10 @@ def _igroups(b, name, blk):
         scales = b.fmul(_splat(b, d, 8), sc)
         out = [(32 * sub, b.zext(nib, V16), sub) for sub, nib in _k_quants(b, name, blk)]
         return out, scales, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
-    if name == "Q6_K":
-        d = _f16(b, blk, 208)
-        return [(off, b.sext(q, V16), _two(b, b.fmul(d, s0), b.fmul(d, s1), 16))
-                for off, q, s0, s1 in _q6_quants(b, blk)], None, None
+    if name == "Q6_K":  # d x the 16 int8 scales in one vector (16 scalar conversions took a quarter of the block's work)
+        sc = b.fmul(_splat(b, _f16(b, blk, 208), 16), b.sitofp(_load(b, blk, 192, _vec(I8, 16)), _vec(FLT, 16)))
+        return [(off, b.sext(q, V16), [off // 16] * 8 + [off // 16 + 1] * 8)
+                for off, q, _, _ in _q6_quants(b, blk)], sc, None
     raise ValueError(name)
 
 
@@ -340,17 +341,18 @@ def _make_idot(name: str, rows: int):
                     groups, scales, offsets = _igroups(b, name, blk)
                     first = b.mul(i, _const(I64, bs))
                     sub0 = b.mul(i, _const(I64, subs))
-                    if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
-                        sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
+                    if scales is not None:  # each scale x its block's activation scale, 8 or 16 at once
+                        n = scales.type.count  # (Q6_K: two scales to each block of 32)
+                        sdx = [b.fmul(scales, b.shuffle_vector(x8, x8, _ivec([k * 8 // n for k in range(n)])))
+                               for x8 in (_load(b, dx, sub0, V8F, align=4) for dx in xd)]
                     for off, wq, scale in groups:
                         k = b.add(first, _const(I64, off))
                         s = b.add(sub0, _const(I64, off // A))
                         for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
                             isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
                             if scales is not None:
-                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
-                            elif isinstance(scale.type, ir.VectorType):
-                                sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
+                                lanes = scale if isinstance(scale, list) else [scale] * 16
+                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec(lanes))
                             else:
                                 sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
                             b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
