@@ -38,6 +38,12 @@ from .target import has_vnni
 # lanes) measured 0.82-0.94x its float32 decode (bench/bench_roofline.py); on VNNI see below.
 
 A = 32  # activations per int16 block (one float32 scale each)
+# Without VNNI, where a group's 32 products share one scale (every INT_TYPES type but Q6_K), the
+# 16 pair sums of pmaddwd fold to 8 in int32 (4 products a lane, exact, below 2^24 so exact
+# as float too) before the conversion and the multiply-add, each half the vector work, into
+# two accumulators a row (a block's even and odd groups: two dependency chains, as the 16
+# lanes' two registers were). On VNNI the int16 path (Q8_0, Q4_1, Q5_1) keeps 16 lanes.
+FOLD = not has_vnni()
 # int16 slots after each row of quantize_acts' q, never read: rows a power of two of bytes apart
 # put the same column of 8 rows (a prompt's group) in one set of the 8-way L1 cache, and with
 # the byte planes 16 lines took turns in one set (K = 4096: the prompt's products ran at 45-75
@@ -321,6 +327,9 @@ def _make_idot(name: str, rows: int):
         else:
             zero = ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
+        fold = FOLD and name not in VNNI_TYPES and name != "Q6_K"  # (Q6_K: two scales to a group)
+        if fold:  # a row's two accumulators, of a block's even and odd groups
+            halves = [[cgutils.alloca_once_value(b, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)] for _ in xq]
         if name in VNNI_TYPES:  # the byte planes (quantize_acts): lo at 2K bytes into the row, hi at 3K
             kk = b.mul(nblk, _const(I64, A))
             xb = [b.bitcast(x, ir.PointerType(I8)) for x in xq]
@@ -345,22 +354,30 @@ def _make_idot(name: str, rows: int):
                         n = scales.type.count  # (Q6_K: two scales to each block of 32)
                         sdx = [b.fmul(scales, b.shuffle_vector(x8, x8, _ivec([k * 8 // n for k in range(n)])))
                                for x8 in (_load(b, dx, sub0, V8F, align=4) for dx in xd)]
-                    for off, wq, scale in groups:
+                    for g, (off, wq, scale) in enumerate(groups):
                         k = b.add(first, _const(I64, off))
                         s = b.add(sub0, _const(I64, off // A))
                         for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
-                            isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
+                            isum = _pairs(b, wq, _load(b, x, k, _vec(I16), align=2))
                             if scales is not None:
                                 lanes = scale if isinstance(scale, list) else [scale] * 16
-                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec(lanes))
+                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec(lanes[:8] if fold else lanes))
                             else:
-                                sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
-                            b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
+                                sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 8 if fold else 16)
+                            if fold:
+                                isum = b.add(b.shuffle_vector(isum, isum, _ivec(range(8))),
+                                             b.shuffle_vector(isum, isum, _ivec(range(8, 16))))
+                                acc = halves[r][g % 2]
+                            fsum = b.sitofp(isum, _vec(FLT, sv.type.count))
+                            b.store(b.fadd(b.load(acc), b.fmul(fsum, sv, flags=FAST), flags=FAST), acc)
                     if offsets is not None:
                         for mx, oacc in zip(xm, oaccs):
                             mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
                             b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
-        sums = [_hsum(b, b.load(acc), 16) for acc in accs]
+        if fold:
+            sums = [_hsum(b, b.fadd(b.load(h0), b.load(h1), flags=FAST), 8) for h0, h1 in halves]
+        else:
+            sums = [_hsum(b, b.load(acc), 16) for acc in accs]
         if name in ("Q4_1", "Q5_1"):
             sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
         elif name in ("Q4_K", "Q5_K"):
