@@ -19,9 +19,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "fixtures" / "q3moe256-Q4_K_M.gguf"  # Q4_K, Q6_K, F32; routed experts
-# More types through the dense products: the signed integer path (Q8_0), the float path of a
-# table-decoded type (MXFP4, on VNNI an integer type) and of a codebook type (IQ2_XXS)
-MORE = ("Q8_0", "MXFP4", "IQ2_XXS")
+# More types through the dense products: the signed integer path (Q8_0), the int16 paths with
+# an offset per block (Q4_1) and per sub-block (Q5_K; without VNNI both fold their pair sums,
+# int_dots.FOLD), the float path of a table-decoded type (MXFP4, on VNNI an integer type) and
+# of a codebook type (IQ2_XXS)
+MORE = ("Q8_0", "Q4_1", "Q5_K", "MXFP4", "IQ2_XXS")
 
 # -- AVX-512 in AT&T assembly -----------------------------------------------------------------
 # What only an EVEX encoding (AVX-512) can say: a zmm register, xmm/ymm 16-31, a mask register
