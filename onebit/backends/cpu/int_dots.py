@@ -165,7 +165,7 @@ def _igroups(b, name, blk):
         scales = b.fmul(_splat(b, d, 8), sc)
         out = [(32 * sub, b.zext(nib, V16), sub) for sub, nib in _k_quants(b, name, blk)]
         return out, scales, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
-    if name == "Q6_K":  # d x the 16 int8 scales in one vector (16 scalar conversions took a quarter of the block's work)
+    if name == "Q6_K":  # d x the 16 int8 scales in one vector (16 scalar conversions were a quarter of the work)
         sc = b.fmul(_splat(b, _f16(b, blk, 208), 16), b.sitofp(_load(b, blk, 192, _vec(I8, 16)), _vec(FLT, 16)))
         return [(off, b.sext(q, V16), [off // 16] * 8 + [off // 16 + 1] * 8)
                 for off, q, _, _ in _q6_quants(b, blk)], sc, None
