@@ -1,8 +1,9 @@
 """Integer dot products on int16 activations (IDOT1 / .. / IDOT8[type], for INT_TYPES): the
 activations rounded to int16 per block of 32 (`quantize_acts`), the weights' integer products
 summed exactly in int32 and scaled once per block; on AVX-512 VNNI (VNNI, VNNI_TYPES) through
-the activations' byte planes and vpdpbusd. The comments below say why 16-bit and what each
-path measured."""
+the activations' byte planes and vpdpbusd; without it (AVX2) through pmaddwd, with the pair
+sums folded (FOLD), Q4_K's quants read as words (EO_TYPES) and the weights prefetched
+(PREFETCH_AHEAD). The comments below say why 16-bit and what each path measured."""
 
 from __future__ import annotations
 
