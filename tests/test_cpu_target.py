@@ -60,6 +60,7 @@ def test_avx2_kernels_hold_no_avx512_and_match_numpy(tmp_path):
     report = json.loads(r.stdout)
     assert report["target"] == {"cpu": "haswell", "isa": ["sse4.2", "avx", "avx2", "fma", "f16c"]}
     assert report["vnni"] is False
+    assert report["eo_copy"] is True
     names = {k["name"].split("__")[0] for k in report["kernels"]}
     assert {"matmul", "matmul_serial", "matmul3", "get_rows", "expert_ffn", "rms_norm", "rope", "attention",
             "route", "routed_rows"} <= names
