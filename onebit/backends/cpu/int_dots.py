@@ -382,8 +382,47 @@ def _make_idot(name: str, rows: int):
             kk = b.mul(nblk, _const(I64, A))
             xb = [b.bitcast(x, ir.PointerType(I8)) for x in xq]
             planes = [(b.gep(x, [b.mul(kk, _const(I64, 2))]), b.gep(x, [b.mul(kk, _const(I64, 3))])) for x in xb]
+
+        def int16_block(i, parity):  # block i of the row, its groups' accumulators from parity on
+            blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
+            if not VNNI:  # (see PREFETCH_AHEAD)
+                _prefetch(b, blk, ts)
+            groups, scales, offsets = _igroups(b, name, blk)
+            first = b.mul(i, _const(I64, bs))
+            sub0 = b.mul(i, _const(I64, subs))
+            if scales is not None:  # each scale x its block's activation scale, 8 or 16 at once
+                n = scales.type.count  # (Q6_K: two scales to each block of 32)
+                sdx = [b.fmul(scales, b.shuffle_vector(x8, x8, _ivec([k * 8 // n for k in range(n)])))
+                       for x8 in (_load(b, dx, sub0, V8F, align=4) for dx in xd)]
+            for g, (off, wq, scale) in enumerate(groups):
+                k = b.add(first, _const(I64, off))
+                s = b.add(sub0, _const(I64, off // A))
+                for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
+                    isum = _pairs(b, wq, _load(b, xeo[r] if name in EO_TYPES else x, k, _vec(I16), align=2))
+                    if scales is not None:
+                        lanes = scale if isinstance(scale, list) else [scale] * 16
+                        sv = b.shuffle_vector(sdx[r], sdx[r], _ivec(lanes[:8] if fold else lanes))
+                    else:
+                        sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 8 if fold else 16)
+                    if fold:
+                        isum = b.add(b.shuffle_vector(isum, isum, _ivec(range(8))),
+                                     b.shuffle_vector(isum, isum, _ivec(range(8, 16))))
+                        acc = halves[r][(g + parity) % 2]
+                    fsum = b.sitofp(isum, _vec(FLT, sv.type.count))
+                    b.store(b.fadd(b.load(acc), b.fmul(fsum, sv, flags=FAST), flags=FAST), acc)
+            if offsets is not None:
+                for mx, oacc in zip(xm, oaccs):
+                    mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
+                    b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
+
         if vpair and name != "IQ4_XS":
             _vnni_pairs(b, name, w.data, nb, planes, xd, xm, accs, oaccs)
+        elif fold and subs == 1:  # one group a block: two blocks a step, one on each accumulator
+            with cgutils.for_range(b, b.udiv(nb, _const(I64, 2))) as loop:
+                for parity in range(2):
+                    int16_block(b.add(b.mul(loop.index, _const(I64, 2)), _const(I64, parity)), parity)
+            with b.if_then(b.icmp_unsigned("!=", b.and_(nb, _const(I64, 1)), _const(I64, 0))):
+                int16_block(b.sub(nb, _const(I64, 1)), 0)
         else:
             with cgutils.for_range(b, nb) as loop:
                 i = loop.index
@@ -395,35 +434,7 @@ def _make_idot(name: str, rows: int):
                 elif name in VNNI_TYPES:
                     _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
                 else:
-                    if not VNNI:  # (see PREFETCH_AHEAD)
-                        _prefetch(b, blk, ts)
-                    groups, scales, offsets = _igroups(b, name, blk)
-                    first = b.mul(i, _const(I64, bs))
-                    sub0 = b.mul(i, _const(I64, subs))
-                    if scales is not None:  # each scale x its block's activation scale, 8 or 16 at once
-                        n = scales.type.count  # (Q6_K: two scales to each block of 32)
-                        sdx = [b.fmul(scales, b.shuffle_vector(x8, x8, _ivec([k * 8 // n for k in range(n)])))
-                               for x8 in (_load(b, dx, sub0, V8F, align=4) for dx in xd)]
-                    for g, (off, wq, scale) in enumerate(groups):
-                        k = b.add(first, _const(I64, off))
-                        s = b.add(sub0, _const(I64, off // A))
-                        for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
-                            isum = _pairs(b, wq, _load(b, xeo[r] if name in EO_TYPES else x, k, _vec(I16), align=2))
-                            if scales is not None:
-                                lanes = scale if isinstance(scale, list) else [scale] * 16
-                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec(lanes[:8] if fold else lanes))
-                            else:
-                                sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 8 if fold else 16)
-                            if fold:
-                                isum = b.add(b.shuffle_vector(isum, isum, _ivec(range(8))),
-                                             b.shuffle_vector(isum, isum, _ivec(range(8, 16))))
-                                acc = halves[r][g % 2]
-                            fsum = b.sitofp(isum, _vec(FLT, sv.type.count))
-                            b.store(b.fadd(b.load(acc), b.fmul(fsum, sv, flags=FAST), flags=FAST), acc)
-                    if offsets is not None:
-                        for mx, oacc in zip(xm, oaccs):
-                            mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
-                            b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
+                    int16_block(i, 0)
         if fold:
             sums = [_hsum(b, b.fadd(b.load(h0), b.load(h1), flags=FAST), 8) for h0, h1 in halves]
         else:
