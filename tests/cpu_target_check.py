@@ -19,9 +19,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / "fixtures" / "q3moe256-Q4_K_M.gguf"  # Q4_K, Q6_K, F32; routed experts
-# More types through the dense products: the signed integer path (Q8_0), the float path of a
-# table-decoded type (MXFP4, on VNNI an integer type) and of a codebook type (IQ2_XXS)
-MORE = ("Q8_0", "MXFP4", "IQ2_XXS")
+# More types through the dense products: the signed integer path (Q8_0), the int16 paths with
+# an offset per block (Q4_1) and per sub-block (Q5_K; without VNNI both fold their pair sums,
+# int_dots.FOLD), the float path of a table-decoded type (MXFP4, on VNNI an integer type) and
+# of a codebook type (IQ2_XXS)
+MORE = ("Q8_0", "Q4_1", "Q5_K", "MXFP4", "IQ2_XXS")
 
 # -- AVX-512 in AT&T assembly -----------------------------------------------------------------
 # What only an EVEX encoding (AVX-512) can say: a zmm register, xmm/ymm 16-31, a mask register
@@ -108,6 +110,13 @@ def main(every: bool) -> dict:
             more.get_rows(got, w, np.array([3, 30], np.int64), qt.type_id, more.LUT, more.M)
             report["errors"][f"{name} get_rows"] = _close(got, wf[[3, 30]])
     report["int_types"] = list(int_dots.INT_TYPES)
+    # without VNNI, quantize_acts' second copy of each row: every block of 32 in EO order (the
+    # values at even offsets, then at odd ones), which Q4_K's row dot reads (int_dots.EO_TYPES)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    q = int_dots.quantize_acts(x)[0]
+    blocks = q[:, :96].reshape(3, 3, 32)
+    report["eo_copy"] = bool(np.array_equal(q[:, 96:192], np.concatenate(
+        [blocks[:, :, 0::2], blocks[:, :, 1::2]], axis=2).reshape(3, 96)))
     for ks in kernel_sets:
         for kernel in ks.kernels():
             for sig, asm in kernel.inspect_asm().items():

@@ -4,7 +4,7 @@ command line names the target and reports it.
 
 The AVX2 check compiles a subset in CI (tests/cpu_target_check.py: the kernels of a Q4_K_M MoE
 fixture, Q4_K, Q6_K and F32, with the small ops and the expert kernel; the dense products of
-Q8_0, MXFP4 and IQ2_XXS): about 50 s on the 2-core VM. Every type's kernels:
+Q8_0, Q4_1, Q5_K, MXFP4 and IQ2_XXS): about 55 s on the 2-core VM. Every type's kernels:
 `python tests/cpu_target_check.py --all` under the same environment (minutes)."""
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def test_avx2_kernels_hold_no_avx512_and_match_numpy(tmp_path):
     report = json.loads(r.stdout)
     assert report["target"] == {"cpu": "haswell", "isa": ["sse4.2", "avx", "avx2", "fma", "f16c"]}
     assert report["vnni"] is False
+    assert report["eo_copy"] is True
     names = {k["name"].split("__")[0] for k in report["kernels"]}
     assert {"matmul", "matmul_serial", "matmul3", "get_rows", "expert_ffn", "rms_norm", "rope", "attention",
             "route", "routed_rows"} <= names

@@ -1,8 +1,9 @@
 """Integer dot products on int16 activations (IDOT1 / .. / IDOT8[type], for INT_TYPES): the
 activations rounded to int16 per block of 32 (`quantize_acts`), the weights' integer products
 summed exactly in int32 and scaled once per block; on AVX-512 VNNI (VNNI, VNNI_TYPES) through
-the activations' byte planes and vpdpbusd. The comments below say why 16-bit and what each
-path measured."""
+the activations' byte planes and vpdpbusd; without it (AVX2) through pmaddwd, with the pair
+sums folded (FOLD), Q4_K's quants read as words (EO_TYPES) and the weights prefetched
+(PREFETCH_AHEAD). The comments below say why 16-bit and what each path measured."""
 
 from __future__ import annotations
 
@@ -38,6 +39,28 @@ from .target import has_vnni
 # lanes) measured 0.82-0.94x its float32 decode (bench/bench_roofline.py); on VNNI see below.
 
 A = 32  # activations per int16 block (one float32 scale each)
+# Without VNNI, where a group's 32 products share one scale (every INT_TYPES type but Q6_K), the
+# 16 pair sums of pmaddwd fold to 8 in int32 (4 products a lane, exact, below 2^24 so exact
+# as float too) before the conversion and the multiply-add, each half the vector work, into
+# two accumulators a row (a block's even and odd groups: two dependency chains, as the 16
+# lanes' two registers were). On VNNI the int16 path (Q8_0, Q4_1, Q5_1) keeps 16 lanes.
+FOLD = not has_vnni()
+# Without VNNI, Q4_K (EO_TYPES) takes its weights as 16-bit words: the word of bytes 2m and
+# 2m + 1 gives the even byte's nibbles and the odd byte's with shifts and masks alone (vpsrlw,
+# vpand: any ALU port), where widening bytes to int16 lanes (vpmovzxbw, vextracti128) ran on
+# the one shuffle port of Intel cores (about 36 of the 130 instructions of a block of the AVX2
+# row dot). The weights of a block of 32 then come as the 16 even ones and the 16 odd ones, and
+# so do the activations of `quantize_acts`' second copy (EO order: a block's values 0, 2, ..,
+# 30, then 1, 3, .., 31): the same integer products, summed exactly. AVX2, one thread, 256 x
+# 1024 rows in cache: 14.9 -> 13.7 us. Q8_0 (sign-extending shifts) and Q6_K (its fifth and
+# sixth bits shifted in 16-bit lanes: twice the byte lanes' work) measured 9% and 5% slower
+# this way and keep their bytes widened.
+EO_TYPES = () if has_vnni() else ("Q4_K",)
+# Without VNNI the int16 row dots ask for the weights PREFETCH_AHEAD bytes ahead of the block
+# they read: the hardware prefetcher alone left one thread's row dot waiting on memory (AVX2,
+# one thread, Q4_K rows of a 147 KiB matrix not in cache, a different one each call: 25.9 us
+# against 13.7 in cache; with 2048 bytes ahead 14.9; 512: 17.4, 1024: 16.1, 4096: 16.8).
+PREFETCH_AHEAD = 2048
 # int16 slots after each row of quantize_acts' q, never read: rows a power of two of bytes apart
 # put the same column of 8 rows (a prompt's group) in one set of the 8-way L1 cache, and with
 # the byte planes 16 lines took turns in one set (K = 4096: the prompt's products ran at 45-75
@@ -118,12 +141,15 @@ def _k_scales(b, blk):
 
 def _igroups(b, name, blk):
     """One block of an INT_TYPES type at byte pointer blk, as integers: ([(first weight, <32 x
-    i16> weights, scale)], scales, offsets). scale: a float (the group's), <16 x float> (a scale
-    per pair lane, Q6_K's two per group), or, where `scales` (<8 x float>, Q4_K and Q5_K: the 8
-    sub-blocks' scales) is given, the group's lane in it; offsets: what each block of 32 adds to
+    i16> weights, scale)], scales, offsets). scale: a float (the group's), or, where `scales` is
+    given (<8 x float>, Q4_K and Q5_K: the 8 sub-blocks' scales; <16 x float>, Q6_K: the 16
+    scales of its groups of 16), the group's lane in it (Q4_K, Q5_K) or the lane of each of the
+    16 pair lanes (Q6_K: two scales per group); offsets: what each block of 32 adds to
     every weight (weight = scale * q + offset), a float (one block) or <8 x float> (Q4_K, Q5_K:
     minus the 8 sub-blocks' minimums), or None."""
     V16 = _vec(I16)
+    if name in EO_TYPES:
+        return _eo_groups(b, name, blk)
     if name in ("Q4_1", "Q5_0", "Q5_1"):
         q = b.zext(_q5_bytes(b, name, blk), V16)
         if name == "Q5_0":
@@ -140,11 +166,38 @@ def _igroups(b, name, blk):
         scales = b.fmul(_splat(b, d, 8), sc)
         out = [(32 * sub, b.zext(nib, V16), sub) for sub, nib in _k_quants(b, name, blk)]
         return out, scales, b.fneg(b.fmul(_splat(b, dmin, 8), mn))
-    if name == "Q6_K":
-        d = _f16(b, blk, 208)
-        return [(off, b.sext(q, V16), _two(b, b.fmul(d, s0), b.fmul(d, s1), 16))
-                for off, q, s0, s1 in _q6_quants(b, blk)], None, None
+    if name == "Q6_K":  # d x the 16 int8 scales in one vector (16 scalar conversions were a quarter of the work)
+        sc = b.fmul(_splat(b, _f16(b, blk, 208), 16), b.sitofp(_load(b, blk, 192, _vec(I8, 16)), _vec(FLT, 16)))
+        return [(off, b.sext(q, V16), [off // 16] * 8 + [off // 16 + 1] * 8)
+                for off, q, _, _ in _q6_quants(b, blk)], sc, None
     raise ValueError(name)
+
+
+def _prefetch(b, blk, ts):
+    """Ask for the cache lines of the block PREFETCH_AHEAD bytes after the one at blk (a row's
+    next rows follow it: past the matrix's end a prefetch reads nothing and cannot fault)."""
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [ir.PointerType(I8), I32, I32, I32]),
+                                        "llvm.prefetch.p0i8")
+    for line in range(0, ts, 64):
+        b.call(fn, [b.gep(blk, [_const(I64, PREFETCH_AHEAD + line)]), _const(I32, 0), _const(I32, 3), _const(I32, 1)])
+
+
+def _eo_groups(b, name, blk):
+    """`_igroups` of an EO_TYPES type (Q4_K), each group's <32 x i16> weights in EO order (the
+    even bytes' quants, then the odd bytes'), from the quant bytes read as 16-bit words: 32
+    bytes hold sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)."""
+    assert name == "Q4_K"
+    V16 = _vec(I16, 16)
+    c = lambda v: ir.Constant(V16, [v] * 16)  # noqa: E731
+    d, dmin = _f16(b, blk, 0), _f16(b, blk, 2)
+    sc, mn = _k_scales(b, blk)
+    out = []
+    for j in range(4):
+        w = _load(b, blk, 16 + 32 * j, V16)
+        low = b.shuffle_vector(b.and_(w, c(15)), b.and_(b.lshr(w, c(8)), c(15)), _ivec(range(32)))
+        high = b.shuffle_vector(b.and_(b.lshr(w, c(4)), c(15)), b.lshr(w, c(12)), _ivec(range(32)))
+        out += [(64 * j, low, 2 * j), (64 * j + 32, high, 2 * j + 1)]
+    return out, b.fmul(_splat(b, d, 8), sc), b.fneg(b.fmul(_splat(b, dmin, 8), mn))
 
 
 def _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs):
@@ -320,12 +373,58 @@ def _make_idot(name: str, rows: int):
         else:
             zero = ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
+        fold = FOLD and name not in VNNI_TYPES and name != "Q6_K"  # (Q6_K: two scales to a group)
+        if fold:  # a row's two accumulators, of a block's even and odd groups
+            halves = [[cgutils.alloca_once_value(b, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)] for _ in xq]
+        if name in EO_TYPES:  # the values in EO order (quantize_acts): K values into the row
+            xeo = [b.gep(x, [b.mul(nblk, _const(I64, A))]) for x in xq]
         if name in VNNI_TYPES:  # the byte planes (quantize_acts): lo at 2K bytes into the row, hi at 3K
             kk = b.mul(nblk, _const(I64, A))
             xb = [b.bitcast(x, ir.PointerType(I8)) for x in xq]
             planes = [(b.gep(x, [b.mul(kk, _const(I64, 2))]), b.gep(x, [b.mul(kk, _const(I64, 3))])) for x in xb]
+
+        def int16_block(i, parity):  # block i of the row, its groups' accumulators from parity on
+            blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
+            if not VNNI:  # (see PREFETCH_AHEAD)
+                _prefetch(b, blk, ts)
+            groups, scales, offsets = _igroups(b, name, blk)
+            first = b.mul(i, _const(I64, bs))
+            sub0 = b.mul(i, _const(I64, subs))
+            if scales is not None:  # each scale x its block's activation scale, 8 or 16 at once
+                n = scales.type.count  # (Q6_K: two scales to each block of 32)
+                sdx = [b.fmul(scales, b.shuffle_vector(x8, x8, _ivec([k * 8 // n for k in range(n)])))
+                       for x8 in (_load(b, dx, sub0, V8F, align=4) for dx in xd)]
+            for g, (off, wq, scale) in enumerate(groups):
+                k = b.add(first, _const(I64, off))
+                s = b.add(sub0, _const(I64, off // A))
+                for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
+                    isum = _pairs(b, wq, _load(b, xeo[r] if name in EO_TYPES else x, k, _vec(I16), align=2))
+                    if scales is not None:
+                        lanes = scale if isinstance(scale, list) else [scale] * 16
+                        sv = b.shuffle_vector(sdx[r], sdx[r], _ivec(lanes[:8] if fold else lanes))
+                    else:
+                        sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 8 if fold else 16)
+                    if fold:
+                        isum = b.add(b.shuffle_vector(isum, isum, _ivec(range(8))),
+                                     b.shuffle_vector(isum, isum, _ivec(range(8, 16))))
+                        acc = halves[r][(g + parity) % 2]
+                    fsum = b.sitofp(isum, _vec(FLT, sv.type.count))
+                    b.store(b.fadd(b.load(acc), b.fmul(fsum, sv, flags=FAST), flags=FAST), acc)
+            if offsets is not None:
+                for mx, oacc in zip(xm, oaccs):
+                    mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
+                    b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
+
         if vpair and name != "IQ4_XS":
             _vnni_pairs(b, name, w.data, nb, planes, xd, xm, accs, oaccs)
+        elif fold and subs == 1 and rows < 8:  # one group a block: two blocks a step, one on each
+            # accumulator (8 rows are 8 chains already: with 16 accumulators Gemma 3 270M's prompt
+            # of 32 took 339-359 ms of one thread, against 319-335 with 8, alternating)
+            with cgutils.for_range(b, b.udiv(nb, _const(I64, 2))) as loop:
+                for parity in range(2):
+                    int16_block(b.add(b.mul(loop.index, _const(I64, 2)), _const(I64, parity)), parity)
+            with b.if_then(b.icmp_unsigned("!=", b.and_(nb, _const(I64, 1)), _const(I64, 0))):
+                int16_block(b.sub(nb, _const(I64, 1)), 0)
         else:
             with cgutils.for_range(b, nb) as loop:
                 i = loop.index
@@ -337,28 +436,11 @@ def _make_idot(name: str, rows: int):
                 elif name in VNNI_TYPES:
                     _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
                 else:
-                    groups, scales, offsets = _igroups(b, name, blk)
-                    first = b.mul(i, _const(I64, bs))
-                    sub0 = b.mul(i, _const(I64, subs))
-                    if scales is not None:  # each sub-block's weight scale x activation scale, 8 at once
-                        sdx = [b.fmul(scales, _load(b, dx, sub0, V8F, align=4)) for dx in xd]
-                    for off, wq, scale in groups:
-                        k = b.add(first, _const(I64, off))
-                        s = b.add(sub0, _const(I64, off // A))
-                        for r, (x, dx, acc) in enumerate(zip(xq, xd, accs)):
-                            isum = b.sitofp(_pairs(b, wq, _load(b, x, k, _vec(I16), align=2)), V16F)
-                            if scales is not None:
-                                sv = b.shuffle_vector(sdx[r], sdx[r], _ivec([scale] * 16))
-                            elif isinstance(scale.type, ir.VectorType):
-                                sv = b.fmul(scale, _splat(b, _load(b, dx, s, FLT, align=4), 16))
-                            else:
-                                sv = _splat(b, b.fmul(scale, _load(b, dx, s, FLT, align=4)), 16)
-                            b.store(b.fadd(b.load(acc), b.fmul(isum, sv, flags=FAST), flags=FAST), acc)
-                    if offsets is not None:
-                        for mx, oacc in zip(xm, oaccs):
-                            mv = _load(b, mx, sub0, FLT if per_block else V8F, align=4)
-                            b.store(b.fadd(b.load(oacc), b.fmul(offsets, mv)), oacc)
-        sums = [_hsum(b, b.load(acc), 16) for acc in accs]
+                    int16_block(i, 0)
+        if fold:
+            sums = [_hsum(b, b.fadd(b.load(h0), b.load(h1), flags=FAST), 8) for h0, h1 in halves]
+        else:
+            sums = [_hsum(b, b.load(acc), 16) for acc in accs]
         if name in ("Q4_1", "Q5_1"):
             sums = [b.fadd(s, b.load(oacc)) for s, oacc in zip(sums, oaccs)]
         elif name in ("Q4_K", "Q5_K"):
@@ -396,12 +478,12 @@ def quantize_acts(x):
     d = max|x| / 32767, q = round(x / d), m = d * sum(q). A block holding inf or nan gets d = nan
     (its products come out nan, as float32 ones would be inf or nan). With VNNI, q is [R, 2K +
     ROW_PAD]: the int16 values, then (as bytes) every value's low byte and high byte, two planes
-    of K (without, [R, K + ROW_PAD]); m
+    of K (without, [R, 2K + ROW_PAD]: the values, then the same in EO order, see EO_TYPES); m
     is [R, 4 K / 32]: the blocks' d x sum(q), then the sum of q over each 16 values, then (with
     VNNI) the blocks' d x the sum of their high bytes (IQ4_XS_X16's correction, see there)."""
     R, K = x.shape
     nb = K // A
-    q = np.empty((R, (2 * K if VNNI else K) + ROW_PAD), np.int16)  # [R, K] values (then, with VNNI, their byte planes)
+    q = np.empty((R, 2 * K + ROW_PAD), np.int16)  # [R, K] values, then their byte planes (VNNI) or EO order
     planes = q.view(np.uint8)  # lo = v & 255 at byte 2K + k of a row, hi = v >> 8 at 3K + k
     d = np.empty((R, nb), np.float32)
     m = np.empty((R, 4 * nb), np.float32)  # [R, nb] scale x sum, [R, 2 nb] each 16 values' sum (exact), [R, nb]
@@ -427,6 +509,8 @@ def quantize_acts(x):
                         planes[r, 2 * K + j * A + t] = np.uint8(v & 255)
                         planes[r, 3 * K + j * A + t] = np.uint8((v >> 8) & 255)
                         sh += v >> 8
+                    else:
+                        q[r, K + j * A + t // 2 + A // 2 * (t % 2)] = v
                     s += v
                     if t == A // 2 - 1:
                         m[r, nb + 2 * j] = np.float32(s)
@@ -437,6 +521,8 @@ def quantize_acts(x):
                 if VNNI:
                     planes[r, 2 * K + j * A : 2 * K + (j + 1) * A] = 0
                     planes[r, 3 * K + j * A : 3 * K + (j + 1) * A] = 0
+                else:
+                    q[r, K + j * A : K + (j + 1) * A] = 0
                 d[r, j] = np.float32(0) if finite else np.float32(np.nan)
                 m[r, nb + 2 * j] = m[r, nb + 2 * j + 1] = np.float32(0)
             m[r, j] = d[r, j] * np.float32(s)

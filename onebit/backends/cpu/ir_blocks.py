@@ -52,7 +52,13 @@ def _byte(b, base, off):
 
 
 def _f16(b, base, off):
-    return b.fpext(_load(b, base, off, HALF), FLT)
+    """The f16 at byte `off` of base, as float: loaded with its neighbouring 2 bytes of the block
+    (the 2 before it, or after where off is 0) as one 4-byte vector. A 2-byte load became
+    vpinsrw, which merges into a register LLVM may give to a loop's accumulator: on AVX2 the Q8_0
+    row dot's scale load waited on the last block's multiply-add (each block's work one chain)."""
+    lane = 1 if off >= 2 else 0
+    pair = _load(b, base, off - 2 * lane, _vec(HALF, 2))
+    return b.fpext(b.extract_element(pair, _const(I32, lane)), FLT)
 
 
 def _hsum(b, v, n=W):
