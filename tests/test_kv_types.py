@@ -395,3 +395,20 @@ def test_sequences_together_with_a_rotated_cache(backend):
                     zip(together, m.net.forward_batch([(a[-1:], ca), (b[-1:], cb)]))]
         for got, want in zip(together, alone):
             assert np.allclose(got, want, rtol=1e-4, atol=1e-4), np.abs(got - want).max()
+
+
+def test_the_cpu_attention_keeps_no_decoded_rows():
+    """A prompt's attention over a quantized cache decodes the layer's rows (`_decoded`): the
+    decoded copy belongs to that call. The rows' views are new at every call, so a decode kept
+    past its call would hold one float32 copy of the layer per prompt chunk, for good."""
+    import gc
+    import weakref
+
+    from onebit.backends.cpu.backend import _decoded
+
+    rows = KVRows.zeros(Q8_0, 4, 1, 32)
+    ref = weakref.ref(view := rows.view(4))
+    _decoded(view)
+    del view
+    gc.collect()
+    assert ref() is None

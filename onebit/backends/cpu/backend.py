@@ -80,12 +80,12 @@ def default_threads() -> int:
     return numba.get_num_threads()
 
 
-@functools.cache  # (a step asks several times: the import once)
 def _decoded(a):
     """Keys or values as float32 rows (KVRows: decoded, still rotated, as the attention takes them)."""
     return a.read(slice(None)) if isinstance(a, KVRows) else a
 
 
+@functools.cache  # (a step asks several times: the import once)
 def _kernels():
     """The kernels (the package's `kernels` module), or BackendUnavailableError where numba is
     missing or broken."""
