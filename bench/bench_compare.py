@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,10 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def onebit_run(root: Path, model: str, prompt: int, tokens: int) -> tuple[float, float]:
+def onebit_run(root: Path, model: str, prompt: int, tokens: int, extra: tuple = ()) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, "-c", "from cli.main import main; main()", "bench", model, "--backend", "cpu",
-           "--prompt-tokens", str(prompt), "--gen-tokens", str(tokens), "--runs", "1"]
+           "--prompt-tokens", str(prompt), "--gen-tokens", str(tokens), "--runs", "1", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=3600)
     got = dict(re.findall(r"^(prompt|decode)\s+\d+ tokens: ([\d.]+) tok/s", out.stdout, re.M))
     if len(got) != 2:
@@ -64,11 +65,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--other", type=Path, help="another onebit checkout, run beside this one")
     ap.add_argument("--llama-args", default="", help="extra llama-bench flags, e.g. '--load-mode none'")
+    ap.add_argument("--onebit-args", default="", help="extra `onebit bench` flags, e.g. '--budget 1TiB' (every expert resident)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    runs = [("onebit", lambda m: onebit_run(ROOT, m, args.prompt, args.tokens))]
+    mine = tuple(shlex.split(args.onebit_args))
+    runs = [("onebit", lambda m: onebit_run(ROOT, m, args.prompt, args.tokens, mine))]
     if args.other:
-        runs.append(("onebit --other", lambda m: onebit_run(args.other, m, args.prompt, args.tokens)))
+        runs.append(("onebit --other", lambda m: onebit_run(args.other, m, args.prompt, args.tokens, mine)))
     if args.llama_bench:
         runs.append(("llama.cpp", lambda m: llama_run(args.llama_bench, m, args.prompt, args.tokens,
                                                        args.llama_args.split())))
