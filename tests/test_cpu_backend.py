@@ -93,7 +93,7 @@ def test_int16_rounding_is_what_the_integer_products_use(rng):
     x[1, 32:64] = 0
     x[2, 64] = np.inf
     q, d, m = int_dots.quantize_acts(x)
-    assert q.shape == (3, (192 if int_dots.VNNI else 96) + int_dots.ROW_PAD)
+    assert q.shape == (3, 192 + int_dots.ROW_PAD)  # (the values, then byte planes with VNNI, else the EO copy)
     if int_dots.VNNI:  # the byte planes after the 96 values: low bytes, then high bytes
         planes = q.view(np.uint8)[:, 192:384].astype(np.int64)
         lo, hi = planes[:, :96], planes[:, 96:]

@@ -1,9 +1,9 @@
 """Integer dot products on int16 activations (IDOT1 / .. / IDOT8[type], for INT_TYPES): the
 activations rounded to int16 per block of 32 (`quantize_acts`), the weights' integer products
 summed exactly in int32 and scaled once per block; on AVX-512 VNNI (VNNI, VNNI_TYPES) through
-the activations' byte planes and vpdpbusd; without it (AVX2) through pmaddwd, with the pair
-sums folded (FOLD), Q4_K's quants read as words (EO_TYPES) and the weights prefetched
-(PREFETCH_AHEAD). The comments below say why 16-bit and what each path measured."""
+the activations' byte planes and vpdpbusd; the others (and every type without VNNI: AVX2) through
+pmaddwd, with the pair sums folded (FOLD) and the weights prefetched (PREFETCH_AHEAD), and
+without VNNI Q4_K's quants read as words (EO_TYPES). The comments below say why 16-bit and what each path measured."""
 
 from __future__ import annotations
 
@@ -39,12 +39,16 @@ from .target import has_vnni
 # lanes) measured 0.82-0.94x its float32 decode (bench/bench_roofline.py); on VNNI see below.
 
 A = 32  # activations per int16 block (one float32 scale each)
-# Without VNNI, where a group's 32 products share one scale (every INT_TYPES type but Q6_K), the
+# Where a group's 32 products share one scale (every INT_TYPES type but Q6_K), the
 # 16 pair sums of pmaddwd fold to 8 in int32 (4 products a lane, exact, below 2^24 so exact
 # as float too) before the conversion and the multiply-add, each half the vector work, into
 # two accumulators a row (a block's even and odd groups: two dependency chains, as the 16
-# lanes' two registers were). On VNNI the int16 path (Q8_0, Q4_1, Q5_1) keeps 16 lanes.
-FOLD = not has_vnni()
+# lanes' two registers were). On VNNI too (the int16 path: Q8_0, Q4_1, Q5_1), with the weights
+# asked for ahead (PREFETCH_AHEAD) below FOLD_ROWS rows (decode; prefetching changes no bits):
+# Gemma 3 270M's tied Q8_0 output head (262144 x 640 rows), `bench_roofline.py --types Q8_0`,
+# decode 12.2 -> 6.6 ms, 0.48 -> 0.91 of memory (the AVX2 build ran it in 6.9 ms).
+FOLD = True
+FOLD_ROWS = 8
 # Without VNNI, Q4_K (EO_TYPES) takes its weights as 16-bit words: the word of bytes 2m and
 # 2m + 1 gives the even byte's nibbles and the odd byte's with shifts and masks alone (vpsrlw,
 # vpand: any ALU port), where widening bytes to int16 lanes (vpmovzxbw, vextracti128) ran on
@@ -373,7 +377,8 @@ def _make_idot(name: str, rows: int):
         else:
             zero = ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
-        fold = FOLD and name not in VNNI_TYPES and name != "Q6_K"  # (Q6_K: two scales to a group)
+        # (Q6_K: two scales to a group)
+        fold = FOLD and name not in VNNI_TYPES and name != "Q6_K"
         if fold:  # a row's two accumulators, of a block's even and odd groups
             halves = [[cgutils.alloca_once_value(b, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)] for _ in xq]
         if name in EO_TYPES:  # the values in EO order (quantize_acts): K values into the row
@@ -384,8 +389,10 @@ def _make_idot(name: str, rows: int):
             planes = [(b.gep(x, [b.mul(kk, _const(I64, 2))]), b.gep(x, [b.mul(kk, _const(I64, 3))])) for x in xb]
 
         def int16_block(i, parity):  # block i of the row, its groups' accumulators from parity on
+            # (parity: 0 or 1, or an i1 value, block i's own: a row's sums then take the same
+            # order whatever the rows dotted with it, two blocks a step or one)
             blk = b.gep(w.data, [b.mul(i, _const(I64, ts))])
-            if not VNNI:  # (see PREFETCH_AHEAD)
+            if not VNNI or rows < FOLD_ROWS:  # (see PREFETCH_AHEAD)
                 _prefetch(b, blk, ts)
             groups, scales, offsets = _igroups(b, name, blk)
             first = b.mul(i, _const(I64, bs))
@@ -407,7 +414,8 @@ def _make_idot(name: str, rows: int):
                     if fold:
                         isum = b.add(b.shuffle_vector(isum, isum, _ivec(range(8))),
                                      b.shuffle_vector(isum, isum, _ivec(range(8, 16))))
-                        acc = halves[r][(g + parity) % 2]
+                        acc = (halves[r][(g + parity) % 2] if isinstance(parity, int)
+                               else b.select(parity, halves[r][(g + 1) % 2], halves[r][g % 2]))
                     fsum = b.sitofp(isum, _vec(FLT, sv.type.count))
                     b.store(b.fadd(b.load(acc), b.fmul(fsum, sv, flags=FAST), flags=FAST), acc)
             if offsets is not None:
@@ -435,8 +443,8 @@ def _make_idot(name: str, rows: int):
                     _vnni_iq4xs_block(b, blk, i, planes, xd, xm, accs, oaccs)
                 elif name in VNNI_TYPES:
                     _vnni_k_block(b, name, blk, i, planes, xd, xm, accs, oaccs)
-                else:
-                    int16_block(i, 0)
+                else:  # (one group a block: even blocks on one accumulator, odd on the other, as above)
+                    int16_block(i, b.trunc(i, ir.IntType(1)) if fold and subs == 1 else 0)
         if fold:
             sums = [_hsum(b, b.fadd(b.load(h0), b.load(h1), flags=FAST), 8) for h0, h1 in halves]
         else:
