@@ -440,16 +440,18 @@ class EagerStep:
 
     def attention(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0,
                   scale: float | None = None, sinks: str | None = None) -> np.ndarray:
-        c = self.cache[layer]
-        keys, values = c.write(self.start, k, v, blocks=True) if self.be.reads_kv_blocks else \
-            c.write(self.start, k, v)  # [S, Hkv, D], [S, Hkv, Dv]
+        w = self.be.weight(sinks) if sinks is not None else None
+        return self._attend(self.cache[layer], self.start, q, k, v, self.pos, window, scale, w)
+
+    def _attend(self, c, start: int, q, k, v, pos, window: int, scale, sinks) -> np.ndarray:
+        """One sequence's rows: k, v written to its layer cache c at `start`, q attending over
+        what it holds (a backend that reads a quantized cache's blocks gets them as stored)."""
+        keys, values = c.write(start, k, v, blocks=True) if self.be.reads_kv_blocks else \
+            c.write(start, k, v)  # [S, Hkv, D], [S, Hkv, Dv] (a device's caches take no `blocks`)
         rk, rv = c.rotation  # a quantized cache's heads, rotated (cache.hadamard_size)
         if rk:
             q = hadamard(q, rk)  # q.k as before the rotation
-        if sinks is None:
-            out = self.be.attention(q, keys, values, self.pos, window, scale)  # [R, H*Dv]
-        else:
-            out = self.be.attention(q, keys, values, self.pos, window, scale, self.be.weight(sinks))
+        out = self.be.attention(q, keys, values, pos, window, scale, sinks)  # [R, H*Dv]
         return hadamard(out, rv) if rv else out
 
     @staticmethod
@@ -583,12 +585,7 @@ class BatchStep(EagerStep):
         w = self.be.weight(sinks) if sinks is not None else None
         out = []
         for cache, start, sl in zip(self.caches, self.starts, self.slices):
-            c = cache[layer]
-            keys, values = c.write(start, k[sl], v[sl], blocks=True) if self.be.reads_kv_blocks else \
-                c.write(start, k[sl], v[sl])  # [S, Hkv, D], [S, Hkv, Dv]
-            rk, rv = c.rotation  # a quantized cache's heads, rotated (as EagerStep.attention)
-            o = self.be.attention(hadamard(q[sl], rk) if rk else q[sl], keys, values, self.pos[sl], window, scale, w)
-            out.append(hadamard(o, rv) if rv else o)
+            out.append(self._attend(cache[layer], start, q[sl], k[sl], v[sl], self.pos[sl], window, scale, w))
         return np.concatenate(out)  # [R, H*Dv]
 
     def pause(self, layer: int, ids: np.ndarray, logits: np.ndarray, h: np.ndarray) -> None:
