@@ -14,8 +14,8 @@ from numba.core import cgutils
 
 from ...formats.quants import QTYPES_BY_NAME, iq4_values
 from .base import cached
-from .ir_blocks import (FAST, FLT, I16, I32, I64, I8, W, _const, _e8m0_half, _f16, _hsum, _ivec, _k_quants, _load,
-                        _nibbles, _q5_bytes, _q6_quants, _splat, _two, _u32i, _v8, _vec)
+from .ir_blocks import (FAST, FLT, I16, I32, I64, I8, IQ_INT, W, _const, _e8m0_half, _f16, _hsum, _iq_quants,
+                        _ivec, _k_quants, _load, _nibbles, _q5_bytes, _q6_quants, _splat, _two, _u32i, _v8, _vec)
 from .float_dots import _intrinsic_of
 from .target import has_vnni
 
@@ -94,7 +94,9 @@ VNNI_TYPES = ("Q4_K", "Q5_K", "Q6_K", "MXFP4", "Q4_0", "Q5_0", "IQ4_NL", "IQ4_XS
 # per 32. Without VNNI these types keep the paths above.
 PAIRS = {"MXFP4": 12, "Q4_0": 8, "Q5_0": 16, "IQ4_NL": 128}  # type -> c
 INT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K") + (
-    ("MXFP4", "IQ4_NL", "IQ4_XS") if VNNI else ())
+    ("MXFP4", "IQ4_NL", "IQ4_XS") if VNNI else ()) + IQ_INT
+# The types whose groups of 32 weights take two scales (one per 16): their pair sums keep 16 lanes.
+TWO_SCALES = ("Q6_K", "IQ2_XS", "IQ2_S")
 MXFP4_PLUS12 = [int(v) + 12 for v in (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)]
 IQ4_PLUS128 = [int(v) + 128 - (256 if int(v) + 128 > 127 else 0) for v in iq4_values()]  # (as signed bytes)
 
@@ -174,6 +176,9 @@ def _igroups(b, name, blk):
         sc = b.fmul(_splat(b, _f16(b, blk, 208), 16), b.sitofp(_load(b, blk, 192, _vec(I8, 16)), _vec(FLT, 16)))
         return [(off, b.sext(q, V16), [off // 16] * 8 + [off // 16 + 1] * 8)
                 for off, q, _, _ in _q6_quants(b, blk)], sc, None
+    if name in IQ_INT:  # a block's 8 scales (IQ2_XS, IQ2_S: 16, as Q6_K's) at once
+        groups, scales = _iq_quants(b, name, blk)
+        return [(off, b.sext(q, V16), lanes) for off, q, lanes in groups], scales, None
     raise ValueError(name)
 
 
@@ -378,7 +383,7 @@ def _make_idot(name: str, rows: int):
             zero = ir.Constant(_vec(FLT, 16 if vq6 else 8), [0.0] * (16 if vq6 else 8))
         oaccs = [cgutils.alloca_once_value(b, zero) for _ in xq]
         # (Q6_K: two scales to a group)
-        fold = FOLD and name not in VNNI_TYPES and name != "Q6_K"
+        fold = FOLD and name not in VNNI_TYPES and name not in TWO_SCALES
         if fold:  # a row's two accumulators, of a block's even and odd groups
             halves = [[cgutils.alloca_once_value(b, ir.Constant(V8F, [0.0] * 8)) for _ in range(2)] for _ in xq]
         if name in EO_TYPES:  # the values in EO order (quantize_acts): K values into the row
