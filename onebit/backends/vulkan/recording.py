@@ -122,12 +122,14 @@ class Recording:
 
     def shared(self, n: int, shape, dtype=np.float32) -> Val:
         """The n-th buffer of this shape that every pause layer's expert ops use (layers run one
-        at a time). Their ops are kept to be recorded again at replay (passes over row groups),
-        so buffers from the arena would never go back: 3 of [R, k, F] a streamed layer, 555 MiB
-        at 96 rows on the 30B-A3B shape (48 layers), which the memory plan does not count."""
+        at a time), in this recording and every other of the backend (one runs at a time). Their
+        ops are kept to be recorded again at replay (passes over row groups), so buffers from the
+        arena's pool would never go back: 3 of [R, k, F] a streamed layer, 555 MiB at 96 rows on
+        the 30B-A3B shape (48 layers), which the memory plan does not count."""
         key = (n, tuple(shape), np.dtype(dtype).str)
         if key not in self._shared:
-            self._shared[key] = self.fixed(shape, dtype)
+            nbytes = max(16, (int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 15) // 16 * 16)
+            self._shared[key] = Val(self.arena.kept(("pause experts", *key), nbytes), shape, dtype)
         return self._shared[key]
 
     def _sequence(self, ops):

@@ -16,7 +16,7 @@ from .recording import NO_PAUSE_LAYERS, Recording
 
 MIN_CAPACITY = 256
 EXACT_ROWS = 16  # forwards of up to this many rows are recorded for their exact R
-BATCH_RECORDINGS = 16  # recordings over several sequences' rows kept (the last made or used)
+BATCH_RECORDINGS = 32  # recordings over several sequences' rows kept (the last made or used)
 
 
 def row_chunks(n: int, limit: int = MAX_ROWS) -> list[int]:
@@ -179,6 +179,9 @@ class GraphRunner:
         with np.errstate(all="ignore"):  # (a predictor's and a hook's host math: see NumpyBackend.forward)
             for rnd in rounds(counts, limits, [1 if lo else n for lo, n in zip(last_only, counts)],
                               self._logit_rows(cfg)):
+                # (in one order, whatever the order handed in: the same caches with the same rows
+                # replay one recording)
+                rnd = sorted(rnd, key=lambda part: id(seqs[part[0]][1].storage))
                 parts = [(seqs[i][0][s : s + n], seqs[i][1], last_only[i]) for i, s, n in rnd]
                 logits, ok = self._run(model, parts, pauses)
                 finite = finite and ok
