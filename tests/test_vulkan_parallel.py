@@ -2,8 +2,8 @@
 == the numpy reference's forward_batch on the same rows: prompt chunks and decode rows of
 sequences at different positions in one forward, each over its own device cache (f32, a rotated
 q8_0 / q4_0 cache, sliding-window rings that wrap, a hybrid model's recurrent state), streamed
-experts, views that cannot be bound (copied rows), more rows than one recorded forward holds,
-and a cache that grows under a recording. Logits within LOGIT_TOL of the largest reference
+experts (with pauses, and steps by the pool's slot table), views that cannot be bound (copied
+rows), more rows than one recorded forward holds, and a cache that grows under a recording. Logits within LOGIT_TOL of the largest reference
 logit, as tests/test_vulkan_graph.py holds one sequence's forward (Mesa's lavapipe here)."""
 
 from __future__ import annotations
@@ -105,6 +105,32 @@ def test_rings_that_wrap_within_a_step():
     assert_close(run(m, rows, swa_rows=MIN_SWA_ROWS), want)
     assert m.be.recordings > made
     m.close()
+
+
+def test_batched_steps_by_the_slot_table(monkeypatch):
+    """Two sequences decoding together with experts streamed through 14 slots: once a step's
+    experts were all hits, the next runs as one submission whose routers write the slot table
+    (Recording.by_table), refused and run again with pauses where an expert is not pooled.
+    Against every streamed layer pausing: the same logits bit for bit and the same pool counts."""
+    from onebit.memory import pool as P
+
+    monkeypatch.setattr(P, "PROMPT_SHARE", 2.0)  # (as test_vulkan_streaming: no acquire is a scan)
+    runs = {}
+    for table in (True, False):
+        with load("qwen3moe-f32", "vulkan", slots=14, budget="1GiB", predict="off") as m:
+            m.be.runner.pool_table_steps = table
+            ca, cb = m.new_cache(), m.new_cache()
+            out = m.net.forward_batch([(np.arange(3, 11), ca), (np.arange(20, 25), cb)], last_only=[True, True])
+            got = list(out)
+            for _ in range(16):
+                out = m.net.forward_batch([(np.array([int(lg[-1].argmax())]), c) for lg, c in zip(out, (ca, cb))])
+                got += out
+            st, r = m.pool.stats, m.be.runner
+            runs[table] = (np.concatenate(got), (st.hits, st.demand_misses, st.bytes_read),
+                           (r.table_steps, r.table_steps_refused))
+    (got, counts, (tried, refused)), (want, want_counts, none) = runs[True], runs[False]
+    assert np.array_equal(got, want) and counts == want_counts and none == (0, 0)
+    assert tried > refused > 0 and counts[1] > 0  # steps by the table ran, some refused; the pool missed
 
 
 def test_rows_copied_where_a_view_cannot_be_bound(monkeypatch):
