@@ -3,7 +3,8 @@
 sequences at different positions in one forward, each over its own device cache (f32, a rotated
 q8_0 / q4_0 cache, sliding-window rings that wrap, a hybrid model's recurrent state), streamed
 experts (with pauses, and steps by the pool's slot table), views that cannot be bound (copied
-rows), more rows than one recorded forward holds, and a cache that grows under a recording. Logits within LOGIT_TOL of the largest reference
+rows), more rows than one recorded forward holds, a cache that grows under a recording, and
+logits that are not finite in one sequence. Logits within LOGIT_TOL of the largest reference
 logit, as tests/test_vulkan_graph.py holds one sequence's forward (Mesa's lavapipe here)."""
 
 from __future__ import annotations
@@ -198,3 +199,53 @@ def test_rounds():
     # a ring's limit (16 rows) splits a sequence's own rows; all-row logits count against logit_rows
     assert rounds([40, 3], [16, 256], [40, 3], 20) == [[(0, 0, 16), (1, 0, 3)], [(0, 16, 16)], [(0, 32, 8)]]
     assert rounds([40, 3], [16, 256], [40, 3], 18) == [[(0, 0, 16)], [(0, 16, 16)], [(0, 32, 8), (1, 0, 3)]]
+
+
+def test_nonfinite_logits_of_one_sequence_stop_the_batch(tmp_path):
+    """A sequence whose first row's logits are NaN and last rows' are not (an expert of the last
+    layer only that row routes to, poisoned: as tests/test_nonfinite.py): beside another
+    sequence, a forward returning its every row stops with the error naming the experts (also
+    where that row is in an earlier chunk: 20 rows, 16 + 4); returning last rows only does not."""
+    from onebit.errors import NonFiniteError
+    from test_nonfinite import _poison, _routed_first_not_last
+
+    ref = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu")
+    ids, e = _routed_first_not_last(ref, 20)
+    with onebit.load(_poison(tmp_path, f"blk.{ref.cfg.n_layers - 1}.ffn_down_exps.weight", np.nan, where=e),
+                     backend="vulkan") as m:
+        assert m.be.name == "vulkan"
+        for rows in (3, 20):
+            both = [(ids[:rows], m.new_cache()), (ids[:rows], m.new_cache())]
+            assert all(np.isfinite(lg).all() for lg in m.net.forward_batch(both, last_only=[True, True]))
+            with pytest.raises(NonFiniteError, match="experts"):
+                m.net.forward_batch([(ids[:rows], m.new_cache()), (ids[:rows], m.new_cache())],
+                                    last_only=[True, False])
+
+
+def test_nonfinite_logits_of_an_earlier_chunk_are_reported(tmp_path):
+    """A 20-row prompt keeping its last row's logits runs as 16 + 4 rows, each chunk's head on
+    its last row: where row 15's logits are NaN (an expert of the last layer that it routes to
+    and rows 16-19 do not, poisoned), its forward stops, beside another sequence as alone."""
+    from onebit.errors import NonFiniteError
+    from test_nonfinite import _poison
+
+    ref = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="cpu")
+    last, rng = ref.cfg.n_layers - 1, np.random.default_rng(6)
+    for _ in range(200):
+        ids = rng.integers(1, ref.cfg.vocab_size, 20)
+        seen = {}
+        ref.net.forward(ids, ref.new_cache(), hook=lambda layer, e, _: seen.setdefault(layer, e))
+        alone = [int(e) for e in seen[last][15] if not any(e in seen[last][r] for r in range(16, 20))]
+        if alone:
+            break
+    else:
+        raise AssertionError("no such prompt in 200 tries")
+    p = _poison(tmp_path, f"blk.{last}.ffn_down_exps.weight", np.nan, where=alone[0])
+    with onebit.load(p, backend="vulkan") as m:
+        assert m.be.name == "vulkan"
+        with pytest.raises(NonFiniteError, match="experts"):
+            m.net.forward(ids, m.new_cache(), last_only=True)
+        other = ids[:5]  # (its last row's logits are finite)
+        assert np.isfinite(m.net.forward(other, m.new_cache(), last_only=True)).all()
+        with pytest.raises(NonFiniteError, match="experts"):
+            m.net.forward_batch([(other, m.new_cache()), (ids, m.new_cache())], last_only=[True, True])

@@ -139,8 +139,6 @@ class GraphRunner:
     def _forward(self, model, ids: np.ndarray, cache: DeviceCache, pauses: Pauses,
                  last_only: bool) -> tuple[np.ndarray, bool]:
         cfg, kv, n = model.cfg, cache.storage, len(ids)
-        # A hook that only observes (pauses.observing, e.g. a routing trace) is called after the
-        # step with every layer's ids; a client that acts pauses every MoE layer.
         limit = min(MAX_ROWS if last_only else self._logit_rows(cfg), kv.forward_rows)
         out, s, finite = [], 0, True
         for R in row_chunks(n, limit):  # with last_only, every chunk's head runs on its last row only
@@ -175,6 +173,7 @@ class GraphRunner:
         limits = [min(MAX_ROWS if lo else self._logit_rows(cfg), c.storage.forward_rows)
                   for lo, (_, c) in zip(last_only, seqs)]
         got: list[list[np.ndarray]] = [[] for _ in seqs]
+        bad: list[Optional[np.ndarray]] = [None] * len(seqs)  # per sequence: its first logits not all finite
         finite = True
         with np.errstate(all="ignore"):  # (a predictor's and a hook's host math: see NumpyBackend.forward)
             for rnd in rounds(counts, limits, [1 if lo else n for lo, n in zip(last_only, counts)],
@@ -187,13 +186,17 @@ class GraphRunner:
                 finite = finite and ok
                 kept = [1 if lo and len(ids) > 1 else len(ids) for ids, _, lo in parts]
                 for (i, _, _), lg in zip(rnd, np.split(logits, np.cumsum(kept)[:-1])):
+                    if not ok and bad[i] is None and not np.isfinite(lg).all():
+                        bad[i] = lg
                     got[i].append(lg)
         out = []
-        for lo, rows in zip(last_only, got):
+        for lo, rows, b in zip(last_only, got, bad):
             if not rows:  # (no rows)
                 out.append(np.zeros((0, cfg.vocab_size), np.float32))
+            elif lo:  # (an earlier chunk's logits that were not finite, where the last chunk's are: reported)
+                out.append(rows[-1] if b is None else b)
             else:
-                out.append(rows[-1] if lo or len(rows) == 1 else np.concatenate(rows))
+                out.append(rows[0] if len(rows) == 1 else np.concatenate(rows))
         return out, finite
 
     def _run(self, model, parts: list, pauses: Pauses) -> tuple[np.ndarray, bool]:
@@ -201,6 +204,8 @@ class GraphRunner:
         several sequences' (each within the rows its rings hold), every cache moved on by its
         rows. (logits: one sequence's, or each one's kept rows in order; whether all are finite)"""
         cfg = model.cfg
+        # A hook that only observes (pauses.observing, e.g. a routing trace) is called after the
+        # step with every layer's ids; a client that acts pauses every MoE layer.
         layers = pauses.layers(cfg, self.be.streamed_layers)
         observe = pauses.observing
         R = sum(len(ids) for ids, _, _ in parts)
