@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 NO_PAUSE_LAYERS: frozenset = frozenset()  # a recording's pause layers where nothing pauses
 
 
-class Rows:
+class SequenceRows:
     """One sequence's rows in a recording: rows r0 .. r0 + n - 1, at the next positions of the
     sequence whose K/V (and recurrent state) storage is `kv`; `pos` holds their positions on
     the device (`host`: the mapped view a replay writes), `last_only`: only the last row's logits."""
@@ -77,17 +77,17 @@ class Recording:
         self._chain: Optional[list] = None  # GreedyChain's parts (chain())
         self.n_replays = 0
         self.closed = False
-        self.seqs: list[Rows] = []
+        self.seqs: list[SequenceRows] = []
         try:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
             if not seqs:
-                self.seqs = [Rows(kv, 0, R, last_only, self.pos, None)]
+                self.seqs = [SequenceRows(kv, 0, R, last_only, self.pos, None)]
             r0 = 0
             for storage, n, lo in seqs:  # (each its own positions: a binding's offset must be aligned)
                 p = self.fixed((n,), np.int32)
-                self.seqs.append(Rows(storage, r0, n, lo, p.s, p.host()))
+                self.seqs.append(SequenceRows(storage, r0, n, lo, p.s, p.host()))
                 r0 += n
             if by_table:  # set by a router that found an expert outside the pool
                 self.miss = self.fixed((1,), np.int32)
