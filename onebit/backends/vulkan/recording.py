@@ -335,7 +335,7 @@ class Recording:
         self.closed = True
         if self.kv is None:
             for sq in self.seqs:
-                for key in [key for key, r in sq.kv.recordings.items() if r is self]:
+                for key in [key for key, r in list(sq.kv.recordings.items()) if r is self]:
                     del sq.kv.recordings[key]
         if self._chain is not None:
             # a chain's queued step may still be running (a generator left suspended, then the
