@@ -100,7 +100,7 @@ def serve(
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     parallel: int = typer.Option(1, "--parallel", "-np", help="Requests decoded together, their forwards batched "
                                  "(as llama-server's -np): a KV cache of the whole context each, counted by the "
-                                 "memory plan (cpu and numpy backends)."),
+                                 "memory plan (vulkan, cpu and numpy backends)."),
     cache_ram: Optional[int] = typer.Option(None, "--cache-ram", "-cram", help="MiB of host memory for prompt "
                                             "prefixes saved beside the slots' caches (as llama-server's), "
                                             "counted by the memory plan; the least recently used is dropped "

@@ -1,7 +1,8 @@
 """Several sequences in one forward (Runner.forward_batch, serve's --parallel): each sequence's
 greedy tokens are those it gets alone, token for token, whatever runs beside it, joining and
-leaving at any step, on the numpy reference and the cpu backend; MoE, hybrid (Gated DeltaNet:
-recurrent state per sequence), sliding-window rings and attention sinks."""
+leaving at any step, on the numpy reference, the cpu backend and Vulkan (Mesa's lavapipe here);
+MoE, hybrid (Gated DeltaNet: recurrent state per sequence), sliding-window rings and attention
+sinks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from onebit.errors import UsageError
 # qwen3moe: MoE; qwen3next: hybrid; gemma3: sliding-window rings (sized to wrap here);
 # gptoss: sliding window, sinks and biased experts
 FIXTURES = ["qwen3moe-f32", "qwen3next-f32", "gemma3-f32", "gptoss-f32"]
-BACKENDS = ["numpy", "cpu"]
+BACKENDS = ["numpy", "cpu", "vulkan"]
 STEPS = 12  # greedy tokens per sequence
 
 _models: dict = {}
@@ -26,6 +27,7 @@ def load(name: str, backend: str):
     key = (name, backend)
     if key not in _models:
         _models[key] = onebit.load(fixture_path(f"{name}.gguf"), backend=backend)
+    assert _models[key].be.name == backend  # (not a fallback)
     return _models[key]
 
 
@@ -127,6 +129,7 @@ def test_streamed_experts_read_once_per_step_for_every_sequence(backend):
     ids = prompts(resident, 4)
     want = [alone(resident, p)[0] for p in ids]
     apart = onebit.load(path, backend=backend, slots=3, budget="1GiB")
+    assert apart.be.name == backend and apart.pool is not None
     assert [alone(apart, p)[0] for p in ids] == want
     together_ = onebit.load(path, backend=backend, slots=3, budget="1GiB")
     assert together(together_, ids, joins=[0, 0, 0, 0])[0] == want

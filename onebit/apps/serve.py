@@ -256,7 +256,7 @@ class Engine:
         self.first = (self.model_id, model.path)  # the model served at start stays one of them
         if parallel > 1 and not model.be.batches_sequences:
             raise UsageError(f"--parallel {parallel}: the {model.be.name} backend runs one sequence per forward "
-                             "(use --parallel 1, or a backend that batches sequences: --backend cpu or numpy)")
+                             "(use --parallel 1, or a backend that batches sequences: --backend vulkan, cpu or numpy)")
         self.parallel = parallel
         # what the last requests left, reused by the next
         self.slots = [Slot(i, PrefixCache(model.new_cache())) for i in range(parallel)]

@@ -24,6 +24,7 @@ class Arena:
         self.dev = dev
         self._free: dict[int, deque[tuple[Slice, int]]] = defaultdict(deque)
         self._buffers: list[Buffer] = []
+        self._kept: dict = {}  # see kept()
         self.clock = lambda: 0  # ops recorded so far (set by the recording being made)
 
     def take(self, nbytes: int) -> Slice:
@@ -39,6 +40,17 @@ class Arena:
         self._buffers.append(buf)
         return buf.slice(0, size)
 
+    def kept(self, key, nbytes: int) -> Slice:
+        """A zeroed buffer of nbytes by `key`, made once, that recordings bind for good (the same
+        one for every recording that asks: only one runs at a time)."""
+        s = self._kept.get(key)
+        if s is None:
+            buf = self.dev.buffer(nbytes)
+            buf.write(np.zeros(nbytes, np.uint8))
+            self._buffers.append(buf)
+            s = self._kept[key] = buf.slice(0, nbytes)
+        return s
+
     def give(self, s: Slice) -> None:
         self._free[s.size].append((s, self.clock()))
 
@@ -49,7 +61,7 @@ class Arena:
     def close(self) -> None:
         for b in self._buffers:
             b.destroy()
-        self._buffers, self._free = [], defaultdict(deque)
+        self._buffers, self._free, self._kept = [], defaultdict(deque), {}
 
 
 class Val:

@@ -39,6 +39,7 @@ class VulkanBackend(Backend):
     name = "vulkan"
     runs_on_host = False
     reads_map = False  # the model file is read at load, to record a new shape (gguf.reads counts those) and by a pool
+    batches_sequences = True  # (recordings over several sequences' rows: runner.GraphRunner.forward_batch)
 
     @property
     def overlaps_host(self) -> bool:
@@ -213,6 +214,14 @@ class VulkanBackend(Backend):
     def forward(self, model, ids: np.ndarray, cache, pauses: Pauses = NO_PAUSES,
                 last_only: bool = False) -> tuple[np.ndarray, bool]:
         return self.runner.forward(model, ids, cache, pauses, last_only)
+
+    def forward_batch(self, model, seqs, pauses: Pauses = NO_PAUSES,
+                      last_only: tuple = ()) -> tuple[list[np.ndarray], bool]:
+        """`forward` over the rows of several sequences at once (see NumpyBackend.forward_batch):
+        one recorded forward whose linear and expert ops run over every row (a streamed expert
+        acquired once for all of them at its pause), attention and recurrent state per sequence
+        over its own device cache."""
+        return self.runner.forward_batch(model, seqs, pauses, last_only)
 
     def greedy_chain(self, model, cache, limit=None):
         """Greedy decoding a step ahead on the device (chain.GreedyChain), where a step needs

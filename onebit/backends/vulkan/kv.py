@@ -115,7 +115,9 @@ class DeviceKV:
             vb.destroy()
 
     def drop_recordings(self) -> None:
-        for r in self.recordings.values():
+        """Close every recording over these buffers (one over several sequences' storages leaves
+        the others' lists too)."""
+        for r in list(self.recordings.values()):
             r.close()
         self.recordings = {}
 

@@ -105,49 +105,109 @@ class Recorder:
 
     def attention(self, layer: int, q: Val, k: Val, v: Val, window: int = 0, scale: Optional[float] = None,
                   sinks: Optional[str] = None) -> Val:
-        R, H, D = q.shape
-        _, Hkv, Dv = v.shape
-        kv = self.rec.kv
+        sk = self.be.consts.vec(sinks) if sinks is not None else None
+        seqs = self.rec.seqs
+        if len(seqs) == 1:
+            return self._attend(layer, seqs[0], q, *self._store(layer, seqs[0], k, v), window, scale, sk)
+        # Several sequences: each one's rows written into its own cache, then each attending over
+        # it with the rows it has alone (all writes first: one barrier between them and the reads).
+        stored = {sq.r0: self._store(layer, sq, self._part(k, sq), self._part(v, sq)) for sq in seqs}
+        return self._per_sequence((q.rows, q.shape[1] * v.shape[2]), lambda sq, into: self._attend(
+            layer, sq, self._part(q, sq), *stored[sq.r0], window, scale, sk, into))
+
+    def _store(self, layer: int, sq, k: Val, v: Val) -> tuple[Val, Val, int, int]:
+        """Write sequence sq's rows k [n, Hkv, D] and v [n, Hkv, Dv] into its layer cache at their
+        positions; return the keys and values its attention reads ([n_kv, Hkv, D or Dv]: the
+        cache itself, or its rows decoded from ggml blocks) and their rotations (0: none)."""
+        n, Hkv, D = k.shape
+        Dv = v.shape[2]
+        kv = sq.kv
         kc, vc = kv.k_slice(layer), kv.v_slice(layer)
         n_kv = kv.rows(layer)  # position p in row p % n_kv (a sliding-window ring wraps)
-        rk = rv = 0
         if kv.types.plain:
-            self.k.set_rows(self.seq, k.s, self.rec.pos, kc, R, Hkv * D, dst_rows=n_kv)
-            self.k.set_rows(self.seq, v.s, self.rec.pos, vc, R, Hkv * Dv, dst_rows=n_kv)
-        else:  # ggml blocks: the attention reads every row decoded into float32 scratch
-            kf, rk = self._store_blocks(k, kc, kv.types.k, kv.keys[layer], n_kv)  # [n_kv, Hkv, D]
-            vf, rv = self._store_blocks(v, vc, kv.types.v, kv.values[layer], n_kv)  # [n_kv, Hkv, Dv]
-            kc, vc = kf.s, vf.s
-            if rk:  # rotated heads (cache.hadamard_size): q too, so q.k is as before
-                turned = self._new(q.shape)
-                self.k.hadamard(self.seq, q.s, turned.s, q.size, rk)
-                q = turned
-        out = self._new((R, H * Dv))
-        sk = self.be.consts.vec(sinks) if sinks is not None else None
-        self.k.attention(self.seq, q.s, kc, vc, self.rec.pos, out.s, R, H, Hkv, D, Dv, n_kv, window, scale, sk)
+            self.k.set_rows(self.seq, k.s, sq.pos, kc, n, Hkv * D, dst_rows=n_kv)
+            self.k.set_rows(self.seq, v.s, sq.pos, vc, n, Hkv * Dv, dst_rows=n_kv)
+            return Val(kc, (n_kv, Hkv, D)), Val(vc, (n_kv, Hkv, Dv)), 0, 0
+        # ggml blocks: the attention reads every row decoded into float32 scratch
+        kf, rk = self._store_blocks(k, kc, kv.types.k, kv.keys[layer], n_kv, sq.pos)  # [n_kv, Hkv, D]
+        vf, rv = self._store_blocks(v, vc, kv.types.v, kv.values[layer], n_kv, sq.pos)  # [n_kv, Hkv, Dv]
+        return kf, vf, rk, rv
+
+    def _attend(self, layer: int, sq, q: Val, keys: Val, values: Val, rk: int, rv: int, window: int,
+                scale: Optional[float], sinks: Optional[Slice], into: Optional[Val] = None) -> Val:
+        """Sequence sq's rows q [n, H, D] attending over its layer cache (keys, values as `_store`
+        gave them) -> [n, H * Dv], written into `into` where given."""
+        n, H, D = q.shape
+        n_kv, Hkv, Dv = values.shape
+        if rk:  # rotated heads (cache.hadamard_size): q too, so q.k is as before
+            turned = self._new(q.shape)
+            self.k.hadamard(self.seq, q.s, turned.s, q.size, rk)
+            q = turned
+        out = into if into is not None and not rv else self._new((n, H * Dv))
+        self.k.attention(self.seq, q.s, keys.s, values.s, sq.pos, out.s, n, H, Hkv, D, Dv, n_kv, window, scale, sinks)
         if rv:  # and the output back
-            back = self._new(out.shape)
+            back = into if into is not None else self._new(out.shape)
             self.k.hadamard(self.seq, out.s, back.s, out.size, rv)
             out = back
         return out
 
-    def _store_blocks(self, x: Val, cache: Slice, type_name: str, rows, n_kv: int) -> tuple[Val, int]:
+    def _store_blocks(self, x: Val, cache: Slice, type_name: str, rows, n_kv: int, pos: Slice) -> tuple[Val, int]:
         """Write rows x [R, Hkv, W] into a layer's K or V cache of ggml blocks (`rows`: its host
-        view, KVRows, which says the rotation) at the rows' positions; return every row of it
+        view, KVRows, which says the rotation) at positions `pos`; return every row of it
         decoded, still rotated: [n_kv, Hkv, W], and the rotation (0: none)."""
         R, Hkv, W = x.shape
         t = type_name.upper()
         if t == "F32":  # (one of K and V quantized, the other not)
-            self.k.set_rows(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, dst_rows=n_kv)
+            self.k.set_rows(self.seq, x.s, pos, cache, R, Hkv * W, dst_rows=n_kv)
             return Val(cache, (n_kv, Hkv, W)), 0
         if rows.rot:
             turned = self._new(x.shape)
             self.k.hadamard(self.seq, x.s, turned.s, R * Hkv * W, rows.rot)
             x = turned
-        self.k.set_rows_q(self.seq, x.s, self.rec.pos, cache, R, Hkv * W, t, rows.raw[0].nbytes, dst_rows=n_kv)
+        self.k.set_rows_q(self.seq, x.s, pos, cache, R, Hkv * W, t, rows.raw[0].nbytes, dst_rows=n_kv)
         out = self._new((n_kv, Hkv, W))
-        self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t, self.rec.pos, R)
+        self.k.kv_rows(self.seq, cache, self.be.consts.rows(n_kv), out.s, n_kv, Hkv * W, t, pos, R)
         return out, rows.rot
+
+    # -- several sequences' rows (Recording's seqs) ---------------------------------------------
+
+    def _rows_of(self, x: Val, sq) -> Optional[Val]:
+        """Sequence sq's rows of x as a view of its buffer, or None where their offset is not
+        aligned for a binding."""
+        if sq.r0 == 0 and sq.n == x.rows:
+            return x
+        rb = x.width * np.dtype(x.dtype).itemsize
+        off = x.s.offset + sq.r0 * rb
+        if off % self.be.dev.info.min_storage_buffer_offset_alignment:
+            return None
+        return Val(Slice(x.s.buffer, off, sq.n * rb), (sq.n, *x.shape[1:]), x.dtype, base=x)
+
+    def _part(self, x: Val, sq) -> Val:
+        """Sequence sq's rows of x: a view, or a copy where a view could not be bound."""
+        view = self._rows_of(x, sq)
+        if view is not None:
+            return view
+        rb = x.width * np.dtype(x.dtype).itemsize
+        out = self._new((sq.n, *x.shape[1:]), x.dtype)
+        self.seq.copy(Slice(x.s.buffer, x.s.offset + sq.r0 * rb, sq.n * rb), Slice(out.s.buffer, out.s.offset, sq.n * rb))
+        return out
+
+    def _per_sequence(self, shape, fn) -> Val:
+        """An op over each sequence's own state: fn(sq, into) records it for sequence sq's rows,
+        writing into `into` (its rows of the result, a view) where given, else into a value it
+        returns, copied there. One sequence: fn's own value."""
+        seqs = self.rec.seqs
+        if len(seqs) == 1:
+            return fn(seqs[0], None)
+        out = self._new(shape)
+        for sq in seqs:
+            into = self._rows_of(out, sq)
+            y = fn(sq, into)
+            if into is None:
+                rb = y.width * np.dtype(y.dtype).itemsize
+                self.seq.copy(Slice(y.s.buffer, y.s.offset, sq.n * rb),
+                              Slice(out.s.buffer, out.s.offset + sq.r0 * rb, sq.n * rb))
+        return out
 
     def residual(self, x: Val, y: Val) -> Val:
         """x + y where the schedule uses neither again: when y's last ops can add into x's
@@ -312,10 +372,15 @@ class Recorder:
 
     def ssm_conv(self, layer: int, x: Val, name: str) -> Val:
         R, C = x.shape
-        out = self._new((R, C))
-        self.k.ssm_conv(self.seq, x.s, self.rec.kv.conv_slice(layer), self.be.consts.vec(name), out.s, R, C,
-                        self.cfg.ssm_conv_kernel)
-        return out
+        w = self.be.consts.vec(name)
+
+        def conv(sq, into: Optional[Val]) -> Val:  # over the sequence's own conv history
+            out = into if into is not None else self._new((sq.n, C))
+            self.k.ssm_conv(self.seq, self._part(x, sq).s, sq.kv.conv_slice(layer), w, out.s, sq.n, C,
+                            self.cfg.ssm_conv_kernel)
+            return out
+
+        return self._per_sequence((R, C), conv)
 
     def gdn_gates(self, b: Val, a: Val, dt: str, A: str):
         R, H = b.rows, b.width
@@ -326,13 +391,32 @@ class Recorder:
     def delta_rule(self, layer: int, q: Val, k: Val, v: Val, g: Val, beta: Val, eps: float, tiled: bool = False) -> Val:
         R, Hk, D = q.shape
         Hv = v.shape[1]
-        out = self._new((R, Hv, D))
-        # a prompt chunk: the chunked form (see Kernels.delta_chunk_min_rows); decode / verify rows: one step per row
-        step = self.k.delta_chunk if 0 < self.k.delta_chunk_min_rows <= R else self.k.delta_rule
-        step(self.seq, q.s, k.s, v.s, g.s, beta.s, self.rec.kv.state_slice(layer), out.s, R, Hk, Hv, D, eps, tiled)
-        return out
+
+        def delta(sq, into: Optional[Val]) -> Val:  # over the sequence's own state, with the rows it has alone
+            n = sq.n
+            out = into if into is not None else self._new((n, Hv, D))
+            # a prompt chunk: the chunked form (see Kernels.delta_chunk_min_rows); decode / verify rows: one step per row
+            step = self.k.delta_chunk if 0 < self.k.delta_chunk_min_rows <= n else self.k.delta_rule
+            qi, ki, vi, gi, bi = (self._part(t, sq) for t in (q, k, v, g, beta))
+            step(self.seq, qi.s, ki.s, vi.s, gi.s, bi.s, sq.kv.state_slice(layer), out.s, n, Hk, Hv, D, eps, tiled)
+            return out
+
+        return self._per_sequence((R, Hv, D), delta)
 
     def last_row(self, x: Val) -> Val:
+        """The last row of x; of several sequences' rows: each one's last row, or all its rows
+        where it keeps every row's logits."""
+        seqs = self.rec.seqs
+        if len(seqs) > 1:
+            rb = x.width * 4
+            keep = [(sq.r0 + sq.n - 1, 1) if sq.last_only else (sq.r0, sq.n) for sq in seqs]
+            out = self._new((sum(n for _, n in keep), *x.shape[1:]))
+            at = 0
+            for r0, n in keep:
+                self.seq.copy(Slice(x.s.buffer, x.s.offset + r0 * rb, n * rb),
+                              Slice(out.s.buffer, out.s.offset + at * rb, n * rb))
+                at += n
+            return out
         off = (x.rows - 1) * x.width * 4
         if off % self.be.dev.info.min_storage_buffer_offset_alignment == 0:
             return Val(Slice(x.s.buffer, x.s.offset + off, x.width * 4), (1, *x.shape[1:]), base=x)

@@ -31,7 +31,7 @@ import numpy as np
 from ...pause import NO_PAUSES, PauseContext, Pauses
 from ..experts import StreamedExperts
 from .arena import Val
-from .device import Buffer, Fence
+from .device import Buffer, Fence, Slice
 from .kv import DeviceKV
 from .recorder import PausePoint, Recorder
 
@@ -40,11 +40,24 @@ log = logging.getLogger(__name__)
 NO_PAUSE_LAYERS: frozenset = frozenset()  # a recording's pause layers where nothing pauses
 
 
-class Recording:
-    """One model forward over R rows against one KV storage, recorded once and replayed."""
+class SequenceRows:
+    """One sequence's rows in a recording: rows r0 .. r0 + n - 1, at the next positions of the
+    sequence whose K/V (and recurrent state) storage is `kv`; `pos` holds their positions on
+    the device (`host`: the mapped view a replay writes), `last_only`: only the last row's logits."""
 
-    def __init__(self, be, model, kv: DeviceKV, R: int, last_only: bool, pause_layers: frozenset,
-                 observe: bool = False, by_table: bool = False):
+    def __init__(self, kv: DeviceKV, r0: int, n: int, last_only: bool, pos: Slice, host: Optional[np.ndarray]):
+        self.kv, self.r0, self.n, self.last_only, self.pos, self.host = kv, r0, n, last_only, pos, host
+
+
+class Recording:
+    """One model forward over R rows, recorded once and replayed: the rows of one sequence, or
+    of several (`seqs`), each at its own KV storage's next positions."""
+
+    def __init__(self, be, model, kv: Optional[DeviceKV], R: int, last_only: bool, pause_layers: frozenset,
+                 observe: bool = False, by_table: bool = False, seqs: tuple = ()):
+        """seqs: several sequences' rows, ((storage, rows, last_only), ...) in row order, every
+        other op over all their rows together (kv is then None, R their sum, last_only whether
+        any keeps only its last row's logits)."""
         self.be, self.model, self.cfg, self.kv = be, model, model.cfg, kv
         self.dev, self.R, self.last_only, self.pause_layers = be.dev, R, last_only, pause_layers
         self.observe = observe  # keep every MoE layer's ids and logits for an observing hook
@@ -63,10 +76,19 @@ class Recording:
         self.segments = []
         self._chain: Optional[list] = None  # GreedyChain's parts (chain())
         self.n_replays = 0
+        self.closed = False
+        self.seqs: list[SequenceRows] = []
         try:
             tok, pos = self.fixed((R,), np.int32), self.fixed((R,), np.int32)
             self.tok, self.pos = tok.s, pos.s
             self._tok, self._pos = tok.host(), pos.host()
+            if not seqs:
+                self.seqs = [SequenceRows(kv, 0, R, last_only, self.pos, None)]
+            r0 = 0
+            for storage, n, lo in seqs:  # (each its own positions: a binding's offset must be aligned)
+                p = self.fixed((n,), np.int32)
+                self.seqs.append(SequenceRows(storage, r0, n, lo, p.s, p.host()))
+                r0 += n
             if by_table:  # set by a router that found an expert outside the pool
                 self.miss = self.fixed((1,), np.int32)
                 self._miss = self.miss.host()
@@ -87,8 +109,8 @@ class Recording:
             self.close()
             raise
         be.recordings += 1
-        log.info("vulkan: recorded %s rows=%d: %d dispatches in %d segments, KV capacity %d", model.cfg.arch, R,
-                 len(ops), len(self.segments), kv.capacity)
+        log.info("vulkan: recorded %s rows=%d: %d dispatches in %d segments, KV capacity %s", model.cfg.arch, R,
+                 len(ops), len(self.segments), "/".join(str(sq.kv.capacity) for sq in self.seqs))
 
     def fixed(self, shape, dtype=np.float32) -> Val:
         """A zeroed buffer of this recording's own (inputs, outputs the host reads or writes)."""
@@ -100,12 +122,14 @@ class Recording:
 
     def shared(self, n: int, shape, dtype=np.float32) -> Val:
         """The n-th buffer of this shape that every pause layer's expert ops use (layers run one
-        at a time). Their ops are kept to be recorded again at replay (passes over row groups),
-        so buffers from the arena would never go back: 3 of [R, k, F] a streamed layer, 555 MiB
-        at 96 rows on the 30B-A3B shape (48 layers), which the memory plan does not count."""
+        at a time), in this recording and every other of the backend (one runs at a time). Their
+        ops are kept to be recorded again at replay (passes over row groups), so buffers from the
+        arena's pool would never go back: 3 of [R, k, F] a streamed layer, 555 MiB at 96 rows on
+        the 30B-A3B shape (48 layers), which the memory plan does not count."""
         key = (n, tuple(shape), np.dtype(dtype).str)
         if key not in self._shared:
-            self._shared[key] = self.fixed(shape, dtype)
+            nbytes = max(16, (int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize + 15) // 16 * 16)
+            self._shared[key] = Val(self.arena.kept(("pause experts", *key), nbytes), shape, dtype)
         return self._shared[key]
 
     def _sequence(self, ops):
@@ -126,9 +150,14 @@ class Recording:
         self._bad[0] = 0
         if self.R == 1:  # (a decode step: item writes cost less than the array ops)
             self._tok[0], self._pos[0] = tokens[0], start
-        else:
+        elif self.kv is not None:
             self._tok[:] = tokens
             np.add(self._rows, start, out=self._pos)
+        else:  # several sequences: start holds each one's first position
+            self._tok[:] = tokens
+            for sq, at in zip(self.seqs, start):
+                np.add(self._rows[: sq.n], at, out=sq.host)
+                self._pos[sq.r0 : sq.r0 + sq.n] = sq.host
         # Work a hook put off, done while the device runs; not on a CPU device, whose threads
         # it slows (lavapipe, qwen3moe-f32: a routing trace's formatting there made a 1.8 ms
         # step 230-270 us longer than leaving it to TraceWriter.BATCH).
@@ -149,8 +178,11 @@ class Recording:
         if predicting:
             kv = self.kv
             frozen: dict = {}  # recurrent layers ahead: their state before this step, read before the device moves it
-            ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l],
-                               frozen.__getitem__ if self.cfg.recurrent_layers else None)
+            if kv is None:  # several sequences: no one cache to show (a predictor that reads none: router)
+                ctx = PauseContext(0, self.R, None, None)
+            else:
+                ctx = PauseContext(start, self.R, lambda l: kv.keys[l], lambda l: kv.values[l],
+                                   frozen.__getitem__ if self.cfg.recurrent_layers else None)
         # Experts still pinned for a segment that has finished: released after the next
         # submission, so that the host's work between two segments (the device idle) is only
         # what the next one needs (unless this layer's experts need those slots: _at_pause).
@@ -297,6 +329,14 @@ class Recording:
         return self._chain
 
     def close(self) -> None:
+        """Free what it recorded (once; a recording over several storages leaves each one's list)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.kv is None:
+            for sq in self.seqs:
+                for key in [key for key, r in list(sq.kv.recordings.items()) if r is self]:
+                    del sq.kv.recordings[key]
         if self._chain is not None:
             # a chain's queued step may still be running (a generator left suspended, then the
             # storage grown or the model closed): nothing it writes is freed under it
