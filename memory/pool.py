@@ -42,6 +42,7 @@ READERS = 4  # reader threads (reads in flight). 2, 4, 8 on the 30B-A3B shape's 
 PROMPT_SHARE = 0.75  # an acquire of this share of a layer's experts is a scan (a prompt's chunk): see _scan_victim
 READ_AHEAD = 1  # the stream region holds this many layers' experts beside the scanned layer's
 DEMAND, PREFETCH, WARM = 0, 1, 2  # read priorities: a smaller one is read first
+KEEP_WARMED = 2  # warmed experts no acquire used yet are evicted last for this many acquires a layer (see warm)
 
 
 class StreamReadError(OnebitError):
@@ -273,6 +274,9 @@ class ExpertPool(StreamedExperts):
         # unpinned slots that no prefetch is waiting to be used from, oldest first
         self.stream_from = [len(ss) - self._stream_slots(ci, len(ss)) for ci, ss in enumerate(self.slots)]
         self.lru_stream: list[OrderedDict] = [OrderedDict() for _ in classes]
+        # unpinned slots warming filled and no acquire used yet, while they are kept (see warm)
+        self.lru_warm: list[OrderedDict] = [OrderedDict() for _ in classes]
+        self._warm_until = -1  # the acquire count at which they stop being kept (-1: none are)
         for ss in self.slots:
             for s in ss:
                 self._to_lru(s)
@@ -332,6 +336,7 @@ class ExpertPool(StreamedExperts):
             self._check_open()
             self.stats.acquires += 1
             self._count_uses(layer, experts)
+            self._keep_warmed()
             # Pin the resident experts first, so a miss below cannot evict one of them.
             got: dict[int, _Slot] = {}
             per = self.by_layer[layer]
@@ -433,6 +438,7 @@ class ExpertPool(StreamedExperts):
                 self.stats.acquires += 1
                 experts = [int(e) for e in experts]
                 self._count_uses(layer, experts)
+                self._keep_warmed()
                 for e in experts:
                     s = where.get((layer, e))
                     if s is None or table is None or table[layer, e] != s.index:
@@ -442,7 +448,10 @@ class ExpertPool(StreamedExperts):
                     if s.warmed:
                         self.stats.warm_hits += 1
                         s.warmed = False
-                    if s.pins == 0:
+                        if s.pins == 0:
+                            self._off_lru(s)
+                            self._to_lru(s)
+                    elif s.pins == 0:
                         lru[s.cls].move_to_end(id(s))
                         if id(s) in self.lru_stream[s.cls]:
                             self.lru_stream[s.cls].move_to_end(id(s))
@@ -488,8 +497,12 @@ class ExpertPool(StreamedExperts):
         reader free. Only slots empty now and outside the stream region (the global policy's:
         kept for the first misses and a prompt's scans) are filled, never an expert evicted for
         it, so warming stops at those slots; one a demand read takes first is not warmed. Experts
-        that no slot is left for are dropped. Changes which reads happen, never what a forward
-        computes. Returns how many experts are queued; `stats` counts what became of them."""
+        that no slot is left for are dropped. For the next KEEP_WARMED acquires a layer (about as
+        many forwards) a miss evicts a warmed expert no acquire used yet only when no other slot
+        is free: under plain LRU a first prompt's misses at one layer would evict what was warmed
+        for the layers after it, which it has not reached yet; after them, those left unused are
+        the least recently used. Changes which reads happen, never what a forward computes.
+        Returns how many experts are queued; `stats` counts what became of them."""
         queued = []
         with self.lock:
             self._check_open()
@@ -514,6 +527,7 @@ class ExpertPool(StreamedExperts):
                     queued_keys.add((layer, e))
             self._warm_slots = room
             self._warm = queued[::-1]
+            self._warm_until = self.stats.acquires + KEEP_WARMED * len(self.uses)
             self.stats.warm_start = source
             self.lock.notify_all()
         return len(queued)
@@ -594,7 +608,11 @@ class ExpertPool(StreamedExperts):
         s.pins += 1
 
     def _to_lru(self, s: _Slot) -> None:
-        """An unpinned slot, as the most recently used."""
+        """An unpinned slot, as the most recently used (one warming filled: kept apart while
+        warmed experts are kept)."""
+        if s.warmed and self._warm_until >= 0:
+            self.lru_warm[s.cls][id(s)] = s
+            return
         self.lru[s.cls][id(s)] = s
         if s.index >= self.stream_from[s.cls] and not s.prefetched:
             self.lru_stream[s.cls][id(s)] = s
@@ -602,6 +620,19 @@ class ExpertPool(StreamedExperts):
     def _off_lru(self, s: _Slot) -> None:
         self.lru[s.cls].pop(id(s), None)
         self.lru_stream[s.cls].pop(id(s), None)
+        self.lru_warm[s.cls].pop(id(s), None)
+
+    def _keep_warmed(self) -> None:
+        """At the acquire count `_warm_until`: what warming read and no acquire used becomes the
+        least recently used, the last read first (under the lock)."""
+        if not 0 <= self._warm_until <= self.stats.acquires:
+            return
+        self._warm_until = -1
+        for ci, kept in enumerate(self.lru_warm):
+            for s in list(kept.values()):
+                kept.pop(id(s))
+                self._to_lru(s)
+                self.lru[ci].move_to_end(id(s), last=False)
 
     def _stream_slots(self, ci: int, n: int) -> int:
         """The stream region's size: READ_AHEAD + 1 layers' experts, at least one layer's, at
@@ -680,6 +711,9 @@ class ExpertPool(StreamedExperts):
         deadline = time.monotonic() + 60
         while True:
             for s in self.lru[ci].values():
+                if s.index in part:
+                    return s
+            for s in reversed(self.lru_warm[ci].values()):  # (kept warmed experts: the last read first)
                 if s.index in part:
                     return s
             if time.monotonic() > deadline:

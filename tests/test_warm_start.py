@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import onebit
-from conftest import fixture_path
+from conftest import fixture_path, run_cli
 from onebit.errors import UsageError
 from onebit.formats import tokenizer
 from onebit.formats.gguf_file import GGUFFile
@@ -297,4 +297,44 @@ def test_warming_leaves_a_reader_free_for_demand_reads():
         assert (1, 5) in pool.where and (0, 5) not in pool.where
     finally:
         gate.set()
+        pool.close()
+
+
+def test_the_command_says_whether_a_record_was_used(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("ONEBIT_CACHE_DIR", str(tmp_path))
+    args = ["generate", MODEL, "-p", "The json module", "-n", "3", "--backend", "numpy", "--slots", str(SLOTS),
+            "--budget", "1GiB", "--moe-predict", "off"]
+    code, _, err = run_cli(monkeypatch, capsys, *args, "--no-warm-start")
+    assert code == 0 and "warm start off" in err and not list(tmp_path.iterdir())
+    code, first, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 0 and "warm start no record" in err and record_path(tmp_path, MODEL).exists()
+    code, again, err = run_cli(monkeypatch, capsys, *args, "--stats")
+    assert code == 0 and "warm start from a record (6 experts)" in err and again == first
+    assert "warm start from a record: 6 experts read" in err  # (--stats)
+
+
+def test_misses_evict_warmed_experts_not_yet_used_last_for_a_while():
+    """A first prompt's misses at one layer must not evict what was warmed for the layers after
+    it (plain LRU would: warming read them before anything else). For KEEP_WARMED acquires a
+    layer (4 here) they go last; then the unused ones are the least recently used, the last
+    read first."""
+    g, pool = make_pool(readers=1)  # (one reader: warming's reads finish in order)
+    try:
+        assert pool.warm([(1, e) for e in range(6)]) == 6
+        pool.drain()
+        warmed = {(1, e) for e in range(6)}
+        for group in ([0, 1, 2, 3], [4, 5, 6, 7]):  # 8 misses: the stream region's 8 empty slots
+            pool.acquire(0, group)
+            pool.release(0, group)
+        pool.acquire(1, [6])  # a miss with no empty slot: a layer-0 expert goes, the oldest
+        pool.release(1, [6])
+        assert warmed <= set(pool.where) and (0, 0) not in pool.where
+        assert pool.stats.warm_wasted == 0
+        pool.acquire(1, [0, 1, 2, 3])  # the 4th acquire: warmed experts are kept no longer
+        pool.release(1, [0, 1, 2, 3])
+        assert pool.stats.warm_hits == 4
+        pool.acquire(0, [0])  # a miss: the unused warmed expert read last goes first
+        pool.release(0, [0])
+        assert (1, 5) not in pool.where and (1, 4) in pool.where and pool.stats.warm_wasted == 1
+    finally:
         pool.close()
