@@ -493,8 +493,8 @@ class ExpertPool(StreamedExperts):
     def warm(self, order: Iterable[tuple[int, int]], source: str = "from a record") -> int:
         """Read experts `order` names ((layer, expert), the first first) into empty slots, in the
         background: a reader takes the next of them only when no demand read or prefetch is
-        queued, and at most all readers but one read for it at once, so a demand read finds a
-        reader free. Only slots empty now and outside the stream region (the global policy's:
+        queued, on all readers but one at most (one, beside other reads), so a demand read finds
+        a reader free and shares the drive with one warming read at most. Only slots empty now and outside the stream region (the global policy's:
         kept for the first misses and a prompt's scans) are filled, never an expert evicted for
         it, so warming stops at those slots; one a demand read takes first is not warmed. Experts
         that no slot is left for are dropped. For the next KEEP_WARMED acquires a layer (about as
@@ -765,14 +765,16 @@ class ExpertPool(StreamedExperts):
         return s
 
     def _work(self) -> None:
-        """A reader thread: one part of one expert at a time, demand reads first, warming's last
-        (and on all readers but one). The expert's slot is ready when its last part is in (or
-        one failed: the error is the slot's)."""
+        """A reader thread: one part of one expert at a time, demand reads first, warming's last:
+        on all readers but one while nothing else is read, on one beside other reads (so they
+        share the drive with one warming read at most). The expert's slot is ready when its last
+        part is in (or one failed: the error is the slot's)."""
         warm_cap = max(1, len(self.threads) - 1)
         while True:
             with self.lock:
                 while not self.closed:
-                    if self.queue and (self.queue[0][0] != WARM or self._warming < warm_cap):
+                    if self.queue and (self.queue[0][0] != WARM or self._warming < (
+                            warm_cap if self.in_flight == self._warming else 1)):
                         break
                     if not self.queue and self._claim_warm():
                         continue
