@@ -6,7 +6,8 @@ not leave old records behind). Per streamed layer it holds each expert's use cou
 that asked for it: one a decode step, one a prompt chunk), the tick of its last use (the
 pool's acquire count then) and the experts the pool held when the model was closed. Counts of
 older processes are halved each time a later one writes the record, so what the file is used
-for lately weighs most. The 30B-A3B shape (48 layers of 128 experts): about 60 KB.
+for lately weighs most. The 30B-A3B shape (48 layers of 128 experts): under 100 KB, written in
+about 7 ms and read in 3 (2-core VM).
 
 The record names the file by its real path, size and modification time: a stat, nothing read
 from the file (a hash of its header would cost a read of the tokenizer's megabytes, and two
