@@ -153,7 +153,8 @@ def run_onebit(cfg: dict) -> dict:
         if m.pool is not None:
             s = m.pool.stats
             out.update(warm_start=m.warm_start, warm_reads=s.warm_reads, warm_hits=s.warm_hits,
-                       demand_misses=s.demand_misses)
+                       warm_wasted=s.warm_wasted, demand_misses=s.demand_misses, read_gib=s.bytes_read / 2**30,
+                       read_cpu_s=m.pool.read_cpu_seconds)  # (the readers' CPU: reading and packing)
         out["peak_rss_gib"] = peak_rss() / 2**30
         m.close()
         return out
