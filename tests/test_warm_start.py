@@ -128,23 +128,24 @@ def prompt_of(n=12):
     return np.load(MODEL.replace(".gguf", ".ref.npz"))["tokens"][:n].astype(np.int64)
 
 
-def load(**kw):
-    return onebit.load(MODEL, slots=SLOTS, budget="1GiB", backend="numpy", predict="off", **kw)
+def load(backend="numpy", **kw):
+    return onebit.load(MODEL, slots=SLOTS, budget="1GiB", backend=backend, predict="off", **kw)
 
 
-def test_the_next_load_warms_its_pool_and_generates_the_same_tokens(cache):
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_the_next_load_warms_its_pool_and_generates_the_same_tokens(cache, backend):
     """The first load has no record and writes one at close; the second reads it, its pool holds
     the first's hottest experts before its first forward, whose acquires hit them; the tokens of
     both, and of a load with warm_start off, are the same."""
     prompt = prompt_of()
-    first = load()
+    first = load(backend)
     assert first.warm_start == "no record"
     want = greedy(first, prompt)
     first_misses = first.pool.stats.demand_misses
     first.close()
     record = read_record(cache, MODEL, SHAPE)
     assert record is not None and sum(sum(v.hot) for v in record.values()) > 0
-    second = load()
+    second = load(backend)
     try:
         assert second.warm_start == "from a record (6 experts)"  # slots 0-5: the rest is the stream region
         second.pool.drain()
@@ -157,7 +158,7 @@ def test_the_next_load_warms_its_pool_and_generates_the_same_tokens(cache):
         assert "warm start from a record: 6 experts read" in second.pool.stats.line(1)
     finally:
         second.close()
-    off = load(warm_start=False)
+    off = load(backend, warm_start=False)
     try:
         assert off.warm_start == "off" and off.pool.stats.warm_reads == 0
         assert greedy(off, prompt) == want
