@@ -31,7 +31,14 @@ alternate within a round; figures are medians over rounds. What each line prints
 
 --cold adds, per configuration, a fresh process started with the page cache dropped (root):
 seconds from the process's start to the first token of the 12-token prompt (import, load and
-prompt together), as a user starting `onebit generate` on a cold machine sees it.
+prompt together), as a user starting `onebit generate` on a cold machine sees it. Where experts
+stream, it starts a second such process after it, the page cache dropped again, which warms its
+pool from the record the first wrote at close (memory/warm.py; each configuration's records in
+a folder of their own, empty before the first): "cold" is the first, "cold 2" the second, and
+"warmed" how many experts the second read for warming / how many of them its prompt used. The
+first process ran the same 12-token prompt, so its record fits the second's prompt as well as
+a record can. --cold-no-drop runs the same processes without dropping the page cache (no root;
+to check the script: its times are not a cold start).
 
 The squeeze: a helper process locks N GiB with mlock (root, or a raised RLIMIT_MEMLOCK) so
 only the rest is left, as on a smaller machine; it is released when the run ends. Never lock
@@ -130,6 +137,10 @@ def run_onebit(cfg: dict) -> dict:
     import onebit
     from onebit.moe.trace import TraceWriter
 
+    if cfg.get("records"):  # (the folder the pool's record is kept in, as the CLI's cache folder)
+        from onebit.formats.tokenizer import set_cache_dir
+
+        set_cache_dir(cfg["records"])
     t_load = time.perf_counter()
     m = onebit.load(cfg["model"], backend=cfg.get("backend", "cpu"), budget=cfg.get("budget"),
                     predict=cfg.get("predict"), n_ctx=cfg.get("ctx"))
@@ -139,6 +150,12 @@ def run_onebit(cfg: dict) -> dict:
     if cfg.get("cold"):  # a fresh process on a cold page cache: start to the first token, then done
         m.net.forward(np.array(short), m.new_cache(), last_only=True)
         out["start_to_token_s"] = time.time() - cfg["started"]
+        if m.pool is not None:
+            s = m.pool.stats
+            out.update(warm_start=m.warm_start, warm_reads=s.warm_reads, warm_hits=s.warm_hits,
+                       warm_wasted=s.warm_wasted, demand_misses=s.demand_misses, read_gib=s.bytes_read / 2**30,
+                       read_cpu_s=m.pool.read_cpu_seconds)  # (the readers' CPU: reading and packing)
+        out["peak_rss_gib"] = peak_rss() / 2**30
         m.close()
         return out
     warm, timed = m.tokenize(WARM)[:64], m.tokenize(cfg["prose"])
@@ -190,9 +207,19 @@ def run_onebit(cfg: dict) -> dict:
         out.update(hit_rate=(d[2] + d[3]) / looked if looked else 0.0, prefetch_hits=d[3] / n,
                    stall_ms=1000 * d[1] / n, read_mib=d[0] / n / 2**20,
                    drive_gbs=d[0] / d[5] / 1e9 if d[5] else 0.0, slots=pool.n_slots, stall_share=d[1] / dt)
-    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    out["peak_rss_gib"] = peak_rss() / 2**30
     m.close()
     return out
+
+
+def peak_rss() -> int:
+    """This process's peak resident bytes since it started: VmHWM, the peak of its own memory map.
+    Not getrusage's ru_maxrss, which a child started by fork and exec takes over from its parent
+    (this script's parent holds the 1 GiB that `machine` measures with: every child read 1.03 GiB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def routing(trace: str, slots: int) -> dict:
@@ -293,7 +320,10 @@ def main() -> None:
     ap.add_argument("--default", action="store_true", help="also onebit with no flags (its own plan)")
     ap.add_argument("--squeeze", help="lock this much (e.g. 12GiB) for the squeezed runs")
     ap.add_argument("--llama", help="llama-completion binary (resident and squeezed peers)")
-    ap.add_argument("--cold", action="store_true", help="also start-to-first-token on a dropped page cache")
+    ap.add_argument("--cold", action="store_true", help="also start-to-first-token on a dropped page cache, "
+                    "streamed: a second process warmed by the first's record")
+    ap.add_argument("--cold-no-drop", action="store_true", help="the --cold processes without dropping the page "
+                    "cache (checks the script; not a cold start)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompt", type=int, default=128, help="tokens of PROSE in the timed prompt (at most)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -313,6 +343,8 @@ def main() -> None:
         raise SystemExit("refusing to lock so much that under 4 GiB is left")
     if a.cold and os.geteuid() != 0:
         raise SystemExit("--cold drops the page cache: run as root")
+    drop = a.cold
+    a.cold = a.cold or a.cold_no_drop
     tmp = Path(tempfile.mkdtemp(prefix="bench_scale_"))
     files = {}
     for path in a.models:
@@ -341,6 +373,7 @@ def main() -> None:
             peers[f"llama.cpp mmap, {a.squeeze} locked"] = (False, squeeze)
     runs = {(f, k): [] for f in files for k in [*configs, *peers]}
     cold = {(f, k): [] for f in files for k in configs} if a.cold else {}
+    cold2 = {(f, k): [] for f in files for k in configs} if a.cold else {}
     for r in range(a.rounds):
         for path in files:
             for name, (cfg, sq) in configs.items():
@@ -353,20 +386,28 @@ def main() -> None:
                 print(f"  round {r + 1} {Path(path).name} {name}: "
                       f"{json.dumps({k: v for k, v in got.items() if k != 'tokens'})}", file=sys.stderr)
                 if a.cold and not sq:  # (a squeeze's lock would count in the start-up)
-                    drop_page_cache()
-                    got = child({**cfg, "model": path, "cold": True, "started": time.time()}, sq)
-                    cold[path, name].append(got)
-                    print(f"  round {r + 1} {Path(path).name} {name} cold: {got}", file=sys.stderr)
+                    records = Path(tempfile.mkdtemp(dir=tmp, prefix="records-"))  # (empty: no record)
+                    for again, into in ((False, cold), (True, cold2)):
+                        if drop:
+                            drop_page_cache()
+                        got = child({**cfg, "model": path, "cold": True, "records": str(records),
+                                     "started": time.time()}, sq)
+                        into[path, name].append(got)
+                        print(f"  round {r + 1} {Path(path).name} {name} cold{' 2' if again else ''}: {got}",
+                              file=sys.stderr)
+                        if "warm_start" not in got:  # (resident: no pool, no record, no second process)
+                            break
             for name, (res, sq) in peers.items():
                 runs[path, name].append(llama_completion(a.llama, path, files[path]["prose"], a.tokens, res, sq))
                 print(f"  round {r + 1} {Path(path).name} {name}: {runs[path, name][-1]}", file=sys.stderr)
     for path in files:
         report(path, files[path], {k: v for (f, k), v in runs.items() if f == path},
-               {k: v for (f, k), v in cold.items() if f == path})
+               {k: v for (f, k), v in cold.items() if f == path}, {k: v for (f, k), v in cold2.items() if f == path})
     if a.json:
         Path(a.json).write_text(json.dumps({"files": files, "tokens": a.tokens, "rounds": a.rounds,
                                             "runs": {f"{f} | {k}": v for (f, k), v in runs.items()},
-                                            "cold": {f"{f} | {k}": v for (f, k), v in cold.items()}}, indent=1))
+                                            "cold": {f"{f} | {k}": v for (f, k), v in cold.items()},
+                                            "cold2": {f"{f} | {k}": v for (f, k), v in cold2.items()}}, indent=1))
 
 
 def drop_page_cache() -> None:
@@ -374,7 +415,7 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def report(path: str, info: dict, runs: dict, cold: dict) -> None:
+def report(path: str, info: dict, runs: dict, cold: dict, cold2: dict) -> None:
     mach, active = info["machine"], info["active"]
     has = lambda name, key: any(key in x for x in runs[name])
     med = lambda name, key: statistics.median([x[key] for x in runs[name] if key in x]) if has(name, key) \
@@ -385,7 +426,8 @@ def report(path: str, info: dict, runs: dict, cold: dict) -> None:
     print(f"\n{path}")
     print(f"{'run':<40} {'prompt':>7} {'ttft':>6} {'decode':>7} {'vs llama':>8} {'hit':>6} {'pf hit':>6} "
           f"{'stall':>7} {'read':>8} {'drive':>6} {'limit':>6} {'of lim':>6} {'of run':>6} {'RSS':>6} "
-          f"{'reuse':>6} {'win8':>6} {'lru':>6} {'belady':>6} {'cores':>5} {'same':>5}" + (f" {'cold':>6}" if cold else ""))
+          f"{'reuse':>6} {'win8':>6} {'lru':>6} {'belady':>6} {'cores':>5} {'same':>5}"
+          + (f" {'cold':>6} {'cold 2':>6} {'warmed':>9}" if cold else ""))
     for name in runs:
         if not has(name, "decode_tps"):
             print(f"{name:<40} failed: {runs[name][0].get('error') if runs[name] else 'not run'}")
@@ -411,8 +453,12 @@ def report(path: str, info: dict, runs: dict, cold: dict) -> None:
                 f"{med(name, 'peak_rss_gib'):6.2f} {med(name, 'reuse'):6.3f} {med(name, 'within8'):6.3f} "
                 f"{med(name, 'lru'):6.1%} {med(name, 'belady'):6.1%} {med(name, 'cpu_per_token_s') * dec:5.2f} {same:>5}")
         if cold:
-            c = [x["start_to_token_s"] for x in cold.get(name, []) if "start_to_token_s" in x]
-            line += f" {statistics.median(c):6.1f}" if c else f" {'-':>6}"
+            for got in (cold.get(name, []), cold2.get(name, [])):
+                c = [x["start_to_token_s"] for x in got if "start_to_token_s" in x]
+                line += f" {statistics.median(c):6.1f}" if c else f" {'-':>6}"
+            w = [x for x in cold2.get(name, []) if "warm_reads" in x]
+            line += (f" {statistics.median([x['warm_reads'] for x in w]):4.0f}/"
+                     f"{statistics.median([x['warm_hits'] for x in w]):<4.0f}" if w else f" {'-':>9}")
         print(line)
     ours = next((x["text"] for k in runs if k.startswith("onebit") for x in runs[k] if "text" in x), None)
     theirs = next((x["text"] for k in runs if k.startswith("llama") for x in runs[k] if "text" in x), None)

@@ -13,7 +13,7 @@ from onebit import __version__
 from onebit.errors import OnebitError, UsageError, json_object
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SHOW_REASONING, SLOTS,
-                      STATS, TEMPLATE_KWARGS, THREADS, TRACE, Command, _check_sampling, _device, _load, _lookup,
+                      STATS, TEMPLATE_KWARGS, THREADS, TRACE, WARM_START, Command, _check_sampling, _device, _load, _lookup,
                       CPU_TARGET, _model, _template_kwargs, cache_dir, cpu_target, default_model_path, load_spec,
                       predict_options, cache_type_options)
 
@@ -96,6 +96,7 @@ def generate(
     device: Optional[str] = DEVICE,
     threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
+    warm_start: bool = WARM_START,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     as_json: bool = typer.Option(False, "--json", help="Single prompt: print one JSON object."),
@@ -168,11 +169,11 @@ def generate(
                        repetition_penalty=repeat_penalty, stop=stop, lookup=lookup, show_reasoning=show_reasoning)
             generate_on_ray(ray_address, workers, worker_cpus, stats, input, input_format, results, on_error, done,
                             load_spec(model, backend, ctx, slots, budget, pool_policy, device, predict, threads,
-                                      template_kw, cache_types),
+                                      template_kw, cache_types, warm_start),
                             dict(raw=raw, system=system, seed=seed, gen=gen))
             return
         m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw,
-                  cache_types=cache_types)
+                  cache_types=cache_types, warm_start=warm_start)
         try:
             _generate(m, prompt, input, input_format, results, on_error, raw, system, seed, as_json, done,
                       dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -412,6 +413,7 @@ def chat(
     device: Optional[str] = DEVICE,
     threads: Optional[int] = THREADS,
     lookup: Optional[int] = LOOKUP,
+    warm_start: bool = WARM_START,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
@@ -427,7 +429,7 @@ def chat(
     template_kw = _template_kwargs(template_kwargs)
     lookup = _lookup(lookup, default=0 if trace else DEFAULT_DRAFTS)
     m = _load(model, backend, ctx, slots, budget, pool_policy, trace, device, predict, threads, template_kw,
-              cache_types=cache_types)
+              cache_types=cache_types, warm_start=warm_start)
     try:
         first = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "hi"}]
         n = len(m.chat_tokens(first))
@@ -461,6 +463,7 @@ def bench(
     pool_policy: str = POLICY,
     stats: bool = STATS,
     lookup: Optional[int] = LOOKUP,
+    warm_start: bool = WARM_START,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -471,7 +474,7 @@ def bench(
         raise UsageError("--prompt-tokens, --gen-tokens and --runs must be >= 1")
     lookup = _lookup(lookup, default=0)  # a benchmark of plain decoding unless asked
     m = _load(model, backend, ctx, slots, budget, pool_policy, device=device, predict=predict, threads=threads,
-              cache_types=cache_types)
+              cache_types=cache_types, warm_start=warm_start)
     try:
         _bench(m, prompt_tokens, gen_tokens, runs, lookup, as_json, not no_warmup)
     finally:

@@ -27,7 +27,8 @@ LOUD_BYTES = 1 << 30  # a resident load of a file this large says what the plan 
 
 def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: Optional[str] = None,
               budget: Optional[str] = None, policy: str = "global", device: Optional[str] = None, predict=None,
-              threads: Optional[int] = None, template_kwargs: Optional[dict] = None, cache_types=None):
+              threads: Optional[int] = None, template_kwargs: Optional[dict] = None, cache_types=None,
+              warm_start: bool = True):
     """The LoadSpec of a command's load flags, checked before anything is loaded (`cache_types`:
     a cache.KVTypes from the --cache-type options, None: f32)."""
     from onebit.cache import F32_KV
@@ -36,7 +37,7 @@ def load_spec(model: Optional[str], backend: str, ctx: Optional[int] = None, slo
     kv = cache_types or F32_KV
     spec = LoadSpec(path=model, backend=backend, n_ctx=ctx, slots=_slots(slots), budget=budget, pool_policy=policy,
                     device=device, predict=predict, threads=threads, template_kwargs=dict(template_kwargs or {}),
-                    cache_type_k=kv.k, cache_type_v=kv.v)
+                    cache_type_k=kv.k, cache_type_v=kv.v, warm_start=warm_start)
     if ctx is not None:
         _check_ctx(spec.model_path(), ctx)
     if threads is not None and threads < 1:
@@ -48,18 +49,19 @@ def _load(model: Optional[str], backend: str, ctx: Optional[int] = None, slots: 
           budget: Optional[str] = None, policy: str = "global", trace: Optional[str] = None,
           device: Optional[str] = None, predict=None, threads: Optional[int] = None,
           template_kwargs: Optional[dict] = None, sequences: int = 1, cache_types=None,
-          prompt_cache: Optional[int] = 0):
+          prompt_cache: Optional[int] = 0, warm_start: bool = True):
     import dataclasses
 
     import onebit
 
     spec = load_spec(model, backend, ctx, slots, budget, policy, device, predict, threads, template_kwargs,
-                     cache_types)
+                     cache_types, warm_start)
     m = onebit.load(dataclasses.replace(spec, sequences=sequences, prompt_cache=prompt_cache))
     if m.pool is not None or "reduced" in m.decision or m.gguf.file_bytes >= LOUD_BYTES or sequences > 1:
         import sys
 
-        sys.stderr.write(f"onebit: memory: {m.decision}\n")  # what the memory plan chose, in one line
+        warm = f"; warm start {m.warm_start}" if m.pool is not None else ""
+        sys.stderr.write(f"onebit: memory: {m.decision}{warm}\n")  # what the memory plan chose, in one line
     if trace is not None:
         from onebit.moe.trace import TraceWriter
 
@@ -231,6 +233,12 @@ POLICY = typer.Option("global", "--pool-policy", help="Expert pool eviction: glo
 
 
 STATS = typer.Option(False, "--stats", help="Print expert-pool stats at exit.")
+
+
+WARM_START = typer.Option(True, "--warm-start/--no-warm-start",
+                          help="Where experts stream: start with the experts the last run on this file used most, "
+                               "read in the background, and keep what this run uses for the next (a small record per "
+                               "file in $ONEBIT_CACHE_DIR, else ~/.cache/onebit). --no-warm-start reads and keeps none.")
 
 
 TRACE = typer.Option(None, "--trace", help="Record every token's routed experts to this JSONL file.")

@@ -10,7 +10,9 @@ threads, demand reads ahead of prefetches, with O_DIRECT where the filesystem al
 
 API: `acquire(layer, experts)` blocks until resident and pins; `release(layer, experts)`;
 `prefetch(layer, experts)` only queues. `stats` counts hits, prefetch hits, demand misses,
-wasted prefetches, bytes read and stall time.
+wasted prefetches, bytes read and stall time. `warm(order)` fills empty slots in the background
+with what an earlier process used (memory/warm.py), after every other read; `learned()` is what
+this pool would tell the next one.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ from onebit.backends.experts import StreamedExperts, read_only
 from onebit.errors import ModelFileError, OnebitError, UsageError
 
 from .plan import EXPERT_PARTS, SizeClass
+from .warm import Learned
 
 ALIGN = 4096
 READERS = 4  # reader threads (reads in flight). 2, 4, 8 on the 30B-A3B shape's experts, 384 random
 # prefetches drained, twice each on a busy 2-core VM: 1.21/1.56, 1.61/1.35, 1.39/1.06 GB/s: no clear winner
 PROMPT_SHARE = 0.75  # an acquire of this share of a layer's experts is a scan (a prompt's chunk): see _scan_victim
 READ_AHEAD = 1  # the stream region holds this many layers' experts beside the scanned layer's
-DEMAND, PREFETCH = 0, 1
+DEMAND, PREFETCH, WARM = 0, 1, 2  # read priorities: a smaller one is read first
+KEEP_WARMED = 2  # warmed experts no acquire used yet are evicted last for this many acquires a layer (see warm)
 
 
 class StreamReadError(OnebitError):
@@ -58,6 +62,10 @@ class PoolStats:
     stall_seconds: float = 0.0  # time acquire spent waiting for reads
     acquires: int = 0
     busy_seconds: float = 0.0  # wall time with at least one read in flight (bytes_read / it: drive rate)
+    warm_start: str = ""  # where the pool's warming came from ("": none; see ExpertPool.warm)
+    warm_reads: int = 0  # experts read by warming
+    warm_hits: int = 0  # acquires that found an expert warming read, not used before (counted in hits too)
+    warm_wasted: int = 0  # experts warming read that were evicted before any acquire used them
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -75,7 +83,13 @@ class PoolStats:
         return (f"hit rate {rate} ({self.hits} hits, {self.prefetch_hits} prefetch hits, {self.demand_misses} "
                 f"misses); prefetches {self.prefetches}, wasted {self.wasted_prefetches}; per token: "
                 f"{self.bytes_read / n / 2**20:.2f} MiB read, {1000 * self.stall_seconds / n:.1f} ms stalled; "
-                f"reads at {gbs:.2f} GB/s while busy")
+                f"reads at {gbs:.2f} GB/s while busy" + self.warm_line())
+
+    def warm_line(self) -> str:
+        if not self.warm_start:
+            return ""
+        return (f"; warm start {self.warm_start}: {self.warm_reads} experts read, {self.warm_hits} used, "
+                f"{self.warm_wasted} evicted unused")
 
 
 @dataclass
@@ -86,6 +100,7 @@ class _Slot:
     pins: int = 0
     ready: threading.Event = field(default_factory=threading.Event)
     prefetched: bool = False  # loaded by a prefetch and not yet acquired
+    warmed: bool = False  # loaded by warming and not yet acquired
     error: Optional[BaseException] = None
     parts_left: int = 0  # parts of the expert still to read (ready when none)
     started: float = 0.0  # when the first of them started
@@ -259,6 +274,9 @@ class ExpertPool(StreamedExperts):
         # unpinned slots that no prefetch is waiting to be used from, oldest first
         self.stream_from = [len(ss) - self._stream_slots(ci, len(ss)) for ci, ss in enumerate(self.slots)]
         self.lru_stream: list[OrderedDict] = [OrderedDict() for _ in classes]
+        # unpinned slots warming filled and no acquire used yet, while they are kept (see warm)
+        self.lru_warm: list[OrderedDict] = [OrderedDict() for _ in classes]
+        self._warm_until = -1  # the acquire count at which they stop being kept (-1: none are)
         for ss in self.slots:
             for s in ss:
                 self._to_lru(s)
@@ -267,6 +285,12 @@ class ExpertPool(StreamedExperts):
         # per layer, for the predictor's ledger (moe/predict.py): prefetch hits, demand misses,
         # wasted prefetches, stall seconds, stall seconds of acquires that had a demand miss
         self.by_layer: dict[int, list] = {layer: [0, 0, 0, 0.0, 0.0] for layer in self.class_of_layer}
+        # per layer, what `learned()` reports: each expert's acquires and the tick (stats.acquires) of its last
+        self.uses = {layer: [0] * self.sources[(layer, EXPERT_PARTS[0])].n_experts for layer in self.class_of_layer}
+        self.last_use = {layer: [-1] * len(u) for layer, u in self.uses.items()}
+        self._warm: list[tuple[int, int]] = []  # (layer, expert) still to warm, the next last (see warm)
+        self._warm_slots: dict[tuple[int, range], list[int]] = {}  # (class, partition) -> its slots warming may fill
+        self._warming = 0  # warming's part reads in flight
         self.reads, self.read_seconds = 0, 0.0  # experts read and their summed durations (first part start to last end)
         self.read_cpu_seconds = 0.0  # the reader threads' CPU time for them (what a read takes from compute)
         self.lock = threading.Condition()
@@ -311,6 +335,8 @@ class ExpertPool(StreamedExperts):
         with self.lock:
             self._check_open()
             self.stats.acquires += 1
+            self._count_uses(layer, experts)
+            self._keep_warmed()
             # Pin the resident experts first, so a miss below cannot evict one of them.
             got: dict[int, _Slot] = {}
             per = self.by_layer[layer]
@@ -324,6 +350,9 @@ class ExpertPool(StreamedExperts):
                         s.prefetched = False
                     else:
                         self.stats.hits += 1
+                        if s.warmed:
+                            self.stats.warm_hits += 1
+                            s.warmed = False
                     self._pin(s)
                     got[e] = s
             for e in experts:
@@ -407,13 +436,22 @@ class ExpertPool(StreamedExperts):
             table, where, lru = self.table, self.where, self.lru
             for layer, experts in used:
                 self.stats.acquires += 1
+                experts = [int(e) for e in experts]
+                self._count_uses(layer, experts)
+                self._keep_warmed()
                 for e in experts:
                     s = where.get((layer, e))
                     if s is None or table is None or table[layer, e] != s.index:
                         raise RuntimeError(f"expert pool: layer {layer} expert {e} was used through the slot "
                                            "table but is not resident")
                     self.stats.hits += 1
-                    if s.pins == 0:
+                    if s.warmed:
+                        self.stats.warm_hits += 1
+                        s.warmed = False
+                        if s.pins == 0:
+                            self._off_lru(s)
+                            self._to_lru(s)
+                    elif s.pins == 0:
                         lru[s.cls].move_to_end(id(s))
                         if id(s) in self.lru_stream[s.cls]:
                             self.lru_stream[s.cls].move_to_end(id(s))
@@ -452,11 +490,65 @@ class ExpertPool(StreamedExperts):
                 queued += 1
         return queued
 
+    def warm(self, order: Iterable[tuple[int, int]], source: str = "from a record") -> int:
+        """Read experts `order` names ((layer, expert), the first first) into empty slots, in the
+        background: a reader takes the next of them only when no demand read or prefetch is
+        queued, on all readers but one at most (one, beside other reads), so a demand read finds
+        a reader free and shares the drive with one warming read at most. Only slots empty now and outside the stream region (the global policy's:
+        kept for the first misses and a prompt's scans) are filled, never an expert evicted for
+        it, so warming stops at those slots; one a demand read takes first is not warmed. Experts
+        that no slot is left for are dropped. For the next KEEP_WARMED acquires a layer (about as
+        many forwards) a miss evicts a warmed expert no acquire used yet only when no other slot
+        is free: under plain LRU a first prompt's misses at one layer would evict what was warmed
+        for the layers after it, which it has not reached yet; after them, those left unused are
+        the least recently used. Changes which reads happen, never what a forward computes.
+        Returns how many experts are queued; `stats` counts what became of them."""
+        queued = []
+        with self.lock:
+            self._check_open()
+            room: dict[tuple[int, range], list[int]] = {}
+            taken: dict[tuple[int, range], int] = {}
+            queued_keys: set = set()
+            for layer, e in order:
+                layer, e = int(layer), int(e)
+                ci = self.class_of_layer.get(layer)
+                if ci is None or not 0 <= e < len(self.uses[layer]):
+                    raise UsageError(f"cannot warm expert {e} of layer {layer}: the pool streams no such expert")
+                if (layer, e) in self.where:
+                    continue
+                part = self._partition(layer, ci)
+                if (ci, part) not in room:  # the partition's empty slots, the highest index taken first
+                    room[ci, part] = [i for i in part if i < self.stream_from[ci]
+                                      and self.slots[ci][i].key is None and self.slots[ci][i].pins == 0]
+                    taken[ci, part] = 0
+                if taken[ci, part] < len(room[ci, part]) and (layer, e) not in queued_keys:
+                    taken[ci, part] += 1
+                    queued.append((layer, e))
+                    queued_keys.add((layer, e))
+            self._warm_slots = room
+            self._warm = queued[::-1]
+            self._warm_until = self.stats.acquires + KEEP_WARMED * len(self.uses)
+            self.stats.warm_start = source
+            self.lock.notify_all()
+        return len(queued)
+
+    def learned(self) -> dict:
+        """What this pool knows about its file, per streamed layer: {layer: Learned(uses, last use,
+        held)}: each expert's acquires, the tick (acquire count) of its last one (-1: none), and
+        the experts resident now (memory/warm.py keeps it for the next process)."""
+        with self.lock:
+            held = {layer: [] for layer in self.uses}
+            for (layer, e), s in self.where.items():
+                if s.ready.is_set() and s.error is None:
+                    held[layer].append(e)
+            return {layer: Learned([float(n) for n in u], list(self.last_use[layer]), sorted(held[layer]))
+                    for layer, u in self.uses.items()}
+
     def drain(self, timeout: float = 30) -> None:
-        """Wait until no read is queued or in flight."""
+        """Wait until no read is queued or in flight, nor any left to warm."""
         deadline = time.monotonic() + timeout
         with self.lock:
-            while (self.queue or self.in_flight) and time.monotonic() < deadline:
+            while (self.queue or self.in_flight or self._warm) and time.monotonic() < deadline:
                 self.lock.wait(timeout=0.1)
 
     def slot_view(self, layer: int, slot: int, part: str) -> np.ndarray:
@@ -483,6 +575,29 @@ class ExpertPool(StreamedExperts):
 
     # -- internals --------------------------------------------------------------------
 
+    def _count_uses(self, layer: int, experts: list[int]) -> None:
+        uses, last, tick = self.uses[layer], self.last_use[layer], self.stats.acquires
+        for e in experts:
+            uses[e] += 1
+            last[e] = tick
+
+    def _claim_warm(self) -> bool:
+        """Claim the next expert to warm, if any is left that a slot is left for: its reads queued
+        at WARM priority (under the lock). False when warming is done."""
+        while self._warm:
+            layer, e = self._warm.pop()
+            if (layer, e) in self.where:
+                continue
+            ci = self.class_of_layer[layer]
+            free = self._warm_slots[ci, self._partition(layer, ci)]
+            while free:
+                s = self.slots[ci][free.pop()]
+                if s.key is None and s.pins == 0:
+                    self._claim(layer, (layer, e), WARM, s)
+                    self.stats.warm_reads += 1
+                    return True
+        return False
+
     def _check_open(self):
         if self.closed:
             raise UsageError("the expert pool is closed")
@@ -493,7 +608,11 @@ class ExpertPool(StreamedExperts):
         s.pins += 1
 
     def _to_lru(self, s: _Slot) -> None:
-        """An unpinned slot, as the most recently used."""
+        """An unpinned slot, as the most recently used (one warming filled: kept apart while
+        warmed experts are kept)."""
+        if s.warmed and self._warm_until >= 0:
+            self.lru_warm[s.cls][id(s)] = s
+            return
         self.lru[s.cls][id(s)] = s
         if s.index >= self.stream_from[s.cls] and not s.prefetched:
             self.lru_stream[s.cls][id(s)] = s
@@ -501,6 +620,19 @@ class ExpertPool(StreamedExperts):
     def _off_lru(self, s: _Slot) -> None:
         self.lru[s.cls].pop(id(s), None)
         self.lru_stream[s.cls].pop(id(s), None)
+        self.lru_warm[s.cls].pop(id(s), None)
+
+    def _keep_warmed(self) -> None:
+        """At the acquire count `_warm_until`: what warming read and no acquire used becomes the
+        least recently used, the last read first (under the lock)."""
+        if not 0 <= self._warm_until <= self.stats.acquires:
+            return
+        self._warm_until = -1
+        for ci, kept in enumerate(self.lru_warm):
+            for s in list(kept.values()):
+                kept.pop(id(s))
+                self._to_lru(s)
+                self.lru[ci].move_to_end(id(s), last=False)
 
     def _stream_slots(self, ci: int, n: int) -> int:
         """The stream region's size: READ_AHEAD + 1 layers' experts, at least one layer's, at
@@ -581,6 +713,9 @@ class ExpertPool(StreamedExperts):
             for s in self.lru[ci].values():
                 if s.index in part:
                     return s
+            for s in reversed(self.lru_warm[ci].values()):  # (kept warmed experts: the last read first)
+                if s.index in part:
+                    return s
             if time.monotonic() > deadline:
                 raise StreamReadError("every expert slot stayed pinned for a minute: use more slots (--slots)")
             self._slot_waiters += 1
@@ -601,7 +736,8 @@ class ExpertPool(StreamedExperts):
 
     def _claim(self, layer: int, key: tuple[int, int], priority: int, victim: Optional[_Slot] = None) -> _Slot:
         """Slot `victim` (or the least recently used this layer may use) for `key`, its read
-        queued at `priority` (a PREFETCH read: unpinned, most recently used, `prefetched`)."""
+        queued at `priority` (a PREFETCH or WARM read: unpinned, most recently used, `prefetched`
+        or `warmed`)."""
         ci = self.class_of_layer[layer]
         s = victim if victim is not None else self._victim(layer, ci)
         self._off_lru(s)
@@ -611,14 +747,17 @@ class ExpertPool(StreamedExperts):
             if s.prefetched:
                 self.stats.wasted_prefetches += 1
                 self.by_layer[s.key[0]][2] += 1
+            if s.warmed:
+                self.stats.warm_wasted += 1
             del self.where[s.key]
         s.key = key
         s.ready = threading.Event()
         s.error = None
         s.prefetched = priority == PREFETCH
+        s.warmed = priority == WARM
         s.parts_left = len(EXPERT_PARTS)
         self.where[key] = s
-        if priority == PREFETCH:
+        if priority != DEMAND:
             self._to_lru(s)  # unpinned, but most recently used
         for part in EXPERT_PARTS:  # (each part its own read: readers pack one while others read)
             heapq.heappush(self.queue, (priority, next(self.seq), s, key, part))
@@ -626,17 +765,27 @@ class ExpertPool(StreamedExperts):
         return s
 
     def _work(self) -> None:
-        """A reader thread: one part of one expert at a time, demand reads first. The expert's
-        slot is ready when its last part is in (or one failed: the error is the slot's)."""
+        """A reader thread: one part of one expert at a time, demand reads first, warming's last:
+        on all readers but one while nothing else is read, on one beside other reads (so they
+        share the drive with one warming read at most). The expert's slot is ready when its last
+        part is in (or one failed: the error is the slot's)."""
+        warm_cap = max(1, len(self.threads) - 1)
         while True:
             with self.lock:
-                while not self.queue and not self.closed:
+                while not self.closed:
+                    if self.queue and (self.queue[0][0] != WARM or self._warming < (
+                            warm_cap if self.in_flight == self._warming else 1)):
+                        break
+                    if not self.queue and self._claim_warm():
+                        continue
                     self.lock.wait()
                 if self.closed:
                     return
-                _, _, s, key, part = heapq.heappop(self.queue)
+                priority, _, s, key, part = heapq.heappop(self.queue)
                 if s.key != key:  # evicted before its read started
                     continue
+                if priority == WARM:
+                    self._warming += 1
                 # Demand reads bypass queued prefetches; pin while reading so it is not reused.
                 if s.pins == 0:
                     self._off_lru(s)
@@ -664,6 +813,8 @@ class ExpertPool(StreamedExperts):
                 err = StreamReadError(f"{src.file}: read error while streaming experts ({ex.strerror or ex})")
             cpu = time.thread_time() - c0
             with self.lock:
+                if priority == WARM:
+                    self._warming -= 1
                 self.stats.bytes_read += n
                 self.read_cpu_seconds += cpu
                 self.in_flight -= 1

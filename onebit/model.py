@@ -61,6 +61,10 @@ class LoadSpec:
     cache_type_k: str = "f32"
     cache_type_v: str = "f32"
     template_kwargs: dict = field(default_factory=dict)  # extra chat-template variables, e.g. {"enable_thinking": False}
+    # where experts stream: warm the pool from what the last process to close this file learned,
+    # and keep what this one learns at close (memory/warm.py), in the folder that
+    # formats.tokenizer.set_cache_dir names (none set: nothing is kept)
+    warm_start: bool = True
 
     def model_path(self) -> str:
         return self.path if self.path is not None else shipped_model_path()
@@ -88,6 +92,9 @@ class Model:
 
         self.guard = MemoryGuard()  # checked every generated token
         self.closed = False
+        # where experts stream: "off", "no record", "record ignored" or "from a record (N experts)"
+        self.warm_start = "off"
+        self._record: Optional[tuple] = None  # (folder, what the record held) when one is kept at close
         # The load path: file -> config -> plan -> expert source -> backend -> network. One
         # fallback rule: a backend that cannot run here (or cannot run this model) gives way to
         # the next fastest that can, said in one line; a device asked for by name must exist.
@@ -176,6 +183,7 @@ class Model:
                                   layout=policy.experts)
                 if backend.reads_map:
                     self._copy_resident(skip=policy.packs)
+                self._warm(pool, cfg)
             elif backend.reads_map and plan.fits:
                 experts = policy.experts
                 self._map_weights(skip=lambda t: policy.packs(t) or (experts is not None and experts.packs(t)))
@@ -187,6 +195,34 @@ class Model:
         except BaseException:
             _free(be, pool, slots)
             raise
+
+    def _warm(self, pool, cfg) -> None:
+        """Start warming `pool` from the record an earlier process kept of this file (its reads
+        run behind every other read, memory/pool.py ExpertPool.warm), and note where this one's
+        goes at close."""
+        from .formats.tokenizer import cache_dir
+        from .memory.warm import read_record, record_path, warm_order
+
+        folder = cache_dir()
+        if not self.spec.warm_start or folder is None:
+            return
+        learned = read_record(folder, self.path, {layer: len(u) for layer, u in pool.uses.items()})
+        self._record = (folder, learned)
+        if learned is None:
+            self.warm_start = "record ignored" if record_path(folder, self.path).exists() else "no record"
+            return
+        n = pool.warm(warm_order(learned, cfg.n_experts_used), source="from a record")
+        self.warm_start = f"from a record ({n} experts)"
+
+    def _keep_learned(self) -> None:
+        """Write what the pool learned to this file's record (memory/warm.py), where one is kept
+        and the pool was used."""
+        from .memory.warm import merged, write_record
+
+        if self._record is None or self.pool is None or self.pool.stats.acquires == 0:
+            return
+        folder, old = self._record
+        write_record(folder, self.path, merged(old, self.pool.learned()))
 
     def _copy_resident(self, skip=lambda t: False) -> None:
         """When streaming, hold the non-expert tensors in memory (the plan counts them) so a file
@@ -288,6 +324,7 @@ class Model:
         self.closed = True
         if self.net.predictor is not None:
             self.net.predictor.close()  # (its stats and table stay readable)
+        self._keep_learned()
         self._free_parts()
 
     def _free_parts(self) -> None:

@@ -94,10 +94,15 @@ def run_cli(monkeypatch, capsys, *args):
     import sys
 
     from onebit.cli.main import main
+    from onebit.formats import tokenizer
 
     monkeypatch.setattr(sys, "argv", ["onebit", *args])
-    with pytest.raises(SystemExit) as e:
-        main()
+    before = tokenizer.cache_dir()
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        tokenizer.set_cache_dir(before)  # (main sets the user's cache folder: not for the tests after)
     out, err = capsys.readouterr()
     return e.value.code, out, err
 
