@@ -15,7 +15,7 @@ from onebit.errors import UsageError
 
 from .options import (BACKEND, BUDGET, CTX, DEVICE, LOOKUP, MODEL_ARG, MODEL_OPT, POLICY, SLOTS, TEMPLATE_KWARGS,
                       THREADS, Command, _check_sampling, _device, _load, _lookup, _model, _template_kwargs,
-                      model_name, model_stores, predict_options, cache_type_options)
+                      model_name, model_stores, predict_options, cache_type_options, WARM_START)
 
 MODELS_DIR = typer.Option([], "--models-dir", help="A folder of GGUF files a request's `model` may pick "
                                                    "(loaded in its turn, one model at a time). Repeatable.")
@@ -97,6 +97,7 @@ def serve(
     lookup: Optional[int] = LOOKUP,
     predict=None,  # a PredictSettings from the --moe-predict options (predict_options)
     cache_types=None,  # a KVTypes from the --cache-type options (cache_type_options)
+    warm_start: bool = WARM_START,
     template_kwargs: Optional[str] = TEMPLATE_KWARGS,
     parallel: int = typer.Option(1, "--parallel", "-np", help="Requests decoded together, their forwards batched "
                                  "(as llama-server's -np): a KV cache of the whole context each, counted by the "
@@ -163,7 +164,7 @@ def serve(
     try:
         m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw,
                   sequences=parallel, cache_types=cache_types,
-                  prompt_cache=None if cache_ram is None else cache_ram << 20)
+                  prompt_cache=None if cache_ram is None else cache_ram << 20, warm_start=warm_start)
     finally:
         loading.stop()
     if template is not None:

@@ -4,6 +4,7 @@ runs with no pause over streamed experts (by the pool's slot table) and when it 
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import numpy as np
@@ -95,6 +96,10 @@ class GraphRunner:
     def __init__(self, be):
         self.be = be
         self.storages: list[DeviceKV] = []
+        # Held by every call that makes, replays or frees recordings or storages: serve's slots
+        # make caches on their own threads while the batch's thread runs a step, and a storage
+        # given back closes the recordings over several sequences it shares with the others.
+        self.lock = threading.RLock()
         # Steps with no pause over streamed experts (Recording.by_table; off: every streamed layer
         # pauses): tried after `_calm_needed` steps in a row whose every expert was a hit; a
         # refused try doubles how many it waits for.
@@ -104,6 +109,10 @@ class GraphRunner:
         self.batches: dict = {}  # the recordings over several sequences' rows, least recently used first
 
     def make_cache(self, cfg, capacity: int = 0, swa_rows: int = SWA_ROWS) -> DeviceCache:
+        with self.lock:
+            return self._make_cache(cfg, capacity, swa_rows)
+
+    def _make_cache(self, cfg, capacity: int, swa_rows: int) -> DeviceCache:
         want = max(int(capacity), 1)
         types = self.be.kv_types
         free = [s for s in self.storages if not s.in_use and s.cfg is cfg and s.swa_rows == swa_rows
@@ -121,6 +130,11 @@ class GraphRunner:
     def forward(self, model, ids: np.ndarray, cache: DeviceCache, pauses: Pauses = NO_PAUSES,
                 last_only: bool = False) -> tuple[np.ndarray, bool]:
         """(logits, whether all are finite): see NumpyBackend.forward."""
+        with self.lock:
+            return self._forward_one(model, ids, cache, pauses, last_only)
+
+    def _forward_one(self, model, ids: np.ndarray, cache: DeviceCache, pauses: Pauses,
+                     last_only: bool) -> tuple[np.ndarray, bool]:
         cfg = model.cfg
         if not isinstance(cache, DeviceCache) or cache.storage.cfg is not cfg:
             raise ValueError("this cache was not made by this network on the Vulkan backend (use model.new_cache() "
@@ -158,6 +172,10 @@ class GraphRunner:
         """(logits per sequence, whether all are finite): see NumpyBackend.forward_batch. The rows
         run as recorded forwards over several sequences' rows (`rounds`): each sequence's rows in
         the chunks its own forward would take, in order, at most MAX_ROWS rows a forward."""
+        with self.lock:
+            return self._forward_batch(model, seqs, pauses, last_only)
+
+    def _forward_batch(self, model, seqs, pauses: Pauses, last_only: tuple) -> tuple[list[np.ndarray], bool]:
         cfg = model.cfg
         last_only = tuple(last_only) or (False,) * len(seqs)
         for _, cache in seqs:
@@ -312,7 +330,8 @@ class GraphRunner:
         return rec
 
     def close(self) -> None:
-        self.batches = {}
-        for s in self.storages:
-            s.destroy()
-        self.storages = []
+        with self.lock:
+            self.batches = {}
+            for s in self.storages:
+                s.destroy()
+            self.storages = []
