@@ -9,11 +9,25 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import functools
+import shutil
+import tempfile
+
+# What the `onebit` processes the tests start keep between runs (tokenizer rankings, expert-pool
+# records) goes to a folder of this test run's own, not to the user's ~/.cache/onebit; made by
+# the first process of the run (pytest -n's workers inherit it) and removed when that one ends.
+_CACHE_MADE = None
+if "ONEBIT_CACHE_DIR" not in os.environ:
+    _CACHE_MADE = os.environ["ONEBIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="onebit-tests-cache-")
 
 import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def pytest_unconfigure(config):
+    if _CACHE_MADE is not None:
+        shutil.rmtree(_CACHE_MADE, ignore_errors=True)
 
 
 def pytest_configure(config):
