@@ -254,7 +254,7 @@ class CpuBackend(NumpyBackend):
         self.policy = policy if policy is not None else self.memory_policy(gguf)
         self.cpu_target = K.describe_target()
         self.K = K.kernels_for(gguf, self.policy.repacks)  # compiled for the file's quant types (or all, if cached)
-        self._asked_threads, self._threads_set = threads, set()
+        self._asked_threads, self._threads_set = threads, threading.local()
         self.threads = threads if threads is not None else default_threads()
         _one_blas_thread()
         filled = 0.0
@@ -288,12 +288,14 @@ class CpuBackend(NumpyBackend):
 
     def _threads_here(self) -> None:
         """numba's thread count belongs to the calling thread: set the asked one in each thread
-        that runs these kernels (serve runs them in its worker thread, not the loading one)."""
-        if self._asked_threads is not None and threading.get_ident() not in self._threads_set:
+        that runs these kernels (serve runs them in its worker thread, not the loading one).
+        Marked per thread, not by thread id: a thread that starts after another ended may get its
+        id (the load's thread, then serve's), and numba's count starts over in it."""
+        if self._asked_threads is not None and not getattr(self._threads_set, "done", False):
             import numba
 
             numba.set_num_threads(self._asked_threads)
-            self._threads_set.add(threading.get_ident())
+            self._threads_set.done = True
 
     def repack(self, experts: bool = True) -> None:
         """Make every repacked matrix now (`_product_raw`), as llama.cpp repacks at load: not
