@@ -134,7 +134,7 @@ def serve(
     from onebit.lookup import DEFAULT_DRAFTS
     from onebit.apps.embed import POOLINGS
     from onebit.apps.serve import Engine, Sampling
-    from onebit.apps.serve_loading import LoadingAnswer, load_in_passing_thread
+    from onebit.apps.serve_loading import LoadingAnswer
 
     given = model if model is not None else model_opt
     model, device = _model(model, model_opt), _device(device)
@@ -162,10 +162,9 @@ def serve(
                "answers 503 until it is in", err=True)
     loading = LoadingAnswer(sock)
     try:
-        m = load_in_passing_thread(lambda: _load(
-            model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw,
-            sequences=parallel, cache_types=cache_types, prompt_cache=None if cache_ram is None else cache_ram << 20,
-            warm_start=warm_start))
+        m = _load(model, backend, ctx, slots, budget, pool_policy, None, device, predict, threads, template_kw,
+                  sequences=parallel, cache_types=cache_types,
+                  prompt_cache=None if cache_ram is None else cache_ram << 20, warm_start=warm_start)
     finally:
         loading.stop()
     if template is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
@@ -456,4 +457,32 @@ def load(model: LoadSpec | str | os.PathLike | None = None, **overrides) -> Mode
     routing prediction feeding the pool's prefetch queue. `device`: the Vulkan device (a name or
     index, as `onebit devices` lists; None: the best usable one)."""
     spec = model if isinstance(model, LoadSpec) else LoadSpec(path=None if model is None else os.fspath(model))
-    return Model(dataclasses.replace(spec, **overrides))
+    spec = dataclasses.replace(spec, **overrides)
+    return on_a_thread_that_ends(lambda: Model(spec))
+
+
+def on_a_thread_that_ends(fn):
+    """fn() run on a thread that ends when it returns (its result, or its exception raised here):
+    how `load` builds a Model. The cpu backend's kernels run on GNU OpenMP, which gives every
+    thread that starts a parallel region a team of workers of its own, kept until that thread
+    ends, and lets the workers spin between regions only while it manages no more threads than
+    there are cores. A load's kernels (repacks, the first calls) left a team on the loading
+    thread; forwards on another thread (serve's) then ran with a second team: the 0.86B MoE
+    decoded 60-75 tok/s there against 92-106 on the loading thread (2-core VM). Loaded on a
+    thread that ends, whichever thread runs the forwards has the only team. The caller waits
+    in steps, so Ctrl-C still reaches it (the load then finishes behind it)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="onebit-load", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

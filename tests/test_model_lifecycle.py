@@ -80,3 +80,27 @@ def test_a_device_asked_for_by_name_must_exist(device_name):
 
     with pytest.raises(VulkanUnavailableError, match="no-such-device"):
         onebit.load(fixture_path(A), backend="auto", device="no-such-device")  # (no fall back to cpu)
+
+
+def test_a_model_is_built_on_a_thread_that_ends(monkeypatch):
+    """onebit.load builds the Model on a thread that is gone when the load returns (so no OpenMP
+    team of the load's kernels outlives it beside the thread that runs the forwards), with the
+    Model or the load's error."""
+    import threading
+
+    from onebit import model as model_module
+    from onebit.errors import UsageError
+
+    seen = []
+    m = onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy")
+    monkeypatch.setattr(model_module, "Model", lambda spec: seen.append(threading.current_thread()) or m)
+    assert onebit.load(fixture_path("qwen3moe-f32.gguf"), backend="numpy") is m
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def bad(spec):
+        raise UsageError("no such file")
+
+    monkeypatch.setattr(model_module, "Model", bad)
+    with pytest.raises(UsageError, match="no such file"):
+        onebit.load("x.gguf")
+    m.close()

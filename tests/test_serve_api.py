@@ -699,26 +699,3 @@ def test_chat_page_streams_a_reply(tmp_path, browser):
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
 
-
-def test_the_model_loads_on_a_thread_that_ends():
-    """serve loads on a thread of its own that is gone when the load returns (so no OpenMP team
-    of the load's kernels outlives it beside the serving thread's), with its result or its error."""
-    import threading
-
-    from onebit.apps.serve_loading import load_in_passing_thread
-    from onebit.errors import UsageError
-
-    seen = []
-
-    def load():
-        seen.append(threading.current_thread())
-        return "model"
-
-    assert load_in_passing_thread(load) == "model"
-    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
-
-    def bad():
-        raise UsageError("no such file")
-
-    with pytest.raises(UsageError, match="no such file"):
-        load_in_passing_thread(bad)

@@ -56,28 +56,3 @@ class LoadingAnswer:
 
 __all__ = ["LoadingAnswer"]
 
-
-def load_in_passing_thread(load):
-    """load() run on a thread that ends when it returns (its result, or its exception raised
-    here). The cpu backend's kernels run on GNU OpenMP, which gives every thread that starts a
-    parallel region a team of workers of its own, kept until that thread ends, and lets the
-    workers spin between regions only while it manages no more threads than there are cores.
-    A load on the main thread left its team there while the requests' forwards ran on a
-    serving thread with another: the 0.86B MoE decoded 64-75 tok/s on a serving thread against
-    92-106 on the thread that loaded it (2-core VM). Loaded on a thread that ends, the serving
-    thread's team is the only one."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["model"] = load()
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=run, name="onebit-serve-load", daemon=True)
-    t.start()
-    while t.is_alive():
-        t.join(0.2)  # (in steps: Ctrl-C still reaches the main thread)
-    if "error" in out:
-        raise out["error"]
-    return out["model"]
