@@ -171,25 +171,29 @@ class Recorder:
 
     # -- several sequences' rows (Recording's seqs) ---------------------------------------------
 
+    @staticmethod
+    def _span(x: Val, r0: int, n: int) -> Slice:
+        """Rows r0 .. r0 + n - 1 of x's buffer."""
+        rb = x.width * np.dtype(x.dtype).itemsize
+        return Slice(x.s.buffer, x.s.offset + r0 * rb, n * rb)
+
     def _rows_of(self, x: Val, sq) -> Optional[Val]:
         """Sequence sq's rows of x as a view of its buffer, or None where their offset is not
         aligned for a binding."""
         if sq.r0 == 0 and sq.n == x.rows:
             return x
-        rb = x.width * np.dtype(x.dtype).itemsize
-        off = x.s.offset + sq.r0 * rb
-        if off % self.be.dev.info.min_storage_buffer_offset_alignment:
+        span = self._span(x, sq.r0, sq.n)
+        if span.offset % self.be.dev.info.min_storage_buffer_offset_alignment:
             return None
-        return Val(Slice(x.s.buffer, off, sq.n * rb), (sq.n, *x.shape[1:]), x.dtype, base=x)
+        return Val(span, (sq.n, *x.shape[1:]), x.dtype, base=x)
 
     def _part(self, x: Val, sq) -> Val:
         """Sequence sq's rows of x: a view, or a copy where a view could not be bound."""
         view = self._rows_of(x, sq)
         if view is not None:
             return view
-        rb = x.width * np.dtype(x.dtype).itemsize
         out = self._new((sq.n, *x.shape[1:]), x.dtype)
-        self.seq.copy(Slice(x.s.buffer, x.s.offset + sq.r0 * rb, sq.n * rb), Slice(out.s.buffer, out.s.offset, sq.n * rb))
+        self.seq.copy(self._span(x, sq.r0, sq.n), self._span(out, 0, sq.n))
         return out
 
     def _per_sequence(self, shape, fn) -> Val:
@@ -204,9 +208,7 @@ class Recorder:
             into = self._rows_of(out, sq)
             y = fn(sq, into)
             if into is None:
-                rb = y.width * np.dtype(y.dtype).itemsize
-                self.seq.copy(Slice(y.s.buffer, y.s.offset, sq.n * rb),
-                              Slice(out.s.buffer, out.s.offset + sq.r0 * rb, sq.n * rb))
+                self.seq.copy(self._span(y, 0, sq.n), self._span(out, sq.r0, sq.n))
         return out
 
     def residual(self, x: Val, y: Val) -> Val:
@@ -408,13 +410,11 @@ class Recorder:
         where it keeps every row's logits."""
         seqs = self.rec.seqs
         if len(seqs) > 1:
-            rb = x.width * 4
             keep = [(sq.r0 + sq.n - 1, 1) if sq.last_only else (sq.r0, sq.n) for sq in seqs]
             out = self._new((sum(n for _, n in keep), *x.shape[1:]))
             at = 0
             for r0, n in keep:
-                self.seq.copy(Slice(x.s.buffer, x.s.offset + r0 * rb, n * rb),
-                              Slice(out.s.buffer, out.s.offset + at * rb, n * rb))
+                self.seq.copy(self._span(x, r0, n), self._span(out, at, n))
                 at += n
             return out
         off = (x.rows - 1) * x.width * 4
