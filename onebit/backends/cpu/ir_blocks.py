@@ -322,15 +322,13 @@ def _iq_quants(b, name, blk):
             vals = _grid_rows(b, tab, [_byte(b, blk, 2 + 8 * g + k) for k in range(8)], 4)
         elif name == "IQ2_XS":
             vals = _grid_rows(b, tab, [b.and_(_u16i(b, blk, 2 + 8 * g + 2 * k), _const(I32, 511)) for k in range(4)], 8)
-        elif name == "IQ2_S":
+        else:  # IQ2_S: 4 indices of 8-weight rows, 2 high bits each; IQ3_S: 8 of 4-weight rows, 1 each
+            n, bits = (4, 2) if name == "IQ2_S" else (8, 1)
             qh = _byte(b, blk, 66 + g)
-            vals = _grid_rows(b, tab, [b.or_(_byte(b, blk, 2 + 4 * g + k),
-                             b.shl(b.and_(b.lshr(qh, _const(I32, 2 * k)), _const(I32, 3)), _const(I32, 8)))
-                       for k in range(4)], 8)
-        else:
-            qh = _byte(b, blk, 66 + g)
-            vals = _grid_rows(b, tab, [b.or_(_byte(b, blk, 2 + 8 * g + k),
-                         b.shl(b.and_(b.lshr(qh, _const(I32, k)), _const(I32, 1)), _const(I32, 8))) for k in range(8)], 4)
+            idx = [b.or_(_byte(b, blk, 2 + n * g + k), b.shl(b.and_(b.lshr(qh, _const(I32, bits * k)),
+                                                                     _const(I32, (1 << bits) - 1)), _const(I32, 8)))
+                   for k in range(n)]
+            vals = _grid_rows(b, tab, idx, 32 // n)
         if name in ("IQ2_XXS", "IQ3_XXS"):  # the group's aux word: its 4 sign fields one to a byte
             a = _u32i(b, blk, (2 + 8 * g + 4) if name == "IQ2_XXS" else (66 + 4 * g))
             fields = b.and_(a, _const(I32, 0x7F))
