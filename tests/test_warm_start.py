@@ -4,9 +4,11 @@ read (ExpertPool.warm), and nothing a forward computes changes."""
 
 from __future__ import annotations
 
+
 import json
 import logging
 import os
+import re
 import threading
 import time
 
@@ -311,7 +313,9 @@ def test_the_command_says_whether_a_record_was_used(monkeypatch, capsys, tmp_pat
     assert code == 0 and "warm start no record" in err and record_path(tmp_path, MODEL).exists()
     code, again, err = run_cli(monkeypatch, capsys, *args, "--stats")
     assert code == 0 and "warm start from a record (6 experts)" in err and again == first
-    assert "warm start from a record: 6 experts read" in err  # (--stats)
+    # (--stats; how many of the 6 warming reads before a demand read takes their slot is timing's)
+    got = re.search(r"warm start from a record: (\d+) experts read, (\d+) used", err)
+    assert got and 1 <= int(got[1]) <= 6 and int(got[2]) <= int(got[1]), err
 
 
 def test_misses_evict_warmed_experts_not_yet_used_last_for_a_while():
