@@ -325,11 +325,57 @@ class ExpertPool(StreamedExperts):
     def acquire(self, layer: int, experts: Iterable[int]) -> list[int]:
         """Block until every expert is resident; pin them; return their slot indices."""
         experts = [int(e) for e in experts]
+        t0 = time.perf_counter()
+        waits, misses = self._pin_routed(layer, experts)
+        for s in waits:
+            if not s.ready.is_set():
+                s.ready.wait()
+            if s.error is not None:
+                self._unpin_failed(waits)
+        self._set_table(layer, experts, waits)
+        self._count_stall(layer, time.perf_counter() - t0, misses)
+        return [s.index for s in waits]
+
+    def arriving(self, layer: int, experts: Iterable[int]):
+        """Yield (positions, slots) as `experts` become resident: those resident now first, then
+        the others as their reads complete (with any that completed meanwhile), so a caller
+        computes with the hits while the misses are read. `positions` index `experts`; every
+        expert stays pinned until the generator ends (it releases them all). More experts than
+        `capacity(layer)` come as `pinned` gives them, one group at a time."""
+        experts = [int(e) for e in experts]
+        if len(set(experts)) > self.capacity(layer):
+            for start, group, slots in self.pinned(layer, experts):
+                yield list(range(start, start + len(group))), slots
+            return
+        t0 = time.perf_counter()
+        waits, misses = self._pin_routed(layer, experts)
+        stalled, failed = time.perf_counter() - t0, False
+        try:
+            pending = list(range(len(experts)))
+            while pending:
+                ready = [j for j in pending if waits[j].ready.is_set()]
+                if not ready:  # (reads complete about in the order claimed)
+                    t = time.perf_counter()
+                    waits[pending[0]].ready.wait()
+                    stalled += time.perf_counter() - t
+                    ready = [j for j in pending if waits[j].ready.is_set()]
+                if any(waits[j].error is not None for j in ready):
+                    failed = True
+                    self._unpin_failed(waits)
+                pending = [j for j in pending if j not in ready]
+                self._set_table(layer, [experts[j] for j in ready], [waits[j] for j in ready])
+                yield ready, [waits[j].index for j in ready]
+        finally:
+            self._count_stall(layer, stalled, misses)
+            if not failed:
+                self.release(layer, experts)
+
+    def _pin_routed(self, layer: int, experts: list[int]) -> tuple[list, int]:
+        """Pin `experts`' slots, resident ones first, a read claimed for each of the others;
+        (their slots in order, the demand misses)."""
         if len(set(experts)) > self.capacity(layer):
             raise UsageError(f"layer {layer} asks for {len(set(experts))} experts at once but only "
                              f"{self.capacity(layer)} slots are available to it")
-        t0 = time.perf_counter()
-        waits = []
         ci = self.class_of_layer[layer]
         scan = len(experts) >= PROMPT_SHARE * self.sources[(layer, EXPERT_PARTS[0])].n_experts
         with self.lock:
@@ -362,32 +408,33 @@ class ExpertPool(StreamedExperts):
                     s = self._claim(layer, (layer, e), DEMAND, self._scan_victim(ci, layer, layer) if scan else None)
                     self._pin(s)
                     got[e] = s
-            waits = [got[e] for e in experts]
-            out = [s.index for s in waits]
             if scan:
                 self._drop_unrouted(layer, experts)
                 self._read_ahead(ci, layer)
-        for s in waits:
-            if not s.ready.is_set():
-                s.ready.wait()
-            if s.error is not None:
-                with self.lock:
-                    for w in waits:
-                        w.pins -= 1
-                        if w.pins == 0:
-                            self._to_lru(w)
-                    self.lock.notify_all()
-                raise s.error
+        return [got[e] for e in experts], misses
+
+    def _unpin_failed(self, waits: list) -> None:
+        """Unpin `waits` and raise the first failed read's error."""
+        with self.lock:
+            for w in waits:
+                w.pins -= 1
+                if w.pins == 0:
+                    self._to_lru(w)
+            self.lock.notify_all()
+        raise next(w.error for w in waits if w.error is not None)
+
+    def _set_table(self, layer: int, experts: list[int], slots: list) -> None:
         if self.table is not None:  # (pinned: no claim can clear these meanwhile)
-            for e, s in zip(experts, waits):
+            for e, s in zip(experts, slots):
                 self.table[layer, e] = s.index
-        dt = time.perf_counter() - t0
+
+    def _count_stall(self, layer: int, dt: float, misses: int) -> None:
+        per = self.by_layer[layer]
         self.stats.stall_seconds += dt
         per[1] += misses
         per[3] += dt
         if misses:
             per[4] += dt
-        return out
 
     @property
     def streamed_layers(self) -> frozenset:

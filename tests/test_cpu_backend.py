@@ -677,15 +677,22 @@ def test_expert_ffn_matches_numpy(rng, name):
     experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
     got = np.zeros_like(x)
     qt = Part.qtype
-    products.expert_ffn(got, x, ro(gate), ro(up), ro(down), experts, offs, rows, rw, qt, qt, qt)
+    y = np.full((len(rows), dim), np.nan, np.float32)  # (poisoned: every routed row must be written)
+    products.expert_ffn(got, y, x, ro(gate), ro(up), ro(down), experts, np.arange(len(experts)), offs, rows, rw,
+                        True, qt, qt, qt)
     close(got, want, ACT_TOL if name in int_dots.INT_TYPES else TOL[name], name)
 
-    # Split into groups of experts (a streaming pool with few slots): the same bits.
+    # The experts in batches, in another order (a pool's resident experts, then its reads as
+    # they complete), the last call adding: the same bits. A call that does not add leaves out be.
     split = np.zeros_like(x)
-    for a, b in ((0, 2), (2, len(experts))):
-        o = offs[a : b + 1]
-        products.expert_ffn(split, x, ro(gate), ro(up), ro(down), experts[a:b], o - o[0], rows[o[0] : o[-1]],
-                     rw[o[0] : o[-1]], qt, qt, qt)
+    y = np.full((len(rows), dim), np.nan, np.float32)
+    for js in ([len(experts) - 1, 1], [0], list(range(2, len(experts) - 1))):
+        js = np.array(js, np.int64)
+        products.expert_ffn(split, y, x, ro(gate), ro(up), ro(down), experts[js], js, offs, rows, rw, False,
+                            qt, qt, qt)
+        assert not split.any()
+    products.expert_ffn(split, y, x, ro(gate), ro(up), ro(down), experts[:0], np.zeros(0, np.int64), offs, rows,
+                        rw, True, qt, qt, qt)
     assert np.array_equal(split, got)
 
 
@@ -716,8 +723,9 @@ def test_expert_ffn_oai_matches_numpy(rng, name):
     experts, offs, rows, rw = CpuBackend.routed_rows(ids, wts, E)
     got = np.zeros_like(x)
     qt = Part.qtype
-    products.expert_ffn_oai(got, x, ro(gate), ro(up), ro(down), experts, experts.copy(), offs, rows, rw, qt, qt, qt,
-                     *[ro(b) for b in biases], *glu)
+    y = np.full((len(rows), dim), np.nan, np.float32)
+    products.expert_ffn_oai(got, y, x, ro(gate), ro(up), ro(down), experts, np.arange(len(experts)), experts.copy(),
+                            offs, rows, rw, True, qt, qt, qt, *[ro(b) for b in biases], *glu)
     close(got, want, ACT_TOL if name in int_dots.INT_TYPES else TOL[name], name)
 
 

@@ -110,7 +110,8 @@ def test_kernels_of_some_types_give_the_all_types_bits(cpu_kernels):
         for got, kern in zip(pairs, (k, products)):
             out = np.zeros_like(x)
             with np.errstate(over="ignore"):
-                kern.expert_ffn(out, x, gate, up, down, experts, offs, rows, rw, qt, qt, qt)
+                kern.expert_ffn(out, np.empty_like(x, shape=(len(rows), n)), x, gate, up, down, experts,
+                                np.arange(len(experts)), offs, rows, rw, True, qt, qt, qt)
             got.append(out)
         mine, want = pairs
         assert not np.isnan(np.concatenate([a.ravel() for a in want])).all()

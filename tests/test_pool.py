@@ -190,6 +190,63 @@ def test_acquire_pins_hits_before_claiming_misses():
         pool.close()
 
 
+def test_arriving_gives_the_resident_experts_first_then_the_reads_and_releases_all():
+    """arriving: the hits at once, before any read completes (the readers held back here), then
+    the misses as they land; every position once, each slot holding its expert's bytes; all
+    pinned until the end, then released; the stall and misses counted as acquire counts them."""
+    g, pool = make_pool(6)
+    try:
+        raw = g.tensor("blk.0.ffn_gate_exps.weight").raw
+        pool.acquire(0, [2, 5])
+        pool.release(0, [2, 5])
+        with pool.lock:  # no reader takes a read until the hits came
+            gen = pool.arriving(0, [1, 2, 4, 5])
+            first = next(gen)
+        assert first[0] == [1, 3] and [pool.slots[0][i].key for i in first[1]] == [(0, 2), (0, 5)]
+        seen = {1: first[1][0], 3: first[1][1]}
+        for positions, slots in gen:
+            assert all(pool.slots[0][i].pins == 1 for i in slots)
+            seen.update(zip(positions, slots))
+        assert sorted(seen) == [0, 1, 2, 3]
+        for j, e in enumerate([1, 2, 4, 5]):
+            assert np.array_equal(pool.slot_view(0, seen[j], "ffn_gate_exps"), raw[e])
+        assert all(s.pins == 0 for s in pool.slots[0])
+        assert (pool.stats.hits, pool.stats.demand_misses) == (2, 4)
+        assert pool.by_layer[0][1] == 4 and pool.stats.stall_seconds > 0
+    finally:
+        pool.close()
+
+
+def test_arriving_a_failed_read_raises_with_nothing_pinned(tmp_path):
+    src = fixture_path("qwen3moe-f32.gguf")
+    path = tmp_path / "m.gguf"
+    path.write_bytes(src.read_bytes())
+    g = GGUFFile(path)
+    pool = ExpertPool(g, size_classes(g), [4])
+    try:
+        pool.acquire(1, [0])
+        pool.release(1, [0])
+        with open(path, "r+b") as f:
+            f.truncate(g.tensor("blk.1.ffn_down_exps.weight").offset)
+        with pytest.raises(StreamReadError, match="ended early"):
+            for _ in pool.arriving(1, [0, 1, 2]):
+                pass
+        with pool.lock:  # (a read still in flight pins its slot until it ends)
+            assert pool.lock.wait_for(lambda: pool.in_flight == 0 and not pool.queue, timeout=30)
+            assert all(s.pins == 0 for s in pool.slots[0])
+    finally:
+        pool.close()
+
+
+def test_arriving_more_experts_than_slots_comes_in_groups():
+    _, pool = make_pool(2)
+    try:
+        got = [(list(p), len(s)) for p, s in pool.arriving(0, [1, 2, 3])]
+        assert got == [([0, 1], 2), ([2], 1)] and all(s.pins == 0 for s in pool.slots[0])
+    finally:
+        pool.close()
+
+
 def test_acquire_waits_for_a_release_from_another_thread():
     """With every slot pinned, an acquire waits (in _victim) until another thread releases one;
     a release wakes the lock's waiters only while such an acquire waits (the reader threads wait

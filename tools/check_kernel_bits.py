@@ -85,12 +85,14 @@ def outputs(k, name: str, other: str, rng_seed: int) -> list[np.ndarray]:
     experts, offs, rows, rw = kernel_sets.EVERY.routed_rows(ids, wts, E)
     with np.errstate(over="ignore"):
         out = np.zeros_like(x)
-        k.expert_ffn(out, x, gate, up, down, experts, offs, rows, rw, qt, qt, qt)
+        every, y = np.arange(len(experts)), np.empty((len(rows), x.shape[1]), np.float32)
+        k.expert_ffn(out, y, x, gate, up, down, experts, every, offs, rows, rw, True, qt, qt, qt)
         got.append(out)
         bg, bu = (ro(rng.standard_normal((E, hidden)).astype(np.float32)) for _ in range(2))
         bd = ro(rng.standard_normal((E, n)).astype(np.float32))
         out = np.zeros_like(x)
-        k.expert_ffn_oai(out, x, gate, up, down, experts, experts, offs, rows, rw, qt, qt, qt, bg, bu, bd, 1.702, 7.0)
+        k.expert_ffn_oai(out, y, x, gate, up, down, experts, every, experts, offs, rows, rw, True, qt, qt, qt,
+                         bg, bu, bd, 1.702, 7.0)
         got.append(out)
     return got
 

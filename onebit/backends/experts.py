@@ -53,6 +53,12 @@ class ExpertSource(Protocol):
         experts resident and pinned while the caller uses them: experts[start:start+len(group)]
         are at index[j] of `arrays(layer)`."""
 
+    def arriving(self, layer: int, experts) -> Iterator[tuple[list[int], list[int]]]:
+        """Yield (positions, index) until every one of `experts` (as for `pinned`) came once,
+        each batch resident and pinned until the generator ends: experts[positions[j]] is at
+        index[j] of `arrays(layer)`. The file's come at once, in order; a pool's those resident
+        first, then the others as their reads complete."""
+
 
 class StreamCounts(Protocol):
     """A pool's counts that a backend reads (memory/pool.py PoolStats keeps more)."""
@@ -174,3 +180,6 @@ class FileExperts:
 
     def pinned(self, layer: int, experts):
         yield 0, experts, experts
+
+    def arriving(self, layer: int, experts):
+        yield np.arange(len(experts), dtype=np.int64), experts

@@ -498,16 +498,17 @@ class CpuBackend(NumpyBackend):
         qtypes = [K.x16_type(t.qtype) if layout is not None and layout.packs(t) else t.qtype for t in parts]
         return parts, all(t.qtype in self.K.SUPPORTED for t in parts), qtypes
 
-    def expert_call(self, out, x, qtypes, raws, sel, offs, rows, rw, eids=None, biases=None, glu=None) -> None:
-        """out[rows] += rw * expert FFN, for experts raws[*][sel[j]] (in order j) of type ids
-        `qtypes` (as the source holds them); with `glu` (gpt-oss), the clamped SwiGLU and the
-        biases of experts eids[j]."""
+    def expert_call(self, out, y, x, qtypes, raws, sel, js, offs, rows, rw, add, eids, biases=None, glu=None) -> None:
+        """y[rows of expert j] = its FFN for j in js, expert j at raws[*][sel[i]] (js[i] = j) of
+        type ids `qtypes` (as the source holds them); then, if add, out[rows] += rw * y over every
+        routed row (`expert_ffn`). With `glu` (gpt-oss), the clamped SwiGLU and the biases of
+        experts eids[j]."""
         qg, qu, qd = qtypes
         if glu is None:
-            self.K.expert_ffn(out, x, raws[0], raws[1], raws[2], sel, offs, rows, rw, qg, qu, qd)
+            self.K.expert_ffn(out, y, x, raws[0], raws[1], raws[2], sel, js, offs, rows, rw, add, qg, qu, qd)
             return
         bg, bu, bd = biases
-        self.K.expert_ffn_oai(out, x, raws[0], raws[1], raws[2], sel, np.asarray(eids, np.int64), offs, rows, rw,
+        self.K.expert_ffn_oai(out, y, x, raws[0], raws[1], raws[2], sel, js, eids, offs, rows, rw, add,
                               qg, qu, qd, bg, bu, bd, float(glu[0]), float(glu[1]))
 
     def expert_biases(self, layer: int):
@@ -531,9 +532,10 @@ class CpuBackend(NumpyBackend):
                                                                     self.expert_biases(layer)))
 
     def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
-        """The numpy backend's routed experts in one kernel call per group of pinned experts (all
-        of them at once from the file; a pool's in groups of what it can pin), reading their
-        bytes from the expert source; the same experts in the same order whatever the source."""
+        """The numpy backend's routed experts, reading their bytes from the expert source: one
+        kernel call for experts all in memory; from a pool, a call for those resident, then one
+        for each batch of reads that completes (`arriving`), the last adding the outputs in
+        order, so the sums are the same whatever the source."""
         parts, fast, qtypes, biases = self._experts_of(layer)
         if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
             return super().experts(layer, x, ids, weights, glu)
@@ -541,11 +543,11 @@ class CpuBackend(NumpyBackend):
         x = _f32(x)
         out = np.zeros_like(x)
         experts, offs, rows, rw = self.routed_rows(ids, weights, parts[0].shape[0])
+        y = np.empty((rows.shape[0], x.shape[1]), np.float32)  # [routed rows, dim]: each expert's output
         arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
-        for start, group, index in self.source.pinned(layer, experts):  # (int64 arrays from the file: no copy)
-            routed = offs, rows, rw  # all at once (the file, a pool with room): no slices
-            if start or len(group) < len(experts):
-                o = offs[start : start + len(group) + 1]
-                routed = o - o[0], rows[o[0] : o[-1]], rw[o[0] : o[-1]]
-            self.expert_call(out, x, qtypes, arrays, np.asarray(index, np.int64), *routed, group, biases, glu)
+        done = 0
+        for js, index in self.source.arriving(layer, experts):  # (int64 arrays from the file: no copy)
+            done += len(js)
+            self.expert_call(out, y, x, qtypes, arrays, np.asarray(index, np.int64), np.asarray(js, np.int64),
+                             offs, rows, rw, done == len(experts), experts, biases, glu)
         return out

@@ -352,11 +352,12 @@ class Kernels:
         elif name == "get_rows":
             self.get_rows(np.empty((1, n), np.float32), w, ids, t, LUT, M)
         elif name == "expert_ffn":
-            self.expert_ffn(np.zeros((1, n), np.float32), x, h, h, h, ids, offs, ids, one, t, t, t)
+            self.expert_ffn(np.zeros((1, n), np.float32), np.empty((1, n), np.float32), x, h, h, h, ids, ids, offs,
+                            ids, one, True, t, t, t)
         elif name == "expert_ffn_oai":
             b = _ro(np.zeros((1, n), np.float32))
-            self.expert_ffn_oai(np.zeros((1, n), np.float32), x, h, h, h, ids, ids, offs, ids, one, t, t, t,
-                                b, b, b, 1.702, 7.0)
+            self.expert_ffn_oai(np.zeros((1, n), np.float32), np.empty((1, n), np.float32), x, h, h, h, ids, ids,
+                                ids, offs, ids, one, True, t, t, t, b, b, b, 1.702, 7.0)
         else:
             raise ValueError(f"no kernel {name!r} in a kernel set")
 

@@ -139,25 +139,33 @@ def one_expert(y, x, a, gate, up, down, e, rows, qg, qu, qd):
 
 
 @cached(parallel=True, nogil=True)
-def expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, qg, qu, qd):
-    """out[rows] += rw * down(silu(gate(x)) * up(x)) over the chosen experts, in order.
+def expert_ffn(out, y, x, gate, up, down, sel, js, offs, rows, rw, add, qg, qu, qd):
+    """y[rows of j] = down(silu(gate(x)) * up(x)) for the chosen experts j in js; then, if add,
+    out[rows] += rw * y over every routed row, in order.
 
     gate, up: uint8 [E, hidden, row_bytes]; down: uint8 [E, dim, row_bytes] (a file's expert
-    tensor or a pool's slots). Expert j of the call is gate[sel[j]]; the activation rows it
-    serves are rows[offs[j]:offs[j+1]] with weights rw[...]. One parallel region: a thread
-    runs whole experts into y; then each out element adds its experts' terms in order j = 0,
-    1, ..., so a call split into groups of j gives the same bits.
+    tensor or a pool's slots). Expert j = js[i] of the routing is gate[sel[i]]; the activation
+    rows it serves are rows[offs[j]:offs[j+1]] with weights rw[...], and its output goes to
+    y[offs[j]:offs[j+1]] ([routed rows, dim]). One parallel region: a thread runs whole
+    experts. The sum adds each out element's experts' terms in order j = 0, 1, ..., so the
+    experts computed in any grouping, in any order, before the call that adds give the same bits.
     """
-    dim = x.shape[1]
-    y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
     a = acts(x, is_int(qg) or is_int(qu))
     ab, xb, gate, up, down = lent(a), borrowed(x), borrowed(gate), borrowed(up), borrowed(down)
-    for j in prange(sel.shape[0]):
-        one_expert(y[offs[j] : offs[j + 1]], xb, ab, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]], qg, qu, qd)
+    for i in prange(js.shape[0]):
+        j = js[i]
+        one_expert(y[offs[j] : offs[j + 1]], xb, ab, gate, up, down, sel[i], rows[offs[j] : offs[j + 1]], qg, qu, qd)
     keep_alive(a)
+    if add:
+        _add_rows(out, y, rows, rw)
+
+
+@njit(inline="always")
+def _add_rows(out, y, rows, rw):
+    """out[rows[p]] += rw[p] * y[p], p = 0, 1, ... in order."""
     for p in range(rows.shape[0]):
         o, yp, w = out[rows[p]], y[p], rw[p]
-        for d in range(dim):
+        for d in range(y.shape[1]):
             o[d] += yp[d] * w
 
 
@@ -180,20 +188,17 @@ def one_expert_oai(y, x, a, gate, up, down, e, rows, qg, qu, qd, bg, bu, bd, alp
 
 
 @cached(parallel=True, nogil=True)
-def expert_ffn_oai(out, x, gate, up, down, sel, eids, offs, rows, rw, qg, qu, qd, bg, bu, bd, alpha, limit):
-    """`expert_ffn` for gpt-oss experts (`one_expert_oai`): expert j's weights are gate[sel[j]]
-    and its biases bg[eids[j]], bu[eids[j]] ([E, hidden]), bd[eids[j]] ([E, dim]); the same
-    order of sums, so a call split into groups of j gives the same bits."""
-    dim = x.shape[1]
-    y = np.empty((rows.shape[0], dim), np.float32)  # [routed rows, dim]
+def expert_ffn_oai(out, y, x, gate, up, down, sel, js, eids, offs, rows, rw, add, qg, qu, qd, bg, bu, bd, alpha, limit):
+    """`expert_ffn` for gpt-oss experts (`one_expert_oai`): expert j = js[i]'s weights are
+    gate[sel[i]] and its biases bg[eids[j]], bu[eids[j]] ([E, hidden]), bd[eids[j]] ([E, dim]);
+    the same order of sums."""
     a = acts(x, is_int(qg) or is_int(qu))
     ab, xb, gate, up, down = lent(a), borrowed(x), borrowed(gate), borrowed(up), borrowed(down)
-    for j in prange(sel.shape[0]):
+    for i in prange(js.shape[0]):
+        j = js[i]
         e = eids[j]
-        one_expert_oai(y[offs[j] : offs[j + 1]], xb, ab, gate, up, down, sel[j], rows[offs[j] : offs[j + 1]],
+        one_expert_oai(y[offs[j] : offs[j + 1]], xb, ab, gate, up, down, sel[i], rows[offs[j] : offs[j + 1]],
                        qg, qu, qd, bg[e], bu[e], bd[e], alpha, limit)
     keep_alive(a)
-    for p in range(rows.shape[0]):
-        o, yp, w = out[rows[p]], y[p], rw[p]
-        for d in range(dim):
-            o[d] += yp[d] * w
+    if add:
+        _add_rows(out, y, rows, rw)
