@@ -8,7 +8,8 @@ chunk's acquires of most of a layer's experts are scans, which keep out of it: s
 threads, demand reads ahead of prefetches, with O_DIRECT where the filesystem allows it
 (pread plus POSIX_FADV_DONTNEED otherwise, so the page cache does not hold a second copy).
 
-API: `acquire(layer, experts)` blocks until resident and pins; `release(layer, experts)`;
+API: `acquire(layer, experts)` blocks until resident and pins; `arriving(layer, experts)` pins
+them too and yields them as they become resident, the hits first; `release(layer, experts)`;
 `prefetch(layer, experts)` only queues. `stats` counts hits, prefetch hits, demand misses,
 wasted prefetches, bytes read and stall time. `warm(order)` fills empty slots in the background
 with what an earlier process used (memory/warm.py), after every other read; `learned()` is what
