@@ -809,7 +809,10 @@ class ExpertPool(StreamedExperts):
             self._to_lru(s)  # unpinned, but most recently used
         for part in EXPERT_PARTS:  # (each part its own read: readers pack one while others read)
             heapq.heappush(self.queue, (priority, next(self.seq), s, key, part))
-        self.lock.notify_all()
+        if self._slot_waiters:  # (an acquire waiting for a slot waits on the same lock)
+            self.lock.notify_all()
+        else:
+            self.lock.notify(len(EXPERT_PARTS))  # (a reader each; a busy one takes the next when done)
         return s
 
     def _work(self) -> None:
@@ -882,4 +885,7 @@ class ExpertPool(StreamedExperts):
                     s.ready.set()
                 if s.pins == 0:
                     self._to_lru(s)
-                self.lock.notify_all()
+                # Wake only who may go on now: an acquire waiting for a slot, a reader held back
+                # by warming's cap. (Waking every idle reader at each read cost the step's CPU.)
+                if self._slot_waiters or self._warm or (self.queue and self.queue[0][0] == WARM):
+                    self.lock.notify_all()
