@@ -354,12 +354,11 @@ class ExpertPool(StreamedExperts):
         try:
             pending = list(range(len(experts)))
             while pending:
-                ready = [j for j in pending if waits[j].ready.is_set()]
-                if not ready:  # (reads complete about in the order claimed)
+                if not any(waits[j].ready.is_set() for j in pending):  # (reads end about as claimed)
                     t = time.perf_counter()
                     waits[pending[0]].ready.wait()
                     stalled += time.perf_counter() - t
-                    ready = [j for j in pending if waits[j].ready.is_set()]
+                ready = [j for j in pending if waits[j].ready.is_set()]
                 if any(waits[j].error is not None for j in ready):
                     failed = True
                     self._unpin_failed(waits)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 

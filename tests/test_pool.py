@@ -58,10 +58,17 @@ def test_streamed_equals_resident_bit_for_bit(name, slot_counts, policy, backend
         assert st.demand_misses > 0 and st.bytes_read > 0
 
 
-def make_pool(slots, **kw):
-    g = GGUFFile(fixture_path("qwen3moe-f32.gguf"))
+def make_pool(slots, path=None, **kw):
+    g = GGUFFile(path or fixture_path("qwen3moe-f32.gguf"))
     classes = size_classes(g)
     return g, ExpertPool(g, classes, [slots], **kw)
+
+
+def copy_of_fixture(tmp_path):
+    """A copy of qwen3moe-f32.gguf that a test may cut short."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(fixture_path("qwen3moe-f32.gguf").read_bytes())
+    return path
 
 
 def test_lru_hits_misses_and_bytes():
@@ -157,9 +164,7 @@ def test_more_experts_than_slots_is_refused():
 
 
 def test_file_truncated_while_streaming(tmp_path):
-    src = fixture_path("qwen3moe-f32.gguf")
-    path = tmp_path / "m.gguf"
-    path.write_bytes(src.read_bytes())
+    path = copy_of_fixture(tmp_path)
     m = onebit.load(path, slots=2, budget="1GiB", backend="cpu")
     try:
         g = m.gguf
@@ -218,11 +223,8 @@ def test_arriving_gives_the_resident_experts_first_then_the_reads_and_releases_a
 
 
 def test_arriving_a_failed_read_raises_with_nothing_pinned(tmp_path):
-    src = fixture_path("qwen3moe-f32.gguf")
-    path = tmp_path / "m.gguf"
-    path.write_bytes(src.read_bytes())
-    g = GGUFFile(path)
-    pool = ExpertPool(g, size_classes(g), [4])
+    path = copy_of_fixture(tmp_path)
+    g, pool = make_pool(4, path)
     try:
         pool.acquire(1, [0])
         pool.release(1, [0])

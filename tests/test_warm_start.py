@@ -4,7 +4,6 @@ read (ExpertPool.warm), and nothing a forward computes changes."""
 
 from __future__ import annotations
 
-
 import json
 import logging
 import os
