@@ -43,7 +43,7 @@ READERS = 4  # reader threads (reads in flight). 2, 4, 8 on the 30B-A3B shape's 
 # prefetches drained, twice each on a busy 2-core VM: 1.21/1.56, 1.61/1.35, 1.39/1.06 GB/s: no clear winner
 PROMPT_SHARE = 0.75  # an acquire of this share of a layer's experts is a scan (a prompt's chunk): see _scan_victim
 READ_AHEAD = 1  # the stream region holds this many layers' experts beside the scanned layer's
-KEEP_ROWS = 8  # a scan keeps the experts of its chunk's last this many rows out of the stream region
+KEEP_ROWS = 8  # a prompt chunk keeps the experts of its last this many rows for the decode (see ExpertPool)
 DEMAND, PREFETCH, WARM = 0, 1, 2  # read priorities: a smaller one is read first
 KEEP_WARMED = 2  # warmed experts no acquire used yet are evicted last for this many acquires a layer (see warm)
 
@@ -105,7 +105,7 @@ class _Slot:
     prefetched: bool = False  # loaded by a prefetch and not yet acquired
     warmed: bool = False  # loaded by warming and not yet acquired
     stream: bool = False  # in the stream region (see ExpertPool)
-    kept: int = -1  # the scan pass that keeps this slot's expert for the decode after it (see _keep_last)
+    kept: int = -1  # the prompt pass that keeps this slot's expert for the decode after it (see _keep_last)
     error: Optional[BaseException] = None
     parts_left: int = 0  # parts of the expert still to read (ready when none)
     started: float = 0.0  # when the first of them started
@@ -229,13 +229,17 @@ class ExpertPool(StreamedExperts):
     shape at 8 GiB (2056 slots) a 128-token prompt after another read 13.3 GB instead of all
     18.8. Decode steps (a few experts a layer) use every slot in one LRU order.
 
-    The decode after a prompt routes much as the prompt's last tokens did, so a scan given its
-    rows' routing (`routed`) keeps the experts of the last KEEP_ROWS rows: each one it finds in
-    the stream region trades regions with a slot of the other, one holding an expert of a layer
-    this pass has already scanned that those rows did not use (the oldest first), so nothing
-    is read for it and the pass loses no hit (every expert it holds is one hit a pass,
-    whichever). Before this, the first 8 tokens after a 175-token prompt missed 113 experts a
-    token on the 30B-A3B shape at 8 GiB, against 71 once the decode had settled."""
+    The decode after a prompt routes much as the prompt's last tokens did, so a prompt chunk
+    (more than KEEP_ROWS rows) given its routing (`routed`) keeps the experts of its last
+    KEEP_ROWS rows: at its release every other expert it used becomes the least recently used,
+    so slots are taken from those first; and a kept expert found in the stream region trades
+    regions with a slot of the other, one holding an expert of a layer this pass has already
+    used that those rows did not (the oldest first), so nothing is read for it and a scan's
+    read-ahead will not overwrite it. A later scan loses no hit by it: every expert the slots
+    hold is one hit a pass, whichever. On the 30B-A3B trained-routing shape at 8 GiB, the first
+    8 tokens after a 175-token prompt missed 113 experts a token before this, 81 with it, and 71
+    once the decode had settled; most of that prompt's layers route to fewer experts than a
+    scan, so the LRU order does most of it."""
 
     def __init__(self, gguf, classes: list[SizeClass], slots: list[int], policy: str = "global",
                  readers: Optional[int] = None, direct: bool = True,
@@ -283,13 +287,14 @@ class ExpertPool(StreamedExperts):
             self.slots.append([_Slot(ci, i) for i in range(n)])
         self.where: dict[tuple[int, int], _Slot] = {}
         self.lru: list[OrderedDict] = [OrderedDict() for _ in classes]  # unpinned slots, oldest first
-        # the stream region: slots [stream_from[ci], n) of each class; lru_stream keeps its
-        # unpinned slots that no prefetch is waiting to be used from, oldest first
+        # the stream region: slots [stream_from[ci], n) of each class at first (_keep_last trades
+        # slots in and out of it, `_Slot.stream`); lru_stream keeps its unpinned slots that no
+        # prefetch is waiting to be used from, oldest first
         self.stream_from = [len(ss) - self._stream_slots(ci, len(ss)) for ci, ss in enumerate(self.slots)]
-        for ci, ss in enumerate(self.slots):  # (where the region starts; a scan trades slots in and out of it)
+        for ci, ss in enumerate(self.slots):
             for s in ss[self.stream_from[ci]:]:
                 s.stream = True
-        self._pass, self._scan_at = 0, None  # the scan pass (a prompt chunk's walk over the layers), its last layer
+        self._pass, self._pass_at = 0, None  # the prompt pass (a chunk's walk over the layers), its last layer
         self._passed: list[OrderedDict] = [OrderedDict() for _ in classes]  # see _keep_last
         self._last: dict[int, set] = {}  # layer -> the experts a prompt chunk's acquire keeps, until its release
         self.lru_stream: list[OrderedDict] = [OrderedDict() for _ in classes]
@@ -406,6 +411,7 @@ class ExpertPool(StreamedExperts):
             self._keep_warmed()
             chunk = routed is not None and len(routed) > KEEP_ROWS  # (a prompt's chunk)
             self._track_pass(layer, chunk)
+            self._last.pop(layer, None)  # (an acquire that failed left its own: never released)
             # Pin the resident experts first, so a miss below cannot evict one of them.
             got: dict[int, _Slot] = {}
             per = self.by_layer[layer]
@@ -738,14 +744,14 @@ class ExpertPool(StreamedExperts):
     def _track_pass(self, layer: int, chunk: bool) -> None:
         """A prompt chunk's acquire at a layer no later than the last one's starts a new pass;
         any other acquire ends the pass (under the lock)."""
-        if chunk and self._scan_at is not None and layer > self._scan_at:
-            self._scan_at = layer
+        if chunk and self._pass_at is not None and layer > self._pass_at:
+            self._pass_at = layer
             return
-        if chunk or self._scan_at is not None:
+        if chunk or self._pass_at is not None:
             self._pass += 1
             for passed in self._passed:
                 passed.clear()
-        self._scan_at = layer if chunk else None
+        self._pass_at = layer if chunk else None
 
     def _keep_last(self, ci: int, layer: int, got: dict, routed) -> None:
         """A prompt chunk's slots `got` ({expert: slot}, pinned): keep the experts of the last
