@@ -348,8 +348,8 @@ class ExpertPool(StreamedExperts):
 
     def acquire(self, layer: int, experts: Iterable[int], routed=None) -> list[int]:
         """Block until every expert is resident; pin them; return their slot indices. `routed`:
-        the forward's routing [rows, k] in row order, if it has it (a scan keeps its last rows'
-        experts: see the class)."""
+        the forward's routing [rows, k] in row order, if it has it (a prompt chunk keeps its
+        last rows' experts: see the class)."""
         experts = [int(e) for e in experts]
         t0 = time.perf_counter()
         waits, misses = self._pin_routed(layer, experts, routed)
