@@ -546,7 +546,7 @@ class CpuBackend(NumpyBackend):
         y = np.empty((rows.shape[0], x.shape[1]), np.float32)  # [routed rows, dim]: each expert's output
         arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
         done = 0
-        for js, index in self.source.arriving(layer, experts, ids):  # (int64 arrays from the file: no copy)
+        for js, index in self.source.arriving(layer, experts):  # (int64 arrays from the file: no copy)
             done += len(js)
             self.expert_call(out, y, x, qtypes, arrays, np.asarray(index, np.int64), np.asarray(js, np.int64),
                              offs, rows, rw, done == len(experts), experts, biases, glu)
