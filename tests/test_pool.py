@@ -334,6 +334,121 @@ def test_a_prompt_pass_hits_what_the_last_pass_left():
             pool.close()
 
 
+def test_a_prompt_pass_keeps_its_last_rows_experts_for_the_decode():
+    """Given the chunk's routing, a pass ends holding the experts of its last rows (KEEP_ROWS),
+    every layer's, outside the stream region, though the read-ahead brought most of them into
+    it; in their place go experts the pass's earlier rows used at earlier layers. The next pass
+    reads no more than without it, and the decode's acquires of those experts read nothing.
+    Without the routing, the late layers' last experts are gone."""
+    import tempfile
+
+    from onebit.memory.pool import KEEP_ROWS
+
+    tail = {layer: [(2 * layer + j) % 16 for j in range(3)] for layer in range(6)}  # 18 experts: main has 20
+
+    def routed(layer):  # one sequence: every expert once, then KEEP_ROWS rows among the layer's last three
+        return [np.array([[e] for e in range(16)] + [[tail[layer][r % 3]] for r in range(KEEP_ROWS)])]
+
+    with tempfile.TemporaryDirectory() as d:
+        g = GGUFFile(_scan_file(f"{d}/scan.gguf"))
+        held, reads = {}, {}
+        for given in (True, False):
+            pool = ExpertPool(g, size_classes(g), [40])
+            try:
+                for _ in range(2):
+                    before = pool.reads
+                    for layer in range(6):
+                        experts = list(range(16))
+                        slots = pool.acquire(layer, experts, routed(layer) if given else None)
+                        raw = g.tensor(f"blk.{layer}.ffn_down_exps.weight").raw
+                        for e, s in zip(experts, slots):
+                            assert np.array_equal(pool.slot_view(layer, s, "ffn_down_exps"), raw[e])
+                        pool.release(layer, experts)
+                    pool.drain()
+                    reads[given] = pool.reads - before
+                assert sum(s.stream for s in pool.slots[0]) == 20  # (the regions traded slots, kept their sizes)
+                held[given] = {key for key, s in pool.where.items() if not s.stream}
+                before = pool.reads
+                for layer in range(6):  # the decode after the prompt
+                    pool.acquire(layer, tail[layer])
+                    pool.release(layer, tail[layer])
+                if given:
+                    assert pool.reads == before
+            finally:
+                pool.close()
+        assert all((layer, e) in held[True] for layer, es in tail.items() for e in es)
+        assert not all((layer, e) in held[False] for layer, es in tail.items() for e in es)
+        assert reads[True] <= reads[False], reads
+
+
+def test_a_prompt_chunk_under_plain_lru_keeps_its_last_rows_experts():
+    """A chunk that routes to fewer experts than a scan (plain LRU): its other experts go first
+    when slots are needed, so after a pass over more experts than there are slots, every
+    layer's last-rows experts are still resident; without the routing the first layers' are
+    evicted by the later layers'."""
+    import tempfile
+
+    from onebit.memory.pool import KEEP_ROWS, PROMPT_SHARE
+
+    routes = {layer: [(3 * layer + j) % 16 for j in range(10)] for layer in range(6)}  # 10 < 0.75 x 16
+    assert len(routes[0]) < PROMPT_SHARE * 16
+    tail = {layer: r[-3:] for layer, r in routes.items()}
+
+    def routed(layer):  # (one sequence)
+        return [np.array([[e] for e in routes[layer]] + [[tail[layer][r % 3]] for r in range(KEEP_ROWS)])]
+
+    with tempfile.TemporaryDirectory() as d:
+        g = GGUFFile(_scan_file(f"{d}/scan.gguf"))
+        held = {}
+        for given in (True, False):
+            pool = ExpertPool(g, size_classes(g), [28])  # (a layer pinned: 10, and 5 layers x 3 kept)
+            try:
+                for layer in range(6):
+                    slots = pool.acquire(layer, routes[layer], routed(layer) if given else None)
+                    raw = g.tensor(f"blk.{layer}.ffn_down_exps.weight").raw
+                    for e, s in zip(routes[layer], slots):
+                        assert np.array_equal(pool.slot_view(layer, s, "ffn_down_exps"), raw[e])
+                    pool.release(layer, routes[layer])
+                pool.drain()
+                held[given] = set(pool.where)
+            finally:
+                pool.close()
+        assert all((layer, e) in held[True] for layer, es in tail.items() for e in es)
+        assert not all((layer, e) in held[False] for layer, es in tail.items() for e in es)
+
+
+def test_a_chunk_over_several_sequences_keeps_each_ones_last_rows_in_any_order():
+    """Two sequences' prompts in one forward (serve --parallel; the Vulkan backend puts them in
+    an order of its own): the experts of each one's last KEEP_ROWS rows are kept, and the pool
+    ends the same whichever sequence's rows come first."""
+    import tempfile
+
+    from onebit.memory.pool import KEEP_ROWS
+
+    routes = {layer: [(3 * layer + j) % 16 for j in range(10)] for layer in range(6)}
+    tails = {layer: (r[2], r[5]) for layer, r in routes.items()}
+
+    def sequences(layer):  # every routed expert once, then KEEP_ROWS rows of one expert each
+        r = routes[layer]
+        return [np.array([[e] for e in r] + [[t]] * KEEP_ROWS) for t in tails[layer]]
+
+    with tempfile.TemporaryDirectory() as d:
+        g = GGUFFile(_scan_file(f"{d}/scan.gguf"))
+        ends = {}
+        for order in (1, -1):
+            pool = ExpertPool(g, size_classes(g), [28])
+            try:
+                for layer in range(6):
+                    pool.acquire(layer, routes[layer], sequences(layer)[::order])
+                    pool.release(layer, routes[layer])
+                pool.drain()
+                ends[order] = [s.key for s in pool.lru[0].values()]
+            finally:
+                pool.close()
+            assert all((layer, e) in ends[order] for layer, es in tails.items() for e in es)
+        assert ends[1] == ends[-1]
+
+
 def test_a_prompt_pass_reads_ahead_into_the_stream_region():
     """While a scan's layer computes, the next layers' experts are already queued (prefetches
     the next acquires count as prefetch hits), as far as the stream region has room."""

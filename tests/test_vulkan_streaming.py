@@ -106,7 +106,7 @@ def test_a_layers_experts_are_released_after_the_next_submission(monkeypatch, sl
         submit, release, acquire = Sequence.submit, m.pool.release, m.pool.acquire
         monkeypatch.setattr(Sequence, "submit", lambda seq: (events.append("submit"), submit(seq))[1])
         monkeypatch.setattr(m.pool, "release", lambda layer, e: (events.append(f"release {layer}"), release(layer, e))[1])
-        monkeypatch.setattr(m.pool, "acquire", lambda layer, e: (events.append(f"acquire {layer}"), acquire(layer, e))[1])
+        monkeypatch.setattr(m.pool, "acquire", lambda layer, e, routed=None: (events.append(f"acquire {layer}"), acquire(layer, e, routed))[1])
         m.net.forward(np.array([3]), cache)
     finally:
         m.close()

@@ -53,11 +53,13 @@ class ExpertSource(Protocol):
         experts resident and pinned while the caller uses them: experts[start:start+len(group)]
         are at index[j] of `arrays(layer)`."""
 
-    def arriving(self, layer: int, experts) -> Iterator[tuple[list[int], list[int]]]:
+    def arriving(self, layer: int, experts, routed=None) -> Iterator[tuple[list[int], list[int]]]:
         """Yield (positions, index) until every one of `experts` (as for `pinned`) came once,
         each batch resident and pinned until the generator ends: experts[positions[j]] is at
         index[j] of `arrays(layer)`. The file's come at once, in order; a pool's those resident
-        first, then the others as their reads complete."""
+        first, then the others as their reads complete. `routed`: the forward's routing, one
+        array [rows, k] per sequence in it, its rows in order, which a pool may use to choose what
+        it keeps (never what is computed)."""
 
 
 class StreamCounts(Protocol):
@@ -95,10 +97,11 @@ class StreamedExperts(ExpertSource, Protocol):
     def capacity(self, layer: int) -> int:
         """How many experts of `layer` can be pinned at once: the most one acquire may ask for."""
 
-    def acquire(self, layer: int, experts: Iterable[int]) -> list[int]:
+    def acquire(self, layer: int, experts: Iterable[int], routed=None) -> list[int]:
         """Block until every one of `experts` (distinct ids of `layer`, at most capacity(layer))
         is resident, pin each once more and return their slots, in `experts`' order. A read that
-        failed raises the pool's error (an OnebitError) with nothing left pinned."""
+        failed raises the pool's error (an OnebitError) with nothing left pinned. `routed`: as
+        for `arriving`."""
 
     def release(self, layer: int, experts: Iterable[int]) -> None:
         """Unpin once each of `experts` of `layer` (what an acquire pinned); never waits for a read."""
@@ -181,5 +184,5 @@ class FileExperts:
     def pinned(self, layer: int, experts):
         yield 0, experts, experts
 
-    def arriving(self, layer: int, experts):
+    def arriving(self, layer: int, experts, routed=None):
         yield np.arange(len(experts), dtype=np.int64), experts

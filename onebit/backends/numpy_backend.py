@@ -347,13 +347,16 @@ class NumpyBackend(Backend):
             w = w * np.float32(scale)
         return ids, w.astype(np.float32)
 
-    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None,
+                seqs=None) -> np.ndarray:
         """Weighted sum over each row's chosen experts of down(silu(gate(x)) * up(x)) (glu =
         (alpha, limit): gpt-oss's clamped variant, see `glu_oai`; the parts' biases, where the
         file has them, are added to their products). The experts' bytes come from the
         backend's expert source (the file, or a pool's slots), in the same order either way.
 
         x: [R, dim]; ids, weights: [R, k]. Expert e of `ffn_gate_exps` is raw[e]: [hidden, dim].
+        seqs: where the forward runs several sequences, each one's rows (slices of ids), which
+        a backend that passes the routing to its pool gives it per sequence (cpu); here unused.
         """
         parts = [self.gguf.tensor(f"blk.{layer}.{p}.weight") for p in EXPERT_PARTS]
         biases = self.expert_biases(layer)
@@ -598,6 +601,9 @@ class BatchStep(EagerStep):
             if self._pause_ctx is None:  # (once a forward)
                 self._pause_ctx = PauseContext(0, len(self.ids), None, None)
             p.predict(self._pause_ctx, layer, ids, logits, h)
+
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+        return self.be.experts(layer, x, ids, weights, glu, self.slices)  # (each sequence's rows: see NumpyBackend)
 
     def last_row(self, x: np.ndarray) -> np.ndarray:
         rows = [np.arange(sl.start, sl.stop)[-1:] if lo else np.arange(sl.start, sl.stop)

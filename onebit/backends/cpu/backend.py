@@ -531,11 +531,12 @@ class CpuBackend(NumpyBackend):
         return self._kept(self._layer_parts, layer, names, lambda: (*self._expert_parts(layer),
                                                                     self.expert_biases(layer)))
 
-    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None) -> np.ndarray:
+    def experts(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, glu=None,
+                seqs=None) -> np.ndarray:
         """The numpy backend's routed experts, reading their bytes from the expert source: one
         kernel call for experts all in memory; from a pool, a call for those resident, then one
-        for each batch of reads that completes (`arriving`), the last adding the outputs in
-        order, so the sums are the same whatever the source."""
+        for each batch of reads that completes (`arriving`, given each sequence's routing), the
+        last adding the outputs in order, so the sums are the same whatever the source."""
         parts, fast, qtypes, biases = self._experts_of(layer)
         if not fast or (biases is None) != (glu is None):  # (biases without the clamped SwiGLU: numpy)
             return super().experts(layer, x, ids, weights, glu)
@@ -546,7 +547,8 @@ class CpuBackend(NumpyBackend):
         y = np.empty((rows.shape[0], x.shape[1]), np.float32)  # [routed rows, dim]: each expert's output
         arrays = self.source.arrays(layer)  # [E or slots, rows, row_bytes], read only
         done = 0
-        for js, index in self.source.arriving(layer, experts):  # (int64 arrays from the file: no copy)
+        routed = [ids] if seqs is None else [ids[rows_of] for rows_of in seqs]
+        for js, index in self.source.arriving(layer, experts, routed):  # (int64 arrays from the file: no copy)
             done += len(js)
             self.expert_call(out, y, x, qtypes, arrays, np.asarray(index, np.int64), np.asarray(js, np.int64),
                              offs, rows, rw, done == len(experts), experts, biases, glu)

@@ -259,7 +259,7 @@ class Recording:
             pool.release(*done[0])
             done[0] = None
         if len(experts) <= cap:
-            slots = pool.acquire(layer, experts)
+            slots = pool.acquire(layer, experts, [ids[sq.r0 : sq.r0 + sq.n] for sq in self.seqs])
             table[:] = _slot_table(ids, experts, slots)
             return (layer, experts), seg
         # More experts than the pool pins at once: passes over row groups, then the rest.
