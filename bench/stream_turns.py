@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A chat's turns in one process with experts streaming: each turn's prompt appended to the
-conversation, then greedy decode; per turn the decode tok/s, the demand misses and the MiB
-read a token. What the pool holds when a prompt ends decides the first tokens' misses.
+conversation, then greedy decode; per turn the prompt's tok/s, the decode tok/s, the demand
+misses and the MiB read a decode token. What the pool holds when a prompt ends decides the
+first tokens' misses.
 
     python bench/stream_turns.py MODEL.gguf [--budget 8GiB] [--predict auto] [--tokens 32]
         [--tree OTHER_CHECKOUT ...] [--rounds 3]
@@ -43,13 +44,17 @@ def child(model: str, budget: str, predict: str, tokens: int) -> dict:
         raise SystemExit("stream_turns: the experts do not stream at this budget")
     pool, cache, out = m.pool, m.new_cache(), []
     for text in (PROMPT, TURN_2):
-        logits = m.net.forward(np.array(m.tokenizer.encode(text)), cache, last_only=True)
+        ids = m.tokenizer.encode(text)
+        t0 = time.perf_counter()
+        logits = m.net.forward(np.array(ids), cache, last_only=True)
+        prompt_s = time.perf_counter() - t0
         tok = int(logits[-1].argmax())
         misses, read, t0 = pool.stats.demand_misses, pool.stats.bytes_read, time.perf_counter()
         for _ in range(tokens):
             tok = int(m.net.forward(np.array([tok]), cache, last_only=True)[-1].argmax())
         dt = time.perf_counter() - t0
-        out.append({"tok_s": tokens / dt, "misses": (pool.stats.demand_misses - misses) / tokens,
+        out.append({"prompt_tok_s": len(ids) / prompt_s, "tok_s": tokens / dt,
+                    "misses": (pool.stats.demand_misses - misses) / tokens,
                     "mib": (pool.stats.bytes_read - read) / tokens / 2**20})
     m.close()
     return {"turns": out, "onebit": onebit.__file__}
@@ -83,15 +88,17 @@ def main() -> int:
             res = json.loads(p.stdout.strip().splitlines()[-1])
             got[i].append(res["turns"])
             print(f"  round {r + 1} {trees[i] or 'this checkout'} ({res['onebit']}): " + "; ".join(
-                f"turn {t + 1} {x['tok_s']:.2f} tok/s, {x['misses']:.1f} misses, {x['mib']:.0f} MiB a token"
+                f"turn {t + 1} prompt {x['prompt_tok_s']:.2f} tok/s, decode {x['tok_s']:.2f} tok/s, "
+                f"{x['misses']:.1f} misses, {x['mib']:.0f} MiB a token"
                 for t, x in enumerate(res["turns"])), file=sys.stderr, flush=True)
     print(f"{Path(a.model).name} --budget {a.budget} --predict {a.predict}; {a.tokens} tokens a turn; "
           f"medians of {a.rounds} rounds")
-    print(f"{'checkout':<28} {'turn':>4} {'tok/s':>7} {'misses/tok':>11} {'MiB/tok':>8}")
+    print(f"{'checkout':<28} {'turn':>4} {'prompt':>7} {'tok/s':>7} {'misses/tok':>11} {'MiB/tok':>8}")
     for i, tree in enumerate(trees):
         for t in range(2):
-            med = {k: statistics.median(run[t][k] for run in got[i]) for k in ("tok_s", "misses", "mib")}
-            print(f"{tree or 'this checkout':<28} {t + 1:>4} {med['tok_s']:7.2f} {med['misses']:11.1f} {med['mib']:8.0f}")
+            med = {k: statistics.median(run[t][k] for run in got[i]) for k in ("prompt_tok_s", "tok_s", "misses", "mib")}
+            print(f"{tree or 'this checkout':<28} {t + 1:>4} {med['prompt_tok_s']:7.2f} {med['tok_s']:7.2f} "
+                  f"{med['misses']:11.1f} {med['mib']:8.0f}")
     return 0
 
 
