@@ -142,7 +142,10 @@ def main() -> int:
 
                     def call():
                         sel, offs, rows, rw = routings[next(turn) % 16]
-                        products.expert_ffn(out, x, gate, up, down, sel, offs, rows, rw, t, t, t)
+                        y = np.empty((rows.shape[0], Kin), np.float32)  # (each routed row's expert output)
+                        js = np.arange(sel.shape[0], dtype=np.int64)  # (every chosen expert in this call)
+                        products.expert_ffn(out, y, x, gate, up, down, np.asarray(sel, np.int64), js, offs, rows, rw,
+                                            True, t, t, t)
                     return call
             td = median_time(run(1), args.runs)
             tp = median_time(run(args.prompt), max(3, args.runs // 3))
