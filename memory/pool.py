@@ -232,15 +232,17 @@ class ExpertPool(StreamedExperts):
     The decode after a prompt routes much as the prompt's last tokens did, so a prompt chunk
     (a sequence with more than KEEP_ROWS rows in the forward) given its routing (`routed`, one
     array per sequence: a forward over several sequences' rows may put them in any order)
-    keeps the experts of each sequence's last KEEP_ROWS rows: at its release every other expert it used becomes the least recently used,
-    so slots are taken from those first; and a kept expert found in the stream region trades
-    regions with a slot of the other, one holding an expert of a layer this pass has already
-    used that those rows did not (the oldest first), so nothing is read for it and a scan's
-    read-ahead will not overwrite it. A later scan loses no hit by it: every expert the slots
-    hold is one hit a pass, whichever. On the 30B-A3B trained-routing shape at 8 GiB, the first
-    8 tokens after a 175-token prompt missed 113 experts a token before this, 81 with it, and 71
-    once the decode had settled; most of that prompt's layers route to fewer experts than a
-    scan, so the LRU order does most of it."""
+    keeps the experts of each sequence's last KEEP_ROWS rows: at its release every other
+    expert it used becomes the least recently used, so slots are taken from those first; and a
+    kept expert found in the stream region trades regions with a slot of the other, one holding
+    an expert of a layer this pass has already used that those rows did not (the oldest first),
+    so nothing is read for it and a scan's read-ahead will not overwrite it. A later scan loses
+    no hit by it: every expert the slots hold is one hit a pass, whichever. On the 30B-A3B
+    trained-routing shape at 8 GiB, the first 8 tokens after a 175-token prompt missed 113
+    experts a token before this, 81 with it, and 71 once the decode had settled; most of that
+    prompt's layers route to fewer experts than a scan, so the LRU order does most of it. (A
+    batched prompt runs layer by layer, so without this its late layers' experts push out the
+    early layers' experts of its last rows: bench/results/prompt-order-lru-30b-trained-2026-12-07-3dcd630.md.)"""
 
     def __init__(self, gguf, classes: list[SizeClass], slots: list[int], policy: str = "global",
                  readers: Optional[int] = None, direct: bool = True,
