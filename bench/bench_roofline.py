@@ -137,15 +137,15 @@ def main() -> int:
                     routings = []
                     for _ in range(16):
                         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(R)])
-                        routings.append(CpuBackend.routed_rows(ids, np.full((R, k), 1 / k, np.float32), E))
+                        sel, offs, rows, rw = CpuBackend.routed_rows(ids, np.full((R, k), 1 / k, np.float32), E)
+                        y = np.empty((rows.shape[0], Kin), np.float32)  # (each routed row's expert output)
+                        js = np.arange(len(sel), dtype=np.int64)  # (every chosen expert in the one call)
+                        routings.append((np.asarray(sel, np.int64), js, offs, rows, rw, y))
                     out, turn = np.zeros_like(x), iter(range(1 << 62))
 
                     def call():
-                        sel, offs, rows, rw = routings[next(turn) % 16]
-                        y = np.empty((rows.shape[0], Kin), np.float32)  # (each routed row's expert output)
-                        js = np.arange(sel.shape[0], dtype=np.int64)  # (every chosen expert in this call)
-                        products.expert_ffn(out, y, x, gate, up, down, np.asarray(sel, np.int64), js, offs, rows, rw,
-                                            True, t, t, t)
+                        sel, js, offs, rows, rw, y = routings[next(turn) % 16]
+                        products.expert_ffn(out, y, x, gate, up, down, sel, js, offs, rows, rw, True, t, t, t)
                     return call
             td = median_time(run(1), args.runs)
             tp = median_time(run(args.prompt), max(3, args.runs // 3))

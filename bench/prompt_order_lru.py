@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -49,37 +48,30 @@ def records(path: str) -> list[tuple[str, int, list]]:
 
 
 def layer_major_lru(recs, slots: int, keep: int = 0) -> float:
-    """Decode hit rate of one LRU order over (layer, expert) keys, records replayed in order; a
-    prompt layer's rows row by row (keep 0), or its experts touched together with those of its
-    last `keep` rows left most recently used and the others moved to the front."""
-    lru: OrderedDict = OrderedDict()
+    """Decode hit rate of one LRU order over (layer, expert) keys (cache-sim's LRU), records
+    replayed in order; a prompt layer's rows row by row (keep 0), or its experts touched
+    together with those of its last `keep` rows left most recently used and the others moved
+    to the front."""
+    from onebit.moe.cachesim import LRU
+
+    lru = LRU(slots)
     hits = looks = 0
-
-    def touch(key, pinned) -> bool:
-        if key in lru:
-            lru.move_to_end(key)
-            return True
-        if len(lru) >= slots:
-            del lru[next(k for k in lru if k not in pinned)]
-        lru[key] = True
-        return False
-
     for phase, layer, rows in recs:
         if phase == "prompt" and keep:
             keys = list(dict.fromkeys((layer, e) for row in rows for e in row))
             pinned = set()
             for key in keys:
-                touch(key, pinned)
+                lru.access(key, pinned, 0)
                 pinned.add(key)
             last = {(layer, e) for row in rows[-keep:] for e in row}
             for key in keys:
-                if key not in last:
-                    lru.move_to_end(key, last=False)
+                if key not in last and key in lru.d:
+                    lru.d.move_to_end(key, last=False)
             continue
         for row in rows:
             pinned = {(layer, e) for e in row}
             for e in row:
-                hit = touch((layer, e), pinned)
+                hit = lru.access((layer, e), pinned, 0)
                 if phase == "decode":
                     looks += 1
                     hits += hit
