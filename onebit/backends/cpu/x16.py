@@ -467,20 +467,23 @@ Q2_K_X16, Q3_K_X16 = (256 + QTYPES_BY_NAME[n].type_id for n in ("Q2_K", "Q3_K"))
 Q2_Q, Q3_Q = 320, 224  # where the quants start in a group's block
 
 
-def _q3_scale(b, blk, sub: int):
-    """<16 x float>: the 16 rows' 6-bit scale of sub-block sub (0..15) - 32, from Q3_K_X16's
-    packed scale bytes (ggml's order: the low nibble of byte sub % 8, bits 2 (sub // 4) .. of byte
-    8 + sub % 4 above it)."""
+def _q3_six(b, blk, sub: int):
+    """<16 x i32>: the 16 rows' 6-bit scale of sub-block sub (0..15) - 32, from Q3_K_X16's packed
+    scale bytes (ggml's order: the low nibble of byte sub % 8, bits 2 (sub // 4) .. of byte 8 + sub
+    % 4 above it)."""
     V16B, V16I = _vec(I8, 16), _vec(I32, 16)
     c = lambda v: ir.Constant(V16B, [v] * 16)  # noqa: E731
     low = b.and_(b.lshr(_load(b, blk, 32 + 16 * (sub % 8), V16B), c(4 * (sub // 8))), c(15))
     high = b.and_(b.lshr(_load(b, blk, 32 + 16 * (8 + sub % 4), V16B), c(2 * (sub // 4))), c(3))
-    six = b.zext(b.or_(low, b.shl(high, c(4))), V16I)
-    return b.sitofp(b.sub(six, ir.Constant(V16I, [32] * 16)), _vec(FLT, 16))
+    return b.sub(b.zext(b.or_(low, b.shl(high, c(4))), V16I), ir.Constant(V16I, [32] * 16))
 
 
 def _x16_q23_codegen(three: bool):
-    """The dot of Q2_K_X16 weights, or (three) of Q3_K_X16."""
+    """The dot of Q2_K_X16 weights, or (three) of Q3_K_X16. The two sub-blocks of each 32
+    weights (h = 0, 1) share the activations' scale dx: their integer sums meet their scales in
+    int32 (Q2_K: sum_h scale_h isum_h, under 2^26; Q3_K: sum_h (scale_h - 32)(isum_h - 4 x its
+    activations' sum), the offset folded in, under 2^28), then one conversion and one multiply-add
+    by dx per 32 weights, and d (Q2_K: dmin for the mins' float sum) once per block."""
     block = X16 * QTYPES_BY_NAME["Q3_K" if three else "Q2_K"].type_size
 
     def codegen(context, builder, sig, args):
@@ -488,54 +491,71 @@ def _x16_q23_codegen(three: bool):
         nb, w0, lo_p, hi_p, xd, xm, nblk, store, spread = _x16_frame(context, b, sig, args, block)
         xs = b.gep(xm, [nblk])  # each 16 values' sum
         V16F, V16I, V64, acc, off, zero = _accumulators(b)
+        V32B = _vec(I8, 32)
         c8 = lambda v: ir.Constant(V64, [v] * 64)  # noqa: E731
         shr = lambda v, k: b.lshr(v, c8(k)) if k else v  # noqa: E731
+        fzero = ir.Constant(V16F, [0.0] * 16)
 
         with cgutils.for_range(b, nb) as loop:
             i = loop.index
             blk = b.gep(w0, [b.mul(i, _const(I64, block))])
             d = b.fpext(_load(b, blk, 0, _vec(HALF, 16)), V16F)
-            if not three:
-                dmin = b.fpext(_load(b, blk, 32, _vec(HALF, 16)), V16F)
             first = b.mul(i, _const(I64, 256))
-            for h in range(2):
-                for n in range(2):
-                    sums = [zero] * 8  # per j (sub-block 8 n + 2 j + h): high plane, low plane
+            bacc, boff = fzero, fzero  # the block's sums before d (and dmin)
+            for n in range(2):
+                isums = {}  # (h, j) -> <16 x i32>: sub-block 8 n + 2 j + h's quants . activations
+                for h in range(2):
+                    qs = []  # [k][j]: 4 weights of each row of sub-block 8 n + 2 j + h
                     for k in range(4):
                         if three:
                             hv = _load(b, blk, Q3_Q + 768 * h + 64 * k, V64)
                             qv = _load(b, blk, Q3_Q + 768 * h + 256 + 256 * n + 64 * k, V64)
                         else:
                             qv = _load(b, blk, Q2_Q + 64 * (8 * h + 4 * n + k), V64)
+                        row = []
                         for j in range(4):
                             q = b.and_(shr(qv, 2 * j), c8(3))
                             if three:
                                 q = b.or_(q, b.shl(b.and_(shr(hv, 4 * n + j), c8(1)), c8(2)))
-                            at = b.add(first, _const(I64, 128 * n + 32 * j + 16 * h + 4 * k))
-                            sums[2 * j] = _dpbusd(b, sums[2 * j], q, spread(hi_p, at))
-                            sums[2 * j + 1] = _dpbusd(b, sums[2 * j + 1], spread(lo_p, at), q)
-                    for j in range(4):
-                        sub = 8 * n + 2 * j + h
-                        isum = b.add(b.shl(sums[2 * j], ir.Constant(V16I, [8] * 16)), sums[2 * j + 1])
-                        s32 = b.add(b.mul(i, _const(I64, 8)), _const(I64, 4 * n + j))  # its block of 32
-                        dx = _splat(b, _load(b, xd, s32, FLT, align=4), 16)
-                        sx = _splat(b, _load(b, xs, b.add(b.mul(i, _const(I64, 16)), _const(I64, sub)), FLT, align=4),
-                                    16)
-                        if three:
-                            scale = b.fmul(b.fmul(d, _q3_scale(b, blk, sub)), dx)
-                            minus = b.fmul(scale, sx)
-                        else:
-                            byte = _load(b, blk, 64 + 16 * sub, _vec(I8, 16))
-                            sc = b.uitofp(b.and_(byte, ir.Constant(_vec(I8, 16), [15] * 16)), V16F)
-                            mn = b.uitofp(b.lshr(byte, ir.Constant(_vec(I8, 16), [4] * 16)), V16F)
-                            scale = b.fmul(b.fmul(d, sc), dx)
-                            minus = b.fmul(b.fmul(dmin, mn), b.fmul(dx, sx))
-                        b.store(b.fadd(b.load(acc), b.fmul(b.sitofp(isum, V16F), scale, flags=FAST), flags=FAST), acc)
-                        b.store(b.fadd(b.load(off), minus), off)
-        if three:
-            store(b.fsub(b.load(acc), b.fmul(b.load(off), ir.Constant(V16F, [4.0] * 16))))
-        else:
-            store(b.fsub(b.load(acc), b.load(off)))
+                            row.append(q)
+                        qs.append(row)
+                    for j in range(4):  # high plane, x 256, then the low plane into the same sum
+                        at = [b.add(first, _const(I64, 128 * n + 32 * j + 16 * h + 4 * k)) for k in range(4)]
+                        s = zero
+                        for k in range(4):
+                            s = _dpbusd(b, s, qs[k][j], spread(hi_p, at[k]))
+                        s = b.shl(s, ir.Constant(V16I, [8] * 16))
+                        for k in range(4):
+                            s = _dpbusd(b, s, spread(lo_p, at[k]), qs[k][j])
+                        isums[h, j] = s
+                for j in range(4):
+                    sub = 8 * n + 2 * j  # (and sub + 1: h = 1)
+                    s32 = b.add(b.mul(i, _const(I64, 8)), _const(I64, 4 * n + j))  # its block of 32
+                    dx = _splat(b, _load(b, xd, s32, FLT, align=4), 16)
+                    sx = [_load(b, xs, b.add(b.mul(i, _const(I64, 16)), _const(I64, sub + h)), FLT, align=4)
+                          for h in range(2)]
+                    if three:
+                        t = zero
+                        for h in range(2):
+                            four_sx = _splat(b, b.fptosi(b.fmul(sx[h], ir.Constant(FLT, 4.0)), I32), 16)
+                            t = b.add(t, b.mul(_q3_six(b, blk, sub + h), b.sub(isums[h, j], four_sx)))
+                    else:
+                        both = _load(b, blk, 64 + 16 * sub, V32B)  # the two sub-blocks' scale bytes
+                        sc = b.and_(both, ir.Constant(V32B, [15] * 32))
+                        mn = b.lshr(both, ir.Constant(V32B, [4] * 32))
+                        half = lambda v, h: b.zext(b.shuffle_vector(  # noqa: E731
+                            v, v, ir.Constant(_vec(I32, 16), list(range(16 * h, 16 * h + 16)))), V16I)
+                        t = b.add(b.mul(isums[0, j], half(sc, 0)), b.mul(isums[1, j], half(sc, 1)))
+                        m = b.fmul(b.uitofp(half(mn, 0), V16F), _splat(b, sx[0], 16))
+                        m = b.fadd(m, b.fmul(b.uitofp(half(mn, 1), V16F), _splat(b, sx[1], 16), flags=FAST),
+                                   flags=FAST)
+                        boff = b.fadd(boff, b.fmul(m, dx, flags=FAST), flags=FAST)
+                    bacc = b.fadd(bacc, b.fmul(b.sitofp(t, V16F), dx, flags=FAST), flags=FAST)
+            b.store(b.fadd(b.load(acc), b.fmul(d, bacc, flags=FAST), flags=FAST), acc)
+            if not three:
+                dmin = b.fpext(_load(b, blk, 32, _vec(HALF, 16)), V16F)
+                b.store(b.fadd(b.load(off), b.fmul(dmin, boff, flags=FAST), flags=FAST), off)
+        store(b.load(acc) if three else b.fsub(b.load(acc), b.load(off)))
         return context.get_dummy_value()
 
     return codegen
