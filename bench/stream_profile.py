@@ -2,7 +2,7 @@
 """Where a streamed decode's time goes: the drive's busy share, reads in flight, demand misses.
 
     python bench/stream_profile.py MODEL.gguf [--budget 8GiB] [--predict auto] [--prompt 64]
-        [--warm 6] [--tokens 24] [--readers N] [--no-trial] [--prose] [--json]
+        [--warm 6] [--tokens 24] [--readers N] [--ahead N] [--no-trial] [--prose] [--json]
 
 Loads MODEL with the budget (cpu backend), runs a prompt of random token ids (`--prose`:
 bench_predict_default's English paragraph through the file's tokenizer, for a file whose routing
@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--predict", default="auto")
+    ap.add_argument("--ahead", type=int, default=None, help="MoE layers predicted ahead (--moe-predict-ahead)")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--warm", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=24)
@@ -53,7 +54,7 @@ def main() -> int:
         pool_mod.READERS = a.readers
     if a.no_trial:
         predict_mod.Gate.FIRST = 10**9
-    m = onebit.load(a.model, backend="cpu", budget=a.budget, predict=a.predict)
+    m = onebit.load(a.model, backend="cpu", budget=a.budget, predict=predict_mod.settings_from(mode=a.predict, ahead=a.ahead))
     pool = m.pool
     if pool is None:
         raise SystemExit(f"{a.model} loaded resident at {a.budget}: nothing streams")
