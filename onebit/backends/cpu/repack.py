@@ -161,36 +161,31 @@ def repack_k_x16_serial(raw, out, ts, xb):
 
 @njit(inline="always")
 def _repack_q6_group(r8, rb, o, o32, g, nb):
-    """Group g of Q6_K rows (`_repack_iq4xs_group`'s arguments) as Q6_K_X16, 4 weights a 32-bit
-    word (one block's bytes first copied to an aligned buffer: rows of 210 bytes are not)."""
+    """Group g of Q6_K rows (`_repack_iq4xs_group`'s arguments) as Q6_K_X16, each output word made
+    straight from the row's words (ggml's Q6_K block: ql, 128 bytes of low nibbles; qh, 64 bytes of
+    high bit pairs; 16 scales; d): the stored values u = q + 32 of weights 4 k .. 4 k + 3 and
+    4 (k + 32) .. have their low 4 bits in the low nibbles of ql words k and 16 + k, those of
+    4 (k + 16) .. and 4 (k + 48) .. in the high nibbles, and the high bit pairs of all four in qh
+    words 32 + k % 8 and 40 + k % 8, at bits 2 (k // 8) and 2 (k // 8) + 4 of each byte."""
     M4, M2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
-    blk = np.empty(56, np.uint32)  # one row's block (210 bytes), word aligned
-    b8 = blk.view(np.uint8)
-    u = np.empty(64, np.uint32)  # its 256 stored values u = q + 32, 4 to a word, in weight order
+    H4 = np.uint32(0xF0F0F0F0)
     for r in range(X16):
         row = (g * U(X16) + U(r)) * rb
         for i in range(nb):
             base, s = (g * nb + U(i)) * U(X16_Q6_BLOCK), row + U(i) * U(210)
-            for q in range(52):
-                blk[q] = _word(r8, s + U(4 * q))
-            b8[208], b8[209] = r8[s + U(208)], r8[s + U(209)]
-            for h in range(2):  # ggml's dequantize_row_q6_K order, 4 values at once
-                for l4 in range(8):
-                    a, c, qh = blk[16 * h + l4], blk[16 * h + 8 + l4], blk[32 + 8 * h + l4]
-                    u[32 * h + l4] = (a & M4) | ((qh & M2) << 4)
-                    u[32 * h + 8 + l4] = (c & M4) | (((qh >> 2) & M2) << 4)
-                    u[32 * h + 16 + l4] = ((a >> 4) & M4) | (((qh >> 4) & M2) << 4)
-                    u[32 * h + 24 + l4] = ((c >> 4) & M4) | (((qh >> 6) & M2) << 4)
-            o[base + U(2 * r)], o[base + U(2 * r + 1)] = b8[208], b8[209]
+            o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s + U(208)], r8[s + U(209)]
             for t in range(16):
-                o[base + U(32 + 16 * t + r)] = b8[192 + t]
+                o[base + U(32 + 16 * t + r)] = r8[s + U(192 + t)]
             w0 = (base + U(Q6_Q)) // U(4) + U(r)
             for k in range(16):
                 at = w0 + U(48 * k)
-                o32[at] = (u[k] & M4) | ((u[k + 32] & M4) << 4)
-                o32[at + U(16)] = (u[k + 16] & M4) | ((u[k + 48] & M4) << 4)
-                o32[at + U(32)] = (((u[k] >> 4) & M2) | (((u[k + 16] >> 4) & M2) << 2)
-                                   | (((u[k + 32] >> 4) & M2) << 4) | (((u[k + 48] >> 4) & M2) << 6))
+                a0, a1 = _word(r8, s + U(4 * k)), _word(r8, s + U(64 + 4 * k))
+                o32[at] = (a0 & M4) | ((a1 & M4) << 4)
+                o32[at + U(16)] = ((a0 >> 4) & M4) | (a1 & H4)
+                sh = U(2 * (k // 8))
+                q0, q1 = _word(r8, s + U(128 + 4 * (k % 8))), _word(r8, s + U(160 + 4 * (k % 8)))
+                o32[at + U(32)] = (((q0 >> sh) & M2) | (((q0 >> (sh + U(4))) & M2) << 2)
+                                   | (((q1 >> sh) & M2) << 4) | (((q1 >> (sh + U(4))) & M2) << 6))
 
 
 @cached(parallel=True, nogil=True)
