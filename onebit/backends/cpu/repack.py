@@ -10,7 +10,7 @@ from numba import njit, prange
 from ...formats.quants import QTYPES_BY_NAME, X16_Q5_BLOCK, X16_Q6_BLOCK, type_name, x16_bytes
 from .base import cached
 from .int_dots import VNNI
-from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q2_Q, Q3_Q, Q6_Q, X16, X16_BLOCK, _q5_at_jit
+from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q2_Q, Q3_Q, Q6_Q, X16, X16_BLOCK, _q5_at_jit, transpose16
 
 
 # The repacks index with unsigned 64-bit integers: a signed index makes numba test it for a
@@ -109,8 +109,9 @@ def repack_plain_x16_serial(raw, out, ts, qb):
 
 @njit(inline="always")
 def _repack_group(r8, rb, o, o32, g, nb, ts, xb):
-    """Group g of Q4_K rows (`_repack_iq4xs_group`'s arguments) in the X16 layout; of Q5_K rows
-    (ts = 176 bytes a block, xb = X16_Q5_BLOCK) in Q5_K_X16."""
+    """Group g of Q4_K rows (`_repack_iq4xs_group`'s arguments) in the X16 layout, the quants of
+    each block by two `transpose16`s (16 rows at once); of Q5_K rows (ts = 176 bytes a block,
+    xb = X16_Q5_BLOCK) in Q5_K_X16, a word at a time."""
     w = r8.view(np.uint32)  # (a row is 144 or 176 bytes a block: its quants are word aligned)
     for r in range(X16):
         row = (g * U(X16) + U(r)) * rb
@@ -127,16 +128,18 @@ def _repack_group(r8, rb, o, o32, g, nb, ts, xb):
                 o[base + U(64 + 16 * t + r)] = sc
                 o[base + U(192 + 16 * t + r)] = mn
             q0 = (s + ts - U(128)) // U(4)  # (4 weights a word)
-            if ts == U(144):
-                at = (base + U(320)) // U(4) + U(r)
-                for jk in range(32):
-                    o32[at + U(X16 * jk)] = w[q0 + U(jk)]
-            else:  # Q5_K: the quants where _q5_at says, the fifth bits after pair 0's
+            if ts != U(144):  # Q5_K: the quants where _q5_at says, the fifth bits after pair 0's
                 h0 = (s + U(16)) // U(4)
                 for jk in range(32):
                     o32[(base + U(_q5_at_jit(jk // 8, jk % 8))) // U(4) + U(r)] = w[q0 + U(jk)]
                 for k in range(8):
                     o32[(base + U(_q5_at_jit(0, k) + 64)) // U(4) + U(r)] = w[h0 + U(k)]
+    if ts == U(144):  # Q4_K: word jk of row r's quants at word 16 jk + r of the block's
+        row = g * U(X16) * rb
+        for i in range(nb):
+            base, s = (g * nb + U(i)) * xb, row + U(i) * ts + U(16)
+            transpose16(r8, s, rb, o, base + U(320))
+            transpose16(r8, s + U(64), rb, o, base + U(320 + 1024))
 
 
 @cached(parallel=True, nogil=True)
@@ -162,30 +165,37 @@ def repack_k_x16_serial(raw, out, ts, xb):
 @njit(inline="always")
 def _repack_q6_group(r8, rb, o, o32, g, nb):
     """Group g of Q6_K rows (`_repack_iq4xs_group`'s arguments) as Q6_K_X16, each output word made
-    straight from the row's words (ggml's Q6_K block: ql, 128 bytes of low nibbles; qh, 64 bytes of
-    high bit pairs; 16 scales; d): the stored values u = q + 32 of weights 4 k .. 4 k + 3 and
+    from the row's words (ggml's Q6_K block: ql, 128 bytes of low nibbles; qh, 64 bytes of high
+    bit pairs; 16 scales; d): the stored values u = q + 32 of weights 4 k .. 4 k + 3 and
     4 (k + 32) .. have their low 4 bits in the low nibbles of ql words k and 16 + k, those of
     4 (k + 16) .. and 4 (k + 48) .. in the high nibbles, and the high bit pairs of all four in qh
-    words 32 + k % 8 and 40 + k % 8, at bits 2 (k // 8) and 2 (k // 8) + 4 of each byte."""
+    words 32 + k % 8 and 40 + k % 8, at bits 2 (k // 8) and 2 (k // 8) + 4 of each byte. The 16
+    rows' ql and qh words are first transposed (`transpose16`) so that each output line of 16
+    words is made by whole-line operations."""
     M4, M2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
     H4 = np.uint32(0xF0F0F0F0)
-    for r in range(X16):
-        row = (g * U(X16) + U(r)) * rb
-        for i in range(nb):
-            base, s = (g * nb + U(i)) * U(X16_Q6_BLOCK), row + U(i) * U(210)
+    t8 = np.empty(3 * 1024, np.uint8)  # ql words 0-15, 16-31, qh words 0-15: [word][row]
+    t32 = t8.view(np.uint32)
+    for i in range(nb):
+        base = (g * nb + U(i)) * U(X16_Q6_BLOCK)
+        for r in range(X16):
+            s = (g * U(X16) + U(r)) * rb + U(i) * U(210)
             o[base + U(2 * r)], o[base + U(2 * r + 1)] = r8[s + U(208)], r8[s + U(209)]
             for t in range(16):
                 o[base + U(32 + 16 * t + r)] = r8[s + U(192 + t)]
-            w0 = (base + U(Q6_Q)) // U(4) + U(r)
-            for k in range(16):
-                at = w0 + U(48 * k)
-                a0, a1 = _word(r8, s + U(4 * k)), _word(r8, s + U(64 + 4 * k))
-                o32[at] = (a0 & M4) | ((a1 & M4) << 4)
-                o32[at + U(16)] = ((a0 >> 4) & M4) | (a1 & H4)
-                sh = U(2 * (k // 8))
-                q0, q1 = _word(r8, s + U(128 + 4 * (k % 8))), _word(r8, s + U(160 + 4 * (k % 8)))
-                o32[at + U(32)] = (((q0 >> sh) & M2) | (((q0 >> (sh + U(4))) & M2) << 2)
-                                   | (((q1 >> sh) & M2) << 4) | (((q1 >> (sh + U(4))) & M2) << 6))
+        s0 = g * U(X16) * rb + U(i) * U(210)
+        for part in range(3):
+            transpose16(r8, s0 + U(64 * part), rb, t8, U(1024 * part))
+        w0 = (base + U(Q6_Q)) // U(4)
+        for k in range(16):
+            at, sh = w0 + U(48 * k), U(2 * (k // 8))
+            for r in range(X16):
+                a0, a1 = t32[U(16 * k + r)], t32[U(256 + 16 * k + r)]
+                q0, q1 = t32[U(512 + 16 * (k % 8) + r)], t32[U(640 + 16 * (k % 8) + r)]
+                o32[at + U(r)] = (a0 & M4) | ((a1 & M4) << 4)
+                o32[at + U(16 + r)] = ((a0 >> 4) & M4) | (a1 & H4)
+                o32[at + U(32 + r)] = (((q0 >> sh) & M2) | (((q0 >> (sh + U(4))) & M2) << 2)
+                                       | (((q1 >> sh) & M2) << 4) | (((q1 >> (sh + U(4))) & M2) << 6))
 
 
 @cached(parallel=True, nogil=True)

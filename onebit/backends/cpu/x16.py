@@ -88,6 +88,41 @@ def _x16_typer(codegen):
     return typer
 
 
+def _transpose16_codegen(context, builder, sig, args):
+    b = builder
+    sa, da = (context.make_array(t)(context, b, a) for t, a in ((sig.args[0], args[0]), (sig.args[3], args[3])))
+    s0, stride, d0 = args[1], args[2], args[4]
+    V16I = _vec(I32, 16)
+    rows = [_load(b, sa.data, b.add(s0, b.mul(stride, _const(I64, r))), V16I) for r in range(X16)]
+    for bit in (1, 2, 4, 8):  # swap bit `bit` of the row and column indices (row r with r + bit)
+        for r in range(X16):
+            if r & bit:
+                continue
+            lo, hi = rows[r], rows[r + bit]
+            rows[r] = b.shuffle_vector(lo, hi, ir.Constant(V16I, [c if not c & bit else 16 + c - bit
+                                                                    for c in range(16)]))
+            rows[r + bit] = b.shuffle_vector(lo, hi, ir.Constant(V16I, [c + bit if not c & bit else 16 + c
+                                                                          for c in range(16)]))
+    for j in range(X16):
+        p = b.gep(da.data, [b.add(d0, _const(I64, 64 * j))])
+        b.store(rows[j], b.bitcast(p, ir.PointerType(V16I)), align=1)
+    return context.get_dummy_value()
+
+
+@intrinsic
+def transpose16(typingctx, src, s0, stride, dst, d0):
+    """dst[d0 + 64 j + 4 r ..] (4 bytes) = src[s0 + r stride + 4 j ..] for r, j < 16: 16 rows of 16
+    words, `stride` bytes apart, into 16 lines of the rows' word j side by side (a transpose of
+    16 x 16 32-bit words; src and dst flat uint8 arrays, any alignment): the X16 layouts' quants
+    of one block of a group in 16 loads, 64 shuffles and 16 stores, where a word at a time takes
+    256 loads and stores."""
+    ok = all(isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.uint8 and a.layout == "C"
+             for a in (src, dst)) and all(isinstance(a, types.Integer) for a in (s0, stride, d0))
+    if not ok:
+        return None
+    return types.none(src, types.uint64, types.uint64, dst, types.uint64), _transpose16_codegen
+
+
 def _bit4(b, v, i: int):
     """<64 x i8>: bit i of each byte of v, moved to bit 4 (0x10 or 0)."""
     V64 = _vec(I8, 64)
