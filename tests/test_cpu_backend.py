@@ -276,6 +276,26 @@ def test_q5_k_x16_layout_by_hand(rng):
             assert np.allclose(got, want[:, 256 * i + wi], rtol=1e-5, atol=1e-6), (i, wi)
 
 
+def test_transpose16_moves_16_rows_of_16_words_at_any_alignment(rng):
+    """transpose16 (the Q4_K and Q6_K repacks' quants): dst[d0 + 64 j + 4 r ..] = src[s0 + r stride
+    + 4 j ..], from odd offsets and an odd stride (Q6_K rows are 210 bytes a block), nothing else
+    written."""
+    from numba import njit
+
+    @njit
+    def run(src, s0, stride, dst, d0):
+        x16.transpose16(src, s0, stride, dst, d0)
+
+    for s0, stride, d0 in ((0, 64, 0), (3, 210, 5), (17, 630, 64)):
+        src = rng.integers(0, 256, s0 + 15 * stride + 64 + 7, dtype=np.uint8)
+        dst = rng.integers(0, 256, d0 + 1024 + 9, dtype=np.uint8)
+        before = dst.copy()
+        run(src, np.uint64(s0), np.uint64(stride), dst, np.uint64(d0))
+        rows = np.stack([src[s0 + r * stride: s0 + r * stride + 64] for r in range(16)]).view(np.uint32)  # [r, j]
+        assert np.array_equal(dst[d0: d0 + 1024].view(np.uint32).reshape(16, 16), rows.T)
+        assert np.array_equal(dst[:d0], before[:d0]) and np.array_equal(dst[d0 + 1024:], before[d0 + 1024:])
+
+
 @ALL_TYPES
 def test_q6_k_x16_layout_by_hand(rng):
     """A group of 16 Q6_K rows repacked: each weight rebuilt from the layout's fields (d, the
