@@ -18,6 +18,7 @@ from .x16 import IQ4_XS_X16_BLOCK, NIBBLE_X16, Q2_Q, Q3_Q, Q6_Q, X16, X16_BLOCK,
 # loads into one and held the MXFP4 and Q4_0 repacks to 1.7 GB/s on one thread (6.9 unsigned;
 # Q4_K 6.1 -> 9.6): a pool's reader packs each expert it reads, and a resident load packs them all.
 U = np.uint64
+Q6_SCRATCH = 3 * 1024  # bytes: the Q6_K repack's transposed ql and qh words of one block of a group
 
 
 @njit(inline="always")
@@ -127,9 +128,8 @@ def _repack_group(r8, rb, o, o32, g, nb, ts, xb):
                     mn = (r8[s + U(8 + t)] >> 4) | ((r8[s + U(4 + t)] >> 6) << 4)
                 o[base + U(64 + 16 * t + r)] = sc
                 o[base + U(192 + 16 * t + r)] = mn
-            q0 = (s + ts - U(128)) // U(4)  # (4 weights a word)
             if ts != U(144):  # Q5_K: the quants where _q5_at says, the fifth bits after pair 0's
-                h0 = (s + U(16)) // U(4)
+                q0, h0 = (s + ts - U(128)) // U(4), (s + U(16)) // U(4)  # (4 weights a word)
                 for jk in range(32):
                     o32[(base + U(_q5_at_jit(jk // 8, jk % 8))) // U(4) + U(r)] = w[q0 + U(jk)]
                 for k in range(8):
@@ -163,19 +163,18 @@ def repack_k_x16_serial(raw, out, ts, xb):
 
 
 @njit(inline="always")
-def _repack_q6_group(r8, rb, o, o32, g, nb):
+def _repack_q6_group(r8, rb, o, o32, g, nb, t8):
     """Group g of Q6_K rows (`_repack_iq4xs_group`'s arguments) as Q6_K_X16, each output word made
     from the row's words (ggml's Q6_K block: ql, 128 bytes of low nibbles; qh, 64 bytes of high
     bit pairs; 16 scales; d): the stored values u = q + 32 of weights 4 k .. 4 k + 3 and
     4 (k + 32) .. have their low 4 bits in the low nibbles of ql words k and 16 + k, those of
     4 (k + 16) .. and 4 (k + 48) .. in the high nibbles, and the high bit pairs of all four in qh
     words 32 + k % 8 and 40 + k % 8, at bits 2 (k // 8) and 2 (k // 8) + 4 of each byte. The 16
-    rows' ql and qh words are first transposed (`transpose16`) so that each output line of 16
-    words is made by whole-line operations."""
+    rows' ql and qh words are first transposed (`transpose16`) into t8 (3072 bytes of scratch) so
+    that each output line of 16 words is made by whole-line operations."""
     M4, M2 = np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
     H4 = np.uint32(0xF0F0F0F0)
-    t8 = np.empty(3 * 1024, np.uint8)  # ql words 0-15, 16-31, qh words 0-15: [word][row]
-    t32 = t8.view(np.uint32)
+    t32 = t8.view(np.uint32)  # ql words 0-15, 16-31, qh words 0-15: [word][row]
     for i in range(nb):
         base = (g * nb + U(i)) * U(X16_Q6_BLOCK)
         for r in range(X16):
@@ -205,7 +204,7 @@ def repack_q6_k_x16(raw, out):
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
     for g in prange(raw.shape[0] // X16):
-        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
+        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210), np.empty(Q6_SCRATCH, np.uint8))
 
 
 @cached(nogil=True)
@@ -213,8 +212,9 @@ def repack_q6_k_x16_serial(raw, out):
     """`repack_q6_k_x16` on the calling thread."""
     r8, rb, o = raw.reshape(-1), U(raw.shape[1]), out.reshape(-1)
     o32 = o.view(np.uint32)
+    t8 = np.empty(Q6_SCRATCH, np.uint8)
     for g in range(raw.shape[0] // X16):
-        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210))
+        _repack_q6_group(r8, rb, o, o32, U(g), rb // U(210), t8)
 
 
 @njit(inline="always")
